@@ -1,0 +1,118 @@
+"""Command line: ``torchrun --nproc_per_node=N dist_convert <reshard|inspect|verify> ...``."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .errors import ConvertError
+from .runtime import Runtime, init_runtime
+
+FORMAT_CHOICES = ("auto", "torch_dist", "megatron")
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30,
+             "T": 1 << 40, "TB": 1 << 40}
+    t = text.strip().upper().replace("IB", "B")
+    num = t.rstrip("KMGTB")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 512M or 2GB") from None
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="collective backend (auto: nccl when CUDA is available, else gloo)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="collective timeout in seconds")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="true (unpadded) vocabulary size when the checkpoint args lack it")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow arbitrary pickled objects in .pt files (only for files you trust)")
+    p.add_argument("--memory-budget", type=parse_size, default=1 << 30,
+                   help="bytes in flight per rank per exchange wave (default 1G)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dist_convert", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("reshard", help="change TP/PP layout and/or format of a GPT checkpoint")
+    r.add_argument("src", type=Path)
+    r.add_argument("dst", type=Path)
+    r.add_argument("--src-format", choices=FORMAT_CHOICES, default="auto")
+    r.add_argument("--dst-format", choices=FORMAT_CHOICES[1:], default=None, help="default: the source format")
+    r.add_argument("--target-tp", type=int, default=None, help="default: the source TP")
+    r.add_argument("--target-pp", type=int, default=None, help="default: the source PP")
+    r.add_argument("--target-num-layers-in-first-stage", type=int, default=None, dest="target_first")
+    r.add_argument("--target-num-layers-in-last-stage", type=int, default=None, dest="target_last")
+    r.add_argument("--target-spec", choices=("te", "local"), default=None,
+                   help="layer-spec naming of the target (default: the source's)")
+    r.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep")
+    r.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    _common(r)
+
+    i = sub.add_parser("inspect", help="describe a checkpoint")
+    i.add_argument("ckpt", type=Path)
+    i.add_argument("--format", choices=FORMAT_CHOICES, default="auto")
+    i.add_argument("--json", action="store_true")
+    _common(i)
+
+    v = sub.add_parser("verify", help="compare every logical tensor of two checkpoints")
+    v.add_argument("a", type=Path)
+    v.add_argument("b", type=Path)
+    v.add_argument("--a-format", choices=FORMAT_CHOICES, default="auto")
+    v.add_argument("--b-format", choices=FORMAT_CHOICES, default="auto")
+    v.add_argument("--atol", type=float, default=0.0)
+    v.add_argument("--rtol", type=float, default=0.0)
+    _common(v)
+    return parser
+
+
+def run(ns: argparse.Namespace, rt: Runtime) -> int:
+    if ns.cmd == "reshard":
+        from .convert import ReshardOptions, reshard
+        opts = ReshardOptions(ns.src, ns.dst, ns.src_format, ns.dst_format, ns.target_tp, ns.target_pp,
+                              ns.target_first, ns.target_last, ns.target_spec, ns.vocab_size, ns.dtype,
+                              ns.memory_budget, ns.overwrite, ns.trust_pickle)
+        reshard(opts, rt)
+        return 0
+    if ns.cmd == "inspect":
+        from .inspect_ckpt import describe, print_description
+        info = describe(ns.ckpt, ns.format, rt, ns.vocab_size, ns.trust_pickle)
+        if rt.rank == 0:
+            print_description(info, ns.json)
+        return 0
+    from .verify import verify
+    mismatches = verify(ns.a, ns.b, rt, ns.a_format, ns.b_format, ns.atol, ns.rtol, ns.vocab_size,
+                        ns.trust_pickle, ns.memory_budget)
+    for m in mismatches[:20]:
+        rt.log(f"[red]MISMATCH[/] {m.name}: {m.detail}")
+    if mismatches:
+        rt.log(f"[red]verify failed[/]: {len(mismatches)} logical tensors differ")
+        return 1
+    rt.log("[green]verify OK[/]: all logical tensors equal")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        rt = init_runtime(ns.backend, ns.timeout)
+    except (RuntimeError, ValueError) as e:
+        print(f"dist_convert: error: cannot start the process group ({e}); launch with torchrun", file=sys.stderr)
+        return 2
+    try:
+        return run(ns, rt)
+    except ConvertError as e:
+        if rt.rank == 0 or getattr(e, "local", False):
+            print(f"dist_convert: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        rt.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

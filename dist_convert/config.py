@@ -1,0 +1,130 @@
+"""Model configuration of a GPT checkpoint, read from and written back to Megatron-LM ``args``."""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import ConvertError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    swiglu: bool
+    normalization: str  # "RMSNorm" | "LayerNorm"
+    add_bias_linear: bool
+    add_qkv_bias: bool
+    untie_embeddings_and_output_weights: bool
+    vocab_size: int  # true (unpadded) vocabulary size
+    make_vocab_size_divisible_by: int
+    position_embedding_type: str  # "rope" | "learned_absolute" | "none"
+    max_position_embeddings: int | None
+    qk_layernorm: bool
+    spec: str  # "local" | "te": layer-spec naming of the checkpoint
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+
+    @property
+    def fc1_rows(self) -> int:
+        return 2 * self.ffn_hidden_size if self.swiglu else self.ffn_hidden_size
+
+    @property
+    def has_norm_bias(self) -> bool:
+        return self.normalization == "LayerNorm"
+
+    @property
+    def tied(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def padded_vocab(self, tp: int) -> int:
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+    def replace(self, **kw: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: round up to a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str | None,
+                     source_tp: int) -> ModelConfig:
+    """Read the model config from Megatron-LM ``args``.
+
+    ``vocab_size`` (the ``--vocab-size`` flag) overrides the args. When neither gives the true vocab
+    size, the padded size stands in for it; the caller refuses a target where that loses information.
+    """
+    missing = [n for n in ("num_layers", "hidden_size", "num_attention_heads") if getattr(args, n, None) is None]
+    if missing:
+        raise ConvertError(f"checkpoint args lack {', '.join(missing)}",
+                           "the source must be a Megatron-LM / megatron-core GPT checkpoint with its args")
+    heads = int(args.num_attention_heads)
+    hidden = int(args.hidden_size)
+    gqa = bool(_get(args, "group_query_attention", False))
+    groups = int(_get(args, "num_query_groups", heads)) if gqa or getattr(args, "num_query_groups", None) else heads
+    true_vocab = vocab_size or getattr(args, "vocab_size", None)
+    if not true_vocab:
+        padded = getattr(args, "padded_vocab_size", None)
+        if padded is None:
+            raise ConvertError("checkpoint args give neither vocab_size nor padded_vocab_size",
+                               "pass the true vocabulary size with --vocab-size")
+        true_vocab = int(padded)
+    impl = _get(args, "transformer_impl", "transformer_engine")
+    return ModelConfig(
+        num_layers=int(args.num_layers),
+        hidden_size=hidden,
+        ffn_hidden_size=int(_get(args, "ffn_hidden_size", 4 * hidden)),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=int(_get(args, "kv_channels", hidden // heads)),
+        swiglu=bool(_get(args, "swiglu", False)),
+        normalization=str(_get(args, "normalization", "LayerNorm")),
+        add_bias_linear=bool(_get(args, "add_bias_linear", True)),
+        add_qkv_bias=bool(_get(args, "add_qkv_bias", False)) or bool(_get(args, "add_bias_linear", True)),
+        untie_embeddings_and_output_weights=bool(_get(args, "untie_embeddings_and_output_weights", False)),
+        vocab_size=int(true_vocab),
+        make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", 128)),
+        position_embedding_type=str(_get(args, "position_embedding_type", "learned_absolute")),
+        max_position_embeddings=_get(args, "max_position_embeddings", None),
+        qk_layernorm=bool(_get(args, "qk_layernorm", False)),
+        spec=spec or ("local" if impl == "local" else "te"),
+    )
+
+
+def args_for_target(args: argparse.Namespace, cfg: ModelConfig, tp: int, pp: int,
+                    first: int | None, last: int | None, dtype: torch.dtype | None) -> argparse.Namespace:
+    """Copy of the source args updated for the target layout (what Megatron-LM checks at load)."""
+    out = copy.copy(args)
+    out.tensor_model_parallel_size = tp
+    out.pipeline_model_parallel_size = pp
+    out.decoder_first_pipeline_num_layers = first
+    out.decoder_last_pipeline_num_layers = last
+    out.padded_vocab_size = cfg.padded_vocab(tp)
+    out.vocab_size = cfg.vocab_size
+    out.transformer_impl = "local" if cfg.spec == "local" else "transformer_engine"
+    if dtype is not None:
+        out.params_dtype = dtype
+        out.bf16 = dtype == torch.bfloat16
+        out.fp16 = dtype == torch.float16
+    if getattr(args, "world_size", None) is not None:
+        out.world_size = tp * pp * max(1, int(getattr(args, "data_parallel_size", 1) or 1))
+    return out

@@ -1,0 +1,155 @@
+"""The reshard engine: index -> target layout -> plan -> exchange -> write, atomically."""
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import args_for_target
+from .errors import ConvertError
+from .exchange import allocate_targets, execute
+from .formats import detect_format, get_format
+from .formats.base import SourceIndex, Target, iter_dir_name, write_tracker
+from .layout.rules import logical_tensors
+from .plan import make_plan
+from .runtime import Runtime, human_bytes, peak_rss_bytes
+from .summary import RankStats, print_summary
+from .topology import Layout
+
+DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+INCOMPLETE_SUFFIX = ".dist_convert_tmp"
+
+
+@dataclass
+class ReshardOptions:
+    src: Path
+    dst: Path
+    src_format: str = "auto"
+    dst_format: str | None = None
+    target_tp: int | None = None
+    target_pp: int | None = None
+    target_first: int | None = None
+    target_last: int | None = None
+    target_spec: str | None = None
+    vocab_size: int | None = None
+    dtype: str = "keep"
+    memory_budget: int = 1 << 30
+    overwrite: bool = False
+    trust_pickle: bool = False
+
+
+def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None, trust_pickle: bool) -> tuple:
+    fmt = detect_format(path, trust_pickle) if fmt_name == "auto" else get_format(fmt_name, trust_pickle)
+    return fmt, fmt.index(path, rt, vocab_size)
+
+
+def logical_numel(index: SourceIndex) -> dict[str, int]:
+    out = {}
+    for name, t in logical_tensors(index.cfg).items():
+        n = 1
+        for s in t.shape:
+            n *= s
+        out[name] = n
+    return out
+
+
+def source_dtypes(index: SourceIndex) -> dict[str, torch.dtype]:
+    return {p.logical: c.dtype for c in index.chunks for p in c.pieces}
+
+
+def target_layout(opts: ReshardOptions, index: SourceIndex) -> Layout:
+    src = index.layout
+    pp = opts.target_pp or src.pp
+    same_pp = pp == src.pp
+    first = opts.target_first if opts.target_first is not None else (src.first if same_pp else None)
+    last = opts.target_last if opts.target_last is not None else (src.last if same_pp else None)
+    layout = Layout(opts.target_tp or src.tp, pp, first if pp > 1 else None, last if pp > 1 else None)
+    cfg = index.cfg
+    layout.validate(cfg.num_layers, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size)
+    return layout
+
+
+def check_vocab(opts: ReshardOptions, index: SourceIndex, layout: Layout) -> None:
+    known = opts.vocab_size or getattr(index.args, "vocab_size", None)
+    if not known and index.cfg.padded_vocab(layout.tp) != index.cfg.vocab_size:
+        raise ConvertError(
+            f"the true vocabulary size is unknown (args give only padded_vocab_size={index.cfg.vocab_size}) and "
+            f"TP={layout.tp} needs different padding",
+            "pass --vocab-size with the tokenizer's vocabulary size")
+
+
+def prepare_dst(dst: Path, rt: Runtime) -> Path:
+    """Collective: a fresh temporary directory beside ``dst``; renamed into place at the end."""
+    tmp = dst.parent / (dst.name + INCOMPLETE_SUFFIX)
+    if rt.rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    rt.barrier()
+    return tmp
+
+
+def commit_dst(tmp: Path, dst: Path, rt: Runtime) -> None:
+    """Rank 0: swap the finished directory into place (an old target is removed only now)."""
+    if rt.rank == 0:
+        if dst.exists():
+            old = dst.parent / (dst.name + ".dist_convert_old")
+            if old.exists():
+                shutil.rmtree(old)
+            dst.rename(old)
+            tmp.rename(dst)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(dst)
+    rt.barrier()
+
+
+def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
+    t0 = time.perf_counter()
+    if opts.dst.exists() and not opts.overwrite:
+        raise ConvertError(f"target {opts.dst} already exists", "pass --overwrite to replace it or choose another DST")
+    if opts.dtype not in DTYPES:
+        raise ConvertError(f"unknown --dtype {opts.dtype}", f"use one of {', '.join(DTYPES)}")
+    src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.trust_pickle)
+    dst_fmt = get_format(opts.dst_format or src_fmt.name, opts.trust_pickle)
+    layout = target_layout(opts, index)
+    check_vocab(opts, index, layout)
+    cfg = index.cfg.replace(spec=opts.target_spec or index.cfg.spec)
+    dtype = DTYPES[opts.dtype]
+    args = args_for_target(index.args, cfg, layout.tp, layout.pp, layout.first, layout.last, dtype)
+    target = Target(cfg, layout, dtype, args, index.iteration)
+    files = dst_fmt.target_files(target, source_dtypes(index))
+    plan = make_plan(index.chunks, files, rt.world, opts.memory_budget, logical_numel(index))
+    rt.log(f"[bold]reshard[/] {index.format} {index.layout} -> {dst_fmt.name} {layout}  "
+           f"({len(index.chunks)} source chunks, {human_bytes(index.nbytes)}; {len(files)} target files; "
+           f"{rt.world} ranks; {len(plan.waves)} waves)")
+    for note in index.notes:
+        rt.log(f"note: {note}")
+    tmp = prepare_dst(opts.dst, rt)
+    tmp_iter = tmp / iter_dir_name(index.iteration)
+    if rt.rank == 0:
+        tmp_iter.mkdir()
+    rt.barrier()
+    my_files = [files[i] for i in plan.files_of(rt.rank)]
+    data = allocate_targets(my_files)
+    by_id = {c.id: c for c in index.chunks}
+    counters = execute(plan, rt, by_id, lambda cs: src_fmt.read(index, cs), data)
+    tw = time.perf_counter()
+    dst_fmt.write(target, tmp_iter, my_files, data, rt)
+    write_s = time.perf_counter() - tw
+    del data
+    rt.barrier()
+    if rt.rank == 0:
+        dst_fmt.finalize(target, tmp_iter, rt)
+        write_tracker(tmp, index.iteration)
+    rt.barrier()
+    commit_dst(tmp, opts.dst, rt)
+    mine = RankStats(rt.rank, len(my_files), sum(len(f.tensors) for f in my_files), counters["read"],
+                     plan.write_bytes[rt.rank], counters["sent"], counters["received"], write_s,
+                     time.perf_counter() - t0, peak_rss_bytes())
+    stats = rt.all_gather_object(mine)
+    print_summary(rt, stats, f"wrote {opts.dst} ({dst_fmt.name}, {layout})")
+    return {"plan": plan, "stats": stats}

@@ -1,0 +1,11 @@
+"""The one exception type users see: a one-line message naming the cause and the fix."""
+from __future__ import annotations
+
+
+class ConvertError(Exception):
+    """A problem with the input or the request. ``str(e)`` is shown to the user as one line."""
+
+    def __init__(self, cause: str, fix: str | None = None) -> None:
+        self.cause = cause
+        self.fix = fix
+        super().__init__(f"{cause}; {fix}" if fix else cause)

@@ -1,0 +1,89 @@
+"""Execute a plan: read this rank's chunks wave by wave, cast on CPU, pack the pieces for each
+destination into one flat byte buffer, and move them with one ``all_to_all_single`` per wave."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConvertError
+from .formats.base import SourceChunk, TargetFile
+from .plan import Plan, Transfer, aligned
+from .runtime import Runtime
+
+ReadFn = Callable[[list[SourceChunk]], dict[int, torch.Tensor]]
+
+
+def allocate_targets(files: list[TargetFile]) -> dict[tuple[int, int], torch.Tensor]:
+    """Zero-filled target tensors (zeros stay where nothing maps: vocabulary padding)."""
+    return {(f.id, j): torch.zeros(t.shape, dtype=t.dtype) for f in files for j, t in enumerate(f.tensors)}
+
+
+def _order(t: Transfer) -> tuple:
+    return (t.file, t.tensor, t.dst_box.offsets, t.chunk)
+
+
+def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadFn,
+            out: dict[tuple[int, int], torch.Tensor]) -> dict[str, int]:
+    """Collective. Fills ``out`` (this rank's target tensors). Returns byte counters."""
+    stats = {"read": 0, "sent": 0, "received": 0, "copied": 0}
+    with rt.progress(plan.moved_bytes, "converting") as bar:
+        for wave in plan.waves:
+            mine = [chunks[c] for c in wave.reads.get(rt.rank, [])]
+            error: ConvertError | None = None
+            try:
+                data = read(mine)
+            except ConvertError as e:
+                error, data = e, {}
+            if not rt.all_ok(error is None):
+                if error is not None:
+                    raise error
+                raise ConvertError("another rank failed to read its part of the source (see its error above)",
+                                   "fix the source checkpoint and rerun")
+            stats["read"] += sum(c.nbytes for c in mine)
+            _run_wave(wave.transfers, data, rt, out, stats)
+            bar.advance(sum(t.nbytes for t in wave.transfers))
+    return stats
+
+
+def _cast(src: torch.Tensor, t: Transfer) -> torch.Tensor:
+    return src[t.src_box.slices()].to(t.dtype)
+
+
+def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runtime,
+              out: dict[tuple[int, int], torch.Tensor], stats: dict[str, int]) -> None:
+    send: dict[int, list[Transfer]] = defaultdict(list)
+    recv: dict[int, list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        if t.reader == rt.rank and t.writer == rt.rank:
+            dst = out[(t.file, t.tensor)][t.dst_box.slices()]
+            dst.copy_(_cast(data[t.chunk], t).reshape(dst.shape))
+            stats["copied"] += t.nbytes
+        elif t.reader == rt.rank:
+            send[t.writer].append(t)
+        elif t.writer == rt.rank:
+            recv[t.reader].append(t)
+    if not rt.distributed:
+        return
+    in_sizes = [sum(aligned(t.nbytes) for t in send[r]) for r in range(rt.world)]
+    out_sizes = [sum(aligned(t.nbytes) for t in recv[r]) for r in range(rt.world)]
+    sendbuf = torch.empty(sum(in_sizes), dtype=torch.uint8)
+    pos = 0
+    for r in range(rt.world):
+        for t in sorted(send[r], key=_order):
+            seg = sendbuf[pos:pos + t.nbytes].view(t.dtype)
+            seg.copy_(_cast(data[t.chunk], t).reshape(-1))
+            pos += aligned(t.nbytes)
+    recvbuf = torch.empty(sum(out_sizes), dtype=torch.uint8, device=rt.device)
+    dist.all_to_all_single(recvbuf, sendbuf.to(rt.device, non_blocking=True), out_sizes, in_sizes, group=rt.group)
+    recvbuf = recvbuf.cpu()
+    stats["sent"] += sum(in_sizes)
+    stats["received"] += sum(out_sizes)
+    pos = 0
+    for r in range(rt.world):
+        for t in sorted(recv[r], key=_order):
+            dst = out[(t.file, t.tensor)][t.dst_box.slices()]
+            dst.copy_(recvbuf[pos:pos + t.nbytes].view(t.dtype).reshape(dst.shape))
+            pos += aligned(t.nbytes)

@@ -1,0 +1,150 @@
+"""The reader/writer protocol every checkpoint format implements, and the shared data model.
+
+A source is described as *chunks* (each one readable unit: a tensor in a rank file, a DCP chunk),
+a target as *files* of stored tensors. Both carry ``Piece`` lists that say which box of which
+logical tensor sits where, so resharding is box intersection (plan.py).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConvertError
+from ..layout.boxes import Piece
+from ..runtime import Runtime
+from ..topology import Layout
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+
+
+@dataclass
+class SourceChunk:
+    id: int
+    file: str  # path relative to the iteration directory
+    key: str  # name in the file / DCP key
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[Piece]
+    offsets: tuple[int, ...] | None = None  # DCP: chunk offset in the stored global tensor
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class SourceIndex:
+    format: str
+    iter_dir: Path
+    iteration: int | str  # "release" for release/ checkpoints
+    args: argparse.Namespace
+    cfg: ModelConfig
+    layout: Layout
+    chunks: list[SourceChunk]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+
+@dataclass
+class TargetTensor:
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[Piece]
+    offsets: tuple[int, ...] | None = None  # DCP: chunk offset in the global tensor
+    global_shape: tuple[int, ...] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class TargetFile:
+    id: int
+    name: str  # a rank file (legacy) or a group of DCP chunks written by one rank
+    tensors: list[TargetTensor]
+    objects: dict[str, Any] = field(default_factory=dict)  # non-tensor entries (e.g. _extra_state)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Target:
+    cfg: ModelConfig
+    layout: Layout
+    dtype: torch.dtype | None  # None: keep each tensor's source dtype
+    args: argparse.Namespace
+    iteration: int | str
+
+
+class Format(Protocol):
+    name: str
+
+    def detect(self, path: Path) -> bool: ...
+
+    def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
+        """Collective: every rank gets the same index."""
+
+    def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
+        """Read these chunks (whole) from disk; rank-local."""
+
+    def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
+        """Pure: the files of the target and what each holds."""
+
+    def write(self, target: Target, iter_dir: Path, files: list[TargetFile],
+              data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
+        """Collective: write this rank's files into ``iter_dir`` (metadata excluded)."""
+
+    def finalize(self, target: Target, iter_dir: Path, rt: Runtime) -> None:
+        """Rank 0, after every rank wrote: the metadata that marks the iteration complete."""
+
+
+def iter_dir_name(iteration: int | str) -> str:
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+def resolve_iter_dir(path: Path, looks_like: "callable[[Path], bool]") -> tuple[Path, int | str] | None:
+    """Find the iteration directory: ``path`` itself, or the one its tracker file names."""
+    if looks_like(path):
+        m = _ITER_RE.match(path.name)
+        return path, (int(m.group(1)) if m else "release" if path.name == "release" else 0)
+    tracker = path / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        iteration: int | str = "release" if text == "release" else int(text)
+        sub = path / iter_dir_name(iteration)
+        if not sub.is_dir():
+            raise ConvertError(f"{tracker} names iteration {text} but {sub} is missing",
+                               "fix the tracker file or point SRC at an existing iter_* directory")
+        return (sub, iteration) if looks_like(sub) else None
+    return None
+
+
+def write_tracker(root: Path, iteration: int | str) -> None:
+    (root / TRACKER).write_text(str(iteration))
+
+
+def check_piece_shapes(chunk_key: str, where: str, expected: tuple[int, ...], found: tuple[int, ...]) -> None:
+    if tuple(expected) != tuple(found):
+        raise ConvertError(f"{where}: {chunk_key} has shape {tuple(found)}, expected {tuple(expected)} from the "
+                           "model config and layout",
+                           "rank files disagree with the args; check that all rank files come from one checkpoint")

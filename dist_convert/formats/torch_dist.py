@@ -1,0 +1,260 @@
+"""megatron-core dist checkpoints (torch_dist): a torch.distributed.checkpoint directory
+(``.metadata``, ``__R_I.distcp``) plus ``common.pt`` and ``metadata.json``, in Megatron-LM's
+``iter_XXXXXXX/`` layout. Layer tensors are stacked: one key per module, a leading global layer axis.
+"""
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadItem, SavePlan, TensorWriteData,
+                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..config import config_from_args
+from ..errors import ConvertError
+from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
+from ..layout.rules import EXTRA_STATE_MODULES, LAYER_PREFIX, LogicalTensor, logical_tensors, torch_dist_key
+from ..runtime import Runtime
+from ..safe_load import load_pt
+from ..topology import Layout
+from .base import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, resolve_iter_dir
+
+COMMON = "common.pt"
+CONFIG = "metadata.json"
+SKIPPED_PREFIXES = ("optimizer.", "rng_state")  # training state: not converted
+CHECKPOINT_VERSION = 3.0
+
+
+def _looks_like(path: Path) -> bool:
+    return (path / ".metadata").is_file() and ((path / CONFIG).is_file() or (path / COMMON).is_file())
+
+
+def _stacked_groups(cfg) -> dict[str, list[LogicalTensor]]:
+    groups: dict[str, list[LogicalTensor]] = {}
+    for t in logical_tensors(cfg).values():
+        groups.setdefault(torch_dist_key(t), []).append(t)
+    return groups
+
+
+def block_pieces(ts: list[LogicalTensor], box: Box) -> list[Piece]:
+    """Pieces of a stored block holding ``box`` of the key's global tensor (stacked or not)."""
+    t0 = ts[0]
+    if t0.layer is None:
+        return chunk_pieces(t0.name, t0.kind, box, t0.shape[0], (0,) * len(box.sizes))
+    inner = Box(box.offsets[1:], box.sizes[1:])
+    pieces = []
+    for i in range(box.sizes[0]):
+        t = ts[box.offsets[0] + i]
+        pieces += chunk_pieces(t.name, t.kind, inner, t.shape[0], (0,) * len(inner.sizes), lead=(i,))
+    return pieces
+
+
+class _BoxLoadPlanner(LoadPlanner):
+    """Reads whole stored chunks (no resharding by DCP): requests are {key: [(box, out tensor)]}."""
+
+    def __init__(self, requests: dict[str, list[tuple[Box, torch.Tensor]]]) -> None:
+        self.requests = requests
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items: list[ReadItem] = []
+        for key, reqs in self.requests.items():
+            md = self.metadata.state_dict_metadata[key]
+            wanted = [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b, _ in reqs]
+            items += create_read_items_for_chunk_list(key, md, wanted)
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise AssertionError("no byte items are requested")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        _, out = self.requests[read_item.dest_index.fqn][read_item.dest_index.index]
+        view = out
+        for dim, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, o, n)
+        return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        return None
+
+
+class _ChunkSavePlanner(DefaultSavePlanner):
+    """Saves prepared chunks (each a box of a global tensor) and byte objects as they are."""
+
+    def __init__(self, items: list[tuple[WriteItem, Any]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._items = [i for i, _ in items]
+        self._data = {(i.index.fqn, i.index.offset): d for i, d in items}
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        self.state_dict = {}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        return self._data[(write_item.index.fqn, write_item.index.offset)]
+
+
+class TorchDistFormat:
+    name = "torch_dist"
+
+    def __init__(self, trust_pickle: bool = False) -> None:
+        self.trust_pickle = trust_pickle
+
+    def detect(self, path: Path) -> bool:
+        return resolve_iter_dir(path, _looks_like) is not None
+
+    def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
+        result: Any = None
+        if rt.rank == 0:
+            try:
+                result = self._index(path, vocab_size)
+            except ConvertError as e:
+                result = e
+        result = rt.broadcast_object(result)
+        if isinstance(result, ConvertError):
+            raise result
+        return result
+
+    def _index(self, path: Path, vocab_size: int | None) -> SourceIndex:
+        found = resolve_iter_dir(path, _looks_like)
+        if found is None:
+            raise ConvertError(f"{path} is not a torch_dist checkpoint (no .metadata)", "pass the right --src-format")
+        iter_dir, iteration = found
+        common = load_pt(iter_dir / COMMON, self.trust_pickle, mmap=False) if (iter_dir / COMMON).is_file() else {}
+        args = common.get("args") if isinstance(common, dict) else None
+        if args is None:
+            raise ConvertError(f"{iter_dir / COMMON} holds no args",
+                               "the checkpoint must be saved by Megatron-LM (args in the common state)")
+        try:
+            md = FileSystemReader(str(iter_dir)).read_metadata()
+        except Exception as e:  # noqa: BLE001 - any unreadable metadata is the same user error
+            raise ConvertError(f"{iter_dir / '.metadata'} is unreadable ({type(e).__name__})",
+                               "the checkpoint is corrupt or truncated; re-copy it") from None
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        cfg = config_from_args(args, vocab_size, None, tp)
+        layout = Layout(tp, pp, getattr(args, "decoder_first_pipeline_num_layers", None) if pp > 1 else None,
+                        getattr(args, "decoder_last_pipeline_num_layers", None) if pp > 1 else None)
+        groups = _stacked_groups(cfg)
+        stored = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        model_keys = {k for k in stored if not k.startswith(SKIPPED_PREFIXES)}
+        unknown, missing = sorted(model_keys - set(groups)), sorted(set(groups) - model_keys)
+        if unknown or missing:
+            what = f"unexpected tensors {unknown[:3]}" if unknown else f"missing tensors {missing[:3]}"
+            raise ConvertError(f"{iter_dir}: {what}",
+                               "the args do not describe this model (or it is not a GPT model); check the source")
+        chunks: list[SourceChunk] = []
+        for key, ts in groups.items():
+            meta = stored[key]
+            t0 = ts[0]
+            lead = (len(ts),) if t0.layer is not None else ()
+            expect = lead + mcore_global_shape(t0.kind, t0.shape, int(meta.size[len(lead)]))
+            if tuple(meta.size) != expect or (t0.kind is Kind.VOCAB and meta.size[len(lead)] < t0.shape[0]):
+                raise ConvertError(f"{key} has global shape {tuple(meta.size)}, expected {expect} from the args",
+                                   "the args disagree with the stored tensors; pass --vocab-size if the vocabulary "
+                                   "is the difference, else check the checkpoint")
+            for c in meta.chunks:
+                box = Box(tuple(c.offsets), tuple(c.sizes))
+                chunks.append(SourceChunk(len(chunks), key, key, tuple(c.sizes), meta.properties.dtype,
+                                          block_pieces(ts, box), offsets=tuple(c.offsets)))
+        notes = [f"skipped {n} training-state tensors (optimizer/rng)"] if (n := len(stored) - len(model_keys)) else []
+        return SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks, notes)
+
+    def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
+        if not chunks:
+            return {}
+        out = {c.id: torch.empty(c.shape, dtype=c.dtype) for c in chunks}
+        requests: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+        for c in chunks:
+            requests.setdefault(c.key, []).append((Box(c.offsets or (), c.shape), out[c.id]))
+        try:
+            with warnings.catch_warnings():  # no_dist=True is intended: every rank reads its own chunks
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({}, storage_reader=FileSystemReader(str(index.iter_dir)),
+                         planner=_BoxLoadPlanner(requests), no_dist=True)
+        except Exception as e:  # noqa: BLE001
+            msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise ConvertError(f"reading {index.iter_dir} failed ({msg})",
+                               "a .distcp file is corrupt or truncated; re-copy the checkpoint") from None
+        return out
+
+    def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
+        """One file per target (tp, pp) rank with its main-replica chunks, as megatron-core saves them."""
+        cfg, layout = target.cfg, target.layout
+        groups = _stacked_groups(cfg)
+        stage = layout.stage_of_layer(cfg.num_layers)
+        L = cfg.num_layers
+        files = []
+        for tp_rank, pp_rank in layout.ranks():
+            tensors: list[TargetTensor] = []
+            for key, ts in groups.items():
+                for t in ts:
+                    holder = stage[t.layer] if t.layer is not None else (0 if t.stage == "first" else layout.pp - 1)
+                    if holder != pp_rank or (t.kind is Kind.REP and tp_rank != 0):
+                        continue
+                    gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
+                    dtype = target.dtype or dtypes[t.name]
+                    for c in tp_chunks(t.kind, gshape, tp_rank, layout.tp):
+                        if t.layer is None:
+                            tensors.append(TargetTensor(key, c.sizes, dtype, block_pieces(ts, c), c.offsets, gshape))
+                        else:
+                            box = Box((t.layer,) + c.offsets, (1,) + c.sizes)
+                            tensors.append(TargetTensor(key, box.sizes, dtype, block_pieces(ts, box), box.offsets,
+                                                        (L,) + gshape))
+            objects: dict[str, Any] = {}
+            if tp_rank == 0:
+                for layer in (i for i in range(L) if stage[i] == pp_rank):
+                    for m in EXTRA_STATE_MODULES[cfg.spec]:
+                        objects[f"{LAYER_PREFIX}{m}._extra_state/shard_{layer}_{L}"] = [None]
+            files.append(TargetFile(len(files), f"tp{tp_rank}_pp{pp_rank}", tensors, objects))
+        return files
+
+    def write(self, target: Target, iter_dir: Path, files: list[TargetFile],
+              data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
+        items: list[tuple[WriteItem, Any]] = []
+        for f in files:
+            for j, t in enumerate(f.tensors):
+                assert t.offsets is not None and t.global_shape is not None
+                props = TensorProperties(dtype=t.dtype)
+                chunk = ChunkStorageMetadata(offsets=torch.Size(t.offsets), sizes=torch.Size(t.shape))
+                wi = WriteItem(index=MetadataIndex(t.key, torch.Size(t.offsets)), type=WriteItemType.SHARD,
+                               tensor_data=TensorWriteData(chunk=chunk, properties=props,
+                                                           size=torch.Size(t.global_shape)))
+                items.append((wi, data[(f.id, j)]))
+            for key, obj in f.objects.items():
+                buf = io.BytesIO()
+                torch.save(obj, buf)  # megatron-core stores ShardedObjects as torch.save([data, ...])
+                buf.seek(0)
+                items.append((WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO), buf))
+        writer = FileSystemWriter(str(iter_dir), single_file_per_rank=True, thread_count=1)
+        dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(items), process_group=rt.group,
+                 no_dist=not rt.distributed)
+
+    def finalize(self, target: Target, iter_dir: Path, rt: Runtime) -> None:
+        common = {"args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
+                  "iteration": 0 if target.iteration == "release" else target.iteration}
+        torch.save(common, iter_dir / COMMON)
+        (iter_dir / CONFIG).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                   "common_backend": "torch", "common_backend_version": 1}))

@@ -1,0 +1,54 @@
+"""``inspect``: what a checkpoint holds (format, iteration, layout, config, tensors, bytes, dtypes)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+from rich.table import Table
+
+from .convert import load_index
+from .layout.rules import logical_tensors
+from rich.console import Console
+
+from .runtime import Runtime, human_bytes
+
+
+def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, trust_pickle: bool) -> dict:
+    _, index = load_index(path, fmt, rt, vocab_size, trust_pickle)
+    dtypes = Counter(str(c.dtype).replace("torch.", "") for c in index.chunks)
+    return {
+        "path": str(index.iter_dir),
+        "format": index.format,
+        "iteration": index.iteration,
+        "layout": {"tp": index.layout.tp, "pp": index.layout.pp, "first_stage_layers": index.layout.first,
+                   "last_stage_layers": index.layout.last},
+        "stage_layers": index.layout.stage_sizes(index.cfg.num_layers),
+        "config": dataclasses.asdict(index.cfg),
+        "logical_tensors": len(logical_tensors(index.cfg)),
+        "stored_chunks": len(index.chunks),
+        "bytes": index.nbytes,
+        "dtypes": dict(dtypes),
+        "notes": index.notes,
+    }
+
+
+def print_description(info: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(info, indent=2, default=str))
+        return
+    table = Table(title=f"{info['path']}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    lay = info["layout"]
+    rows = [("format", info["format"]), ("iteration", str(info["iteration"])),
+            ("layout", f"TP={lay['tp']} PP={lay['pp']} stages={info['stage_layers']}"),
+            ("logical tensors", str(info["logical_tensors"])), ("stored chunks", str(info["stored_chunks"])),
+            ("bytes", human_bytes(info["bytes"])),
+            ("dtypes", ", ".join(f"{k}: {v} chunks" for k, v in info["dtypes"].items()))]
+    rows += [(k, str(v)) for k, v in info["config"].items()]
+    rows += [("note", n) for n in info["notes"]]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)

@@ -1,0 +1,184 @@
+"""Plan before execute: a pure function from a source index and target files to per-rank reads,
+transfers and writes, in waves that respect a memory budget. No processes, no I/O."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ConvertError
+from .formats.base import SourceChunk, TargetFile
+from .layout.boxes import Box, Piece, piece_box
+
+ALIGN = 16  # bytes: every segment of an exchange buffer starts aligned for any dtype
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Transfer:
+    chunk: int  # source chunk id
+    src_box: Box  # box within the stored source chunk
+    reader: int
+    file: int  # target file id
+    tensor: int  # index of the tensor in the target file
+    dst_box: Box  # box within the stored target tensor
+    writer: int
+    nbytes: int  # payload bytes in the target dtype
+    dtype: torch.dtype  # target dtype
+
+
+@dataclass
+class Wave:
+    reads: dict[int, list[int]] = field(default_factory=dict)  # rank -> chunk ids
+    transfers: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    world: int
+    reader_of: dict[int, int]  # chunk id -> rank
+    writer_of: dict[int, int]  # target file id -> rank
+    waves: list[Wave]
+    read_bytes: list[int]  # per rank
+    write_bytes: list[int]  # per rank
+    skipped_chunks: int  # replicas not read
+
+    def files_of(self, rank: int) -> list[int]:
+        return sorted(f for f, r in self.writer_of.items() if r == rank)
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(t.nbytes for w in self.waves for t in w.transfers)
+
+
+def select_source(chunks: list[SourceChunk], logical_numel: dict[str, int]) -> dict[int, list[Piece]]:
+    """Keep one copy of every logical box (replicas are read once) and check that the kept pieces
+    cover every logical tensor exactly. Returns chunk id -> kept pieces (only chunks with any)."""
+    seen: set[tuple[str, Box]] = set()
+    kept: dict[int, list[Piece]] = {}
+    covered: dict[str, list[Box]] = defaultdict(list)
+    for c in chunks:
+        for p in c.pieces:
+            if (p.logical, p.lbox) in seen:
+                continue
+            seen.add((p.logical, p.lbox))
+            kept.setdefault(c.id, []).append(p)
+            covered[p.logical].append(p.lbox)
+    for name, numel in logical_numel.items():
+        boxes = covered.get(name, [])
+        total = sum(b.numel for b in boxes)
+        overlap = any(a.intersect(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+        if total != numel or overlap:
+            raise ConvertError(f"source shards of {name} {'overlap' if overlap else 'do not cover it'} "
+                               f"({total} of {numel} elements)",
+                               "the checkpoint is incomplete or its rank files disagree; re-copy it")
+    unknown = set(covered) - set(logical_numel)
+    if unknown:
+        raise ConvertError(f"source holds tensors the target does not: {sorted(unknown)[:3]}",
+                           "the model config differs between source and target")
+    return kept
+
+
+def balance(sizes: dict[int, int], world: int, load: list[int] | None = None,
+         prefer: dict[int, int] | None = None) -> dict[int, int]:
+    """Largest-first greedy balance of items over ranks; ties go to the preferred rank."""
+    load = load if load is not None else [0] * world
+    owner = {}
+    for item in sorted(sizes, key=lambda i: (-sizes[i], i)):
+        pref = (prefer or {}).get(item)
+        best = min(range(world), key=lambda r: (load[r], r != pref, r))
+        owner[item] = best
+        load[best] += sizes[item]
+    return owner
+
+
+def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, budget: int,
+              logical_numel: dict[str, int], writer_of: dict[int, int] | None = None) -> Plan:
+    """Who reads which chunk, who writes which file, and the transfers between them, in waves."""
+    kept = select_source(chunks, logical_numel)
+    by_id = {c.id: c for c in chunks}
+    writer_of = writer_of or balance({f.id: f.nbytes for f in files}, world)
+    targets: dict[str, list[tuple[int, int, Piece]]] = defaultdict(list)
+    for f in files:
+        for j, t in enumerate(f.tensors):
+            for p in t.pieces:
+                targets[p.logical].append((f.id, j, p))
+    # transfers per chunk (reader not yet known)
+    raw: dict[int, list[tuple[int, int, Box, Box, int, torch.dtype]]] = defaultdict(list)
+    consumer_bytes: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for cid, pieces in kept.items():
+        for sp in pieces:
+            for fid, j, tp in targets.get(sp.logical, ()):
+                inter = sp.lbox.intersect(tp.lbox)
+                if inter is None:
+                    continue
+                dtype = files[fid].tensors[j].dtype
+                nbytes = inter.numel * dtype.itemsize
+                raw[cid].append((fid, j, piece_box(sp, inter), piece_box(tp, inter), nbytes, dtype))
+                consumer_bytes[cid][writer_of[fid]] += nbytes
+    prefer = {cid: max(cb, key=cb.get) for cid, cb in consumer_bytes.items()}
+    reader_of = balance({cid: by_id[cid].nbytes for cid in kept}, world, prefer=prefer)
+    read_bytes = [0] * world
+    for cid, r in reader_of.items():
+        read_bytes[r] += by_id[cid].nbytes
+    write_bytes = [0] * world
+    for f in files:
+        write_bytes[writer_of[f.id]] += f.nbytes
+    waves = _waves(raw, reader_of, writer_of, by_id, world, budget)
+    return Plan(world, reader_of, writer_of, waves, read_bytes, write_bytes, len(chunks) - len(kept))
+
+
+def _waves(raw: dict[int, list], reader_of: dict[int, int], writer_of: dict[int, int],
+           by_id: dict[int, SourceChunk], world: int, budget: int) -> list[Wave]:
+    """Group chunks into waves so that per rank, bytes read + sent + received stay within budget
+    (a single chunk larger than the budget gets a wave of its own)."""
+    queues: dict[int, list[int]] = defaultdict(list)
+    for cid in sorted(reader_of):
+        queues[reader_of[cid]].append(cid)
+    order: list[int] = []  # round-robin over readers so every wave keeps all ranks reading
+    while any(queues.values()):
+        for r in range(world):
+            if queues[r]:
+                order.append(queues[r].pop(0))
+    waves: list[Wave] = []
+    wave, used = Wave(), [0] * world
+    for cid in order:
+        r = reader_of[cid]
+        cost = [0] * world
+        chunk_bytes = max(by_id[cid].nbytes, sum(x[4] for x in raw[cid]))
+        cost[r] += chunk_bytes
+        for fid, j, sbox, dbox, nbytes, dtype in raw[cid]:
+            w = writer_of[fid]
+            if w != r:
+                cost[r] += aligned(nbytes)
+                cost[w] += aligned(nbytes)
+        if wave.reads and any(used[i] + cost[i] > budget for i in range(world)):
+            waves.append(wave)
+            wave, used = Wave(), [0] * world
+        wave.reads.setdefault(r, []).append(cid)
+        for fid, j, sbox, dbox, nbytes, dtype in raw[cid]:
+            wave.transfers.append(Transfer(cid, sbox, r, fid, j, dbox, writer_of[fid], nbytes, dtype))
+        used = [u + c for u, c in zip(used, cost)]
+    if wave.reads:
+        waves.append(wave)
+    return waves
+
+
+def wave_peak_bytes(plan: Plan, by_id: dict[int, SourceChunk]) -> list[int]:
+    """Largest per-rank bytes in flight over all waves (reads + send + receive buffers)."""
+    peak = [0] * plan.world
+    for w in plan.waves:
+        used = [0] * plan.world
+        for r, cids in w.reads.items():
+            for cid in cids:
+                used[r] += max(by_id[cid].nbytes, sum(t.nbytes for t in w.transfers if t.chunk == cid))
+        for t in w.transfers:
+            if t.reader != t.writer:
+                used[t.reader] += aligned(t.nbytes)
+                used[t.writer] += aligned(t.nbytes)
+        peak = [max(a, b) for a, b in zip(peak, used)]
+    return peak

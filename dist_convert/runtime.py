@@ -1,0 +1,134 @@
+"""Process group set-up (NCCL with CUDA, gloo on CPU), rank-0 logging, progress and summaries."""
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+
+_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 150)
+
+
+@dataclass
+class Runtime:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    group: Any = None  # the process group, None when running as one process
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str = "none"
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None
+
+    def log(self, msg: str) -> None:
+        """The one logging helper: rank 0 prints."""
+        if self.rank == 0:
+            _console.print(msg)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def all_ok(self, ok: bool) -> bool:
+        """Collective: True when every rank is ok (used to stop all ranks on one rank's failure)."""
+        if not self.distributed:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def progress(self, total_bytes: int, what: str) -> "ProgressBar":
+        return ProgressBar(total_bytes, what, enabled=self.rank == 0 and total_bytes > 0)
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_runtime(backend: str = "auto", timeout_s: float = 1800.0) -> Runtime:
+    """Join the torchrun job (or run as one process without torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        if world != 1:
+            raise RuntimeError("WORLD_SIZE > 1 but no torchrun environment")
+        return Runtime()
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            **({"device_id": device} if backend == "nccl" else {}))
+    return Runtime(rank=rank, world=world, local_rank=local_rank, group=dist.group.WORLD, device=device,
+                   backend=backend)
+
+
+def peak_rss_bytes() -> int:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb * 1024 if sys.platform != "darwin" else kb
+
+
+class ProgressBar:
+    """A rich progress bar with bytes, GB/s and ETA (rank 0 only)."""
+
+    def __init__(self, total: int, what: str, enabled: bool) -> None:
+        self._p: Progress | None = None
+        if enabled:
+            self._p = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                               TransferSpeedColumn(), TimeRemainingColumn(), console=_console, transient=False)
+            self._task = self._p.add_task(what, total=total)
+
+    def __enter__(self) -> "ProgressBar":
+        if self._p:
+            self._p.start()
+        return self
+
+    def advance(self, nbytes: int) -> None:
+        if self._p:
+            self._p.advance(self._task, nbytes)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._p:
+            self._p.stop()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def chunked(seq: list[Any], n: int) -> Iterator[list[Any]]:
+    for i in range(0, len(seq), n):
+        yield seq[i:i + n]

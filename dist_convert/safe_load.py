@@ -1,0 +1,58 @@
+"""Loading Megatron ``.pt`` pickles without executing code from the input."""
+from __future__ import annotations
+
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ConvertError
+
+_level = 0  # 0: nothing registered, 1: basic types, 2: megatron-core's own safe list too
+
+
+def _register_allowlist(level: int) -> None:
+    global _level
+    if _level >= level:
+        return
+    import argparse
+    import io
+    import pathlib
+    import types
+
+    torch.serialization.add_safe_globals([argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO])
+    if level >= 2:  # the enums and classes megatron-core itself declares safe for its checkpoints
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                from megatron.core.safe_globals import register_safe_globals
+                register_safe_globals()
+            except ImportError:  # pragma: no cover - megatron-core missing
+                pass
+    _level = level
+
+
+def load_pt(path: Path, trust_pickle: bool, mmap: bool = True) -> Any:
+    """``torch.load`` with ``weights_only=True`` and an allow-list; ``trust_pickle`` lifts it."""
+    _register_allowlist(1)
+    try:
+        try:
+            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=not trust_pickle)
+        except pickle.UnpicklingError as e:
+            if _level >= 2 or "Unsupported global" not in str(e):
+                raise
+            _register_allowlist(2)  # megatron args may hold megatron-core enums: allow those, retry
+            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=not trust_pickle)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            raise ConvertError(f"{path} holds objects outside the safe allow-list ({first[:160]})",
+                               "pass --trust-pickle only if you trust this file") from None
+        raise ConvertError(f"{path} is not a readable torch file ({first[:160]})",
+                           "the file is corrupt or truncated; re-copy it from the original checkpoint") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConvertError(f"{path} is not a readable torch file ({msg[:160]})",
+                           "the file is corrupt or truncated; re-copy it from the original checkpoint") from None

@@ -1,0 +1,70 @@
+"""Parallel layout of a checkpoint: TP x PP ranks and which global layers each pipeline stage owns."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConvertError
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    first: int | None = None  # layers in the first pipeline stage (uneven PP)
+    last: int | None = None  # layers in the last pipeline stage (uneven PP)
+
+    def __str__(self) -> str:
+        s = f"TP={self.tp} PP={self.pp}"
+        if self.first is not None or self.last is not None:
+            s += f" (first={self.first}, last={self.last})"
+        return s
+
+    def stage_sizes(self, num_layers: int) -> list[int]:
+        """Layers per pipeline stage, following megatron-core's uneven-PP rule."""
+        if self.pp == 1:
+            return [num_layers]
+        first, last = self.first, self.last
+        middle_stages = self.pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages > 0 and rest % middle_stages):
+            raise ConvertError(
+                f"{num_layers} layers cannot be split over PP={self.pp} with first={first}, last={last}",
+                "choose --target-num-layers-in-first-stage/--target-num-layers-in-last-stage so the "
+                "remaining layers divide evenly over the middle stages")
+        per = rest // middle_stages if middle_stages else 0
+        sizes = [per] * self.pp
+        if first is not None:
+            sizes[0] = first
+        if last is not None:
+            sizes[-1] = last
+        return sizes
+
+    def stage_offsets(self, num_layers: int) -> list[int]:
+        offsets, acc = [], 0
+        for n in self.stage_sizes(num_layers):
+            offsets.append(acc)
+            acc += n
+        return offsets
+
+    def stage_of_layer(self, num_layers: int) -> list[int]:
+        return [s for s, n in enumerate(self.stage_sizes(num_layers)) for _ in range(n)]
+
+    def ranks(self) -> list[tuple[int, int]]:
+        """(tp, pp) coordinates of every model-parallel rank, pp-major as Megatron numbers files."""
+        return [(t, p) for p in range(self.pp) for t in range(self.tp)]
+
+    def validate(self, num_layers: int, heads: int, groups: int, ffn: int, what: str = "target") -> None:
+        flag = "--target-tp" if what == "target" else "the source layout"
+        if self.tp < 1 or self.pp < 1:
+            raise ConvertError(f"{what} TP and PP must be >= 1 (got {self})", "pass positive --target-tp/--target-pp")
+        for name, n in (("num_query_groups", groups), ("num_attention_heads", heads), ("ffn_hidden_size", ffn)):
+            if n % self.tp:
+                raise ConvertError(f"{what} TP={self.tp} does not divide {name}={n}",
+                                   f"choose {flag} among the divisors of {n}")
+        if self.pp > num_layers:
+            raise ConvertError(f"{what} PP={self.pp} exceeds num_layers={num_layers}",
+                               "choose --target-pp <= num_layers")
+        sizes = self.stage_sizes(num_layers)
+        if any(n <= 0 for n in sizes):
+            raise ConvertError(f"{what} pipeline stages {sizes} include an empty stage",
+                               "adjust --target-pp or the first/last stage sizes")

@@ -1,0 +1,83 @@
+"""Distributed comparison of every logical tensor of two checkpoints, in any formats and layouts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .convert import load_index, logical_numel, source_dtypes
+from .errors import ConvertError
+from .exchange import allocate_targets, execute
+from .formats.base import SourceIndex, TargetFile, TargetTensor
+from .layout.boxes import Box, Piece
+from .layout.rules import logical_tensors
+from .plan import balance, make_plan
+from .runtime import Runtime
+
+
+@dataclass
+class Mismatch:
+    name: str
+    detail: str
+
+
+def logical_files(index: SourceIndex, names: list[str]) -> list[TargetFile]:
+    """A target that holds each logical tensor whole, in its source dtype."""
+    tensors = logical_tensors(index.cfg)
+    dtypes = source_dtypes(index)
+    files = []
+    for i, name in enumerate(names):
+        shape = tensors[name].shape
+        full = Box.full(shape)
+        files.append(TargetFile(i, name, [TargetTensor(name, shape, dtypes[name], [Piece(name, full, full)])]))
+    return files
+
+
+def _gather_logical(index: SourceIndex, fmt, names: list[str], writer_of: dict[int, int], rt: Runtime,
+                    budget: int) -> dict[str, torch.Tensor]:
+    files = logical_files(index, names)
+    plan = make_plan(index.chunks, files, rt.world, budget, logical_numel(index), writer_of=writer_of)
+    mine = [files[i] for i in plan.files_of(rt.rank)]
+    data = allocate_targets(mine)
+    execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: fmt.read(index, cs), data)
+    return {f.name: data[(f.id, 0)] for f in mine}
+
+
+def compare(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> str | None:
+    if a.shape != b.shape:
+        return f"shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    if atol == 0 and rtol == 0:
+        if a.dtype != b.dtype:
+            return f"dtype {a.dtype} vs {b.dtype} (pass --atol/--rtol to compare across a cast)"
+        if torch.equal(a, b):
+            return None
+    else:
+        fa, fb = a.float(), b.float()
+        if torch.allclose(fa, fb, atol=atol, rtol=rtol, equal_nan=True):
+            return None
+    diff = (a.float() - b.float()).abs()
+    idx = int(diff.flatten().argmax())
+    return f"max |diff| {diff.max().item():.3g} at flat index {idx}"
+
+
+def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: str = "auto", atol: float = 0.0,
+           rtol: float = 0.0, vocab_size: int | None = None, trust_pickle: bool = False,
+           budget: int = 1 << 30) -> list[Mismatch]:
+    fa, ia = load_index(path_a, fmt_a, rt, vocab_size, trust_pickle)
+    fb, ib = load_index(path_b, fmt_b, rt, vocab_size, trust_pickle)
+    ta, tb = logical_tensors(ia.cfg), logical_tensors(ib.cfg)
+    mismatches = [Mismatch(n, "only in A") for n in ta if n not in tb] + [Mismatch(n, "only in B") for n in tb if n not in ta]
+    names = [n for n in ta if n in tb and ta[n].shape == tb[n].shape]
+    mismatches += [Mismatch(n, f"shape {ta[n].shape} vs {tb[n].shape}") for n in ta if n in tb and ta[n].shape != tb[n].shape]
+    if not names:
+        raise ConvertError("the two checkpoints share no logical tensors", "compare checkpoints of the same model")
+    sizes = {i: ta[n].shape[0] * max(1, ta[n].shape[-1]) for i, n in enumerate(names)}
+    writer_of = balance(sizes, rt.world)
+    ga = _gather_logical(ia, fa, names, writer_of, rt, budget)
+    gb = _gather_logical(ib, fb, names, writer_of, rt, budget)
+    local = [Mismatch(n, d) for n in ga if (d := compare(ga[n], gb[n], atol, rtol))]
+    for part in rt.all_gather_object(local):
+        mismatches += part
+    rt.log(f"compared {len(names)} logical tensors: {ia.format} {ia.layout} vs {ib.format} {ib.layout}")
+    return mismatches

@@ -129,14 +129,30 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     for note in index.notes:
         rt.log(f"note: {note}")
     tmp = prepare_dst(opts.dst, rt)
+    try:
+        counters, write_s, my_files = _convert_into(tmp, target, index, src_fmt, dst_fmt, files, plan, rt)
+    except BaseException:
+        if rt.rank == 0:  # a failed run leaves nothing that looks like a checkpoint
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_dst(tmp, opts.dst, rt)
+    mine = RankStats(rt.rank, len(my_files), sum(len(f.tensors) for f in my_files), counters["read"],
+                     plan.write_bytes[rt.rank], counters["sent"], counters["received"], write_s,
+                     time.perf_counter() - t0, peak_rss_bytes())
+    stats = rt.all_gather_object(mine)
+    print_summary(rt, stats, f"wrote {opts.dst} ({dst_fmt.name}, {layout})")
+    return {"plan": plan, "stats": stats}
+
+
+def _convert_into(tmp: Path, target: Target, index: SourceIndex, src_fmt, dst_fmt, files, plan, rt: Runtime):
+    """Collective: exchange and write this rank's files, then rank 0 writes metadata and tracker last."""
     tmp_iter = tmp / iter_dir_name(index.iteration)
     if rt.rank == 0:
         tmp_iter.mkdir()
     rt.barrier()
     my_files = [files[i] for i in plan.files_of(rt.rank)]
     data = allocate_targets(my_files)
-    by_id = {c.id: c for c in index.chunks}
-    counters = execute(plan, rt, by_id, lambda cs: src_fmt.read(index, cs), data)
+    counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), data)
     tw = time.perf_counter()
     dst_fmt.write(target, tmp_iter, my_files, data, rt)
     write_s = time.perf_counter() - tw
@@ -146,10 +162,4 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         dst_fmt.finalize(target, tmp_iter, rt)
         write_tracker(tmp, index.iteration)
     rt.barrier()
-    commit_dst(tmp, opts.dst, rt)
-    mine = RankStats(rt.rank, len(my_files), sum(len(f.tensors) for f in my_files), counters["read"],
-                     plan.write_bytes[rt.rank], counters["sent"], counters["received"], write_s,
-                     time.perf_counter() - t0, peak_rss_bytes())
-    stats = rt.all_gather_object(mine)
-    print_summary(rt, stats, f"wrote {opts.dst} ({dst_fmt.name}, {layout})")
-    return {"plan": plan, "stats": stats}
+    return counters, write_s, my_files

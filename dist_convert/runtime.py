@@ -68,7 +68,10 @@ class Runtime:
 
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.barrier(group=self.group)  # nobody tears down gloo pairs a peer still uses
+            finally:
+                dist.destroy_process_group()
 
 
 def init_runtime(backend: str = "auto", timeout_s: float = 1800.0) -> Runtime:

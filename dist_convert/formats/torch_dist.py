@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
@@ -149,7 +150,7 @@ class TorchDistFormat:
                                "the checkpoint must be saved by Megatron-LM (args in the common state)")
         try:
             md = FileSystemReader(str(iter_dir)).read_metadata()
-        except Exception as e:  # noqa: BLE001 - any unreadable metadata is the same user error
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable metadata is the same user error
             raise ConvertError(f"{iter_dir / '.metadata'} is unreadable ({type(e).__name__})",
                                "the checkpoint is corrupt or truncated; re-copy it") from None
         tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
@@ -194,8 +195,9 @@ class TorchDistFormat:
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load({}, storage_reader=FileSystemReader(str(index.iter_dir)),
                          planner=_BoxLoadPlanner(requests), no_dist=True)
-        except Exception as e:  # noqa: BLE001
-            msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every cause
+            cause = next(iter(e.failures.values()), e) if isinstance(e, CheckpointException) else e
+            msg = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__
             raise ConvertError(f"reading {index.iter_dir} failed ({msg})",
                                "a .distcp file is corrupt or truncated; re-copy the checkpoint") from None
         return out

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up if needed, then run the test suite (CPU only, gloo). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash launch/setup.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+set +e
+.venv/bin/python -m pytest tests "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi
+exit "$rc"

@@ -1,0 +1,91 @@
+"""Shared fixtures: source checkpoints made once per session by megatron-core (tests/mcore_oracle.py),
+and helpers that launch the real CLI the way users do (torchrun from the repo root, or one process)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+ORACLE = ROOT / "tests" / "mcore_oracle.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCHELASTIC_ERROR_FILE": ""}
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def run_cli(*args: str, nproc: int | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=N dist_convert ...`` from the repo root; ``python -m dist_convert``
+    when ``nproc`` is None (no torchrun)."""
+    cmd = torchrun(nproc, "dist_convert", *args) if nproc else [PY, "-m", "dist_convert", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def oracle(cmd: str, nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(torchrun(nproc, str(ORACLE), cmd, *args), cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    return ok(proc) if check else proc
+
+
+@dataclass
+class Source:
+    name: str
+    config: Path
+    tp: int
+    pp: int
+    first: int | None
+    torch_dist: Path
+    megatron: Path
+    cfg: dict
+
+    def layout_args(self) -> list[str]:
+        return ["--tp", str(self.tp), "--pp", str(self.pp)] + (["--first", str(self.first)] if self.first else [])
+
+
+# A: SwiGLU, RMSNorm, GQA, tied embeddings, RoPE.  B: GeLU, LayerNorm with biases, QKV bias,
+# untied output layer, learned positions, qk-layernorm, made with uneven pipeline stages.
+CONFIGS = {
+    "A": ({"num_layers": 4, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4,
+           "num_query_groups": 2, "swiglu": True, "normalization": "RMSNorm", "add_bias_linear": False,
+           "add_qkv_bias": False, "untie_embeddings_and_output_weights": False, "vocab_size": 100,
+           "make_vocab_size_divisible_by": 16, "position_embedding_type": "rope", "max_position_embeddings": 32,
+           "seq_length": 32}, 2, 2, None),
+    "B": ({"num_layers": 6, "hidden_size": 48, "ffn_hidden_size": 64, "num_attention_heads": 4,
+           "num_query_groups": 4, "swiglu": False, "normalization": "LayerNorm", "add_bias_linear": True,
+           "add_qkv_bias": True, "untie_embeddings_and_output_weights": True, "vocab_size": 90,
+           "make_vocab_size_divisible_by": 8, "position_embedding_type": "learned_absolute",
+           "max_position_embeddings": 32, "seq_length": 32, "qk_layernorm": True}, 2, 2, 2),
+}
+
+
+def make_source(root: Path, name: str) -> Source:
+    cfg, tp, pp, first = CONFIGS[name]
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / f"{name}.json"
+    config.write_text(json.dumps(cfg))
+    src = Source(name, config, tp, pp, first, root / f"{name}_torch_dist", root / f"{name}_megatron", cfg)
+    oracle("make", tp * pp, "--config", str(config), *src.layout_args(), "--seed", "1234", "--iteration", "100",
+           "--out-torch-dist", str(src.torch_dist), "--out-megatron", str(src.megatron))
+    return src
+
+
+@pytest.fixture(scope="session")
+def gpt_a(tmp_path_factory) -> Source:
+    return make_source(tmp_path_factory.mktemp("src"), "A")
+
+
+@pytest.fixture(scope="session")
+def gpt_b(tmp_path_factory) -> Source:
+    return make_source(tmp_path_factory.mktemp("src"), "B")

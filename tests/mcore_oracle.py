@@ -1,0 +1,550 @@
+"""Independent test oracle for Megatron-Core GPT checkpoints.
+
+Uses only megatron-core (never the dist_convert package) to
+  * make source checkpoints in both Megatron-LM layouts (torch_dist and legacy), and
+  * check converted checkpoints against a reference (strict load + tensor equality), and
+  * compute full-vocab logits of a checkpoint (TP only) for numerical cross-layout checks.
+
+Launch (world size must equal tp * pp):
+
+  torchrun --nproc_per_node=N tests/mcore_oracle.py make --config C.json --tp T --pp P \
+      [--first N] [--last M] --seed S --iteration I --out-torch-dist D1 --out-megatron D2
+  torchrun --nproc_per_node=N tests/mcore_oracle.py compare --config C.json --tp T --pp P \
+      [--first N] [--last M] --ckpt X --ref R [--ckpt-format auto|torch_dist|megatron] \
+      [--ref-format auto|torch_dist|megatron] [--check-args]
+  torchrun --nproc_per_node=T tests/mcore_oracle.py logits --config C.json --tp T [--pp 1] \
+      --ckpt X --out FILE.pt [--seed S] [--ckpt-format ...]
+
+`compare` prints one MISMATCH line per differing tensor and exits 1 if any rank saw one;
+on success rank 0 prints "ORACLE OK <n> tensors" (n summed over ranks) and exits 0.
+
+Config JSON uses Megatron-LM argparse names: num_layers, hidden_size, ffn_hidden_size,
+num_attention_heads, num_query_groups, kv_channels, swiglu, normalization, add_bias_linear,
+add_qkv_bias, untie_embeddings_and_output_weights, vocab_size (true vocab),
+make_vocab_size_divisible_by, position_embedding_type, max_position_embeddings, seq_length,
+qk_layernorm, and optionally norm_epsilon, rotary_base, rotary_percent.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import zlib
+
+
+def apply_cpu_shims():
+    """Minimal patches so megatron-core 0.16.1 saves/loads/forwards on CPU-only torch.
+
+    Applied only when CUDA is unavailable.
+      * torch.cuda.synchronize: called unconditionally by the torch_dist save
+        (filesystem_async.preload_tensors). -> no-op.
+      * torch.cuda.current_device: device of a failure-flag tensor in the torch_dist save
+        (state_dict_saver.save_state_dict_async_finalize) and of the RoPE frequencies in forward
+        (RotaryEmbedding.get_emb). -> returns "cpu", a valid device argument.
+      * torch.Tensor.cuda: with PP > 1 and tied embeddings, GPTModel.__init__ moves the last
+        stage's output weight to CUDA before all-reducing it with the first stage. -> identity.
+      * CudaRNGStatesTracker.fork: attention dropout always runs inside
+        get_cuda_rng_tracker().fork(), which needs a CUDA RNG state. Dropout is 0 and the model is
+        in eval mode here, so forking is a no-op context.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    @contextlib.contextmanager
+    def _fork(self, name=None):
+        yield
+
+    mp_random.CudaRNGStatesTracker.fork = _fork
+
+
+# ----------------------------------------------------------------------------- config / args
+
+
+def load_config(path):
+    with open(path) as f:
+        cfg = json.load(f)
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    cfg.setdefault("num_query_groups", heads)
+    if cfg["num_query_groups"] is None:
+        cfg["num_query_groups"] = heads
+    cfg.setdefault("kv_channels", None)
+    if cfg["kv_channels"] is None:
+        cfg["kv_channels"] = hidden // heads
+    cfg.setdefault("swiglu", False)
+    if cfg.get("ffn_hidden_size") is None:  # Megatron-LM defaults
+        cfg["ffn_hidden_size"] = (
+            int((4 * hidden * 2 / 3) / 64) * 64 if cfg["swiglu"] else 4 * hidden
+        )
+    cfg.setdefault("normalization", "LayerNorm")
+    cfg.setdefault("add_bias_linear", True)
+    cfg.setdefault("add_qkv_bias", False)
+    cfg.setdefault("untie_embeddings_and_output_weights", False)
+    cfg.setdefault("make_vocab_size_divisible_by", 128)
+    cfg.setdefault("position_embedding_type", "learned_absolute")
+    cfg.setdefault("seq_length", cfg.get("max_position_embeddings"))
+    cfg.setdefault("max_position_embeddings", cfg["seq_length"])
+    cfg.setdefault("qk_layernorm", False)
+    cfg.setdefault("norm_epsilon", 1e-5)
+    cfg.setdefault("rotary_base", 10000)
+    cfg.setdefault("rotary_percent", 1.0)
+    cfg["group_query_attention"] = cfg["num_query_groups"] < heads
+    return cfg
+
+
+def padded_vocab(cfg, tp):
+    mult = cfg["make_vocab_size_divisible_by"] * tp
+    return int(math.ceil(cfg["vocab_size"] / mult) * mult)
+
+
+def make_args(cfg, tp, pp, first, last, iteration, ckpt_format):
+    import torch
+
+    d = dict(cfg)
+    d.update(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        padded_vocab_size=padded_vocab(cfg, tp),
+        decoder_first_pipeline_num_layers=first,
+        decoder_last_pipeline_num_layers=last,
+        transformer_impl="local",
+        params_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        virtual_pipeline_model_parallel_size=None,
+        iteration=iteration,
+        ckpt_format=ckpt_format,
+        use_rotary_position_embeddings=cfg["position_embedding_type"] == "rope",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return argparse.Namespace(**d)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def init_parallel(tp, pp):
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    ws = dist.get_world_size()
+    if ws != tp * pp:
+        raise SystemExit(f"world size {ws} != tp*pp = {tp}*{pp}")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True):
+    import torch
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    extra = {}
+    if first is not None:
+        extra["num_layers_in_first_pipeline_stage"] = first
+    if last is not None:
+        extra["num_layers_in_last_pipeline_stage"] = last
+    config = TransformerConfig(
+        num_layers=cfg["num_layers"],
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["ffn_hidden_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_query_groups=cfg["num_query_groups"],
+        kv_channels=cfg["kv_channels"],
+        normalization=cfg["normalization"],
+        layernorm_epsilon=cfg["norm_epsilon"],
+        add_bias_linear=cfg["add_bias_linear"],
+        add_qkv_bias=cfg["add_qkv_bias"],
+        gated_linear_unit=cfg["swiglu"],
+        activation_func=F.silu if cfg["swiglu"] else F.gelu,
+        qk_layernorm=cfg["qk_layernorm"],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        **extra,
+    )
+    spec = get_gpt_layer_local_spec(
+        normalization=cfg["normalization"], qk_layernorm=cfg["qk_layernorm"]
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab(cfg, tp),
+        max_sequence_length=cfg["max_position_embeddings"],
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=not cfg["untie_embeddings_and_output_weights"],
+        position_embedding_type=cfg["position_embedding_type"],
+        rotary_percent=cfg["rotary_percent"],
+        rotary_base=cfg["rotary_base"],
+    )
+    return model
+
+
+def randomize(model, cfg, seed):
+    """Overwrite every parameter with seeded random values (norm weights ~1 +- 0.1, biases
+    ~N(0, 0.1), matrices ~N(0, 1/hidden)).
+
+    Each tensor gets its own generator seeded from (seed, pp_rank, tp_rank, name); TP-replicated
+    tensors leave tp_rank out so they are identical on all TP ranks. The tied output layer on the
+    last PP stage uses the seed of the first stage's word embeddings so the copies agree.
+    Every row of the (padded) vocab, padding included, is random and nonzero.
+    """
+    import torch
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    scale = 1.0 / math.sqrt(cfg["hidden_size"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key_pp, key_name = pp_rank, name
+            if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+                key_pp, key_name = 0, "embedding.word_embeddings.weight"
+            sharded = bool(getattr(p, "tensor_model_parallel", False))
+            key = f"{seed}|{key_pp}|{tp_rank if sharded else -1}|{key_name}"
+            g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            r = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in name and name.endswith("weight"):
+                v = 1.0 + 0.1 * r
+            elif name.endswith("bias"):
+                v = 0.1 * r
+            else:  # matrices incl. embeddings: std 1/sqrt(hidden) keeps logits O(1)
+                v = scale * r
+            p.copy_(v.to(p.dtype))
+
+
+# ----------------------------------------------------------------------------- checkpoint io
+
+
+def iter_dir_name(iteration):
+    return f"iter_{int(iteration):07d}"
+
+
+def resolve_iter_dir(path):
+    """Accept a checkpoint root (with latest_checkpointed_iteration.txt) or an iteration dir."""
+    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            it = f.read().strip()
+        sub = "release" if it == "release" else iter_dir_name(int(it))
+        d = os.path.join(path, sub)
+        if not os.path.isdir(d):
+            raise SystemExit(f"{tracker} says {it!r} but {d} does not exist")
+        return d
+    if os.path.isfile(os.path.join(path, ".metadata")) or any(
+        n.startswith("mp_rank_") for n in os.listdir(path)
+    ):
+        return path
+    raise SystemExit(f"{path}: no latest_checkpointed_iteration.txt and not an iteration dir")
+
+
+def detect_format(iterdir):
+    if os.path.isfile(os.path.join(iterdir, ".metadata")):
+        return "torch_dist"
+    if any(n.startswith("mp_rank_") for n in os.listdir(iterdir)):
+        return "megatron"
+    raise SystemExit(f"{iterdir}: cannot detect checkpoint format")
+
+
+def legacy_rank_file(iterdir, tp_rank, pp_rank, pp):
+    sub = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return os.path.join(iterdir, sub, "model_optim_rng.pt")
+
+
+def load_into(model, path, fmt, pp):
+    """Strictly load checkpoint `path` into `model`. Returns (iterdir, fmt, args or None)."""
+    import torch
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    iterdir = resolve_iter_dir(path)
+    if fmt == "auto":
+        fmt = detect_format(iterdir)
+    if fmt == "torch_dist":
+        common = dist_checkpointing.load_common_state_dict(iterdir)
+        loaded = dist_checkpointing.load(
+            {"model": model.sharded_state_dict()}, iterdir, strict=StrictHandling.RAISE_ALL
+        )
+        model.load_state_dict(loaded["model"], strict=True)
+        ck_args = common.get("args") if isinstance(common, dict) else None
+    elif fmt == "megatron":
+        f = legacy_rank_file(
+            iterdir,
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            pp,
+        )
+        if not os.path.isfile(f):
+            raise SystemExit(f"missing legacy shard {f} (legacy checkpoints load only at their layout)")
+        sd = torch.load(f, map_location="cpu", weights_only=False)
+        model.load_state_dict(sd["model"], strict=True)
+        ck_args = sd.get("args")
+    else:
+        raise SystemExit(f"unknown format {fmt}")
+    return iterdir, fmt, ck_args
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_make(a, cfg):
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+
+    model = build_model(cfg, a.tp, a.pp, a.first, a.last)
+    randomize(model, cfg, a.seed)
+    rank = dist.get_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    it = a.iteration
+
+    if a.out_torch_dist:
+        d = os.path.join(a.out_torch_dist, iter_dir_name(it))
+        if rank == 0:
+            os.makedirs(d, exist_ok=True)
+        dist.barrier()
+        args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch_dist")
+        state = {
+            "model": model.sharded_state_dict(),
+            "args": args,
+            "iteration": it,
+            "checkpoint_version": 3.0,
+            # what Megatron-LM >= core 0.14 records for the default (non-singleton) layout
+            "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
+        }
+        dist_checkpointing.save(state, d)
+        dist.barrier()
+        if rank == 0:
+            with open(os.path.join(a.out_torch_dist, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(it))
+
+    if a.out_megatron:
+        d = os.path.join(a.out_megatron, iter_dir_name(it))
+        f = legacy_rank_file(d, tp_rank, pp_rank, a.pp)
+        os.makedirs(os.path.dirname(f), exist_ok=True)
+        args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch")
+        torch.save(
+            {"model": model.state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": it},
+            f,
+        )
+        dist.barrier()
+        if rank == 0:
+            with open(os.path.join(a.out_megatron, "latest_checkpointed_iteration.txt"), "w") as fh:
+                fh.write(str(it))
+    if rank == 0:
+        print(f"ORACLE MADE tp={a.tp} pp={a.pp} padded_vocab={padded_vocab(cfg, a.tp)}", flush=True)
+    return 0
+
+
+def vocab_rows(cfg, tp, tp_rank):
+    """Number of rows of this rank's vocab slice that belong to the true vocab."""
+    per = padded_vocab(cfg, tp) // tp
+    start = tp_rank * per
+    return max(0, min(per, cfg["vocab_size"] - start))
+
+
+def check_args(ck_args, cfg, a):
+    """Problems with the args stored in a checkpoint that claims to be at layout (tp, pp)."""
+    if ck_args is None:
+        return ["checkpoint has no args"]
+    probs = []
+    want = {
+        "tensor_model_parallel_size": a.tp,
+        "pipeline_model_parallel_size": a.pp,
+        "padded_vocab_size": padded_vocab(cfg, a.tp),
+    }
+    for k in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "kv_channels", "swiglu", "normalization", "add_bias_linear", "add_qkv_bias",
+        "untie_embeddings_and_output_weights", "vocab_size", "position_embedding_type",
+        "max_position_embeddings", "group_query_attention",
+    ):
+        want[k] = cfg[k]
+    for k, v in want.items():
+        got = getattr(ck_args, k, "<absent>")
+        if k == "vocab_size" and got is None:
+            continue  # Megatron-LM args may leave vocab_size unset (tokenizer decides)
+        if got != v:
+            probs.append(f"args.{k}={got!r} expected {v!r}")
+    return probs
+
+
+def check_vocab_shapes(path, cfg, tp):
+    """torch_dist loads vocab-padded tensors with allow_shape_mismatch=True (missing rows become
+    zeros, extra rows are dropped), so a wrong padded vocab would load silently. Check the stored
+    global shapes against the padded vocab for `tp` instead."""
+    from megatron.core import dist_checkpointing
+
+    md = dist_checkpointing.load_tensors_metadata(resolve_iter_dir(path))
+    want = padded_vocab(cfg, tp)
+    keys = ["embedding.word_embeddings.weight"]
+    if cfg["untie_embeddings_and_output_weights"]:
+        keys.append("output_layer.weight")
+    probs = []
+    for k in keys:
+        if k not in md:
+            probs.append(f"{k} absent from checkpoint")
+        elif md[k].global_shape[0] != want:
+            probs.append(f"{k} global shape {tuple(md[k].global_shape)}, padded vocab should be {want}")
+    return probs
+
+
+def cmd_compare(a, cfg):
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    rank = dist.get_rank()
+    m_ck = build_model(cfg, a.tp, a.pp, a.first, a.last)
+    m_ref = build_model(cfg, a.tp, a.pp, a.first, a.last)
+    # Different random contents before loading, so an un-loaded tensor cannot compare equal.
+    randomize(m_ck, cfg, 1_000_003)
+    randomize(m_ref, cfg, 2_000_003)
+    _, fmt_ck, ck_args = load_into(m_ck, a.ckpt, a.ckpt_format, a.pp)
+    _, fmt_ref, _ = load_into(m_ref, a.ref, a.ref_format, a.pp)
+
+    bad = []
+    if a.check_args:
+        bad += [f"ARGS {p}" for p in check_args(ck_args, cfg, a)]
+        if fmt_ck == "torch_dist":
+            bad += [f"SHAPE {p}" for p in check_vocab_shapes(a.ckpt, cfg, a.tp)]
+    sd_ck = m_ck.state_dict()
+    sd_ref = m_ref.state_dict()
+    if set(sd_ck) != set(sd_ref):
+        bad.append(f"KEYS differ: {sorted(set(sd_ck) ^ set(sd_ref))}")
+    nrows = vocab_rows(cfg, a.tp, tp_rank)
+    n = 0
+    for k in sorted(set(sd_ck) & set(sd_ref)):
+        x, y = sd_ck[k], sd_ref[k]
+        if not isinstance(x, torch.Tensor) or k.endswith("_extra_state"):
+            continue
+        if k.endswith("word_embeddings.weight") or k.endswith("output_layer.weight"):
+            x, y = x[:nrows], y[:nrows]
+        n += 1
+        if x.shape != y.shape:
+            bad.append(f"{k}: shape {tuple(x.shape)} vs {tuple(y.shape)}")
+        elif not torch.equal(x, y):
+            diff = (x.double() - y.double()).abs().max().item()
+            bad.append(f"{k}: max abs diff {diff:.6g}")
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tag = f"rank={rank} tp={tp_rank} pp={pp_rank}"
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ([f"MISMATCH {tag} {b}" for b in bad], n))
+    if rank == 0:
+        lines = [ln for g in gathered for ln in g[0]]
+        total = sum(g[1] for g in gathered)
+        for ln in lines:
+            print(ln)
+        if lines:
+            print(f"ORACLE FAIL {len(lines)} mismatches (ckpt={fmt_ck}, ref={fmt_ref})")
+        else:
+            print(f"ORACLE OK {total} tensors (ckpt={fmt_ck}, ref={fmt_ref})")
+        sys.stdout.flush()
+    return 1 if any(g[0] for g in gathered) else 0
+
+
+def cmd_logits(a, cfg):
+    import torch
+    import torch.distributed as dist
+
+    if a.pp != 1:
+        raise SystemExit("logits needs --pp 1")
+    model = build_model(cfg, a.tp, 1, parallel_output=False)
+    randomize(model, cfg, 3_000_017)
+    load_into(model, a.ckpt, a.ckpt_format, 1)
+    model.eval()
+    g = torch.Generator().manual_seed(a.seed)
+    b, s = 2, min(16, cfg["seq_length"])
+    tokens = torch.randint(0, cfg["vocab_size"], (b, s), generator=g)
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    # local spec: causal mask type; a bool mask (True = masked) of shape [b, 1, s, s]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s).expand(b, 1, s, s)
+    with torch.no_grad():
+        logits = model(tokens, position_ids, mask)  # [b, s, padded_vocab], gathered over TP
+    logits = logits[..., : cfg["vocab_size"]].contiguous()
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        torch.save({"tokens": tokens, "logits": logits}, a.out)
+        print(f"ORACLE LOGITS {tuple(logits.shape)} -> {a.out}", flush=True)
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp):
+        sp.add_argument("--config", required=True)
+        sp.add_argument("--tp", type=int, required=True)
+        sp.add_argument("--pp", type=int, default=1)
+        sp.add_argument("--first", type=int, default=None, help="layers in first PP stage")
+        sp.add_argument("--last", type=int, default=None, help="layers in last PP stage")
+
+    fmts = ["auto", "torch_dist", "megatron"]
+    sp = sub.add_parser("make")
+    common(sp)
+    sp.add_argument("--seed", type=int, required=True)
+    sp.add_argument("--iteration", type=int, required=True)
+    sp.add_argument("--out-torch-dist", default=None)
+    sp.add_argument("--out-megatron", default=None)
+    sp = sub.add_parser("compare")
+    common(sp)
+    sp.add_argument("--ckpt", required=True)
+    sp.add_argument("--ref", required=True)
+    sp.add_argument("--ckpt-format", choices=fmts, default="auto")
+    sp.add_argument("--ref-format", choices=fmts, default="auto")
+    sp.add_argument("--check-args", action="store_true",
+                    help="also require the ckpt's stored args (and, for torch_dist, its stored "
+                         "vocab rows) to match the config at (tp, pp)")
+    sp = sub.add_parser("logits")
+    common(sp)
+    sp.add_argument("--ckpt", required=True)
+    sp.add_argument("--ckpt-format", choices=fmts, default="auto")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=1234)
+    a = p.parse_args(argv)
+
+    apply_cpu_shims()
+    import torch.distributed as dist
+
+    cfg = load_config(a.config)
+    init_parallel(a.tp, a.pp)
+    rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits}[a.cmd](a, cfg)
+    dist.barrier()
+    dist.destroy_process_group()
+    return rc
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    sys.exit(main())

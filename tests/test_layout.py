@@ -1,0 +1,128 @@
+"""Pure unit tests of the slice algebra, the layout table and pipeline stage math (no processes)."""
+import pytest
+import torch
+
+from dist_convert.config import ModelConfig, padded_vocab_size
+from dist_convert.errors import ConvertError
+from dist_convert.layout.boxes import Box, Kind, local_pieces, piece_box, tp_chunks
+from dist_convert.layout.rules import logical_tensors, torch_dist_key
+from dist_convert.topology import Layout
+
+
+def cfg(**kw) -> ModelConfig:
+    base = dict(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
+                kv_channels=16, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
+                untie_embeddings_and_output_weights=False, vocab_size=100, make_vocab_size_divisible_by=16,
+                position_embedding_type="rope", max_position_embeddings=32, qk_layernorm=False, spec="local")
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def assemble(pieces_per_rank, logical_shape):
+    """Rebuild a logical tensor from per-rank local tensors using only the pieces (oracle below)."""
+    out = torch.full(logical_shape, float("nan"))
+    for local, pieces in pieces_per_rank:
+        for p in pieces:
+            out[p.lbox.slices()] = local[p.sbox.slices()].reshape(p.lbox.sizes)
+    return out
+
+
+def test_box_intersection_and_relative():
+    a, b = Box((0, 4), (8, 4)), Box((6, 0), (4, 6))
+    assert a.intersect(b) == Box((6, 4), (2, 2))
+    assert a.intersect(Box((8, 0), (1, 1))) is None
+    assert Box((6, 4), (2, 2)).relative_to(a) == Box((6, 0), (2, 2))
+
+
+def test_swiglu_chunks_gate_and_up_separately():
+    # logical fc1 = [gate; up], 2F rows; megatron's TP rank r holds [gate_r; up_r]
+    F, H, tp = 6, 3, 3
+    gate = torch.arange(F * H, dtype=torch.float32).reshape(F, H)
+    up = 1000 + gate
+    logical = torch.cat([gate, up])
+    for r in range(tp):
+        shape, pieces = local_pieces("fc1", Kind.GLU, (2 * F, H), 2 * F, r, tp)
+        local = torch.cat([gate[r * 2:(r + 1) * 2], up[r * 2:(r + 1) * 2]])  # what megatron-core stores
+        assert shape == tuple(local.shape)
+        for p in pieces:
+            assert torch.equal(local[p.sbox.slices()], logical[p.lbox.slices()])
+    # a plain dim-0 split would differ: rank 0 would hold gate rows 0..3
+    assert not torch.equal(logical[:4], torch.cat([gate[:2], up[:2]]))
+
+
+@pytest.mark.parametrize("kind,shape", [(Kind.COL, (12, 5)), (Kind.ROW, (5, 12)), (Kind.REP, (12,)),
+                                        (Kind.GLU, (16, 5))])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tp_chunks_reassemble(kind, shape, tp):
+    logical = torch.randn(shape)
+    parts = []
+    for r in range(tp):
+        lshape, pieces = local_pieces("t", kind, shape, shape[0], r, tp)
+        local = torch.empty(lshape)
+        for p in pieces:
+            local[p.sbox.slices()] = logical[p.lbox.slices()]
+        parts.append((local, pieces))
+    assert torch.equal(assemble(parts, shape), logical)
+
+
+def test_vocab_padding_rows_map_to_nothing():
+    V, H, tp = 100, 4, 2
+    padded = padded_vocab_size(V, 16, tp)
+    assert padded == 128
+    total = 0
+    for r in range(tp):
+        shape, pieces = local_pieces("emb", Kind.VOCAB, (padded, H), V, r, tp)
+        assert shape == (64, H)
+        total += sum(p.lbox.numel for p in pieces)
+        assert all(p.lbox.offsets[0] + p.lbox.sizes[0] <= V for p in pieces)
+    assert total == V * H
+    # a rank whose whole shard is padding holds no piece at all
+    assert local_pieces("emb", Kind.VOCAB, (256, H), 100, 3, 4)[1] == []
+
+
+def test_padded_vocab_rule():
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert padded_vocab_size(50257, 128, 8) == 51200
+    assert padded_vocab_size(128, 128, 1) == 128
+
+
+def test_piece_box_with_layer_axis():
+    from dist_convert.layout.boxes import Piece
+    p = Piece("x", Box((4, 0), (4, 8)), Box((2, 0, 0), (1, 4, 8)))
+    assert piece_box(p, Box((5, 2), (2, 3))) == Box((2, 1, 2), (1, 2, 3))
+
+
+def test_table_shapes_and_names():
+    c = cfg()
+    t = logical_tensors(c)
+    assert t["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 16, 64)
+    assert t["decoder.layers.3.mlp.linear_fc1.weight"].kind is Kind.GLU
+    assert t["decoder.layers.3.mlp.linear_fc1.weight"].shape == (192, 64)
+    assert "output_layer.weight" not in t  # tied
+    assert torch_dist_key(t["decoder.layers.2.input_layernorm.weight"]) == \
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    c2 = cfg(normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True, untie_embeddings_and_output_weights=True,
+             swiglu=False, position_embedding_type="learned_absolute", qk_layernorm=True)
+    t2 = logical_tensors(c2)
+    for name in ("output_layer.weight", "embedding.position_embeddings.weight", "decoder.final_layernorm.bias",
+                 "decoder.layers.1.self_attention.linear_qkv.bias", "decoder.layers.1.mlp.linear_fc2.bias",
+                 "decoder.layers.1.self_attention.q_layernorm.bias"):
+        assert name in t2
+    assert t2["decoder.layers.0.mlp.linear_fc1.weight"].kind is Kind.COL
+
+
+@pytest.mark.parametrize("layout,sizes", [(Layout(1, 1), [8]), (Layout(1, 4), [2, 2, 2, 2]),
+                                          (Layout(1, 3, first=2), [2, 3, 3]), (Layout(1, 3, last=4), [2, 2, 4]),
+                                          (Layout(2, 4, first=1, last=1), [1, 3, 3, 1])])
+def test_stage_sizes(layout, sizes):
+    assert layout.stage_sizes(8) == sizes
+    assert layout.stage_offsets(8) == [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+@pytest.mark.parametrize("layout,flag", [(Layout(3, 1), "--target-tp"), (Layout(1, 9), "--target-pp"),
+                                         (Layout(1, 3, first=1), "--target-num-layers-in-first-stage"),
+                                         (Layout(1, 2, first=3, last=3), "--target-num-layers-in-first-stage")])
+def test_layout_validation_names_the_flag(layout, flag):
+    with pytest.raises(ConvertError) as e:
+        layout.validate(8, heads=4, groups=2, ffn=96)
+    assert flag in str(e.value)

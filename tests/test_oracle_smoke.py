@@ -1,0 +1,98 @@
+"""Smoke tests proving the megatron-core oracle (tests/mcore_oracle.py) can fail.
+
+A legacy (megatron-format) checkpoint is compared against its torch_dist twin after
+perturbing copies of it: changes in vocab padding rows must be ignored, a change of one
+element in a layer weight or in a true-vocab embedding row must be reported.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+ORACLE = Path(__file__).with_name("mcore_oracle.py")
+CONFIG = {
+    "num_layers": 2,
+    "hidden_size": 32,
+    "ffn_hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "swiglu": True,
+    "normalization": "RMSNorm",
+    "add_bias_linear": False,
+    "add_qkv_bias": False,
+    "untie_embeddings_and_output_weights": False,
+    "vocab_size": 100,  # padded to 112 at tp=1 with divisible_by 16
+    "make_vocab_size_divisible_by": 16,
+    "position_embedding_type": "rope",
+    "max_position_embeddings": 32,
+    "seq_length": 16,
+}
+SHARD = Path("iter_0000005") / "mp_rank_00" / "model_optim_rng.pt"
+
+
+def _torchrun(nproc, *args):
+    exe = Path(sys.executable).with_name("torchrun")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    cmd += ["--standalone", f"--nproc_per_node={nproc}", str(ORACLE), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    d = tmp_path_factory.mktemp("oracle")
+    cfg = d / "cfg.json"
+    cfg.write_text(json.dumps(CONFIG))
+    r = _torchrun(1, "make", "--config", cfg, "--tp", 1, "--pp", 1, "--seed", 3,
+                  "--iteration", 5, "--out-torch-dist", d / "td", "--out-megatron", d / "leg")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return d, cfg
+
+
+def _perturbed_copy(d, name, edit):
+    dst = d / name
+    shutil.copytree(d / "leg", dst)
+    ck = torch.load(dst / SHARD, weights_only=False)
+    edit(ck["model"])
+    torch.save(ck, dst / SHARD)
+    return dst
+
+
+def _compare(cfg, ckpt, ref):
+    return _torchrun(1, "compare", "--config", cfg, "--tp", 1, "--pp", 1,
+                     "--ckpt", ckpt, "--ref", ref, "--check-args")
+
+
+def test_padding_rows_are_ignored(made):
+    d, cfg = made
+
+    def edit(sd):
+        sd["embedding.word_embeddings.weight"][100:] += 1.0  # padding rows only
+
+    r = _compare(cfg, _perturbed_copy(d, "pad", edit), d / "td")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ORACLE OK" in r.stdout
+
+
+def test_single_element_changes_are_rejected(made):
+    d, cfg = made
+
+    def edit(sd):
+        sd["decoder.layers.1.mlp.linear_fc2.weight"][3, 5] += 1e-3
+        sd["embedding.word_embeddings.weight"][99, 0] += 1e-3  # last true-vocab row
+
+    r = _compare(cfg, _perturbed_copy(d, "bad", edit), d / "td")
+    assert r.returncode != 0
+    mism = [ln for ln in r.stdout.splitlines() if ln.startswith("MISMATCH")]
+    assert len(mism) == 2, r.stdout
+    assert any("decoder.layers.1.mlp.linear_fc2.weight" in ln for ln in mism)
+    assert any("embedding.word_embeddings.weight" in ln for ln in mism)
+    assert "ORACLE FAIL" in r.stdout

@@ -496,6 +496,37 @@ def cmd_logits(a, cfg):
     return 0
 
 
+def cmd_layout(a, cfg):
+    """Dump what megatron-core itself asks a checkpoint to hold at (tp, pp): the main-replica
+    ShardedTensors / ShardedObjects of ``sharded_state_dict()`` and the legacy ``state_dict()`` keys."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
+    model = build_model(cfg, a.tp, a.pp, a.first, a.last)
+    ssd = model.sharded_state_dict()
+    apply_factories(ssd)
+    tensors, objects = [], []
+    for v in nested_values(ssd):
+        main = not any(v.replica_id) if isinstance(v.replica_id, tuple) else v.replica_id == 0
+        if isinstance(v, ShardedTensor) and main:
+            tensors.append([v.key, list(v.global_shape), list(v.global_offset), list(v.local_shape)])
+        elif isinstance(v, ShardedObject) and main:
+            objects.append(v.unique_key)
+    legacy = {k: (list(t.shape) if isinstance(t, torch.Tensor) else None) for k, t in model.state_dict().items()}
+    mine = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "tensors": tensors, "objects": objects, "state_dict": legacy}
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    if dist.get_rank() == 0:
+        with open(a.out, "w") as f:
+            json.dump(out, f)
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -529,6 +560,9 @@ def main(argv=None):
     sp.add_argument("--ckpt-format", choices=fmts, default="auto")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=1234)
+    sp = sub.add_parser("layout")
+    common(sp)
+    sp.add_argument("--out", required=True)
     a = p.parse_args(argv)
 
     apply_cpu_shims()
@@ -536,7 +570,7 @@ def main(argv=None):
 
     cfg = load_config(a.config)
     init_parallel(a.tp, a.pp)
-    rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits}[a.cmd](a, cfg)
+    rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits, "layout": cmd_layout}[a.cmd](a, cfg)
     dist.barrier()
     dist.destroy_process_group()
     return rc

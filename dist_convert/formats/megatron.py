@@ -77,8 +77,10 @@ def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:
             raise ConvertError(f"{path} has no 'model' entry (found {keys})",
                                "point SRC at a Megatron checkpoint saved with its model state")
         model = ckpt["model"]
-        tensors = {k: (tuple(v.shape), v.dtype) for k, v in model.items() if isinstance(v, torch.Tensor)}
-        objects = [k for k, v in model.items() if not isinstance(v, torch.Tensor)]
+        # TE keeps FP8 metadata in `_extra_state` (bytes or uint8 tensors): state, not weights
+        tensors = {k: (tuple(v.shape), v.dtype) for k, v in model.items()
+                   if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        objects = [k for k in model if k not in tensors]
         return {"args": ckpt.get("args"), "iteration": ckpt.get("iteration"), "tensors": tensors,
                 "objects": objects}
     except ConvertError as e:

@@ -3,35 +3,40 @@ itself loads every output strictly at the target layout and finds it equal to th
 loads at the same layout by its own resharding of the torch_dist twin)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from conftest import ok, oracle, run_cli
 
-# (source, src format, dst format, target tp, pp, first-stage layers, world size or None = no torchrun)
+# (source, src format, dst format, target tp, pp, first-stage layers, world size or None = no torchrun,
+#  extra flags)
 CASES = [
-    ("A", "torch_dist", "torch_dist", 1, 1, None, 2),  # 4 source ranks, 1 target file, 2 processes
-    ("A", "megatron", "megatron", 1, 4, None, 4),  # PP up; tied embedding copy on the last stage
-    ("A", "megatron", "torch_dist", 2, 1, None, None),  # one process without torchrun; format change
-    ("A", "torch_dist", "megatron", 1, 3, 2, 2),  # uneven target stages [2, 1, 1]
-    ("B", "megatron", "megatron", 1, 2, 3, 2),  # uneven source [2, 4] -> [3, 3]; untied, biases
-    ("B", "torch_dist", "torch_dist", 4, 1, None, 4),  # TP up from 2 to 4, more ranks than files
-    ("B", "megatron", "torch_dist", 2, 3, None, 1),  # torchrun with a single rank
+    ("A", "torch_dist", "torch_dist", 1, 1, None, 2, ["--memory-budget", "64K"]),  # 4 -> 1 file, 2 procs, many waves
+    ("A", "megatron", "megatron", 1, 4, None, 4, []),  # PP up; tied embedding copy on the last stage
+    ("A", "megatron", "torch_dist", 2, 1, None, None, []),  # one process without torchrun; format change
+    ("A", "torch_dist", "megatron", 1, 3, 2, 2, []),  # uneven target stages [2, 1, 1]
+    ("B", "megatron", "megatron", 1, 2, 3, 2, []),  # uneven source [2, 4] -> [3, 3]; untied, biases
+    ("B", "torch_dist", "torch_dist", 4, 1, None, 4, []),  # TP up from 2 to 4, more ranks than files
+    ("B", "megatron", "torch_dist", 2, 3, None, 1, []),  # torchrun with a single rank
 ]
 
 
-@pytest.mark.parametrize("name,src_fmt,dst_fmt,tp,pp,first,world", CASES,
+@pytest.mark.parametrize("name,src_fmt,dst_fmt,tp,pp,first,world,extra", CASES,
                          ids=[f"{c[0]}-{c[1]}-to-{c[2]}-tp{c[3]}pp{c[4]}{'f' + str(c[5]) if c[5] else ''}-w{c[6]}"
                               for c in CASES])
-def test_reshard_loads_in_megatron_core(request, tmp_path, name, src_fmt, dst_fmt, tp, pp, first, world):
+def test_reshard_loads_in_megatron_core(request, tmp_path, name, src_fmt, dst_fmt, tp, pp, first, world, extra):
     src = request.getfixturevalue(f"gpt_{name.lower()}")
     dst = tmp_path / "out"
     args = ["reshard", str(getattr(src, src_fmt)), str(dst), "--target-tp", str(tp), "--target-pp", str(pp),
-            "--dst-format", dst_fmt]
+            "--dst-format", dst_fmt, *extra]
     if first:
         args += ["--target-num-layers-in-first-stage", str(first)]
     proc = ok(run_cli(*args, nproc=world))
     assert "wrote" in proc.stderr and "peak RSS" in proc.stderr  # the summary table
+    if "--memory-budget" in extra:  # a small budget really splits the exchange into waves
+        assert int(re.search(r"(\d+) waves", proc.stderr).group(1)) > 4
     assert not list(tmp_path.glob("*.dist_convert_tmp"))
     layout = ["--tp", str(tp), "--pp", str(pp)] + (["--first", str(first)] if first else [])
     res = oracle("compare", tp * pp, "--config", str(src.config), *layout, "--ckpt", str(dst),

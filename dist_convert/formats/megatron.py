@@ -4,6 +4,7 @@ Layer numbers are local to each pipeline stage; ``args`` (an argparse Namespace)
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -185,8 +186,11 @@ class MegatronFormat:
             model.update(f.objects)
             path = iter_dir / f.name
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": model, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
-                        "iteration": 0 if target.iteration == "release" else target.iteration}, path)
+            with open(path, "wb") as fh:
+                torch.save({"model": model, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
+                            "iteration": 0 if target.iteration == "release" else target.iteration}, fh)
+                fh.flush()
+                os.fsync(fh.fileno())  # durable before the tracker and the rename make it visible
 
     def finalize(self, target: Target, iter_dir: Path, rt: Runtime) -> None:
         return None

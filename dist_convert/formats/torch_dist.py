@@ -148,6 +148,9 @@ class TorchDistFormat:
         if args is None:
             raise ConvertError(f"{iter_dir / COMMON} holds no args",
                                "the checkpoint must be saved by Megatron-LM (args in the common state)")
+        if ((common.get("content_metadata") or {}) if isinstance(common, dict) else {}).get("singleton_local_shards"):
+            raise ConvertError(f"{iter_dir} was saved with singleton_local_shards (per-layer keys)",
+                               "this layout is not supported yet; save with megatron-core's default stacked layout")
         try:
             md = FileSystemReader(str(iter_dir)).read_metadata()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable metadata is the same user error

@@ -79,8 +79,10 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
                            "the source must be a Megatron-LM / megatron-core GPT checkpoint with its args")
     heads = int(args.num_attention_heads)
     hidden = int(args.hidden_size)
-    gqa = bool(_get(args, "group_query_attention", False))
-    groups = int(_get(args, "num_query_groups", heads)) if gqa or getattr(args, "num_query_groups", None) else heads
+    if hasattr(args, "group_query_attention"):  # Megatron-LM: num_query_groups counts only with GQA on
+        groups = int(_get(args, "num_query_groups", heads)) if args.group_query_attention else heads
+    else:
+        groups = int(_get(args, "num_query_groups", heads))
     true_vocab = vocab_size or getattr(args, "vocab_size", None)
     if not true_vocab:
         padded = getattr(args, "padded_vocab_size", None)

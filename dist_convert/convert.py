@@ -12,7 +12,7 @@ from .config import args_for_target
 from .errors import ConvertError
 from .exchange import allocate_targets, execute
 from .formats import detect_format, get_format
-from .formats.base import SourceIndex, Target, iter_dir_name, write_tracker
+from .formats.base import SourceIndex, Target, iter_dir_name, numel, write_tracker
 from .layout.rules import logical_tensors
 from .plan import make_plan
 from .runtime import Runtime, human_bytes, peak_rss_bytes
@@ -47,13 +47,7 @@ def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None, t
 
 
 def logical_numel(index: SourceIndex) -> dict[str, int]:
-    out = {}
-    for name, t in logical_tensors(index.cfg).items():
-        n = 1
-        for s in t.shape:
-            n *= s
-        out[name] = n
-    return out
+    return {name: numel(t.shape) for name, t in logical_tensors(index.cfg).items()}
 
 
 def source_dtypes(index: SourceIndex) -> dict[str, torch.dtype]:

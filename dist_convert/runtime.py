@@ -5,9 +5,8 @@ import datetime
 import os
 import resource
 import sys
-import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +25,6 @@ class Runtime:
     group: Any = None  # the process group, None when running as one process
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str = "none"
-    t0: float = field(default_factory=time.perf_counter)
 
     @property
     def distributed(self) -> bool:
@@ -131,7 +129,3 @@ def human_bytes(n: float) -> str:
         n /= 1024
     return f"{n:.1f} TB"
 
-
-def chunked(seq: list[Any], n: int) -> Iterator[list[Any]]:
-    for i in range(0, len(seq), n):
-        yield seq[i:i + n]

@@ -9,7 +9,7 @@ import torch
 from .convert import load_index, logical_numel, source_dtypes
 from .errors import ConvertError
 from .exchange import allocate_targets, execute
-from .formats.base import SourceIndex, TargetFile, TargetTensor
+from .formats.base import SourceIndex, TargetFile, TargetTensor, numel
 from .layout.boxes import Box, Piece
 from .layout.rules import logical_tensors
 from .plan import balance, make_plan
@@ -72,7 +72,7 @@ def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: 
     mismatches += [Mismatch(n, f"shape {ta[n].shape} vs {tb[n].shape}") for n in ta if n in tb and ta[n].shape != tb[n].shape]
     if not names:
         raise ConvertError("the two checkpoints share no logical tensors", "compare checkpoints of the same model")
-    sizes = {i: ta[n].shape[0] * max(1, ta[n].shape[-1]) for i, n in enumerate(names)}
+    sizes = {i: numel(ta[n].shape) for i, n in enumerate(names)}
     writer_of = balance(sizes, rt.world)
     ga = _gather_logical(ia, fa, names, writer_of, rt, budget)
     gb = _gather_logical(ib, fb, names, writer_of, rt, budget)

@@ -4,7 +4,7 @@ import torch
 
 from dist_convert.config import ModelConfig, padded_vocab_size
 from dist_convert.errors import ConvertError
-from dist_convert.layout.boxes import Box, Kind, local_pieces, piece_box, tp_chunks
+from dist_convert.layout.boxes import Box, Kind, local_pieces, piece_box
 from dist_convert.layout.rules import logical_tensors, torch_dist_key
 from dist_convert.topology import Layout
 
@@ -126,3 +126,20 @@ def test_layout_validation_names_the_flag(layout, flag):
     with pytest.raises(ConvertError) as e:
         layout.validate(8, heads=4, groups=2, ffn=96)
     assert flag in str(e.value)
+
+
+def test_config_from_megatron_lm_args():
+    import argparse
+    from dist_convert.config import config_from_args
+    # Megatron-LM defaults: num_query_groups=1 is ignored unless group_query_attention is on
+    args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=1,
+                              group_query_attention=False, padded_vocab_size=128, vocab_size=None,
+                              transformer_impl="transformer_engine")
+    c = config_from_args(args, None, None, 1)
+    assert c.num_query_groups == 4 and c.kv_channels == 16 and c.ffn_hidden_size == 256
+    assert c.vocab_size == 128 and c.spec == "te" and c.add_bias_linear and c.add_qkv_bias
+    args.group_query_attention = True
+    assert config_from_args(args, 100, "local", 1).num_query_groups == 1
+    assert config_from_args(args, 100, "local", 1).vocab_size == 100
+    with pytest.raises(ConvertError, match="--vocab-size"):
+        config_from_args(argparse.Namespace(num_layers=2, hidden_size=8, num_attention_heads=2), None, None, 1)

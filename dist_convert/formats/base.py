@@ -24,6 +24,13 @@ TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 @dataclass
 class SourceChunk:
     id: int
@@ -36,10 +43,7 @@ class SourceChunk:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return numel(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -69,10 +73,7 @@ class TargetTensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return numel(self.shape) * self.dtype.itemsize
 
 
 @dataclass

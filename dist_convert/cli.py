@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from .errors import ConvertError
+from .plan import DEFAULT_BUDGET
 from .runtime import Runtime, init_runtime
 
 FORMAT_CHOICES = ("auto", "torch_dist", "megatron")
@@ -30,8 +31,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="true (unpadded) vocabulary size when the checkpoint args lack it")
     p.add_argument("--trust-pickle", action="store_true",
                    help="allow arbitrary pickled objects in .pt files (only for files you trust)")
-    p.add_argument("--memory-budget", type=parse_size, default=1 << 30,
-                   help="bytes in flight per rank per exchange wave (default 1G)")
+    p.add_argument("--memory-budget", type=parse_size, default=DEFAULT_BUDGET,
+                   help="bytes in flight per rank per exchange wave (default 256M)")
 
 
 def build_parser() -> argparse.ArgumentParser:

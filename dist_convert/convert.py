@@ -14,7 +14,7 @@ from .exchange import allocate_targets, execute
 from .formats import detect_format, get_format
 from .formats.base import SourceIndex, Target, iter_dir_name, numel, write_tracker
 from .layout.rules import logical_tensors
-from .plan import make_plan
+from .plan import DEFAULT_BUDGET, make_plan
 from .runtime import Runtime, human_bytes, peak_rss_bytes
 from .summary import RankStats, print_summary
 from .topology import Layout
@@ -36,7 +36,7 @@ class ReshardOptions:
     target_spec: str | None = None
     vocab_size: int | None = None
     dtype: str = "keep"
-    memory_budget: int = 1 << 30
+    memory_budget: int = DEFAULT_BUDGET
     overwrite: bool = False
     trust_pickle: bool = False
 

@@ -26,10 +26,10 @@ def _order(t: Transfer) -> tuple:
 
 
 def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadFn,
-            out: dict[tuple[int, int], torch.Tensor]) -> dict[str, int]:
+            out: dict[tuple[int, int], torch.Tensor], what: str = "converting") -> dict[str, int]:
     """Collective. Fills ``out`` (this rank's target tensors). Returns byte counters."""
     stats = {"read": 0, "sent": 0, "received": 0, "copied": 0}
-    with rt.progress(plan.moved_bytes, "converting") as bar:
+    with rt.progress(plan.moved_bytes, what) as bar:
         for wave in plan.waves:
             mine = [chunks[c] for c in wave.reads.get(rt.rank, [])]
             error: ConvertError | None = None

@@ -12,6 +12,7 @@ from .formats.base import SourceChunk, TargetFile
 from .layout.boxes import Box, Piece, piece_box
 
 ALIGN = 16  # bytes: every segment of an exchange buffer starts aligned for any dtype
+DEFAULT_BUDGET = 256 << 20  # bytes in flight per rank per wave
 
 
 def aligned(n: int) -> int:

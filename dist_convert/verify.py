@@ -12,7 +12,7 @@ from .exchange import allocate_targets, execute
 from .formats.base import SourceIndex, TargetFile, TargetTensor, numel
 from .layout.boxes import Box, Piece
 from .layout.rules import logical_tensors
-from .plan import balance, make_plan
+from .plan import DEFAULT_BUDGET, balance, make_plan
 from .runtime import Runtime
 
 
@@ -40,7 +40,8 @@ def _gather_logical(index: SourceIndex, fmt, names: list[str], writer_of: dict[i
     plan = make_plan(index.chunks, files, rt.world, budget, logical_numel(index), writer_of=writer_of)
     mine = [files[i] for i in plan.files_of(rt.rank)]
     data = allocate_targets(mine)
-    execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: fmt.read(index, cs), data)
+    execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: fmt.read(index, cs), data,
+            what=f"reading {index.iter_dir.parent.name}")
     return {f.name: data[(f.id, 0)] for f in mine}
 
 
@@ -63,7 +64,7 @@ def compare(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> str |
 
 def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: str = "auto", atol: float = 0.0,
            rtol: float = 0.0, vocab_size: int | None = None, trust_pickle: bool = False,
-           budget: int = 1 << 30) -> list[Mismatch]:
+           budget: int = DEFAULT_BUDGET) -> list[Mismatch]:
     fa, ia = load_index(path_a, fmt_a, rt, vocab_size, trust_pickle)
     fb, ib = load_index(path_b, fmt_b, rt, vocab_size, trust_pickle)
     ta, tb = logical_tensors(ia.cfg), logical_tensors(ib.cfg)

@@ -12,9 +12,9 @@ from .config import args_for_target
 from .errors import ConvertError
 from .exchange import allocate_targets, execute
 from .formats import detect_format, get_format
-from .formats.base import SourceIndex, Target, iter_dir_name, numel, write_tracker
+from .formats.base import Format, SourceIndex, Target, TargetFile, iter_dir_name, numel, write_tracker
 from .layout.rules import logical_tensors
-from .plan import DEFAULT_BUDGET, make_plan
+from .plan import DEFAULT_BUDGET, Plan, make_plan
 from .runtime import Runtime, human_bytes, peak_rss_bytes
 from .summary import RankStats, print_summary
 from .topology import Layout
@@ -41,7 +41,8 @@ class ReshardOptions:
     trust_pickle: bool = False
 
 
-def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None, trust_pickle: bool) -> tuple:
+def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None,
+               trust_pickle: bool) -> tuple[Format, SourceIndex]:
     fmt = detect_format(path, trust_pickle) if fmt_name == "auto" else get_format(fmt_name, trust_pickle)
     return fmt, fmt.index(path, rt, vocab_size)
 
@@ -138,7 +139,8 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     return {"plan": plan, "stats": stats}
 
 
-def _convert_into(tmp: Path, target: Target, index: SourceIndex, src_fmt, dst_fmt, files, plan, rt: Runtime):
+def _convert_into(tmp: Path, target: Target, index: SourceIndex, src_fmt: Format, dst_fmt: Format,
+                  files: list[TargetFile], plan: Plan, rt: Runtime) -> tuple[dict[str, int], float, list[TargetFile]]:
     """Collective: exchange and write this rank's files, then rank 0 writes metadata and tracker last."""
     tmp_iter = tmp / iter_dir_name(index.iteration)
     if rt.rank == 0:

@@ -68,9 +68,11 @@ def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: 
     fa, ia = load_index(path_a, fmt_a, rt, vocab_size, trust_pickle)
     fb, ib = load_index(path_b, fmt_b, rt, vocab_size, trust_pickle)
     ta, tb = logical_tensors(ia.cfg), logical_tensors(ib.cfg)
-    mismatches = [Mismatch(n, "only in A") for n in ta if n not in tb] + [Mismatch(n, "only in B") for n in tb if n not in ta]
+    mismatches = [Mismatch(n, "only in A") for n in ta if n not in tb]
+    mismatches += [Mismatch(n, "only in B") for n in tb if n not in ta]
+    mismatches += [Mismatch(n, f"shape {ta[n].shape} vs {tb[n].shape}")
+                   for n in ta if n in tb and ta[n].shape != tb[n].shape]
     names = [n for n in ta if n in tb and ta[n].shape == tb[n].shape]
-    mismatches += [Mismatch(n, f"shape {ta[n].shape} vs {tb[n].shape}") for n in ta if n in tb and ta[n].shape != tb[n].shape]
     if not names:
         raise ConvertError("the two checkpoints share no logical tensors", "compare checkpoints of the same model")
     sizes = {i: numel(ta[n].shape) for i, n in enumerate(names)}

@@ -131,7 +131,8 @@ class MegatronFormat:
                 raise ConvertError(files[c]["error"])
         args = files[(0, 0)]["args"]
         if args is None:
-            raise ConvertError(f"{iter_dir / coords[(0, 0)]} has no args", "the checkpoint must be saved by Megatron-LM")
+            raise ConvertError(f"{iter_dir / coords[(0, 0)]} has no args",
+                               "the checkpoint must be saved by Megatron-LM")
         spec = "te" if any("layer_norm_weight" in k for k in files[(0, 0)]["tensors"]) else "local"
         cfg = config_from_args(args, vocab_size, spec, tp)
         layout = Layout(tp, pp, getattr(args, "decoder_first_pipeline_num_layers", None) if pp > 1 else None,

@@ -129,3 +129,18 @@ def test_missing_source_shard_is_refused():
     files = MegatronFormat().target_files(Target(CFG, Layout(1, 1), None, None, 1), {n: torch.float32 for n in model})
     with pytest.raises(ConvertError, match="do not cover"):
         make_plan(chunks, files, 2, 1 << 30, numel(CFG))
+
+
+def test_vocab_shard_that_is_all_padding_is_zero_filled():
+    cfg = CFG.replace(num_query_groups=4, vocab_size=40)  # padded to 64 at TP=4: rank 3 holds rows 48..63
+    model = logical_model(cfg)
+    chunks, data = legacy_source(cfg, Layout(1, 1), model)
+    for fmt in (MegatronFormat(), TorchDistFormat()):
+        files = fmt.target_files(Target(cfg, Layout(4, 1), None, None, 1), {n: torch.float32 for n in model})
+        plan = make_plan(chunks, files, 2, 1 << 20, numel(cfg))
+        out = simulate(plan, files, data)
+        emb = [(f, j, t) for f in files for j, t in enumerate(f.tensors) if t.key == "embedding.word_embeddings.weight"]
+        assert len(emb) == 4 and all(t.shape == (16, 32) for _, _, t in emb)
+        assert emb[3][2].pieces == [] and not out[(emb[3][0].id, emb[3][1])].any()
+        rank2 = out[(emb[2][0].id, emb[2][1])]
+        assert torch.equal(rank2[:8], model["embedding.word_embeddings.weight"][32:40]) and not rank2[8:].any()

@@ -134,3 +134,16 @@ def test_transformer_engine_naming_both_ways(gpt_a, tmp_path):
     res = oracle("compare", 4, "--config", str(gpt_a.config), "--tp", "2", "--pp", "2", "--ckpt", str(back),
                  "--ref", str(gpt_a.torch_dist), "--check-args")
     assert "ORACLE OK" in res.stdout + res.stderr
+
+
+def test_release_checkpoint_keeps_its_release_directory(gpt_a, tmp_path):
+    import shutil
+    src = tmp_path / "rel"
+    shutil.copytree(gpt_a.megatron, src)
+    (src / "iter_0000100").rename(src / "release")
+    (src / "latest_checkpointed_iteration.txt").write_text("release")
+    dst = tmp_path / "out"
+    ok(run_cli("reshard", str(src), str(dst), "--target-tp", "1", "--target-pp", "1"))
+    assert (dst / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert (dst / "release" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    ok(run_cli("verify", str(src / "release"), str(dst)))  # an iteration directory works as a path too

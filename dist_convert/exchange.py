@@ -49,8 +49,10 @@ def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadF
     return stats
 
 
-def _cast(src: torch.Tensor, t: Transfer) -> torch.Tensor:
-    return src[t.src_box.slices()].to(t.dtype)
+def _piece(src: torch.Tensor, t: Transfer, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """View of the transfer's box in a source chunk, shaped as its destination (only size-1 axes
+    differ, so this stays a view); ``copy_`` then casts and copies in one pass."""
+    return src[t.src_box.slices()].reshape(shape)
 
 
 def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runtime,
@@ -60,7 +62,7 @@ def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runt
     for t in transfers:
         if t.reader == rt.rank and t.writer == rt.rank:
             dst = out[(t.file, t.tensor)][t.dst_box.slices()]
-            dst.copy_(_cast(data[t.chunk], t).reshape(dst.shape))
+            dst.copy_(_piece(data[t.chunk], t, dst.shape))
             stats["copied"] += t.nbytes
         elif t.reader == rt.rank:
             send[t.writer].append(t)
@@ -70,12 +72,12 @@ def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runt
         return
     in_sizes = [sum(aligned(t.nbytes) for t in send[r]) for r in range(rt.world)]
     out_sizes = [sum(aligned(t.nbytes) for t in recv[r]) for r in range(rt.world)]
-    sendbuf = torch.empty(sum(in_sizes), dtype=torch.uint8)
+    sendbuf = torch.empty(sum(in_sizes), dtype=torch.uint8, pin_memory=rt.device.type == "cuda")
     pos = 0
     for r in range(rt.world):
         for t in sorted(send[r], key=_order):
-            seg = sendbuf[pos:pos + t.nbytes].view(t.dtype)
-            seg.copy_(_cast(data[t.chunk], t).reshape(-1))
+            seg = sendbuf[pos:pos + t.nbytes].view(t.dtype).view(t.src_box.sizes)
+            seg.copy_(data[t.chunk][t.src_box.slices()])
             pos += aligned(t.nbytes)
     recvbuf = torch.empty(sum(out_sizes), dtype=torch.uint8, device=rt.device)
     dist.all_to_all_single(recvbuf, sendbuf.to(rt.device, non_blocking=True), out_sizes, in_sizes, group=rt.group)

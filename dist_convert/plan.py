@@ -2,7 +2,7 @@
 transfers and writes, in waves that respect a memory budget. No processes, no I/O."""
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -133,39 +133,49 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
     return Plan(world, reader_of, writer_of, waves, read_bytes, write_bytes, len(chunks) - len(kept))
 
 
+def _chunk_cost(cid: int, raw: dict[int, list], reader: int, writer_of: dict[int, int],
+                by_id: dict[int, SourceChunk]) -> dict[int, int]:
+    """Bytes a chunk puts in flight per rank: the reader holds it (cast) and its send buffer, each
+    other writer its receive buffer."""
+    cost = {reader: max(by_id[cid].nbytes, sum(x[4] for x in raw[cid]))}
+    for fid, _, _, _, nbytes, _ in raw[cid]:
+        w = writer_of[fid]
+        if w != reader:
+            cost[reader] += aligned(nbytes)
+            cost[w] = cost.get(w, 0) + aligned(nbytes)
+    return cost
+
+
 def _waves(raw: dict[int, list], reader_of: dict[int, int], writer_of: dict[int, int],
            by_id: dict[int, SourceChunk], world: int, budget: int) -> list[Wave]:
-    """Group chunks into waves so that per rank, bytes read + sent + received stay within budget
-    (a single chunk larger than the budget gets a wave of its own)."""
-    queues: dict[int, list[int]] = defaultdict(list)
+    """Pack chunks into waves, first fit: per rank, bytes read + sent + received stay within the
+    budget (a chunk larger than the budget alone gets a wave of its own). Chunks are taken
+    round-robin over readers so that every wave keeps all ranks reading."""
+    queues: dict[int, deque[int]] = defaultdict(deque)
     for cid in sorted(reader_of):
         queues[reader_of[cid]].append(cid)
-    order: list[int] = []  # round-robin over readers so every wave keeps all ranks reading
+    pending: list[int] = []
     while any(queues.values()):
         for r in range(world):
             if queues[r]:
-                order.append(queues[r].pop(0))
+                pending.append(queues[r].popleft())
+    costs = {cid: _chunk_cost(cid, raw, reader_of[cid], writer_of, by_id) for cid in pending}
     waves: list[Wave] = []
-    wave, used = Wave(), [0] * world
-    for cid in order:
-        r = reader_of[cid]
-        cost = [0] * world
-        chunk_bytes = max(by_id[cid].nbytes, sum(x[4] for x in raw[cid]))
-        cost[r] += chunk_bytes
-        for fid, j, sbox, dbox, nbytes, dtype in raw[cid]:
-            w = writer_of[fid]
-            if w != r:
-                cost[r] += aligned(nbytes)
-                cost[w] += aligned(nbytes)
-        if wave.reads and any(used[i] + cost[i] > budget for i in range(world)):
-            waves.append(wave)
-            wave, used = Wave(), [0] * world
-        wave.reads.setdefault(r, []).append(cid)
-        for fid, j, sbox, dbox, nbytes, dtype in raw[cid]:
-            wave.transfers.append(Transfer(cid, sbox, r, fid, j, dbox, writer_of[fid], nbytes, dtype))
-        used = [u + c for u, c in zip(used, cost)]
-    if wave.reads:
+    while pending:
+        wave, used, later = Wave(), [0] * world, []
+        for cid in pending:
+            cost = costs[cid]
+            if wave.reads and any(used[r] + c > budget for r, c in cost.items()):
+                later.append(cid)
+                continue
+            r = reader_of[cid]
+            wave.reads.setdefault(r, []).append(cid)
+            for fid, j, sbox, dbox, nbytes, dtype in raw[cid]:
+                wave.transfers.append(Transfer(cid, sbox, r, fid, j, dbox, writer_of[fid], nbytes, dtype))
+            for rank, c in cost.items():
+                used[rank] += c
         waves.append(wave)
+        pending = later
     return waves
 
 

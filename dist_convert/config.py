@@ -127,6 +127,4 @@ def args_for_target(args: argparse.Namespace, cfg: ModelConfig, tp: int, pp: int
         out.params_dtype = dtype
         out.bf16 = dtype == torch.bfloat16
         out.fp16 = dtype == torch.float16
-    if getattr(args, "world_size", None) is not None:
-        out.world_size = tp * pp * max(1, int(getattr(args, "data_parallel_size", 1) or 1))
     return out

@@ -10,7 +10,7 @@ import argparse
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -123,7 +123,7 @@ def iter_dir_name(iteration: int | str) -> str:
     return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
 
 
-def resolve_iter_dir(path: Path, looks_like: "callable[[Path], bool]") -> tuple[Path, int | str] | None:
+def resolve_iter_dir(path: Path, looks_like: Callable[[Path], bool]) -> tuple[Path, int | str] | None:
     """Find the iteration directory: ``path`` itself, or the one its tracker file names."""
     if looks_like(path):
         m = _ITER_RE.match(path.name)

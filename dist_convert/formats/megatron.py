@@ -1,4 +1,4 @@
-"""Legacy Megatron checkpoints: ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` per rank.
+"""Legacy Megatron checkpoints: ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` per rank.
 
 Layer numbers are local to each pipeline stage; ``args`` (an argparse Namespace) holds the config.
 """

@@ -1,6 +1,6 @@
 """megatron-core dist checkpoints (torch_dist): a torch.distributed.checkpoint directory
 (``.metadata``, ``__R_I.distcp``) plus ``common.pt`` and ``metadata.json``, in Megatron-LM's
-``iter_XXXXXXX/`` layout. Layer tensors are stacked: one key per module, a leading global layer axis.
+``iter_NNNNNNN/`` layout. Layer tensors are stacked: one key per module, a leading global layer axis.
 """
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(ns, rt)
     except ConvertError as e:
-        if rt.rank == 0 or getattr(e, "local", False):
+        if rt.rank == 0 or e.local:
             print(f"dist_convert: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -8,4 +8,5 @@ class ConvertError(Exception):
     def __init__(self, cause: str, fix: str | None = None) -> None:
         self.cause = cause
         self.fix = fix
+        self.local = False  # True when only this rank hit it: that rank prints it, whatever its rank
         super().__init__(f"{cause}; {fix}" if fix else cause)

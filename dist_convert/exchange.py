@@ -39,7 +39,7 @@ def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadF
                 error, data = e, {}
             if not rt.all_ok(error is None):
                 if error is not None:
-                    error.local = True  # this rank's own cause: it prints it, whatever its rank
+                    error.local = True
                     raise error
                 raise ConvertError("another rank failed to read its part of the source (see its error above)",
                                    "fix the source checkpoint and rerun")

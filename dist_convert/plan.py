@@ -178,18 +178,3 @@ def _waves(raw: dict[int, list], reader_of: dict[int, int], writer_of: dict[int,
         pending = later
     return waves
 
-
-def wave_peak_bytes(plan: Plan, by_id: dict[int, SourceChunk]) -> list[int]:
-    """Largest per-rank bytes in flight over all waves (reads + send + receive buffers)."""
-    peak = [0] * plan.world
-    for w in plan.waves:
-        used = [0] * plan.world
-        for r, cids in w.reads.items():
-            for cid in cids:
-                used[r] += max(by_id[cid].nbytes, sum(t.nbytes for t in w.transfers if t.chunk == cid))
-        for t in w.transfers:
-            if t.reader != t.writer:
-                used[t.reader] += aligned(t.nbytes)
-                used[t.writer] += aligned(t.nbytes)
-        peak = [max(a, b) for a, b in zip(peak, used)]
-    return peak

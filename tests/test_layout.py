@@ -101,8 +101,9 @@ def test_table_shapes_and_names():
     assert "output_layer.weight" not in t  # tied
     assert torch_dist_key(t["decoder.layers.2.input_layernorm.weight"]) == \
         "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
-    c2 = cfg(normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True, untie_embeddings_and_output_weights=True,
-             swiglu=False, position_embedding_type="learned_absolute", qk_layernorm=True)
+    c2 = cfg(normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True,
+             untie_embeddings_and_output_weights=True, swiglu=False, position_embedding_type="learned_absolute",
+             qk_layernorm=True)
     t2 = logical_tensors(c2)
     for name in ("output_layer.weight", "embedding.position_embeddings.weight", "decoder.final_layernorm.bias",
                  "decoder.layers.1.self_attention.linear_qkv.bias", "decoder.layers.1.mlp.linear_fc2.bias",

@@ -10,7 +10,7 @@ from dist_convert.formats.base import SourceChunk, Target
 from dist_convert.formats.megatron import MegatronFormat, rank_entries
 from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors
-from dist_convert.plan import make_plan, wave_peak_bytes
+from dist_convert.plan import Plan, aligned, make_plan
 from dist_convert.topology import Layout
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
@@ -58,6 +58,23 @@ def numel(cfg):
             k *= s
         out[n] = k
     return out
+
+
+def wave_peak_bytes(plan: Plan, by_id: dict[int, SourceChunk]) -> list[int]:
+    """Largest per-rank bytes in flight over all waves (reads + send + receive buffers), recounted
+    from the plan's transfers independently of the planner's own bookkeeping."""
+    peak = [0] * plan.world
+    for w in plan.waves:
+        used = [0] * plan.world
+        for r, cids in w.reads.items():
+            for cid in cids:
+                used[r] += max(by_id[cid].nbytes, sum(t.nbytes for t in w.transfers if t.chunk == cid))
+        for t in w.transfers:
+            if t.reader != t.writer:
+                used[t.reader] += aligned(t.nbytes)
+                used[t.writer] += aligned(t.nbytes)
+        peak = [max(a, b) for a, b in zip(peak, used)]
+    return peak
 
 
 CASES = list(itertools.product([Layout(2, 2), Layout(1, 1), Layout(2, 1, None, None)],
@@ -158,9 +175,11 @@ def test_waves_are_packed_near_the_lower_bound_at_scale():
     for p in range(src.pp):
         for t in range(src.tp):
             for key, (shape, pieces) in rank_entries(big, src, t, p, "local").items():
-                chunks.append(SourceChunk(len(chunks), f"{t}_{p}", key, shape, torch.bfloat16, pieces))
+                chunks.append(SourceChunk(len(chunks), f"{t}_{p}", key, shape, torch.bfloat16,
+                                          pieces))
     names = numel(big)
-    files = TorchDistFormat().target_files(Target(big, Layout(4, 16), None, None, 1), {n: torch.bfloat16 for n in names})
+    target = Target(big, Layout(4, 16), None, None, 1)
+    files = TorchDistFormat().target_files(target, {n: torch.bfloat16 for n in names})
     budget = 256 << 20
     plan = make_plan(chunks, files, 64, budget, names)
     assert max(plan.read_bytes) <= 1.01 * min(plan.read_bytes)

@@ -140,6 +140,22 @@ def resolve_iter_dir(path: Path, looks_like: Callable[[Path], bool]) -> tuple[Pa
     return None
 
 
+class IterDirFormat:
+    """Shared by formats in Megatron-LM's layout (tracker file + iteration directory)."""
+
+    name: str
+    looks_like: Callable[[Path], bool]  # is ``path`` an iteration directory of this format?
+
+    def __init__(self, trust_pickle: bool = False) -> None:
+        self.trust_pickle = trust_pickle
+
+    def find(self, path: Path) -> tuple[Path, int | str] | None:
+        return resolve_iter_dir(path, self.looks_like)
+
+    def detect(self, path: Path) -> bool:
+        return self.find(path) is not None
+
+
 def write_tracker(root: Path, iteration: int | str) -> None:
     (root / TRACKER).write_text(str(iteration))
 

@@ -18,8 +18,8 @@ from ..layout.rules import EMBEDDING, EXTRA_STATE_MODULES, LAYER_PREFIX, OUTPUT,
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import (SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, check_piece_shapes,
-                   resolve_iter_dir)
+from .base import (IterDirFormat, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor,
+                   check_piece_shapes)
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model_optim_rng.pt"
@@ -88,17 +88,12 @@ def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:
         return {"error": str(e)}
 
 
-class MegatronFormat:
+class MegatronFormat(IterDirFormat):
     name = "megatron"
-
-    def __init__(self, trust_pickle: bool = False) -> None:
-        self.trust_pickle = trust_pickle
-
-    def detect(self, path: Path) -> bool:
-        return resolve_iter_dir(path, _looks_like) is not None
+    looks_like = staticmethod(_looks_like)
 
     def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
-        found = resolve_iter_dir(path, _looks_like)
+        found = self.find(path)
         if found is None:
             raise ConvertError(f"{path} holds no mp_rank_* directories", "pass --src-format matching the checkpoint")
         iter_dir, iteration = found

@@ -28,7 +28,7 @@ from ..layout.rules import EXTRA_STATE_MODULES, LAYER_PREFIX, LogicalTensor, log
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, resolve_iter_dir
+from .base import IterDirFormat, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"
@@ -117,14 +117,9 @@ class _ChunkSavePlanner(DefaultSavePlanner):
         return self._data[(write_item.index.fqn, write_item.index.offset)]
 
 
-class TorchDistFormat:
+class TorchDistFormat(IterDirFormat):
     name = "torch_dist"
-
-    def __init__(self, trust_pickle: bool = False) -> None:
-        self.trust_pickle = trust_pickle
-
-    def detect(self, path: Path) -> bool:
-        return resolve_iter_dir(path, _looks_like) is not None
+    looks_like = staticmethod(_looks_like)
 
     def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
         result: Any = None
@@ -139,7 +134,7 @@ class TorchDistFormat:
         return result
 
     def _index(self, path: Path, vocab_size: int | None) -> SourceIndex:
-        found = resolve_iter_dir(path, _looks_like)
+        found = self.find(path)
         if found is None:
             raise ConvertError(f"{path} is not a torch_dist checkpoint (no .metadata)", "pass the right --src-format")
         iter_dir, iteration = found

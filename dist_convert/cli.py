@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 from .errors import ConvertError
+from .formats.base import FormatOptions
 from .plan import DEFAULT_BUDGET
 from .runtime import Runtime, init_runtime
 
-FORMAT_CHOICES = ("auto", "torch_dist", "megatron")
+FORMAT_CHOICES = ("auto", "torch_dist", "megatron", "hf")
 
 
 def parse_size(text: str) -> int:
@@ -51,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-spec", choices=("te", "local"), default=None,
                    help="layer-spec naming of the target (default: the source's)")
     r.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep")
+    r.add_argument("--make-vocab-size-divisible-by", type=int, default=None, dest="vocab_divisible_by",
+                   help="vocabulary padding multiple per TP rank (default: the source's; 128 from hf)")
+    r.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9,
+                   help="hf target: bytes per *.safetensors shard (default 5GB)")
+    r.add_argument("--tokenizer-dir", type=Path, default=None,
+                   help="hf target: copy tokenizer files from here (default: the source's tokenizer directory)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     _common(r)
 
@@ -74,20 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
 def run(ns: argparse.Namespace, rt: Runtime) -> int:
     if ns.cmd == "reshard":
         from .convert import ReshardOptions, reshard
+        formats = FormatOptions(ns.trust_pickle, ns.max_shard_size, ns.tokenizer_dir)
         opts = ReshardOptions(ns.src, ns.dst, ns.src_format, ns.dst_format, ns.target_tp, ns.target_pp,
                               ns.target_first, ns.target_last, ns.target_spec, ns.vocab_size, ns.dtype,
-                              ns.memory_budget, ns.overwrite, ns.trust_pickle)
+                              ns.memory_budget, ns.overwrite, ns.vocab_divisible_by, formats)
         reshard(opts, rt)
         return 0
     if ns.cmd == "inspect":
         from .inspect_ckpt import describe, print_description
-        info = describe(ns.ckpt, ns.format, rt, ns.vocab_size, ns.trust_pickle)
+        info = describe(ns.ckpt, ns.format, rt, ns.vocab_size, FormatOptions(ns.trust_pickle))
         if rt.rank == 0:
             print_description(info, ns.json)
         return 0
     from .verify import verify
     mismatches = verify(ns.a, ns.b, rt, ns.a_format, ns.b_format, ns.atol, ns.rtol, ns.vocab_size,
-                        ns.trust_pickle, ns.memory_budget)
+                        FormatOptions(ns.trust_pickle), ns.memory_budget)
     for m in mismatches[:20]:
         rt.log(f"[red]MISMATCH[/] {m.name}: {m.detail}")
     if mismatches:

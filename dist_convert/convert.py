@@ -1,6 +1,7 @@
 """The reshard engine: index -> target layout -> plan -> exchange -> write, atomically."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from dataclasses import dataclass
@@ -8,13 +9,14 @@ from pathlib import Path
 
 import torch
 
-from .config import args_for_target
+from .config import ModelConfig, args_for_target
 from .errors import ConvertError
 from .exchange import allocate_targets, execute
 from .formats import detect_format, get_format
-from .formats.base import Format, SourceIndex, Target, TargetFile, iter_dir_name, numel, write_tracker
+from .formats.base import (Format, FormatOptions, SourceIndex, Target, TargetFile, iter_dir_name, numel,
+                           write_tracker)
 from .layout.rules import logical_tensors
-from .plan import DEFAULT_BUDGET, Plan, make_plan
+from .plan import DEFAULT_BUDGET, Plan, make_plan, split_chunks
 from .runtime import Runtime, human_bytes, peak_rss_bytes
 from .summary import RankStats, print_summary
 from .topology import Layout
@@ -38,13 +40,21 @@ class ReshardOptions:
     dtype: str = "keep"
     memory_budget: int = DEFAULT_BUDGET
     overwrite: bool = False
-    trust_pickle: bool = False
+    vocab_divisible_by: int | None = None
+    formats: FormatOptions = dataclasses.field(default_factory=FormatOptions)
 
 
 def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None,
-               trust_pickle: bool) -> tuple[Format, SourceIndex]:
-    fmt = detect_format(path, trust_pickle) if fmt_name == "auto" else get_format(fmt_name, trust_pickle)
+               options: FormatOptions) -> tuple[Format, SourceIndex]:
+    fmt = detect_format(path, options) if fmt_name == "auto" else get_format(fmt_name, options)
     return fmt, fmt.index(path, rt, vocab_size)
+
+
+def sliced(index: SourceIndex, files: list[TargetFile], budget: int) -> SourceIndex:
+    """The index with sliceable chunks cut to what each target piece needs (see plan.split_chunks)."""
+    if not any(c.sliceable for c in index.chunks):
+        return index
+    return dataclasses.replace(index, chunks=split_chunks(index.chunks, files, max(1, budget // 4)))
 
 
 def logical_numel(index: SourceIndex) -> dict[str, int]:
@@ -55,8 +65,13 @@ def source_dtypes(index: SourceIndex) -> dict[str, torch.dtype]:
     return {p.logical: c.dtype for c in index.chunks for p in c.pieces}
 
 
-def target_layout(opts: ReshardOptions, index: SourceIndex) -> Layout:
+def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> Layout:
     src = index.layout
+    if not dst_fmt.iteration_dirs:  # hf: unsharded
+        if (opts.target_tp or 1) != 1 or (opts.target_pp or 1) != 1:
+            raise ConvertError(f"--dst-format {dst_fmt.name} stores unsharded tensors; TP/PP do not apply",
+                               "drop --target-tp/--target-pp (or set them to 1)")
+        return Layout(1, 1)
     pp = opts.target_pp or src.pp
     same_pp = pp == src.pp
     first = opts.target_first if opts.target_first is not None else (src.first if same_pp else None)
@@ -67,9 +82,9 @@ def target_layout(opts: ReshardOptions, index: SourceIndex) -> Layout:
     return layout
 
 
-def check_vocab(opts: ReshardOptions, index: SourceIndex, layout: Layout) -> None:
+def check_vocab(opts: ReshardOptions, index: SourceIndex, cfg: ModelConfig, layout: Layout) -> None:
     known = opts.vocab_size or getattr(index.args, "vocab_size", None)
-    if not known and index.cfg.padded_vocab(layout.tp) != index.cfg.vocab_size:
+    if not known and cfg.padded_vocab(layout.tp) != index.cfg.vocab_size:
         raise ConvertError(
             f"the true vocabulary size is unknown (args give only padded_vocab_size={index.cfg.vocab_size}) and "
             f"TP={layout.tp} needs different padding",
@@ -108,15 +123,21 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         raise ConvertError(f"target {opts.dst} already exists", "pass --overwrite to replace it or choose another DST")
     if opts.dtype not in DTYPES:
         raise ConvertError(f"unknown --dtype {opts.dtype}", f"use one of {', '.join(DTYPES)}")
-    src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.trust_pickle)
-    dst_fmt = get_format(opts.dst_format or src_fmt.name, opts.trust_pickle)
-    layout = target_layout(opts, index)
-    check_vocab(opts, index, layout)
-    cfg = index.cfg.replace(spec=opts.target_spec or index.cfg.spec)
+    src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
+    dst_fmt = get_format(opts.dst_format or src_fmt.name, opts.formats)
+    layout = target_layout(opts, index, dst_fmt)
+    cfg = index.cfg.replace(spec=opts.target_spec or index.cfg.spec,
+                            make_vocab_size_divisible_by=opts.vocab_divisible_by or index.cfg.make_vocab_size_divisible_by)
+    if dst_fmt.iteration_dirs:
+        check_vocab(opts, index, cfg, layout)
+    elif not (opts.vocab_size or getattr(index.args, "vocab_size", None)):
+        index.notes.append(f"the true vocabulary size is unknown: exporting all {cfg.vocab_size} (padded) rows; "
+                           "pass --vocab-size to strip the padding")
     dtype = DTYPES[opts.dtype]
     args = args_for_target(index.args, cfg, layout.tp, layout.pp, layout.first, layout.last, dtype)
     target = Target(cfg, layout, dtype, args, index.iteration)
     files = dst_fmt.target_files(target, source_dtypes(index))
+    index = sliced(index, files, opts.memory_budget)
     plan = make_plan(index.chunks, files, rt.world, opts.memory_budget, logical_numel(index))
     rt.log(f"[bold]reshard[/] {index.format} {index.layout} -> {dst_fmt.name} {layout}  "
            f"({len(index.chunks)} source chunks, {human_bytes(index.nbytes)}; {len(files)} target files; "
@@ -142,9 +163,9 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
 def _convert_into(tmp: Path, target: Target, index: SourceIndex, src_fmt: Format, dst_fmt: Format,
                   files: list[TargetFile], plan: Plan, rt: Runtime) -> tuple[dict[str, int], float, list[TargetFile]]:
     """Collective: exchange and write this rank's files, then rank 0 writes metadata and tracker last."""
-    tmp_iter = tmp / iter_dir_name(index.iteration)
+    tmp_iter = tmp / iter_dir_name(index.iteration) if dst_fmt.iteration_dirs else tmp
     if rt.rank == 0:
-        tmp_iter.mkdir()
+        tmp_iter.mkdir(exist_ok=True)
     rt.barrier()
     my_files = [files[i] for i in plan.files_of(rt.rank)]
     data = allocate_targets(my_files)
@@ -156,6 +177,7 @@ def _convert_into(tmp: Path, target: Target, index: SourceIndex, src_fmt: Format
     rt.barrier()
     if rt.rank == 0:
         dst_fmt.finalize(target, tmp_iter, rt)
-        write_tracker(tmp, index.iteration)
+        if dst_fmt.iteration_dirs:
+            write_tracker(tmp, index.iteration)
     rt.barrier()
     return counters, write_s, my_files

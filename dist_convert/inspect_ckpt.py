@@ -9,14 +9,15 @@ from pathlib import Path
 from rich.table import Table
 
 from .convert import load_index
+from .formats.base import FormatOptions
 from .layout.rules import logical_tensors
 from rich.console import Console
 
 from .runtime import Runtime, human_bytes
 
 
-def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, trust_pickle: bool) -> dict:
-    _, index = load_index(path, fmt, rt, vocab_size, trust_pickle)
+def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options: FormatOptions) -> dict:
+    _, index = load_index(path, fmt, rt, vocab_size, options)
     dtypes = Counter(str(c.dtype).replace("torch.", "") for c in index.chunks)
     return {
         "path": str(index.iter_dir),

@@ -2,8 +2,9 @@
 transfers and writes, in waves that respect a memory budget. No processes, no I/O."""
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -85,16 +86,73 @@ def select_source(chunks: list[SourceChunk], logical_numel: dict[str, int]) -> d
 
 
 def balance(sizes: dict[int, int], world: int, load: list[int] | None = None,
-         prefer: dict[int, int] | None = None) -> dict[int, int]:
-    """Largest-first greedy balance of items over ranks; ties go to the preferred rank."""
+            prefer: dict[int, int] | None = None, home: set[int] = frozenset(), cap: float = 0.0) -> dict[int, int]:
+    """Largest-first greedy balance of items over ranks; ties go to the preferred rank. Items in
+    ``home`` go to their preferred rank as long as its load stays within ``cap``."""
     load = load if load is not None else [0] * world
     owner = {}
     for item in sorted(sizes, key=lambda i: (-sizes[i], i)):
         pref = (prefer or {}).get(item)
-        best = min(range(world), key=lambda r: (load[r], r != pref, r))
+        if item in home and pref is not None and load[pref] + sizes[item] <= cap:
+            best = pref
+        else:
+            best = min(range(world), key=lambda r: (load[r], r != pref, r))
         owner[item] = best
         load[best] += sizes[item]
     return owner
+
+
+def split_chunks(chunks: list[SourceChunk], files: list[TargetFile], max_bytes: int) -> list[SourceChunk]:
+    """Cut each sliceable chunk at the boundaries of the target pieces it feeds, then into row blocks
+    of at most ``max_bytes``, so that a rank reads just the rows or columns one target needs and no
+    read exceeds the wave budget. Other chunks pass through; ids are renumbered."""
+    wanted: dict[str, list[Box]] = defaultdict(list)
+    for f in files:
+        for t in f.tensors:
+            for p in t.pieces:
+                wanted[p.logical].append(p.lbox)
+    out: list[SourceChunk] = []
+    for c in chunks:
+        if not c.sliceable:
+            out.append(replace(c, id=len(out)))
+            continue
+        cuts = [{0, n} for n in c.shape]
+        for sp in c.pieces:
+            for lbox in wanted.get(sp.logical, ()):
+                inter = sp.lbox.intersect(lbox)
+                if inter is not None:
+                    b = piece_box(sp, inter)
+                    for d, (o, n) in enumerate(zip(b.offsets, b.sizes)):
+                        cuts[d] |= {o, o + n}
+        spans = [list(itertools.pairwise(sorted(s))) for s in cuts]
+        for cell in itertools.product(*spans):
+            for box in _row_blocks(Box(tuple(a for a, _ in cell), tuple(b - a for a, b in cell)),
+                                   c.dtype.itemsize, max_bytes):
+                out.append(_sub_chunk(c, box, len(out)))
+    return out
+
+
+def _row_blocks(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
+    row = itemsize * (box.numel // box.sizes[0]) if box.sizes and box.sizes[0] else 0
+    if not row or row * box.sizes[0] <= max_bytes:
+        return [box]
+    per = max(1, max_bytes // row)
+    rest_o, rest_n = box.offsets[1:], box.sizes[1:]
+    return [Box((o,) + rest_o, (min(per, box.offsets[0] + box.sizes[0] - o),) + rest_n)
+            for o in range(box.offsets[0], box.offsets[0] + box.sizes[0], per)]
+
+
+def _sub_chunk(c: SourceChunk, box: Box, cid: int) -> SourceChunk:
+    """The part ``box`` (chunk coordinates) of chunk ``c``, with its pieces."""
+    pieces = []
+    for sp in c.pieces:
+        inter = sp.sbox.intersect(box)
+        if inter is not None:
+            lbox = Box(tuple(lo + i - so for lo, i, so in zip(sp.lbox.offsets, inter.offsets, sp.sbox.offsets)),
+                       inter.sizes)
+            pieces.append(Piece(sp.logical, lbox, inter.relative_to(box)))
+    base = c.offsets or (0,) * len(c.shape)
+    return replace(c, id=cid, shape=box.sizes, pieces=pieces, offsets=tuple(a + b for a, b in zip(base, box.offsets)))
 
 
 def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, budget: int,
@@ -122,7 +180,10 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
                 raw[cid].append((fid, j, piece_box(sp, inter), piece_box(tp, inter), nbytes, dtype))
                 consumer_bytes[cid][writer_of[fid]] += nbytes
     prefer = {cid: max(cb, key=cb.get) for cid, cb in consumer_bytes.items()}
-    reader_of = balance({cid: by_id[cid].nbytes for cid in kept}, world, prefer=prefer)
+    sizes = {cid: by_id[cid].nbytes for cid in kept}
+    # sliceable chunks were cut per consumer: read each where it is written, within 15% of a fair share
+    home = {cid for cid in kept if by_id[cid].sliceable}
+    reader_of = balance(sizes, world, prefer=prefer, home=home, cap=1.15 * sum(sizes.values()) / world)
     read_bytes = [0] * world
     for cid, r in reader_of.items():
         read_bytes[r] += by_id[cid].nbytes

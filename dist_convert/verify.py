@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from .convert import load_index, logical_numel, source_dtypes
+from .convert import load_index, logical_numel, sliced, source_dtypes
 from .errors import ConvertError
 from .exchange import allocate_targets, execute
-from .formats.base import SourceIndex, TargetFile, TargetTensor, numel
+from .formats.base import FormatOptions, SourceIndex, TargetFile, TargetTensor, numel
 from .layout.boxes import Box, Piece
 from .layout.rules import logical_tensors
 from .plan import DEFAULT_BUDGET, balance, make_plan
@@ -37,6 +37,7 @@ def logical_files(index: SourceIndex, names: list[str]) -> list[TargetFile]:
 def _gather_logical(index: SourceIndex, fmt, names: list[str], writer_of: dict[int, int], rt: Runtime,
                     budget: int) -> dict[str, torch.Tensor]:
     files = logical_files(index, names)
+    index = sliced(index, files, budget)
     plan = make_plan(index.chunks, files, rt.world, budget, logical_numel(index), writer_of=writer_of)
     mine = [files[i] for i in plan.files_of(rt.rank)]
     data = allocate_targets(mine)
@@ -63,10 +64,11 @@ def compare(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> str |
 
 
 def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: str = "auto", atol: float = 0.0,
-           rtol: float = 0.0, vocab_size: int | None = None, trust_pickle: bool = False,
+           rtol: float = 0.0, vocab_size: int | None = None, options: FormatOptions | None = None,
            budget: int = DEFAULT_BUDGET) -> list[Mismatch]:
-    fa, ia = load_index(path_a, fmt_a, rt, vocab_size, trust_pickle)
-    fb, ib = load_index(path_b, fmt_b, rt, vocab_size, trust_pickle)
+    options = options or FormatOptions()
+    fa, ia = load_index(path_a, fmt_a, rt, vocab_size, options)
+    fb, ib = load_index(path_b, fmt_b, rt, vocab_size, options)
     ta, tb = logical_tensors(ia.cfg), logical_tensors(ib.cfg)
     mismatches = [Mismatch(n, "only in A") for n in ta if n not in tb]
     mismatches += [Mismatch(n, "only in B") for n in tb if n not in ta]

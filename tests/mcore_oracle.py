@@ -22,7 +22,8 @@ Config JSON uses Megatron-LM argparse names: num_layers, hidden_size, ffn_hidden
 num_attention_heads, num_query_groups, kv_channels, swiglu, normalization, add_bias_linear,
 add_qkv_bias, untie_embeddings_and_output_weights, vocab_size (true vocab),
 make_vocab_size_divisible_by, position_embedding_type, max_position_embeddings, seq_length,
-qk_layernorm, and optionally norm_epsilon, rotary_base, rotary_percent.
+qk_layernorm, and optionally norm_epsilon, rotary_base, rotary_percent, use_rope_scaling,
+rope_scaling_factor (Llama-3 RoPE scaling).
 """
 
 import argparse
@@ -201,6 +202,8 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True):
         position_embedding_type=cfg["position_embedding_type"],
         rotary_percent=cfg["rotary_percent"],
         rotary_base=cfg["rotary_base"],
+        rope_scaling=cfg.get("use_rope_scaling", False),
+        rope_scaling_factor=cfg.get("rope_scaling_factor", 8.0),
     )
     return model
 

@@ -4,26 +4,27 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ConvertError
-from .base import Format
+from .base import Format, FormatOptions
+from .hf import HFFormat
 from .megatron import MegatronFormat
 from .torch_dist import TorchDistFormat
 
-FORMATS: dict[str, type] = {f.name: f for f in (TorchDistFormat, MegatronFormat)}
+FORMATS: dict[str, type] = {f.name: f for f in (TorchDistFormat, MegatronFormat, HFFormat)}
 
 
-def get_format(name: str, trust_pickle: bool = False) -> Format:
+def get_format(name: str, options: FormatOptions | None = None) -> Format:
     if name not in FORMATS:
         raise ConvertError(f"unknown format {name!r}", f"use one of: {', '.join(FORMATS)}")
-    return FORMATS[name](trust_pickle)
+    return FORMATS[name](options)
 
 
-def detect_format(path: Path, trust_pickle: bool = False) -> Format:
+def detect_format(path: Path, options: FormatOptions | None = None) -> Format:
     if not path.exists():
         raise ConvertError(f"checkpoint {path} does not exist", "check the SRC path")
     for cls in FORMATS.values():
-        fmt = cls(trust_pickle)
+        fmt = cls(options)
         if fmt.detect(path):
             return fmt
     raise ConvertError(f"{path} is not a checkpoint in a known format ({', '.join(FORMATS)})",
-                       "point at the checkpoint root (with latest_checkpointed_iteration.txt) or an iter_* "
-                       "directory, or pass --src-format")
+                       "point at the checkpoint root (with latest_checkpointed_iteration.txt), an iter_* "
+                       "directory or a Hugging Face model directory, or pass --src-format")

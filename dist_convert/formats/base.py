@@ -40,6 +40,7 @@ class SourceChunk:
     dtype: torch.dtype
     pieces: list[Piece]
     offsets: tuple[int, ...] | None = None  # DCP: chunk offset in the stored global tensor
+    sliceable: bool = False  # any box of it can be read on its own (safetensors): plan.split_chunks cuts it
 
     @property
     def nbytes(self) -> int:
@@ -89,6 +90,15 @@ class TargetFile:
 
 
 @dataclass(frozen=True)
+class FormatOptions:
+    """Reader/writer options from the command line (each format uses the ones it knows)."""
+
+    trust_pickle: bool = False  # allow arbitrary pickled objects in .pt files
+    max_shard_size: int = 5 * 10**9  # hf: bytes per written *.safetensors file
+    tokenizer_dir: Path | None = None  # hf: where tokenizer files to copy into the target live
+
+
+@dataclass(frozen=True)
 class Target:
     cfg: ModelConfig
     layout: Layout
@@ -99,6 +109,7 @@ class Target:
 
 class Format(Protocol):
     name: str
+    iteration_dirs: bool  # Megatron-LM layout: files under iter_NNNNNNN/ plus a tracker file
 
     def detect(self, path: Path) -> bool: ...
 
@@ -144,10 +155,12 @@ class IterDirFormat:
     """Shared by formats in Megatron-LM's layout (tracker file + iteration directory)."""
 
     name: str
+    iteration_dirs = True
     looks_like: Callable[[Path], bool]  # is ``path`` an iteration directory of this format?
 
-    def __init__(self, trust_pickle: bool = False) -> None:
-        self.trust_pickle = trust_pickle
+    def __init__(self, options: FormatOptions | None = None) -> None:
+        self.options = options or FormatOptions()
+        self.trust_pickle = self.options.trust_pickle
 
     def find(self, path: Path) -> tuple[Path, int | str] | None:
         return resolve_iter_dir(path, self.looks_like)

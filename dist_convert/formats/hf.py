@@ -1,0 +1,249 @@
+"""Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2, Qwen3): ``config.json`` plus
+``model.safetensors`` or ``model-XXXXX-of-YYYYY.safetensors`` shards with
+``model.safetensors.index.json``.
+
+HF keeps q/k/v and gate/up as separate tensors; megatron-core fuses them (``linear_qkv`` group-major:
+per query group its query heads, then its key, then its value; ``linear_fc1`` = [gate; up]). Here
+each HF tensor is described by pieces of the fused logical tensors, so import fuses and export splits
+through the same box algebra as every other reshard.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConvertError
+from ..layout.boxes import Box, Piece
+from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
+from ..runtime import Runtime
+from ..topology import Layout
+from .base import FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor
+from .hf_config import config_from_hf, hf_from_config
+from .safetensors_io import read_boxes, read_header, write_file
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed by every loader
+
+# HF name (per-layer suffix after ``model.layers.N.``) -> (megatron-core logical suffix, part of it)
+LAYER_NAMES: tuple[tuple[str, str, str | None], ...] = (
+    ("input_layernorm.weight", "input_layernorm.weight", None),
+    ("self_attn.q_proj.weight", "self_attention.linear_qkv.weight", "q"),
+    ("self_attn.k_proj.weight", "self_attention.linear_qkv.weight", "k"),
+    ("self_attn.v_proj.weight", "self_attention.linear_qkv.weight", "v"),
+    ("self_attn.q_proj.bias", "self_attention.linear_qkv.bias", "q"),
+    ("self_attn.k_proj.bias", "self_attention.linear_qkv.bias", "k"),
+    ("self_attn.v_proj.bias", "self_attention.linear_qkv.bias", "v"),
+    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", None),
+    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", None),
+    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", None),
+    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", None),
+    ("mlp.gate_proj.weight", "mlp.linear_fc1.weight", "gate"),
+    ("mlp.up_proj.weight", "mlp.linear_fc1.weight", "up"),
+    ("mlp.down_proj.weight", "mlp.linear_fc2.weight", None),
+)
+TOP_NAMES: tuple[tuple[str, str], ...] = (
+    ("model.embed_tokens.weight", EMBEDDING),
+    ("model.norm.weight", "decoder.final_layernorm.weight"),
+    ("lm_head.weight", OUTPUT),
+)
+
+
+def _rows(shape: tuple[int, ...], lo: int, n: int) -> Box:
+    return Box((lo,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]))
+
+
+def part_pieces(logical: str, lshape: tuple[int, ...], part: str | None, cfg) -> tuple[tuple[int, ...], list[Piece]]:
+    """Shape of the HF tensor holding ``part`` of a fused logical tensor, and its pieces."""
+    if part is None:
+        full = Box.full(lshape)
+        return lshape, [Piece(logical, full, full)]
+    if part in ("gate", "up"):
+        f = cfg.ffn_hidden_size
+        shape = (f,) + lshape[1:]
+        return shape, [Piece(logical, _rows(lshape, 0 if part == "gate" else f, f), Box.full(shape))]
+    d, groups = cfg.kv_channels, cfg.num_query_groups
+    per_group = cfg.num_attention_heads // groups  # query heads per group
+    n = per_group * d if part == "q" else d
+    start = {"q": 0, "k": per_group * d, "v": (per_group + 1) * d}[part]
+    shape = (groups * n,) + lshape[1:]
+    return shape, [Piece(logical, _rows(lshape, g * (per_group + 2) * d + start, n), _rows(shape, g * n, n))
+                   for g in range(groups)]
+
+
+def hf_tensors(cfg) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
+    """Pure: every tensor of the HF checkpoint of ``cfg``: name -> (shape, pieces), in HF order."""
+    logical = logical_tensors(cfg)
+    out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
+    top = dict(TOP_NAMES)
+    out["model.embed_tokens.weight"] = part_pieces(EMBEDDING, logical[EMBEDDING].shape, None, cfg)
+    for layer in range(cfg.num_layers):
+        for hf_suffix, suffix, part in LAYER_NAMES:
+            name = f"{LAYER_PREFIX}{layer}.{suffix}"
+            if name in logical:
+                out[f"model.layers.{layer}.{hf_suffix}"] = part_pieces(name, logical[name].shape, part, cfg)
+    for hf_name in ("model.norm.weight", "lm_head.weight"):
+        if top[hf_name] in logical:
+            out[hf_name] = part_pieces(top[hf_name], logical[top[hf_name]].shape, None, cfg)
+    return out
+
+
+def _looks_like(path: Path) -> bool:
+    return path.is_dir() and (path / CONFIG).is_file() and (
+        (path / INDEX).is_file() or any(path.glob("*.safetensors")))
+
+
+def shard_files(path: Path) -> list[str]:
+    """The safetensors files of a checkpoint, checking that every shard the index names exists."""
+    if (path / INDEX).is_file():
+        try:
+            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConvertError(f"{path / INDEX} is not a valid safetensors index ({e!r})",
+                               "re-download the model or remove the broken index file") from None
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not (path / f).is_file():
+                raise ConvertError(f"{INDEX} names shard {f}, which is missing in {path}",
+                                   "download or copy every shard of the model")
+        return files
+    if (path / SINGLE).is_file():
+        return [SINGLE]
+    return sorted(p.name for p in path.glob("*.safetensors"))
+
+
+def pack_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Pure: consecutive tensors grouped into shards of at most ``max_bytes`` (a bigger tensor alone)."""
+    shards: list[list[str]] = []
+    used = 0
+    for name, n in sizes:
+        if not shards or (used + n > max_bytes and shards[-1]):
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += n
+    return shards
+
+
+class HFFormat:
+    name = "hf"
+    iteration_dirs = False
+
+    def __init__(self, options: FormatOptions | None = None) -> None:
+        self.options = options or FormatOptions()
+        self._files: list[TargetFile] = []
+
+    def detect(self, path: Path) -> bool:
+        return _looks_like(path)
+
+    def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
+        result: Any = None
+        if rt.rank == 0:
+            try:
+                result = self._index(path, vocab_size)
+            except ConvertError as e:
+                result = e
+        result = rt.broadcast_object(result)
+        if isinstance(result, ConvertError):
+            raise result
+        return result
+
+    def _index(self, path: Path, vocab_size: int | None) -> SourceIndex:
+        if not (path / CONFIG).is_file():
+            raise ConvertError(f"{path} has no {CONFIG}", "point SRC at a Hugging Face model directory")
+        try:
+            hf = json.loads((path / CONFIG).read_text())
+        except json.JSONDecodeError as e:
+            raise ConvertError(f"{path / CONFIG} is not valid JSON ({e})", "restore the model's config.json") from None
+        cfg, args, notes = config_from_hf(hf, None)
+        if vocab_size is not None and vocab_size != cfg.vocab_size:
+            raise ConvertError(f"--vocab-size {vocab_size} disagrees with vocab_size={cfg.vocab_size} in {CONFIG}",
+                               "drop --vocab-size: Hugging Face checkpoints state their vocabulary size")
+        args.tokenizer_model = str(path.resolve())
+        found: dict[str, tuple[str, torch.dtype, tuple[int, ...]]] = {}
+        for f in shard_files(path):
+            for key, (dtype, shape) in read_header(path / f).items():
+                if key in found:
+                    raise ConvertError(f"tensor {key} is stored in both {found[key][0]} and {f}",
+                                       "remove stray *.safetensors files from the model directory")
+                found[key] = (f, dtype, shape)
+        expected = hf_tensors(cfg)
+        ignored = sorted(k for k in found if k.endswith(IGNORED_SUFFIXES))
+        if ignored:
+            notes.append(f"skipped {len(ignored)} rotary inv_freq buffers (recomputed by every loader)")
+        if cfg.tied and "lm_head.weight" in found:  # a stored copy of the tied embedding: a replica
+            expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+        unknown = sorted(set(found) - set(expected) - set(ignored))
+        missing = sorted(set(expected) - set(found))
+        if unknown:
+            raise ConvertError(f"{path}: tensors not in a {hf['architectures'][0]} with this config.json: "
+                               f"{unknown[:3]}{' ...' if len(unknown) > 3 else ''}",
+                               "the weights belong to another architecture or config; use the matching config.json")
+        if missing:
+            raise ConvertError(f"{path}: missing tensors {missing[:3]}{' ...' if len(missing) > 3 else ''}",
+                               "download or copy every shard of the model")
+        chunks = []
+        for key, (shape, pieces) in expected.items():
+            f, dtype, have = found[key]
+            if tuple(have) != tuple(shape):
+                raise ConvertError(f"{f}: {key} has shape {tuple(have)} but {CONFIG} implies {tuple(shape)}",
+                                   "config.json and the weights disagree; use the config saved with these weights")
+            chunks.append(SourceChunk(len(chunks), f, key, shape, dtype, pieces, (0,) * len(shape), sliceable=True))
+        return SourceIndex(self.name, path, "release", args, cfg, Layout(1, 1), chunks, notes)
+
+    def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
+        by_file: dict[str, list[SourceChunk]] = {}
+        for c in chunks:
+            by_file.setdefault(c.file, []).append(c)
+        out: dict[int, torch.Tensor] = {}
+        for f, group in by_file.items():
+            boxes = [(c.key, Box(c.offsets or (0,) * len(c.shape), c.shape)) for c in group]
+            for c, t in zip(group, read_boxes(index.iter_dir / f, boxes)):
+                out[c.id] = t
+        return out
+
+    def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
+        hf_from_config(target.cfg, target.args, target.dtype or torch.float32)  # refuses inexpressible models
+        tensors = {name: TargetTensor(name, shape, target.dtype or dtypes[pieces[0].logical], pieces)
+                   for name, (shape, pieces) in hf_tensors(target.cfg).items()}
+        shards = pack_shards([(n, t.nbytes) for n, t in tensors.items()], self.options.max_shard_size)
+        names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                   for i in range(len(shards))]
+        self._files = [TargetFile(i, name, [tensors[n] for n in shard]) for i, (name, shard) in
+                       enumerate(zip(names, shards))]
+        return self._files
+
+    def write(self, target: Target, out_dir: Path, files: list[TargetFile],
+              data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
+        for f in files:
+            write_file(out_dir / f.name, [(t.key, data[(f.id, j)]) for j, t in enumerate(f.tensors)])
+
+    def finalize(self, target: Target, out_dir: Path, rt: Runtime) -> None:
+        """Rank 0: the shard index, config.json and tokenizer files."""
+        files = self._files
+        dtypes = {t.dtype for f in files for t in f.tensors}
+        dtype = dtypes.pop() if len(dtypes) == 1 else (target.dtype or torch.float32)
+        if len(files) > 1:
+            weight_map = {t.key: f.name for f in files for t in f.tensors}
+            total = sum(f.nbytes for f in files)
+            (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                    indent=2))
+        tok = self.options.tokenizer_dir or _tokenizer_dir(target.args)
+        if tok is not None:
+            for name in TOKENIZER_FILES:
+                if (tok / name).is_file():
+                    shutil.copy2(tok / name, out_dir / name)
+        (out_dir / CONFIG).write_text(json.dumps(hf_from_config(target.cfg, target.args, dtype), indent=2))
+
+
+def _tokenizer_dir(args: Any) -> Path | None:
+    """The tokenizer directory the Megatron args name, when it is a local directory."""
+    name = getattr(args, "tokenizer_model", None)
+    return Path(name) if isinstance(name, str) and Path(name).is_dir() else None

@@ -42,8 +42,13 @@ def _gather_logical(index: SourceIndex, fmt, names: list[str], writer_of: dict[i
     mine = [files[i] for i in plan.files_of(rt.rank)]
     data = allocate_targets(mine)
     execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: fmt.read(index, cs), data,
-            what=f"reading {index.iter_dir.parent.name}")
+            what=f"reading {_label(index.iter_dir)}")
     return {f.name: data[(f.id, 0)] for f in mine}
+
+
+def _label(iter_dir: Path) -> str:
+    """The checkpoint's name: its root for Megatron-LM iteration directories, else the directory."""
+    return iter_dir.parent.name if iter_dir.name.startswith(("iter_", "release")) else iter_dir.name
 
 
 def compare(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> str | None:

@@ -35,4 +35,11 @@ run torchrun --nproc_per_node=4 tests/mcore_oracle.py compare --config "$DEMO/co
     --ckpt "$DEMO/tp1_pp4" --ref "$DEMO/src_torch_dist"
 run torchrun --nproc_per_node=2 tests/mcore_oracle.py compare --config "$DEMO/config.json" --tp 2 --pp 1 \
     --ckpt "$DEMO/tp2_pp1_megatron" --ref "$DEMO/src_torch_dist"
+
+echo "== 4. export to Hugging Face safetensors, import it back at TP=2, verify both"
+run torchrun --nproc_per_node=2 dist_convert reshard "$DEMO/tp1_pp4" "$DEMO/hf" --dst-format hf
+run torchrun --nproc_per_node=2 dist_convert reshard "$DEMO/hf" "$DEMO/from_hf_tp2" --target-tp 2 \
+    --dst-format torch_dist --target-spec local
+run torchrun --nproc_per_node=2 dist_convert verify "$DEMO/hf" "$DEMO/src_megatron"
+run torchrun --nproc_per_node=2 dist_convert verify "$DEMO/from_hf_tp2" "$DEMO/src_torch_dist"
 echo "quickstart OK: outputs in $DEMO/"

@@ -24,7 +24,8 @@ fi
 stamp=.venv/.dist_convert_setup
 want=$(cat pyproject.toml launch/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  "${PIP[@]}" "megatron-core==0.16.1" safetensors rich psutil numpy packaging pyyaml "pytest>=8"
+  "${PIP[@]}" "megatron-core==0.16.1" safetensors rich psutil numpy packaging pyyaml "pytest>=8" \
+    "transformers>=4.57,<5.15"  # tests: the Hugging Face oracle (and the range ModelOpt supports)
   "${PIP[@]}" --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi

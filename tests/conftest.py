@@ -33,6 +33,17 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
+def assert_refused(proc: subprocess.CompletedProcess, tmp_path: Path, *needles: str) -> None:
+    """Exactly one error line naming every needle, a non-zero exit, and no DST (tmp_path/dst) at all."""
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dist_convert: error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for n in needles:
+        assert n in errors[0], errors[0]
+    assert not (tmp_path / "dst").exists()
+    assert not list(tmp_path.glob("*.dist_convert_tmp"))
+
+
 def oracle(cmd: str, nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(torchrun(nproc, str(ORACLE), cmd, *args), cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=600)

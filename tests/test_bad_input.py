@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ok, run_cli
+from conftest import assert_refused, ok, run_cli
 
 ITER = "iter_0000100"
 
@@ -26,16 +26,6 @@ def edit_rank_file(rank_dir: str, edit):
         edit(ck)
         torch.save(ck, f)
     return fn
-
-
-def assert_refused(proc, tmp_path: Path, *needles: str) -> None:
-    assert proc.returncode != 0, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("dist_convert: error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    for n in needles:
-        assert n in errors[0], errors[0]
-    assert not (tmp_path / "dst").exists()
-    assert not list(tmp_path.glob("*.dist_convert_tmp"))
 
 
 def _set_arg(name, value):

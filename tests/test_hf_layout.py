@@ -120,3 +120,33 @@ def test_import_plan_reads_only_each_ranks_share(fmt, tp, pp):
     assert max(plan.read_bytes) <= 1.15 * total / 8
     remote = sum(t.nbytes for w in plan.waves for t in w.transfers if t.reader != t.writer)
     assert remote < 0.02 * plan.moved_bytes
+
+
+@pytest.mark.parametrize("fmt,layout,world", [(MegatronFormat, Layout(2, 2, first=2), 3), (TorchDistFormat, Layout(2, 1), 2),
+                                              (TorchDistFormat, Layout(1, 3), 4)])
+def test_split_sources_fill_every_target_exactly(fmt, layout, world):
+    """HF tensors cut by split_chunks (tiny blocks) and read as slices, planned and executed in
+    memory: every target tensor holds exactly the logical values (vocab padding zero)."""
+    from test_plan import logical_model, simulate
+
+    cfg, args, _ = config_from_hf(hf_config(architectures=["Qwen2ForCausalLM"], vocab_size=50), None)
+    cfg = cfg.replace(make_vocab_size_divisible_by=8)
+    model = logical_model(cfg)
+    stored, chunks = {}, []
+    for i, (name, (shape, pieces)) in enumerate(hf_tensors(cfg).items()):
+        stored[name] = torch.full(shape, float("nan"))
+        for p in pieces:
+            stored[name][p.sbox.slices()] = model[p.logical][p.lbox.slices()]
+        chunks.append(SourceChunk(i, "m.safetensors", name, shape, torch.float32, pieces, (0,) * len(shape), True))
+    files = fmt().target_files(Target(cfg, layout, None, args, "release"), {n: torch.float32 for n in model})
+    cut = split_chunks(chunks, files, 2048)
+    assert len(cut) > 3 * len(chunks) and max(c.nbytes for c in cut) <= 2048
+    data = {c.id: stored[c.key][tuple(slice(o, o + n) for o, n in zip(c.offsets, c.shape))] for c in cut}
+    plan = make_plan(cut, files, world, 16 << 10, {n: t.numel() for n, t in model.items()})
+    out = simulate(plan, files, data)
+    for f in files:
+        for j, t in enumerate(f.tensors):
+            expect = torch.zeros(t.shape)
+            for pc in t.pieces:
+                expect[pc.sbox.slices()] = model[pc.logical][pc.lbox.slices()].reshape(pc.sbox.sizes)
+            assert torch.equal(out[(f.id, j)], expect), (f.name, t.key)

@@ -143,8 +143,8 @@ def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtyp
     """``config.json`` for the model: the original HF config when the args carry one, updated."""
     fam = export_family(cfg, args)
     base = getattr(args, "hf_config", None)
-    hf: dict[str, Any] = copy.deepcopy(base) if isinstance(base, dict) and family_of_or_none(base) == fam else {}
-    theta = float(getattr(args, "rotary_base", 10000.0) or 10000.0)
+    same_family = isinstance(base, dict) and family_of_or_none(base) == fam
+    hf: dict[str, Any] = copy.deepcopy(base) if same_family else {}
     hf.update({
         "architectures": [fam.architecture], "model_type": fam.model_type, "hidden_act": "silu",
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
@@ -153,8 +153,8 @@ def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtyp
         "tie_word_embeddings": cfg.tied, "max_position_embeddings": int(cfg.max_position_embeddings or 4096),
     })
     hf.setdefault("rms_norm_eps", float(getattr(args, "norm_epsilon", 1e-5) or 1e-5))
-    if not base or family_of_or_none(base) != fam:
-        hf["rope_theta"] = theta
+    if not same_family:
+        hf["rope_theta"] = float(getattr(args, "rotary_base", 10000.0) or 10000.0)
         if getattr(args, "use_rope_scaling", False):
             hf["rope_scaling"] = {"rope_type": "llama3", "factor": float(getattr(args, "rope_scaling_factor", 8.0)),
                                   **_LLAMA3_FIXED}

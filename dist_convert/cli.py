@@ -1,4 +1,4 @@
-"""Command line: ``torchrun --nproc_per_node=N dist_convert <reshard|inspect|verify> ...``."""
+"""Command line: ``torchrun --nproc_per_node=N dist_convert <reshard|speculate|inspect|verify> ...``."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +61,27 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     _common(r)
 
+    s = sub.add_parser("speculate", help="add EAGLE draft layers or Medusa heads with ModelOpt, save sharded")
+    s.add_argument("src", type=Path)
+    s.add_argument("dst", type=Path)
+    s.add_argument("--src-format", choices=FORMAT_CHOICES, default="auto")
+    s.add_argument("--target-tp", type=int, default=None, help="default: the source TP")
+    s.add_argument("--target-pp", type=int, default=None, help="default: the source PP")
+    s.add_argument("--target-num-layers-in-first-stage", type=int, default=None, dest="target_first")
+    s.add_argument("--target-num-layers-in-last-stage", type=int, default=None, dest="target_last")
+    s.add_argument("--eagle-layers", type=int, default=None, help="EAGLE draft decoder layers")
+    s.add_argument("--eagle-version", type=int, default=3, choices=(1, 3),
+                   help="3: ModelOpt's EAGLE-3 defaults; 1: no aux hidden states, no last layernorm")
+    s.add_argument("--medusa-heads", type=int, default=None, help="Medusa heads")
+    s.add_argument("--medusa-layers", type=int, default=1, help="residual layers per Medusa head")
+    s.add_argument("--spec-config", type=Path, default=None,
+                   help='a full ModelOpt config: {"algorithm": "eagle"|"medusa", "config": {...}}')
+    s.add_argument("--export-draft", type=Path, default=None,
+                   help="also write the draft for serving engines (config.json + safetensors), offline")
+    s.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing DST / --export-draft")
+    _common(s)
+
     i = sub.add_parser("inspect", help="describe a checkpoint")
     i.add_argument("ckpt", type=Path)
     i.add_argument("--format", choices=FORMAT_CHOICES, default="auto")
@@ -86,6 +107,14 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
                               ns.target_first, ns.target_last, ns.target_spec, ns.vocab_size, ns.dtype,
                               ns.memory_budget, ns.overwrite, ns.vocab_divisible_by, formats)
         reshard(opts, rt)
+        return 0
+    if ns.cmd == "speculate":
+        from .speculative.command import SpeculateOptions, speculate
+        from .speculative.draft_config import DraftRequest
+        draft = DraftRequest(ns.eagle_layers, ns.eagle_version, ns.medusa_heads, ns.medusa_layers, ns.spec_config)
+        speculate(SpeculateOptions(ns.src, ns.dst, draft, ns.src_format, ns.target_tp, ns.target_pp, ns.target_first,
+                                   ns.target_last, ns.export_draft, ns.dtype, ns.vocab_size, ns.memory_budget,
+                                   ns.overwrite, FormatOptions(ns.trust_pickle)), rt)
         return 0
     if ns.cmd == "inspect":
         from .inspect_ckpt import describe, print_description

@@ -93,6 +93,15 @@ def init_runtime(backend: str = "auto", timeout_s: float = 1800.0) -> Runtime:
                    backend=backend)
 
 
+def ensure_process_group(rt: Runtime) -> None:
+    """Libraries that need torch.distributed (megatron-core) also run in one process without
+    torchrun: a one-rank gloo group over an in-memory store."""
+    if rt.distributed:
+        return
+    dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rt.group, rt.backend = dist.group.WORLD, "gloo"
+
+
 def peak_rss_bytes() -> int:
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb * 1024 if sys.platform != "darwin" else kb

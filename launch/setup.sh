@@ -25,7 +25,7 @@ stamp=.venv/.dist_convert_setup
 want=$(cat pyproject.toml launch/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${PIP[@]}" "megatron-core==0.16.1" safetensors rich psutil numpy packaging pyyaml "pytest>=8" \
-    "transformers>=4.57,<5.15"  # tests: the Hugging Face oracle (and the range ModelOpt supports)
+    "transformers>=4.57,<5.15" "nvidia-modelopt==0.47.0" requests huggingface_hub  # speculate + test oracles
   "${PIP[@]}" --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi

@@ -1,0 +1,129 @@
+"""``speculate``: load a GPT checkpoint into megatron-core at the target layout on every rank, add
+EAGLE draft layers or Medusa heads with ModelOpt, collectively, and save a sharded torch_dist
+checkpoint plus ``modelopt_state`` from which megatron-core + ModelOpt resume training."""
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig, args_for_target
+from ..convert import (DTYPES, ReshardOptions, check_vocab, commit_dst, load_index,
+                       logical_numel, prepare_dst, source_dtypes, target_layout)
+from ..errors import ConvertError
+from ..formats import get_format
+from ..formats.base import Format, FormatOptions, SourceIndex, iter_dir_name, resolve_iter_dir, write_tracker
+from ..plan import DEFAULT_BUDGET
+from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes
+from ..summary import RankStats, print_summary
+from ..topology import Layout
+from .draft_config import DraftRequest, speculative_config
+
+
+@dataclass
+class SpeculateOptions:
+    src: Path
+    dst: Path
+    draft: DraftRequest
+    src_format: str = "auto"
+    target_tp: int | None = None
+    target_pp: int | None = None
+    target_first: int | None = None
+    target_last: int | None = None
+    export_draft: Path | None = None
+    dtype: str = "keep"
+    vocab_size: int | None = None
+    memory_budget: int = DEFAULT_BUDGET
+    overwrite: bool = False
+    formats: FormatOptions = field(default_factory=FormatOptions)
+
+
+def existing_algorithms(src: Path) -> list[str]:
+    """ModelOpt modes already applied to a checkpoint (its ``modelopt_state``), [] for a base model."""
+    found = resolve_iter_dir(src, lambda p: (p / "modelopt_state").is_dir()) if src.is_dir() else None
+    if found is None:
+        return []
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load_common_state_dict(str(found[0] / "modelopt_state"))
+    return [str(mode) for mode, _ in state.get("modelopt_state_dict", [])]
+
+
+def _dominant_dtype(dtypes: dict[str, torch.dtype]) -> torch.dtype:
+    counts: dict[torch.dtype, int] = {}
+    for d in dtypes.values():
+        counts[d] = counts.get(d, 0) + 1
+    return max(counts, key=counts.get)
+
+
+def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
+    t0 = time.perf_counter()
+    for path, flag in ((opts.dst, "DST"), (opts.export_draft, "--export-draft")):
+        if path is not None and path.exists() and not opts.overwrite:
+            raise ConvertError(f"{flag} {path} already exists", "pass --overwrite to replace it or choose another path")
+    if opts.dtype not in DTYPES:
+        raise ConvertError(f"unknown --dtype {opts.dtype}", f"use one of {', '.join(DTYPES)}")
+    present = existing_algorithms(opts.src) if rt.rank == 0 else None
+    present = rt.broadcast_object(present)
+    if present:
+        raise ConvertError(f"{opts.src} is already a speculative model ({', '.join(present)} applied by ModelOpt)",
+                           "start from the base checkpoint (speculate adds one draft to a base model)")
+    reshard_opts = ReshardOptions(opts.src, opts.dst, opts.src_format, "torch_dist", opts.target_tp, opts.target_pp,
+                                  opts.target_first, opts.target_last, "local", opts.vocab_size, opts.dtype,
+                                  opts.memory_budget, opts.overwrite, formats=opts.formats)
+    src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
+    layout = target_layout(reshard_opts, index, get_format("torch_dist"))
+    cfg = index.cfg.replace(spec="local")
+    check_vocab(reshard_opts, index, cfg, layout)
+    if rt.world % (layout.tp * layout.pp):
+        raise ConvertError(f"world size {rt.world} is not a multiple of target TP x PP = {layout.tp * layout.pp}",
+                           f"launch a multiple of {layout.tp * layout.pp} processes (--nproc_per_node) or change "
+                           "--target-tp/--target-pp")
+    dtype = DTYPES[opts.dtype] or _dominant_dtype(source_dtypes(index))
+    algo, spec_cfg = speculative_config(opts.draft, cfg, index.args, dtype)
+    args = args_for_target(index.args, cfg, layout.tp, layout.pp, layout.first, layout.last, dtype)
+    rt.log(f"[bold]speculate[/] {index.format} {index.layout} -> torch_dist {layout} + {algo} "
+           f"({human_bytes(index.nbytes)}; {rt.world} ranks, data-parallel {rt.world // (layout.tp * layout.pp)})")
+    for note in index.notes:
+        rt.log(f"note: {note}")
+
+    ensure_process_group(rt)
+    try:
+        return _run(opts, rt, index, src_fmt, cfg, args, layout, dtype, algo, spec_cfg, t0)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+
+
+def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Format, cfg: ModelConfig,
+         args: argparse.Namespace, layout: Layout, dtype: torch.dtype, algo: str, spec_cfg: dict, t0: float) -> dict:
+    from .runner import build_and_convert, export_draft, save_speculative
+
+    model, plan, counters = build_and_convert(index, src_fmt, cfg, args, layout, dtype, algo, spec_cfg, rt,
+                                              opts.memory_budget, logical_numel(index))
+    tmp = prepare_dst(opts.dst, rt)
+    tw = time.perf_counter()
+    try:
+        save_speculative(model, tmp / iter_dir_name(index.iteration), args, index.iteration, rt)
+        if rt.rank == 0:
+            write_tracker(tmp, index.iteration)
+        rt.barrier()
+    except BaseException:
+        if rt.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_dst(tmp, opts.dst, rt)
+    if opts.export_draft is not None:
+        export_draft(model, algo, cfg, args, dtype, opts.export_draft, rt)
+    write_s = time.perf_counter() - tw
+    written = sum(f.stat().st_size for f in (opts.dst / iter_dir_name(index.iteration)).glob(f"__{rt.rank}_*.distcp"))
+    mine = RankStats(rt.rank, 1, counters["tensors"], counters["read"], written, counters["sent"],
+                     counters["received"], write_s, time.perf_counter() - t0, peak_rss_bytes())
+    print_summary(rt, rt.all_gather_object(mine), f"wrote {opts.dst} (torch_dist + modelopt_state {algo}, {layout})")
+    return {"algorithm": algo, "config": spec_cfg, "plan": plan}
+

@@ -1,0 +1,69 @@
+"""The megatron-core + ModelOpt side of ``speculate``: build, fill, convert, save, export."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ModelConfig
+from ..convert import sliced
+from ..formats.base import Format, SourceIndex
+from ..plan import Plan
+from ..runtime import Runtime
+from ..topology import Layout
+from .base_model import build_base_model, fill_base_weights, init_model_parallel, rank_files
+from .modelopt_compat import cpu_stand_ins, use_local_layers_without_te
+
+CHECKPOINT_VERSION = 3.0
+
+
+def build_and_convert(index: SourceIndex, fmt: Format, cfg: ModelConfig, args: argparse.Namespace, layout: Layout,
+                      dtype: torch.dtype, algo: str, spec_cfg: dict[str, Any], rt: Runtime, budget: int,
+                      logical_numel: dict[str, int]) -> tuple[Any, Plan, dict[str, int]]:
+    """Collective: every rank's speculative model, base weights from the source."""
+    import modelopt.torch.speculative as mtsp
+
+    use_local_layers_without_te()
+    tp_rank, pp_rank = init_model_parallel(layout)
+    coords = rt.all_gather_object((tp_rank, pp_rank))
+    index = sliced(index, rank_files(cfg, layout, coords, dtype), budget)
+    with cpu_stand_ins():
+        model = build_base_model(cfg, args, layout, dtype)
+        plan, counters = fill_base_weights(model, index, fmt, cfg, layout, dtype, rt, coords, budget, logical_numel)
+        rt.log(f"converting to {algo} with ModelOpt")
+        mtsp.convert(model, [(algo, spec_cfg)])
+    return model, plan, counters
+
+
+def sharded_metadata() -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+
+
+def save_speculative(model: Any, iter_dir: Path, args: argparse.Namespace, iteration: int | str, rt: Runtime) -> None:
+    """Collective: megatron-core's torch_dist save of the whole speculative model (Megatron-LM's
+    checkpoint layout) and ModelOpt's sharded ``modelopt_state`` beside it."""
+    from megatron.core import dist_checkpointing
+    from modelopt.torch.opt.plugins.mcore_dist_checkpointing import save_sharded_modelopt_state
+
+    if rt.rank == 0:
+        iter_dir.mkdir(parents=True)
+    rt.barrier()
+    content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    state = {"model": model.sharded_state_dict(metadata=sharded_metadata()), "args": args,
+             "iteration": 0 if iteration == "release" else iteration, "checkpoint_version": CHECKPOINT_VERSION,
+             "content_metadata": content}
+    with cpu_stand_ins():
+        dist_checkpointing.save(state, str(iter_dir), content_metadata=content)
+        save_sharded_modelopt_state([model], str(iter_dir))
+
+
+def export_draft(model: Any, algo: str, cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype,
+                 out: Path, rt: Runtime) -> None:
+    from .draft_export import export_draft as _export
+
+    _export(model, algo, cfg, args, dtype, out, rt)

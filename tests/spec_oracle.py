@@ -1,0 +1,176 @@
+"""Independent oracle for speculative checkpoints: megatron-core + ModelOpt only (never dist_convert).
+
+  torchrun --nproc_per_node=TP*PP tests/spec_oracle.py check --config C.json --tp T --pp P \
+      --algo eagle|medusa --ckpt SPECULATIVE_DIR --ref BASE_TORCH_DIST_DIR
+
+In a fresh process group: builds the base GPTModel (megatron-core local spec), restores the ModelOpt
+state saved in CKPT, loads CKPT strictly (every key of the speculative model, no unexpected ones),
+and checks that
+  * every base weight equals the base checkpoint REF loaded by megatron-core at the same layout;
+  * the draft weights are real (finite, not all zero) and TP-replicated draft tensors agree;
+  * (PP=1) a forward pass runs: base logits, a finite training loss with labels, and draft tokens
+    from ModelOpt's pseudo speculative generation.
+Prints "SPEC ORACLE OK ..." on success and exits 0; prints MISMATCH lines and exits 1 otherwise.
+"""
+import argparse
+import contextlib
+import os
+import sys
+
+import mcore_oracle as mo
+
+
+def local_layers_without_te():
+    """The substitutions ModelOpt's EAGLE plugin needs without Transformer Engine (FIELD_NOTES)."""
+    try:
+        import transformer_engine  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    from megatron.core import parallel_state
+    from megatron.core.post_training.modelopt import layers
+    from megatron.core.post_training.modelopt.gpt import model_specs
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from modelopt.torch.speculative.plugins import megatron_eagle
+
+    class Replicated(layers.Linear):
+        def __init__(self, input_size, output_size, *, parallel_mode, config, init_method, bias=True,
+                     skip_bias_add=False, skip_weight_param_allocation=False, **_):
+            super().__init__(input_size, output_size, config=config, init_method=init_method, bias=bias,
+                             skip_bias_add=skip_bias_add, skip_weight_param_allocation=skip_weight_param_allocation,
+                             tp_group=parallel_state.get_tensor_model_parallel_group())
+
+    @contextlib.contextmanager
+    def no_cp(*_a, **_k):
+        yield
+
+    megatron_eagle.TELinear = Replicated
+    megatron_eagle.TENorm = WrappedTorchNorm
+    megatron_eagle.te_dot_product_attention_with_cp = no_cp
+    model_specs.Norm = WrappedTorchNorm
+    model_specs.TEDotProductAttention = DotProductAttention
+
+
+def sharded_sd(model):
+    from megatron.core import parallel_state
+
+    return model.sharded_state_dict(
+        metadata={"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)})
+
+
+def restore(cfg, a):
+    import modelopt.torch.opt as mto
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    iterdir = mo.resolve_iter_dir(a.ckpt)
+    model = mo.build_model(cfg, a.tp, a.pp, parallel_output=True)
+    mo.randomize(model, cfg, 4_000_037)
+    state = dist_checkpointing.load_common_state_dict(os.path.join(iterdir, "modelopt_state"))
+    modes = [m for m, _ in state["modelopt_state_dict"]]
+    model = mto.restore_from_modelopt_state(model, state)
+    mo.randomize(model, cfg, 5_000_011)  # draft modules too: an unloaded tensor cannot pass below
+    loaded = dist_checkpointing.load({"model": sharded_sd(model)}, iterdir, strict=StrictHandling.RAISE_ALL)
+    res = model.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
+    return model, modes, missing + list(res.unexpected_keys)
+
+
+def cmd_check(a, cfg):
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    model, modes, load_problems = restore(cfg, a)
+    base = mo.build_model(cfg, a.tp, a.pp)
+    mo.randomize(base, cfg, 6_000_001)
+    mo.load_into(base, a.ref, "auto", a.pp)
+    bad = [f"load: {p}" for p in load_problems]
+    if modes != [a.algo]:
+        bad.append(f"modelopt modes {modes}, expected [{a.algo}]")
+    sd = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    ref = {k: v for k, v in base.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    nrows = mo.vocab_rows(cfg, a.tp, parallel_state.get_tensor_model_parallel_rank())
+    for k, y in ref.items():
+        x = sd.get(k)
+        if x is None:
+            bad.append(f"{k}: base weight missing from the speculative model")
+            continue
+        if k.endswith(("word_embeddings.weight", "output_layer.weight")):
+            x, y = x[:nrows], y[:nrows]
+        if x.dtype != y.dtype or not torch.equal(x, y):
+            bad.append(f"{k}: base weight differs from the source")
+    draft = {k: v for k, v in sd.items() if k not in ref}  # with PP, only some stages hold draft modules
+    for k, v in draft.items():
+        if v.is_floating_point() and (not torch.isfinite(v).all() or (v.dim() >= 2 and not v.any())):
+            bad.append(f"{k}: draft weight is not finite or all zero")
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    for name, p in model.named_parameters():
+        if name in draft and not getattr(p, "tensor_model_parallel", False) and a.tp > 1:
+            copies = [torch.empty_like(p) for _ in range(a.tp)]
+            dist.all_gather(copies, p.detach().contiguous(), group=tp_group)
+            if not all(torch.equal(c, copies[0]) for c in copies):
+                bad.append(f"{name}: replicated draft weight differs across TP ranks")
+    forward = ""
+    if a.pp == 1:
+        g = torch.Generator().manual_seed(7)
+        b, s = 2, 12
+        ids = torch.randint(0, cfg["vocab_size"], (b, s), generator=g)
+        pos = torch.arange(s).unsqueeze(0).expand(b, s).contiguous()
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1).view(1, 1, s, s).expand(b, 1, s, s).contiguous()
+        model.eval()
+        with torch.no_grad():
+            logits = model(ids, pos, mask)
+            loss = model(ids, pos, mask, labels=torch.roll(ids, -1, dims=1))
+            if a.algo == "medusa":
+                _, draft_tokens = model.pseudo_speculative_generate(ids, pos, mask)
+            else:
+                _, draft_tokens = model.pseudo_speculative_generate(ids, steps=3)
+        if not torch.isfinite(loss).all() or logits.shape[:2] != (b, s) or draft_tokens.numel() == 0:
+            bad.append(f"forward: logits {tuple(logits.shape)} loss finite {bool(torch.isfinite(loss).all())} "
+                       f"draft tokens {tuple(draft_tokens.shape)}")
+        forward = f"; forward: loss {loss.float().mean().item():.4f}, draft tokens {tuple(draft_tokens.shape)}"
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (bad, len(ref), len(draft)))
+    if dist.get_rank() == 0:
+        lines = [f"MISMATCH rank{r} {x}" for r, (bs, _, _) in enumerate(gathered) for x in bs]
+        if not any(g[2] for g in gathered):
+            lines.append("MISMATCH the checkpoint has no draft weights")
+        for line in lines:
+            print(line)
+        nb, nd = sum(g[1] for g in gathered), sum(g[2] for g in gathered)
+        print(f"SPEC ORACLE {'FAIL' if lines else 'OK'} {a.algo}: {nb} base tensors equal, {nd} draft tensors"
+              f"{forward}", flush=True)
+    return 1 if any(g[0] for g in gathered) or not any(g[2] for g in gathered) else 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("cmd", choices=["check"])
+    p.add_argument("--config", required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--algo", choices=["eagle", "medusa"], required=True)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--ref", required=True)
+    a = p.parse_args()
+    mo.apply_cpu_shims()
+    import torch.distributed as dist
+
+    cfg = mo.load_config(a.config)
+    mo.init_parallel(a.tp, a.pp)
+    local_layers_without_te()
+    rc = cmd_check(a, cfg)
+    dist.barrier()
+    dist.destroy_process_group()
+    return rc
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    sys.exit(main())

@@ -79,12 +79,12 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     layout = target_layout(reshard_opts, index, get_format("torch_dist"))
     cfg = index.cfg.replace(spec="local")
     check_vocab(reshard_opts, index, cfg, layout)
+    dtype = DTYPES[opts.dtype] or _dominant_dtype(source_dtypes(index))
+    algo, spec_cfg = speculative_config(opts.draft, cfg, index.args, dtype)
     if rt.world % (layout.tp * layout.pp):
         raise ConvertError(f"world size {rt.world} is not a multiple of target TP x PP = {layout.tp * layout.pp}",
                            f"launch a multiple of {layout.tp * layout.pp} processes (--nproc_per_node) or change "
                            "--target-tp/--target-pp")
-    dtype = DTYPES[opts.dtype] or _dominant_dtype(source_dtypes(index))
-    algo, spec_cfg = speculative_config(opts.draft, cfg, index.args, dtype)
     args = args_for_target(index.args, cfg, layout.tp, layout.pp, layout.first, layout.last, dtype)
     rt.log(f"[bold]speculate[/] {index.format} {index.layout} -> torch_dist {layout} + {algo} "
            f"({human_bytes(index.nbytes)}; {rt.world} ranks, data-parallel {rt.world // (layout.tp * layout.pp)})")

@@ -1,0 +1,67 @@
+"""``speculate`` under torchrun (gloo, no Transformer Engine): EAGLE-1, EAGLE-3 and Medusa added by
+ModelOpt at the target layout, judged by megatron-core + ModelOpt restoring the checkpoint in a fresh
+process group (tests/spec_oracle.py): base weights equal to the source, real draft weights, a forward
+pass with draft outputs."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import ENV, ROOT, assert_refused, ok, run_cli, torchrun
+
+SPEC_ORACLE = ROOT / "tests" / "spec_oracle.py"
+
+
+def spec_oracle(src, dst, tp: int, pp: int, algo: str) -> str:
+    proc = subprocess.run(torchrun(tp * pp, str(SPEC_ORACLE), "check", "--config", str(src.config), "--tp", str(tp),
+                                   "--pp", str(pp), "--algo", algo, "--ckpt", str(dst), "--ref", str(src.torch_dist)),
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "SPEC ORACLE OK" in proc.stdout, out
+    return proc.stdout
+
+
+# (source format, flags, algorithm, target tp, pp, world size or None = one process without torchrun)
+CASES = [
+    ("torch_dist", ["--eagle-layers", "1"], "eagle", 2, 1, 2),  # EAGLE-3 (ModelOpt default) at TP=2
+    ("megatron", ["--eagle-layers", "2", "--eagle-version", "1"], "eagle", 1, 2, 2),  # EAGLE-1 over 2 stages
+    ("torch_dist", ["--medusa-heads", "3", "--medusa-layers", "1"], "medusa", 2, 1, 4),  # data-parallel 2
+    ("megatron", ["--eagle-layers", "1"], "eagle", 1, 1, None),  # one process, no torchrun
+]
+
+
+@pytest.mark.parametrize("fmt,flags,algo,tp,pp,world", CASES,
+                         ids=["eagle3-tp2", "eagle1-pp2", "medusa-tp2-dp2", "eagle3-one-process"])
+def test_speculate_restores_in_megatron_core_and_modelopt(gpt_a, tmp_path, fmt, flags, algo, tp, pp, world):
+    dst = tmp_path / "spec"
+    proc = ok(run_cli("speculate", str(getattr(gpt_a, fmt)), str(dst), "--target-tp", str(tp), "--target-pp", str(pp),
+                      *flags, nproc=world))
+    assert "modelopt_state" in proc.stderr and "peak RSS" in proc.stderr
+    assert (dst / "iter_0000100" / "modelopt_state").is_dir() and not list(tmp_path.glob("*.dist_convert_tmp"))
+    report = spec_oracle(gpt_a, dst, tp, pp, algo)
+    if pp == 1:
+        assert "draft tokens" in report
+
+
+def test_speculate_bad_input(gpt_a, tmp_path):
+    src = str(gpt_a.torch_dist)
+    dst = str(tmp_path / "dst")
+    assert_refused(run_cli("speculate", src, dst, "--target-tp", "1", "--eagle-layers", "1", "--medusa-heads", "2"),
+                   tmp_path, "both --eagle-layers and --medusa-heads")
+    assert_refused(run_cli("speculate", src, dst, "--target-tp", "1"), tmp_path, "--eagle-layers", "--medusa-heads")
+    assert_refused(run_cli("speculate", src, dst, "--target-tp", "2", "--target-pp", "1", "--medusa-heads", "2", nproc=3), tmp_path,
+                   "world size 3 is not a multiple of target TP x PP = 2", "--nproc_per_node")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"algorithm": "lookahead", "config": {}}))
+    assert_refused(run_cli("speculate", src, dst, "--target-tp", "1", "--spec-config", str(bad)), tmp_path,
+                   "--spec-config")
+
+
+def test_already_speculative_source_is_refused(gpt_a, tmp_path):
+    first = tmp_path / "medusa"
+    ok(run_cli("speculate", str(gpt_a.torch_dist), str(first), "--target-tp", "1", "--target-pp", "1",
+               "--medusa-heads", "1"))
+    assert_refused(run_cli("speculate", str(first), str(tmp_path / "dst"), "--eagle-layers", "1"), tmp_path,
+                   "already a speculative model (medusa", "base checkpoint")

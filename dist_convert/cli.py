@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--export-draft", type=Path, default=None,
                    help="also write the draft for serving engines (config.json + safetensors), offline")
     s.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep")
+    s.add_argument("--make-vocab-size-divisible-by", type=int, default=None, dest="vocab_divisible_by",
+                   help="vocabulary padding multiple per TP rank (default: the source's; 128 from hf)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing DST / --export-draft")
     _common(s)
 
@@ -114,7 +116,7 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
         draft = DraftRequest(ns.eagle_layers, ns.eagle_version, ns.medusa_heads, ns.medusa_layers, ns.spec_config)
         speculate(SpeculateOptions(ns.src, ns.dst, draft, ns.src_format, ns.target_tp, ns.target_pp, ns.target_first,
                                    ns.target_last, ns.export_draft, ns.dtype, ns.vocab_size, ns.memory_budget,
-                                   ns.overwrite, FormatOptions(ns.trust_pickle)), rt)
+                                   ns.overwrite, ns.vocab_divisible_by, FormatOptions(ns.trust_pickle)), rt)
         return 0
     if ns.cmd == "inspect":
         from .inspect_ckpt import describe, print_description

@@ -10,6 +10,10 @@ and checks that
   * the draft weights are real (finite, not all zero) and TP-replicated draft tensors agree;
   * (PP=1) a forward pass runs: base logits, a finite training loss with labels, and draft tokens
     from ModelOpt's pseudo speculative generation.
+  * with --draft DIR (TP=1, PP=1): the exported draft equals the restored draft, as ModelOpt's own
+    exporter writes it (EAGLE; its Hub template config is pointed at a local Llama config made from
+    C.json) or, for Medusa (no exporter rules in ModelOpt 0.47), tensor by tensor by name.
+The checkpoint may be restored at another TP/PP than it was saved at (megatron-core reshards).
 Prints "SPEC ORACLE OK ..." on success and exits 0; prints MISMATCH lines and exits 1 otherwise.
 """
 import argparse
@@ -51,6 +55,65 @@ def local_layers_without_te():
     megatron_eagle.te_dot_product_attention_with_cp = no_cp
     model_specs.Norm = WrappedTorchNorm
     model_specs.TEDotProductAttention = DotProductAttention
+
+
+def hybrid_alias():
+    """ModelOpt 0.47's exporter imports megatron.core.models.hybrid (megatron-core 0.16: mamba)."""
+    import types
+
+    try:
+        import megatron.core.models.hybrid.hybrid_model  # noqa: F401
+    except ImportError:
+        from megatron.core.models.mamba import MambaModel
+
+        pkg, mod = types.ModuleType("megatron.core.models.hybrid"), types.ModuleType("hybrid_model")
+        mod.HybridModel, pkg.hybrid_model, pkg.__path__ = MambaModel, mod, []
+        sys.modules["megatron.core.models.hybrid"] = pkg
+        sys.modules["megatron.core.models.hybrid.hybrid_model"] = mod
+
+
+def modelopt_export(model, cfg, out_dir):
+    """ModelOpt's own EAGLE export (TP=1), offline: the Hub template id resolves to a local config."""
+    import importlib
+
+    import torch
+    import transformers
+
+    base = os.path.join(out_dir, "base")
+    transformers.LlamaConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["ffn_hidden_size"],
+        num_hidden_layers=cfg["num_layers"], num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_query_groups"], head_dim=cfg["kv_channels"],
+        max_position_embeddings=cfg["max_position_embeddings"], rms_norm_eps=cfg["norm_epsilon"],
+        rope_theta=cfg["rotary_base"], architectures=["LlamaForCausalLM"]).save_pretrained(base)
+    original = transformers.AutoConfig.from_pretrained.__func__
+    transformers.AutoConfig.from_pretrained = classmethod(
+        lambda cls, name, *a, **k: original(cls, base if name == "nvidia/Llama-3.1-8B-Instruct-FP8" else name, *a, **k))
+    export = importlib.import_module("modelopt.torch.export.unified_export_megatron")
+    export.export_mcore_gpt_to_hf(model, base, export_extra_modules=True, dtype=torch.float32,
+                                  export_dir=os.path.join(out_dir, "draft"))
+    return os.path.join(out_dir, "draft")
+
+
+def check_draft(model, cfg, algo, draft_dir, work):
+    from safetensors.torch import load_file
+
+    got = load_file(os.path.join(draft_dir, "model.safetensors"))
+    if algo == "eagle":
+        want = load_file(os.path.join(modelopt_export(model, cfg, work), "model.safetensors"))
+    else:
+        sd = model.state_dict()
+        heads = sorted({k.split(".")[1] for k in sd if k.startswith("medusa_heads.")})
+        want = {}
+        for h in heads:
+            layers = sorted({k.split(".")[3] for k in sd if k.startswith(f"medusa_heads.{h}.medusa_layers.")})
+            for j in layers:
+                for w in ("weight", "bias"):
+                    want[f"medusa_heads.{h}.{j}.linear.{w}"] = sd[f"medusa_heads.{h}.medusa_layers.{j}.linear.{w}"]
+            want[f"medusa_heads.{h}.{len(layers)}.weight"] = sd[f"medusa_heads.{h}.lm_head.weight"][: cfg["vocab_size"]]
+    bad = [f"draft export: names {sorted(set(got) ^ set(want))}"] if set(got) != set(want) else []
+    bad += [f"draft export: {k} differs" for k in sorted(set(got) & set(want)) if not got[k].equal(want[k].to(got[k].dtype))]
+    return bad, len(want)
 
 
 def sharded_sd(model):
@@ -103,9 +166,9 @@ def cmd_check(a, cfg):
         if x.dtype != y.dtype or not torch.equal(x, y):
             bad.append(f"{k}: base weight differs from the source")
     draft = {k: v for k, v in sd.items() if k not in ref}  # with PP, only some stages hold draft modules
-    for k, v in draft.items():
-        if v.is_floating_point() and (not torch.isfinite(v).all() or (v.dim() >= 2 and not v.any())):
-            bad.append(f"{k}: draft weight is not finite or all zero")
+    for k, v in draft.items():  # initialised by ModelOpt (std ~0.02), not left as uninitialised memory
+        if v.is_floating_point() and v.dim() >= 2 and not (torch.isfinite(v).all() and 1e-4 < v.float().std() < 1):
+            bad.append(f"{k}: draft weight is not initialised (std {v.float().std().item():.3g})")
     tp_group = parallel_state.get_tensor_model_parallel_group()
     for name, p in model.named_parameters():
         if name in draft and not getattr(p, "tensor_model_parallel", False) and a.tp > 1:
@@ -132,6 +195,12 @@ def cmd_check(a, cfg):
             bad.append(f"forward: logits {tuple(logits.shape)} loss finite {bool(torch.isfinite(loss).all())} "
                        f"draft tokens {tuple(draft_tokens.shape)}")
         forward = f"; forward: loss {loss.float().mean().item():.4f}, draft tokens {tuple(draft_tokens.shape)}"
+    if a.draft:
+        if (a.tp, a.pp) != (1, 1):
+            raise SystemExit("--draft needs --tp 1 --pp 1")
+        problems, n = check_draft(model, cfg, a.algo, a.draft, os.path.join(a.ckpt + ".oracle_export"))
+        bad += problems
+        forward += f"; exported draft: {n} tensors equal"
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (bad, len(ref), len(draft)))
     if dist.get_rank() == 0:
@@ -155,8 +224,10 @@ def main():
     p.add_argument("--algo", choices=["eagle", "medusa"], required=True)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--ref", required=True)
+    p.add_argument("--draft", default=None, help="an exported draft directory to check (TP=1, PP=1)")
     a = p.parse_args()
     mo.apply_cpu_shims()
+    hybrid_alias()
     import torch.distributed as dist
 
     cfg = mo.load_config(a.config)

@@ -14,34 +14,52 @@ from conftest import ENV, ROOT, assert_refused, ok, run_cli, torchrun
 SPEC_ORACLE = ROOT / "tests" / "spec_oracle.py"
 
 
-def spec_oracle(src, dst, tp: int, pp: int, algo: str) -> str:
-    proc = subprocess.run(torchrun(tp * pp, str(SPEC_ORACLE), "check", "--config", str(src.config), "--tp", str(tp),
-                                   "--pp", str(pp), "--algo", algo, "--ckpt", str(dst), "--ref", str(src.torch_dist)),
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+def spec_oracle(src, dst, tp: int, pp: int, algo: str, draft=None, config=None) -> str:
+    extra = ["--draft", str(draft)] if draft else []
+    proc = subprocess.run(torchrun(tp * pp, str(SPEC_ORACLE), "check", "--config", str(config or src.config),
+                                   "--tp", str(tp),
+                                   "--pp", str(pp), "--algo", algo, "--ckpt", str(dst), "--ref", str(src.torch_dist),
+                                   *extra), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0 and "SPEC ORACLE OK" in proc.stdout, out
     return proc.stdout
 
 
-# (source format, flags, algorithm, target tp, pp, world size or None = one process without torchrun)
+# (source format, flags, algorithm, target tp, pp, world size or None = one process without torchrun, export).
+# With --export-draft the oracle restores the checkpoint at TP=1 PP=1 (megatron-core reshards it) and
+# compares the exported draft with ModelOpt's own TP=1 export (EAGLE) or the restored heads (Medusa).
+# Medusa's lm_heads are saved vocab-padded and restore only where the padding is the same: padding to
+# a multiple of 64 gives 128 rows at TP=1 and TP=2.
 CASES = [
-    ("torch_dist", ["--eagle-layers", "1"], "eagle", 2, 1, 2),  # EAGLE-3 (ModelOpt default) at TP=2
-    ("megatron", ["--eagle-layers", "2", "--eagle-version", "1"], "eagle", 1, 2, 2),  # EAGLE-1 over 2 stages
-    ("torch_dist", ["--medusa-heads", "3", "--medusa-layers", "1"], "medusa", 2, 1, 4),  # data-parallel 2
-    ("megatron", ["--eagle-layers", "1"], "eagle", 1, 1, None),  # one process, no torchrun
+    ("torch_dist", ["--eagle-layers", "1"], "eagle", 2, 1, 2, True),  # EAGLE-3 (ModelOpt default) at TP=2
+    ("megatron", ["--eagle-layers", "2", "--eagle-version", "1"], "eagle", 1, 2, 2, False),  # EAGLE-1, 2 stages
+    ("torch_dist", ["--medusa-heads", "3", "--medusa-layers", "1", "--make-vocab-size-divisible-by", "64"], "medusa",
+     2, 1, 4, True),  # data-parallel 2
+    ("megatron", ["--eagle-layers", "1"], "eagle", 1, 1, None, False),  # one process, no torchrun
 ]
 
 
-@pytest.mark.parametrize("fmt,flags,algo,tp,pp,world", CASES,
-                         ids=["eagle3-tp2", "eagle1-pp2", "medusa-tp2-dp2", "eagle3-one-process"])
-def test_speculate_restores_in_megatron_core_and_modelopt(gpt_a, tmp_path, fmt, flags, algo, tp, pp, world):
-    dst = tmp_path / "spec"
+@pytest.mark.parametrize("fmt,flags,algo,tp,pp,world,export", CASES,
+                         ids=["eagle3-tp2-export", "eagle1-pp2", "medusa-tp2-dp2-export", "eagle3-one-process"])
+def test_speculate_restores_in_megatron_core_and_modelopt(gpt_a, tmp_path, fmt, flags, algo, tp, pp, world, export):
+    dst, draft = tmp_path / "spec", tmp_path / "draft"
     proc = ok(run_cli("speculate", str(getattr(gpt_a, fmt)), str(dst), "--target-tp", str(tp), "--target-pp", str(pp),
-                      *flags, nproc=world))
+                      *flags, *(["--export-draft", str(draft)] if export else []), nproc=world))
     assert "modelopt_state" in proc.stderr and "peak RSS" in proc.stderr
     assert (dst / "iter_0000100" / "modelopt_state").is_dir() and not list(tmp_path.glob("*.dist_convert_tmp"))
-    report = spec_oracle(gpt_a, dst, tp, pp, algo)
-    if pp == 1:
+    if export:
+        config = tmp_path / "oracle.json"
+        flag = "--make-vocab-size-divisible-by"
+        divisor = int(flags[flags.index(flag) + 1]) if flag in flags else gpt_a.cfg["make_vocab_size_divisible_by"]
+        config.write_text(json.dumps({**gpt_a.cfg, "make_vocab_size_divisible_by": divisor}))
+        report = spec_oracle(gpt_a, dst, 1, 1, algo, draft, config)
+        assert "exported draft" in report
+        config = json.loads((draft / "config.json").read_text())
+        assert (config.get("medusa") or {}).get("num_medusa_heads") == 3 if algo == "medusa" else \
+            config["architectures"] == ["LlamaForCausalLMEagle3"]
+    else:
+        report = spec_oracle(gpt_a, dst, tp, pp, algo)
+    if pp == 1 or export:
         assert "draft tokens" in report
 
 

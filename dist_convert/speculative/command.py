@@ -22,6 +22,8 @@ from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes
 from ..summary import RankStats, print_summary
 from ..topology import Layout
 from .draft_config import DraftRequest, speculative_config
+from .draft_export import draft_base_config
+from .modelopt_compat import alias_renamed_megatron_modules
 
 
 @dataclass
@@ -39,6 +41,7 @@ class SpeculateOptions:
     vocab_size: int | None = None
     memory_budget: int = DEFAULT_BUDGET
     overwrite: bool = False
+    vocab_divisible_by: int | None = None
     formats: FormatOptions = field(default_factory=FormatOptions)
 
 
@@ -67,6 +70,7 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
             raise ConvertError(f"{flag} {path} already exists", "pass --overwrite to replace it or choose another path")
     if opts.dtype not in DTYPES:
         raise ConvertError(f"unknown --dtype {opts.dtype}", f"use one of {', '.join(DTYPES)}")
+    alias_renamed_megatron_modules()  # before anything imports ModelOpt
     present = existing_algorithms(opts.src) if rt.rank == 0 else None
     present = rt.broadcast_object(present)
     if present:
@@ -74,13 +78,16 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
                            "start from the base checkpoint (speculate adds one draft to a base model)")
     reshard_opts = ReshardOptions(opts.src, opts.dst, opts.src_format, "torch_dist", opts.target_tp, opts.target_pp,
                                   opts.target_first, opts.target_last, "local", opts.vocab_size, opts.dtype,
-                                  opts.memory_budget, opts.overwrite, formats=opts.formats)
+                                  opts.memory_budget, opts.overwrite, opts.vocab_divisible_by, opts.formats)
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
     layout = target_layout(reshard_opts, index, get_format("torch_dist"))
-    cfg = index.cfg.replace(spec="local")
+    cfg = index.cfg.replace(spec="local", make_vocab_size_divisible_by=opts.vocab_divisible_by
+                            or index.cfg.make_vocab_size_divisible_by)
     check_vocab(reshard_opts, index, cfg, layout)
     dtype = DTYPES[opts.dtype] or _dominant_dtype(source_dtypes(index))
     algo, spec_cfg = speculative_config(opts.draft, cfg, index.args, dtype)
+    if opts.export_draft is not None:
+        draft_base_config(cfg, index.args, dtype)  # refuse an inexpressible model before any work
     if rt.world % (layout.tp * layout.pp):
         raise ConvertError(f"world size {rt.world} is not a multiple of target TP x PP = {layout.tp * layout.pp}",
                            f"launch a multiple of {layout.tp * layout.pp} processes (--nproc_per_node) or change "
@@ -102,7 +109,8 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
 
 def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Format, cfg: ModelConfig,
          args: argparse.Namespace, layout: Layout, dtype: torch.dtype, algo: str, spec_cfg: dict, t0: float) -> dict:
-    from .runner import build_and_convert, export_draft, save_speculative
+    from .draft_export import export_draft
+    from .runner import build_and_convert, save_speculative
 
     model, plan, counters = build_and_convert(index, src_fmt, cfg, args, layout, dtype, algo, spec_cfg, rt,
                                               opts.memory_budget, logical_numel(index))
@@ -119,7 +127,7 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
         raise
     commit_dst(tmp, opts.dst, rt)
     if opts.export_draft is not None:
-        export_draft(model, algo, cfg, args, dtype, opts.export_draft, rt)
+        export_draft(model, algo, spec_cfg, cfg, args, dtype, opts.export_draft, rt)
     write_s = time.perf_counter() - tw
     written = sum(f.stat().st_size for f in (opts.dst / iter_dir_name(index.iteration)).glob(f"__{rt.rank}_*.distcp"))
     mine = RankStats(rt.rank, 1, counters["tensors"], counters["read"], written, counters["sent"],

@@ -1,6 +1,10 @@
-"""What megatron-core and ModelOpt need on nodes without Transformer Engine or without CUDA.
+"""What megatron-core and ModelOpt need on nodes without Transformer Engine or without CUDA, and
+between the versions pinned here.
 
-Applied only when TE (or CUDA) is absent; GPU nodes with TE run both libraries unchanged.
+Applied only when TE (or CUDA, or the module) is absent; GPU nodes with TE run both libraries unchanged.
+- ModelOpt 0.47's exporter imports ``megatron.core.models.hybrid.hybrid_model.HybridModel``, the
+  later name of megatron-core 0.16's ``MambaModel``; without that module the exporter's imports stop
+  half way. ``alias_renamed_megatron_modules`` provides the new name (before ModelOpt is imported).
 - Without TE, ModelOpt's megatron EAGLE plugin and megatron-core's ModelOpt layer spec name TE
   modules; they are swapped for megatron-core's own local equivalents (same parameters, same
   checkpoint keys).
@@ -11,6 +15,9 @@ Applied only when TE (or CUDA) is absent; GPU nodes with TE run both libraries u
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +30,25 @@ except ImportError:
     HAVE_TE = False
 
 _applied = False
+
+
+def alias_renamed_megatron_modules() -> None:
+    """``megatron.core.models.hybrid.hybrid_model.HybridModel`` for megatron-core versions that call
+    it ``megatron.core.models.mamba.MambaModel``."""
+    try:
+        importlib.import_module("megatron.core.models.hybrid.hybrid_model")
+        return
+    except ImportError:
+        pass
+    from megatron.core.models.mamba import MambaModel
+
+    package = types.ModuleType("megatron.core.models.hybrid")
+    module = types.ModuleType("megatron.core.models.hybrid.hybrid_model")
+    module.HybridModel = MambaModel
+    package.hybrid_model = module
+    package.__path__ = []
+    sys.modules[package.__name__] = package
+    sys.modules[module.__name__] = module
 
 
 def use_local_layers_without_te() -> list[str]:

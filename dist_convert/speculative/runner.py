@@ -33,6 +33,7 @@ def build_and_convert(index: SourceIndex, fmt: Format, cfg: ModelConfig, args: a
         model = build_base_model(cfg, args, layout, dtype)
         plan, counters = fill_base_weights(model, index, fmt, cfg, layout, dtype, rt, coords, budget, logical_numel)
         rt.log(f"converting to {algo} with ModelOpt")
+        model.config.perform_initialization = True  # the new draft modules get ModelOpt's initialisation
         mtsp.convert(model, [(algo, spec_cfg)])
     return model, plan, counters
 
@@ -62,8 +63,3 @@ def save_speculative(model: Any, iter_dir: Path, args: argparse.Namespace, itera
         save_sharded_modelopt_state([model], str(iter_dir))
 
 
-def export_draft(model: Any, algo: str, cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype,
-                 out: Path, rt: Runtime) -> None:
-    from .draft_export import export_draft as _export
-
-    _export(model, algo, cfg, args, dtype, out, rt)

@@ -1,0 +1,198 @@
+"""``--export-draft``: the EAGLE or Medusa draft for serving engines, offline: ``config.json`` plus
+``model.safetensors`` in the names ModelOpt's own exporter uses for vLLM / TensorRT-LLM / SGLang
+(``LlamaForCausalLMEagle3``: ``fc``, ``midlayer.*``, ``norm``; ``LlamaForCausalLMEagle``:
+``layers.N.*``; Medusa: ``medusa_heads.H.L.linear`` and ``medusa_heads.H.<layers>`` for the head's
+lm_head). ModelOpt 0.47's exporter cannot be used here: it needs the Hub, slices TP shards as if
+they were whole tensors at TP > 1, and has no Medusa rules; the draft is gathered over TP here and
+split with the same q/k/v and gate/up algebra as the hf format.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ModelConfig
+from ..convert import INCOMPLETE_SUFFIX, commit_dst
+from ..errors import ConvertError
+from ..formats.hf import part_pieces
+from ..formats.hf_config import hf_from_config
+from ..formats.safetensors_io import write_file
+from ..runtime import Runtime
+
+_LAYER = re.compile(r"^eagle_module\.decoder\.layers\.(\d+)\.(.+)$")
+_MEDUSA = re.compile(r"^medusa_heads\.(\d+)\.(medusa_layers\.(\d+)\.linear\.(weight|bias)|lm_head\.weight)$")
+# megatron-core suffix in a draft decoder layer -> (HF suffix, part of the fused tensor)
+_LAYER_PARTS = {
+    "self_attention.linear_qkv.weight": [("self_attn.q_proj.weight", "q"), ("self_attn.k_proj.weight", "k"),
+                                         ("self_attn.v_proj.weight", "v")],
+    "self_attention.linear_proj.weight": [("self_attn.o_proj.weight", None)],
+    "pre_mlp_layernorm.weight": [("post_attention_layernorm.weight", None)],
+    "mlp.linear_fc1.weight": [("mlp.gate_proj.weight", "gate"), ("mlp.up_proj.weight", "up")],
+    "mlp.linear_fc2.weight": [("mlp.down_proj.weight", None)],
+}
+
+
+def draft_base_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
+    """The base model's HF config (refuses models no supported HF family expresses)."""
+    try:
+        return hf_from_config(cfg, args, dtype)
+    except ConvertError as e:
+        raise ConvertError(f"--export-draft needs an HF-expressible base model: {e.cause}",
+                           "drop --export-draft (the speculative checkpoint itself is still written)") from None
+
+
+def serving_names(name: str, eagle3: bool, layers: int) -> list[tuple[str, str | None]]:
+    """Pure: the serving-format tensors (name, part of the fused tensor) of one draft tensor."""
+    if name.startswith("medusa_heads."):
+        m = _MEDUSA.match(name)
+        if m is None:
+            raise ConvertError(f"unexpected Medusa tensor {name}", "report this with the model config")
+        head = m.group(1)
+        if m.group(3) is not None:
+            return [(f"medusa_heads.{head}.{m.group(3)}.linear.{m.group(4)}", None)]
+        return [(f"medusa_heads.{head}.{layers}.weight", None)]
+    deep = eagle3 and layers > 1
+    if eagle3:
+        top = {"eagle_module.enorm.weight": "midlayer.0.input_layernorm.weight" if deep else "midlayer.input_layernorm.weight"}
+    else:
+        top = {"eagle_module.enorm.weight": "enorm.weight", "eagle_module.hnorm.weight": "hnorm.weight"}
+    top |= {"eagle_module.fc.weight": "fc.weight", "eagle_module.fc.bias": "fc.bias", "eagle_module.d2t": "d2t",
+            "eagle_module.decoder.final_layernorm.weight": "norm.weight",
+            "eagle_module.output_layer.weight": "lm_head.weight"}
+    if name in top:
+        return [(top[name], None)]
+    m = _LAYER.match(name)
+    if m is None:
+        raise ConvertError(f"unexpected EAGLE tensor {name}", "report this with the model config")
+    i, suffix = int(m.group(1)), m.group(2)
+    prefix = (f"midlayer.{i}." if deep else "midlayer.") if eagle3 else f"layers.{i}."
+    if suffix == "input_layernorm.weight":
+        return [(prefix + ("hidden_norm.weight" if eagle3 else "input_layernorm.weight"), None)]
+    if suffix not in _LAYER_PARTS:
+        raise ConvertError(f"unexpected EAGLE tensor {name}", "report this with the model config")
+    return [(prefix + hf, part) for hf, part in _LAYER_PARTS[suffix]]
+
+
+def partition_dims(model: Any) -> dict[str, int]:
+    """Parameter name -> the dim megatron-core splits it on over TP ranks (from the module types,
+    not from parameter attributes, which megatron-core sets only when it initialises weights)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    dims = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dims.update({f"{prefix}.weight": 0, f"{prefix}.bias": 0})
+        elif isinstance(module, RowParallelLinear):
+            dims[f"{prefix}.weight"] = 1
+    return dims
+
+
+def gather_full(model: Any, gated: bool) -> dict[str, torch.Tensor]:
+    """Collective over the TP group: every draft tensor of this rank's model, whole."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    dims = partition_dims(model)
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not name.startswith(("eagle_module.", "medusa_heads.")) or "_extra_state" in name:
+            continue
+        t = t.detach().cpu().contiguous()
+        if tp > 1 and name in dims:
+            parts = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(parts, t, group=group)
+            if gated and name.endswith("linear_fc1.weight"):  # each rank holds [gate_r; up_r]
+                halves = [p.chunk(2, dim=0) for p in parts]
+                t = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+            else:
+                t = torch.cat(parts, dim=dims[name])
+        out[name] = t
+    return out
+
+
+def draft_tensors(full: dict[str, torch.Tensor], draft_cfg: Any, eagle3: bool, layers: int,
+                  vocab: int) -> list[tuple[str, torch.Tensor]]:
+    """Pure: serving-format tensors from whole draft tensors (Medusa lm_heads stripped to the vocabulary)."""
+    out = []
+    for name in sorted(full):
+        t = full[name]
+        if name.startswith("medusa_heads.") and name.endswith("lm_head.weight"):
+            t = t[:vocab]
+        for hf_name, part in serving_names(name, eagle3, layers):
+            if part is None:
+                out.append((hf_name, t.contiguous()))
+                continue
+            shape, pieces = part_pieces(name, tuple(t.shape), part, draft_cfg)
+            piece = torch.empty(shape, dtype=t.dtype)
+            for p in pieces:
+                piece[p.sbox.slices()] = t[p.lbox.slices()]
+            out.append((hf_name, piece))
+    return sorted(out)
+
+
+def draft_config(base: dict[str, Any], algo: str, spec_cfg: dict[str, Any], model: Any) -> dict[str, Any]:
+    cfg = dict(base)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        cfg[k] = None
+    if algo == "medusa":
+        cfg["medusa"] = {"num_medusa_heads": spec_cfg["medusa_num_heads"],
+                         "num_medusa_layers": spec_cfg["medusa_num_layers"]}
+        return cfg
+    ec, arch = model.eagle_config, spec_cfg["eagle_architecture_config"]
+    eagle3 = bool(arch.get("use_aux_hidden_state"))
+    cfg.update({
+        "architectures": [("LlamaForCausalLMEagle3Deep" if ec.num_layers > 1 else "LlamaForCausalLMEagle3")
+                          if eagle3 else "LlamaForCausalLMEagle"],
+        "num_hidden_layers": ec.num_layers, "intermediate_size": ec.ffn_hidden_size,
+        "num_attention_heads": ec.num_attention_heads, "num_key_value_heads": ec.num_query_groups,
+        "head_dim": ec.kv_channels, "draft_vocab_size": min(ec.draft_vocab_size, base["vocab_size"]),
+        "eagle_config": {k: getattr(ec, k) for k in (
+            "use_input_layernorm_in_first_layer", "use_last_layernorm", "use_mtp_layernorm", "use_aux_hidden_state",
+            "eagle_aux_hidden_state_layer_ids", "parallel_draft_step", "parallel_draft_heads_num_layers")}
+        | {"next_layer_regular": True},
+    })
+    return cfg
+
+
+def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConfig, args: argparse.Namespace,
+                 dtype: torch.dtype, out: Path, rt: Runtime) -> None:
+    """Collective. The last pipeline stage gathers the draft over TP; its first TP rank of data-parallel
+    replica 0 writes it; the directory appears atomically."""
+    from megatron.core import parallel_state
+
+    tmp = out.parent / (out.name + INCOMPLETE_SUFFIX)
+    if rt.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    rt.barrier()
+    try:
+        if parallel_state.is_pipeline_last_stage():
+            full = gather_full(model, cfg.swiglu)
+            if (parallel_state.get_tensor_model_parallel_rank() == 0
+                    and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
+                base = draft_base_config(cfg, args, dtype)
+                if algo == "medusa":
+                    layers, eagle3, draft_cfg = spec_cfg["medusa_num_layers"], False, None
+                else:
+                    ec = model.eagle_config
+                    layers, eagle3 = ec.num_layers, bool(ec.use_aux_hidden_state)
+                    draft_cfg = SimpleNamespace(kv_channels=ec.kv_channels, num_query_groups=ec.num_query_groups,
+                                                num_attention_heads=ec.num_attention_heads,
+                                                ffn_hidden_size=ec.ffn_hidden_size)
+                write_file(tmp / "model.safetensors", draft_tensors(full, draft_cfg, eagle3, layers, cfg.vocab_size))
+                (tmp / "config.json").write_text(json.dumps(draft_config(base, algo, spec_cfg, model), indent=2))
+        rt.barrier()
+    except BaseException:
+        if rt.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_dst(tmp, out, rt)

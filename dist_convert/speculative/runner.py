@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,16 @@ def build_and_convert(index: SourceIndex, fmt: Format, cfg: ModelConfig, args: a
     coords = rt.all_gather_object((tp_rank, pp_rank))
     index = sliced(index, rank_files(cfg, layout, coords, dtype), budget)
     with cpu_stand_ins():
+        t0 = time.perf_counter()
         model = build_base_model(cfg, args, layout, dtype)
+        t1 = time.perf_counter()
         plan, counters = fill_base_weights(model, index, fmt, cfg, layout, dtype, rt, coords, budget, logical_numel)
-        rt.log(f"converting to {algo} with ModelOpt")
+        t2 = time.perf_counter()
         model.config.perform_initialization = True  # the new draft modules get ModelOpt's initialisation
         mtsp.convert(model, [(algo, spec_cfg)])
+        t3 = time.perf_counter()
+    rt.log(f"built the base model in {t1 - t0:.2f} s, loaded its weights in {t2 - t1:.2f} s, "
+           f"added {algo} with ModelOpt in {t3 - t2:.2f} s")
     return model, plan, counters
 
 

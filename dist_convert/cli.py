@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-pp", type=int, default=None, help="default: the source PP")
     r.add_argument("--target-num-layers-in-first-stage", type=int, default=None, dest="target_first")
     r.add_argument("--target-num-layers-in-last-stage", type=int, default=None, dest="target_last")
+    r.add_argument("--target-vpp", type=int, default=None,
+                   help="virtual pipeline stages per PP rank (interleaved; default: the source's when PP is kept; "
+                        "1: none)")
     r.add_argument("--target-spec", choices=("te", "local"), default=None,
                    help="layer-spec naming of the target (default: the source's)")
     r.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep")
@@ -106,7 +109,7 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
         from .convert import ReshardOptions, reshard
         formats = FormatOptions(ns.trust_pickle, ns.max_shard_size, ns.tokenizer_dir)
         opts = ReshardOptions(ns.src, ns.dst, ns.src_format, ns.dst_format, ns.target_tp, ns.target_pp,
-                              ns.target_first, ns.target_last, ns.target_spec, ns.vocab_size, ns.dtype,
+                              ns.target_first, ns.target_last, ns.target_spec, ns.target_vpp, ns.vocab_size, ns.dtype,
                               ns.memory_budget, ns.overwrite, ns.vocab_divisible_by, formats)
         reshard(opts, rt)
         return 0

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .errors import ConvertError
+from .topology import Layout
 
 
 @dataclass(frozen=True)
@@ -112,15 +113,17 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
     )
 
 
-def args_for_target(args: argparse.Namespace, cfg: ModelConfig, tp: int, pp: int,
-                    first: int | None, last: int | None, dtype: torch.dtype | None) -> argparse.Namespace:
+def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout,
+                    dtype: torch.dtype | None) -> argparse.Namespace:
     """Copy of the source args updated for the target layout (what Megatron-LM checks at load)."""
     out = copy.copy(args)
-    out.tensor_model_parallel_size = tp
-    out.pipeline_model_parallel_size = pp
-    out.decoder_first_pipeline_num_layers = first
-    out.decoder_last_pipeline_num_layers = last
-    out.padded_vocab_size = cfg.padded_vocab(tp)
+    out.tensor_model_parallel_size = layout.tp
+    out.pipeline_model_parallel_size = layout.pp
+    out.decoder_first_pipeline_num_layers = layout.first
+    out.decoder_last_pipeline_num_layers = layout.last
+    out.virtual_pipeline_model_parallel_size = layout.vpp
+    out.num_layers_per_virtual_pipeline_stage = cfg.num_layers // (layout.pp * layout.vpp) if layout.vpp else None
+    out.padded_vocab_size = cfg.padded_vocab(layout.tp)
     out.vocab_size = cfg.vocab_size
     out.transformer_impl = "local" if cfg.spec == "local" else "transformer_engine"
     if dtype is not None:

@@ -36,6 +36,7 @@ class ReshardOptions:
     target_first: int | None = None
     target_last: int | None = None
     target_spec: str | None = None
+    target_vpp: int | None = None
     vocab_size: int | None = None
     dtype: str = "keep"
     memory_budget: int = DEFAULT_BUDGET
@@ -68,15 +69,17 @@ def source_dtypes(index: SourceIndex) -> dict[str, torch.dtype]:
 def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> Layout:
     src = index.layout
     if not dst_fmt.iteration_dirs:  # hf: unsharded
-        if (opts.target_tp or 1) != 1 or (opts.target_pp or 1) != 1:
+        if (opts.target_tp or 1) != 1 or (opts.target_pp or 1) != 1 or (opts.target_vpp or 1) != 1:
             raise ConvertError(f"--dst-format {dst_fmt.name} stores unsharded tensors; TP/PP do not apply",
-                               "drop --target-tp/--target-pp (or set them to 1)")
+                               "drop --target-tp/--target-pp/--target-vpp (or set them to 1)")
         return Layout(1, 1)
     pp = opts.target_pp or src.pp
     same_pp = pp == src.pp
     first = opts.target_first if opts.target_first is not None else (src.first if same_pp else None)
     last = opts.target_last if opts.target_last is not None else (src.last if same_pp else None)
-    layout = Layout(opts.target_tp or src.tp, pp, first if pp > 1 else None, last if pp > 1 else None)
+    vpp = opts.target_vpp if opts.target_vpp is not None else (src.vpp if same_pp else None)
+    layout = Layout(opts.target_tp or src.tp, pp, first if pp > 1 else None, last if pp > 1 else None,
+                    vpp if vpp != 1 else None)
     cfg = index.cfg
     layout.validate(cfg.num_layers, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size)
     return layout
@@ -134,7 +137,7 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         index.notes.append(f"the true vocabulary size is unknown: exporting all {cfg.vocab_size} (padded) rows; "
                            "pass --vocab-size to strip the padding")
     dtype = DTYPES[opts.dtype]
-    args = args_for_target(index.args, cfg, layout.tp, layout.pp, layout.first, layout.last, dtype)
+    args = args_for_target(index.args, cfg, layout, dtype)
     target = Target(cfg, layout, dtype, args, index.iteration)
     files = dst_fmt.target_files(target, source_dtypes(index))
     index = sliced(index, files, opts.memory_budget)

@@ -12,17 +12,45 @@ class Layout:
     pp: int = 1
     first: int | None = None  # layers in the first pipeline stage (uneven PP)
     last: int | None = None  # layers in the last pipeline stage (uneven PP)
+    vpp: int | None = None  # virtual pipeline stages (model chunks) per pipeline rank, interleaved
 
     def __str__(self) -> str:
         s = f"TP={self.tp} PP={self.pp}"
+        if self.vpp:
+            s += f" VPP={self.vpp}"
         if self.first is not None or self.last is not None:
             s += f" (first={self.first}, last={self.last})"
         return s
+
+    @staticmethod
+    def from_args(args: object, tp: int, pp: int) -> "Layout":
+        """The layout Megatron-LM ``args`` describe (pipeline details only with PP > 1)."""
+        def get(name: str) -> int | None:
+            value = getattr(args, name, None) if pp > 1 else None
+            return int(value) if value else None
+        vpp = get("virtual_pipeline_model_parallel_size")
+        return Layout(tp, pp, get("decoder_first_pipeline_num_layers"), get("decoder_last_pipeline_num_layers"),
+                      vpp if vpp and vpp > 1 else None)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.vpp or 1
+
+    def model_chunks(self, num_layers: int) -> list[tuple[int, int, int, int]]:
+        """(pp rank, virtual stage, first global layer, layer count) of every model chunk, as
+        megatron-core assigns them: with VPP=V, chunk v of rank p starts at v*(L/V) + p*(L/(P*V))."""
+        if not self.vpp:
+            return [(p, 0, off, n) for p, (off, n) in
+                    enumerate(zip(self.stage_offsets(num_layers), self.stage_sizes(num_layers)))]
+        per = num_layers // (self.pp * self.vpp)
+        return [(p, v, v * (num_layers // self.vpp) + p * per, per) for p in range(self.pp) for v in range(self.vpp)]
 
     def stage_sizes(self, num_layers: int) -> list[int]:
         """Layers per pipeline stage, following megatron-core's uneven-PP rule."""
         if self.pp == 1:
             return [num_layers]
+        if self.vpp:
+            return [num_layers // self.pp] * self.pp
         first, last = self.first, self.last
         middle_stages = self.pp - (first is not None) - (last is not None)
         rest = num_layers - (first or 0) - (last or 0)
@@ -47,7 +75,11 @@ class Layout:
         return offsets
 
     def stage_of_layer(self, num_layers: int) -> list[int]:
-        return [s for s, n in enumerate(self.stage_sizes(num_layers)) for _ in range(n)]
+        """The pipeline rank holding each global layer."""
+        owner = [0] * num_layers
+        for p, _, off, n in self.model_chunks(num_layers):
+            owner[off:off + n] = [p] * n
+        return owner
 
     def ranks(self) -> list[tuple[int, int]]:
         """(tp, pp) coordinates of every model-parallel rank, pp-major as Megatron numbers files."""
@@ -64,6 +96,16 @@ class Layout:
         if self.pp > num_layers:
             raise ConvertError(f"{what} PP={self.pp} exceeds num_layers={num_layers}",
                                "choose --target-pp <= num_layers")
+        if self.vpp is not None:
+            if self.vpp < 2 or self.pp < 2:
+                raise ConvertError(f"{what} VPP={self.vpp} needs VPP >= 2 and PP >= 2 (got {self})",
+                                   "pass --target-vpp >= 2 with --target-pp >= 2, or drop --target-vpp")
+            if self.first is not None or self.last is not None:
+                raise ConvertError(f"{what} {self} combines virtual pipeline stages with uneven first/last stages",
+                                   "drop --target-num-layers-in-first/last-stage or --target-vpp")
+            if num_layers % (self.pp * self.vpp):
+                raise ConvertError(f"{what} PP={self.pp} x VPP={self.vpp} does not divide num_layers={num_layers}",
+                                   "choose --target-pp and --target-vpp whose product divides the layer count")
         sizes = self.stage_sizes(num_layers)
         if any(n <= 0 for n in sizes):
             raise ConvertError(f"{what} pipeline stages {sizes} include an empty stage",

@@ -34,56 +34,76 @@ def _looks_like(path: Path) -> bool:
     return path.is_dir() and any(_RANK_RE.match(p.name) for p in path.iterdir() if p.is_dir())
 
 
+def chunk_key(key: str, vp: int, layout: Layout) -> str:
+    """Key of a tensor of model chunk ``vp`` in our flat view of a rank file: with VPP the file
+    holds ``model0`` ... ``model{V-1}``, written here as ``model{vp}/<key>``."""
+    return f"model{vp}/{key}" if layout.vpp else key
+
+
+def split_chunk_key(key: str) -> tuple[str, str]:
+    """(entry of the rank file: ``model`` or ``model{v}``, state-dict key)."""
+    entry, sep, rest = key.partition("/")
+    return (entry, rest) if sep else ("model", key)
+
+
 def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
                  spec: str) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
-    """Pure: every tensor a legacy rank file holds: key -> (local shape, pieces)."""
+    """Pure: every tensor a legacy rank file holds (all its model chunks): key -> (local shape, pieces)."""
     tensors = logical_tensors(cfg)
-    sizes = layout.stage_sizes(cfg.num_layers)
-    offset = sum(sizes[:pp_rank])
-    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    chunks = [c for c in layout.model_chunks(cfg.num_layers) if c[0] == pp_rank]
     out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
+    for _, vp, offset, count in chunks:
+        first = pp_rank == 0 and vp == 0
+        last = pp_rank == layout.pp - 1 and vp == layout.chunks_per_rank - 1
 
-    def add(key: str, name: str) -> None:
-        t = tensors[name]
-        gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
-        out[key] = local_pieces(name, t.kind, gshape, t.shape[0], tp_rank, layout.tp)
+        def add(key: str, name: str, vp: int = vp) -> None:
+            t = tensors[name]
+            gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
+            out[chunk_key(key, vp, layout)] = local_pieces(name, t.kind, gshape, t.shape[0], tp_rank, layout.tp)
 
-    for name, t in tensors.items():
-        if t.layer is not None:
-            if offset <= t.layer < offset + sizes[pp_rank]:
-                add(f"{LAYER_PREFIX}{t.layer - offset}.{spec_suffix(t, spec)}", name)
-        elif (t.stage == "first" and first) or (t.stage == "last" and last):
-            add(name, name)
-    if last and cfg.tied and layout.pp > 1:  # the last stage keeps a copy of the tied embedding
-        add(OUTPUT, EMBEDDING)
+        for name, t in tensors.items():
+            if t.layer is not None:
+                if offset <= t.layer < offset + count:
+                    add(f"{LAYER_PREFIX}{t.layer - offset}.{spec_suffix(t, spec)}", name)
+            elif (t.stage == "first" and first) or (t.stage == "last" and last):
+                add(name, name)
+        if last and cfg.tied and layout.pp > 1:  # the last stage keeps a copy of the tied embedding
+            add(OUTPUT, EMBEDDING)
     return out
 
 
 def extra_state_keys(cfg: ModelConfig, layout: Layout, pp_rank: int, spec: str) -> list[str]:
-    sizes = layout.stage_sizes(cfg.num_layers)
-    keys = [f"{LAYER_PREFIX}{i}.{m}._extra_state" for i in range(sizes[pp_rank]) for m in EXTRA_STATE_MODULES[spec]]
-    if pp_rank == layout.pp - 1:
-        keys.append("output_layer._extra_state")
+    keys = []
+    for p, vp, _, count in layout.model_chunks(cfg.num_layers):
+        if p != pp_rank:
+            continue
+        keys += [chunk_key(f"{LAYER_PREFIX}{i}.{m}._extra_state", vp, layout)
+                 for i in range(count) for m in EXTRA_STATE_MODULES[spec]]
+        if pp_rank == layout.pp - 1 and vp == layout.chunks_per_rank - 1:
+            keys.append(chunk_key("output_layer._extra_state", vp, layout))
     return keys
 
 
 def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:
     try:
         ckpt = load_pt(path, trust_pickle)
-        if not isinstance(ckpt, dict) or "model" not in ckpt:
+        entries = sorted((k for k in ckpt if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:])) \
+            if isinstance(ckpt, dict) else []
+        if not isinstance(ckpt, dict) or ("model" not in ckpt and not entries):
             keys = sorted(ckpt)[:5] if isinstance(ckpt, dict) else type(ckpt).__name__
-            if isinstance(ckpt, dict) and "model0" in ckpt:
-                raise ConvertError(f"{path} holds virtual pipeline chunks (model0, model1, ...)",
-                                   "virtual pipeline layouts are not supported yet; convert from a non-VPP checkpoint")
             raise ConvertError(f"{path} has no 'model' entry (found {keys})",
                                "point SRC at a Megatron checkpoint saved with its model state")
-        model = ckpt["model"]
         # TE keeps FP8 metadata in `_extra_state` (bytes or uint8 tensors): state, not weights
-        tensors = {k: (tuple(v.shape), v.dtype) for k, v in model.items()
-                   if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-        objects = [k for k in model if k not in tensors]
+        tensors, objects = {}, []
+        for entry in entries or ["model"]:
+            for k, v in ckpt[entry].items():
+                key = f"{entry}/{k}" if entries else k
+                if isinstance(v, torch.Tensor) and not k.endswith("_extra_state"):
+                    tensors[key] = (tuple(v.shape), v.dtype)
+                else:
+                    objects.append(key)
         return {"args": ckpt.get("args"), "iteration": ckpt.get("iteration"), "tensors": tensors,
-                "objects": objects}
+                "objects": objects, "chunks": len(entries)}
     except ConvertError as e:
         return {"error": str(e)}
 
@@ -130,8 +150,11 @@ class MegatronFormat(IterDirFormat):
                                "the checkpoint must be saved by Megatron-LM")
         spec = "te" if any("layer_norm_weight" in k for k in files[(0, 0)]["tensors"]) else "local"
         cfg = config_from_args(args, vocab_size, spec, tp)
-        layout = Layout(tp, pp, getattr(args, "decoder_first_pipeline_num_layers", None) if pp > 1 else None,
-                        getattr(args, "decoder_last_pipeline_num_layers", None) if pp > 1 else None)
+        layout = Layout.from_args(args, tp, pp)
+        if files[(0, 0)]["chunks"] != (layout.vpp or 0):
+            raise ConvertError(f"rank files hold {files[(0, 0)]['chunks'] or 'no'} virtual pipeline chunks but the args "
+                               f"say virtual_pipeline_model_parallel_size={layout.vpp}",
+                               "the args do not match the rank files; check the source checkpoint")
         layout.validate(cfg.num_layers, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size, "source")
         chunks: list[SourceChunk] = []
         for c in order:
@@ -158,9 +181,10 @@ class MegatronFormat(IterDirFormat):
         for c in chunks:
             by_file.setdefault(c.file, []).append(c)
         for rel, group in by_file.items():
-            model = load_pt(index.iter_dir / rel, self.trust_pickle)["model"]
+            ckpt = load_pt(index.iter_dir / rel, self.trust_pickle)
             for c in group:
-                out[c.id] = model[c.key]
+                entry, key = split_chunk_key(c.key)
+                out[c.id] = ckpt[entry][key]
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
@@ -169,7 +193,8 @@ class MegatronFormat(IterDirFormat):
         for t, p in layout.ranks():
             tensors = []
             for key, (shape, pieces) in rank_entries(cfg, layout, t, p, cfg.spec).items():
-                logical = pieces[0].logical if pieces else (OUTPUT if key == OUTPUT and not cfg.tied else EMBEDDING)
+                # a rank holding only vocabulary padding rows has no pieces: its dtype is the embedding's
+                logical = pieces[0].logical if pieces else (OUTPUT if key.endswith(OUTPUT) and not cfg.tied else EMBEDDING)
                 tensors.append(TargetTensor(key, shape, target.dtype or dtypes[logical], pieces))
             objects = {k: None for k in extra_state_keys(cfg, layout, p, cfg.spec)}
             files.append(TargetFile(len(files), f"{rank_dir_name(t, p, layout.pp)}/{MODEL_FILE}", tensors, objects))
@@ -178,12 +203,15 @@ class MegatronFormat(IterDirFormat):
     def write(self, target: Target, iter_dir: Path, files: list[TargetFile],
               data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
         for f in files:
-            model: dict[str, Any] = {t.key: data[(f.id, j)] for j, t in enumerate(f.tensors)}
-            model.update(f.objects)
+            entries: dict[str, dict[str, Any]] = {}
+            values = [(t.key, data[(f.id, j)]) for j, t in enumerate(f.tensors)] + list(f.objects.items())
+            for key, value in values:
+                entry, k = split_chunk_key(key)
+                entries.setdefault(entry, {})[k] = value
             path = iter_dir / f.name
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as fh:
-                torch.save({"model": model, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
+                torch.save({**entries, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
                             "iteration": 0 if target.iteration == "release" else target.iteration}, fh)
                 fh.flush()
                 os.fsync(fh.fileno())  # durable before the tracker and the rename make it visible

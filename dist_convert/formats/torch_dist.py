@@ -154,8 +154,7 @@ class TorchDistFormat(IterDirFormat):
         tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
         cfg = config_from_args(args, vocab_size, None, tp)
-        layout = Layout(tp, pp, getattr(args, "decoder_first_pipeline_num_layers", None) if pp > 1 else None,
-                        getattr(args, "decoder_last_pipeline_num_layers", None) if pp > 1 else None)
+        layout = Layout.from_args(args, tp, pp)
         groups = _stacked_groups(cfg)
         stored = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         model_keys = {k for k in stored if not k.startswith(SKIPPED_PREFIXES)}

@@ -77,7 +77,7 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
         raise ConvertError(f"{opts.src} is already a speculative model ({', '.join(present)} applied by ModelOpt)",
                            "start from the base checkpoint (speculate adds one draft to a base model)")
     reshard_opts = ReshardOptions(opts.src, opts.dst, opts.src_format, "torch_dist", opts.target_tp, opts.target_pp,
-                                  opts.target_first, opts.target_last, "local", opts.vocab_size, opts.dtype,
+                                  opts.target_first, opts.target_last, "local", 1, opts.vocab_size, opts.dtype,
                                   opts.memory_budget, opts.overwrite, opts.vocab_divisible_by, opts.formats)
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
     layout = target_layout(reshard_opts, index, get_format("torch_dist"))
@@ -92,7 +92,7 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
         raise ConvertError(f"world size {rt.world} is not a multiple of target TP x PP = {layout.tp * layout.pp}",
                            f"launch a multiple of {layout.tp * layout.pp} processes (--nproc_per_node) or change "
                            "--target-tp/--target-pp")
-    args = args_for_target(index.args, cfg, layout.tp, layout.pp, layout.first, layout.last, dtype)
+    args = args_for_target(index.args, cfg, layout, dtype)
     rt.log(f"[bold]speculate[/] {index.format} {index.layout} -> torch_dist {layout} + {algo} "
            f"({human_bytes(index.nbytes)}; {rt.world} ranks, data-parallel {rt.world // (layout.tp * layout.pp)})")
     for note in index.notes:

@@ -144,3 +144,35 @@ def test_config_from_megatron_lm_args():
     assert config_from_args(args, 100, "local", 1).vocab_size == 100
     with pytest.raises(ConvertError, match="--vocab-size"):
         config_from_args(argparse.Namespace(num_layers=2, hidden_size=8, num_attention_heads=2), None, None, 1)
+
+
+def test_virtual_pipeline_chunks_interleave_like_megatron_core():
+    """Chunk v of pipeline rank p holds layers v*(L/V) + p*(L/(P*V)) onwards (megatron-core's
+    get_transformer_layer_offset), every layer exactly once."""
+    layout = Layout(1, 2, vpp=3)
+    chunks = layout.model_chunks(12)
+    assert chunks == [(0, 0, 0, 2), (0, 1, 4, 2), (0, 2, 8, 2), (1, 0, 2, 2), (1, 1, 6, 2), (1, 2, 10, 2)]
+    assert layout.stage_of_layer(12) == [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
+    assert str(layout) == "TP=1 PP=2 VPP=3"
+
+
+def test_virtual_pipeline_rank_files_hold_model_chunks():
+    from dist_convert.formats.megatron import rank_entries
+    from test_plan import CFG
+
+    last = rank_entries(CFG, Layout(1, 2, vpp=2), 0, 1, "local")
+    assert "model1/output_layer.weight" in last and "model1/decoder.final_layernorm.weight" in last
+    assert "model0/decoder.layers.0.mlp.linear_fc2.weight" in last
+    assert not any(k.startswith("model0/") and "output" in k for k in last)
+    first = rank_entries(CFG, Layout(1, 2, vpp=2), 0, 0, "local")
+    assert "model0/embedding.word_embeddings.weight" in first and "model1/embedding.word_embeddings.weight" not in first
+
+
+@pytest.mark.parametrize("layout,needle", [
+    (Layout(1, 2, vpp=3), "does not divide num_layers=8"),
+    (Layout(1, 1, vpp=2), "needs VPP >= 2 and PP >= 2"),
+    (Layout(1, 2, first=2, vpp=2), "uneven first/last"),
+])
+def test_impossible_virtual_pipeline_layouts(layout, needle):
+    with pytest.raises(ConvertError, match=needle):
+        layout.validate(8, 4, 2, 64)

@@ -77,8 +77,8 @@ def wave_peak_bytes(plan: Plan, by_id: dict[int, SourceChunk]) -> list[int]:
     return peak
 
 
-CASES = list(itertools.product([Layout(2, 2), Layout(1, 1), Layout(2, 1, None, None)],
-                               [Layout(1, 4), Layout(2, 1), Layout(1, 3, first=2), Layout(2, 2)],
+CASES = list(itertools.product([Layout(2, 2), Layout(1, 1), Layout(2, 1, None, None), Layout(1, 2, vpp=2)],
+                               [Layout(1, 4), Layout(2, 1), Layout(1, 3, first=2), Layout(2, 2), Layout(2, 2, vpp=2)],
                                [1, 3, 4], ["megatron", "torch_dist"]))
 
 

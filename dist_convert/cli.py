@@ -10,7 +10,7 @@ from .formats.base import FormatOptions
 from .plan import DEFAULT_BUDGET
 from .runtime import Runtime, init_runtime
 
-FORMAT_CHOICES = ("auto", "torch_dist", "megatron", "hf")
+FORMAT_CHOICES = ("auto", "torch_dist", "megatron", "hf", "nemo")
 
 
 def parse_size(text: str) -> int:

@@ -68,7 +68,7 @@ def source_dtypes(index: SourceIndex) -> dict[str, torch.dtype]:
 
 def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> Layout:
     src = index.layout
-    if not dst_fmt.iteration_dirs:  # hf: unsharded
+    if not dst_fmt.sharded:
         if (opts.target_tp or 1) != 1 or (opts.target_pp or 1) != 1 or (opts.target_vpp or 1) != 1:
             raise ConvertError(f"--dst-format {dst_fmt.name} stores unsharded tensors; TP/PP do not apply",
                                "drop --target-tp/--target-pp/--target-vpp (or set them to 1)")
@@ -105,16 +105,22 @@ def prepare_dst(dst: Path, rt: Runtime) -> Path:
     return tmp
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
 def commit_dst(tmp: Path, dst: Path, rt: Runtime) -> None:
-    """Rank 0: swap the finished directory into place (an old target is removed only now)."""
+    """Rank 0: swap the finished directory (or archive) into place; an old target is removed only now."""
     if rt.rank == 0:
         if dst.exists():
             old = dst.parent / (dst.name + ".dist_convert_old")
-            if old.exists():
-                shutil.rmtree(old)
+            _remove(old)
             dst.rename(old)
             tmp.rename(dst)
-            shutil.rmtree(old)
+            _remove(old)
         else:
             tmp.rename(dst)
     rt.barrier()
@@ -131,7 +137,7 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     layout = target_layout(opts, index, dst_fmt)
     cfg = index.cfg.replace(spec=opts.target_spec or index.cfg.spec,
                             make_vocab_size_divisible_by=opts.vocab_divisible_by or index.cfg.make_vocab_size_divisible_by)
-    if dst_fmt.iteration_dirs:
+    if dst_fmt.sharded:
         check_vocab(opts, index, cfg, layout)
     elif not (opts.vocab_size or getattr(index.args, "vocab_size", None)):
         index.notes.append(f"the true vocabulary size is unknown: exporting all {cfg.vocab_size} (padded) rows; "
@@ -150,11 +156,12 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     tmp = prepare_dst(opts.dst, rt)
     try:
         counters, write_s, my_files = _convert_into(tmp, target, index, src_fmt, dst_fmt, files, plan, rt)
+        artifact = dst_fmt.package(tmp, opts.dst) if rt.rank == 0 else tmp
     except BaseException:
         if rt.rank == 0:  # a failed run leaves nothing that looks like a checkpoint
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    commit_dst(tmp, opts.dst, rt)
+    commit_dst(artifact, opts.dst, rt)
     mine = RankStats(rt.rank, len(my_files), sum(len(f.tensors) for f in my_files), counters["read"],
                      plan.write_bytes[rt.rank], counters["sent"], counters["received"], write_s,
                      time.perf_counter() - t0, peak_rss_bytes())

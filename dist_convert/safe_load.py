@@ -4,7 +4,7 @@ from __future__ import annotations
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -34,17 +34,25 @@ def _register_allowlist(level: int) -> None:
     _level = level
 
 
-def load_pt(path: Path, trust_pickle: bool, mmap: bool = True) -> Any:
-    """``torch.load`` with ``weights_only=True`` and an allow-list; ``trust_pickle`` lifts it."""
+def load_pt(path: Path, trust_pickle: bool, mmap: bool = True, stream: IO[bytes] | None = None) -> Any:
+    """``torch.load`` with ``weights_only=True`` and an allow-list; ``trust_pickle`` lifts it.
+    ``stream`` (e.g. a member of a tar archive) is read instead of ``path``, without mmap."""
     _register_allowlist(1)
+
+    def load() -> Any:
+        if stream is not None:
+            stream.seek(0)
+            return torch.load(stream, map_location="cpu", weights_only=not trust_pickle)
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=not trust_pickle)
+
     try:
         try:
-            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=not trust_pickle)
+            return load()
         except pickle.UnpicklingError as e:
             if _level >= 2 or "Unsupported global" not in str(e):
                 raise
             _register_allowlist(2)  # megatron args may hold megatron-core enums: allow those, retry
-            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=not trust_pickle)
+            return load()
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "weights_only" in str(e) or "Unsupported global" in str(e):

@@ -7,9 +7,10 @@ from ..errors import ConvertError
 from .base import Format, FormatOptions
 from .hf import HFFormat
 from .megatron import MegatronFormat
+from .nemo import NemoFormat
 from .torch_dist import TorchDistFormat
 
-FORMATS: dict[str, type] = {f.name: f for f in (TorchDistFormat, MegatronFormat, HFFormat)}
+FORMATS: dict[str, type] = {f.name: f for f in (TorchDistFormat, MegatronFormat, HFFormat, NemoFormat)}
 
 
 def get_format(name: str, options: FormatOptions | None = None) -> Format:

@@ -110,6 +110,7 @@ class Target:
 class Format(Protocol):
     name: str
     iteration_dirs: bool  # Megatron-LM layout: files under iter_NNNNNNN/ plus a tracker file
+    sharded: bool  # stores TP/PP shards (False: whole tensors, e.g. hf)
 
     def detect(self, path: Path) -> bool: ...
 
@@ -128,6 +129,9 @@ class Format(Protocol):
 
     def finalize(self, target: Target, iter_dir: Path, rt: Runtime) -> None:
         """Rank 0, after every rank wrote: the metadata that marks the iteration complete."""
+
+    def package(self, tmp: Path, dst: Path) -> Path:
+        """Rank 0, last: what to rename into ``dst`` (``tmp`` itself, or e.g. an archive made from it)."""
 
 
 def iter_dir_name(iteration: int | str) -> str:
@@ -156,6 +160,7 @@ class IterDirFormat:
 
     name: str
     iteration_dirs = True
+    sharded = True
     looks_like: Callable[[Path], bool]  # is ``path`` an iteration directory of this format?
 
     def __init__(self, options: FormatOptions | None = None) -> None:
@@ -167,6 +172,9 @@ class IterDirFormat:
 
     def detect(self, path: Path) -> bool:
         return self.find(path) is not None
+
+    def package(self, tmp: Path, dst: Path) -> Path:
+        return tmp
 
 
 def write_tracker(root: Path, iteration: int | str) -> None:

@@ -135,6 +135,7 @@ def pack_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
 class HFFormat:
     name = "hf"
     iteration_dirs = False
+    sharded = False
 
     def __init__(self, options: FormatOptions | None = None) -> None:
         self.options = options or FormatOptions()
@@ -241,6 +242,10 @@ class HFFormat:
                 if (tok / name).is_file():
                     shutil.copy2(tok / name, out_dir / name)
         (out_dir / CONFIG).write_text(json.dumps(hf_from_config(target.cfg, target.args, dtype), indent=2))
+
+
+    def package(self, tmp: Path, dst: Path) -> Path:
+        return tmp
 
 
 def _tokenizer_dir(args: Any) -> Path | None:

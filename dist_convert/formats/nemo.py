@@ -1,0 +1,259 @@
+"""NeMo ``.nemo`` checkpoints of megatron-core GPT models (``mcore_gpt: true``), as a tar archive or an
+already extracted directory: ``model_config.yaml``, tokenizer artifacts, and one
+``model_weights.ckpt`` per model-parallel rank (``model_weights.ckpt`` at TP=PP=1,
+``mp_rank_TT/`` with PP=1, ``tp_rank_TT_pp_rank_PPP/`` otherwise) holding a plain state dict with
+``model.``-prefixed megatron-core keys, layer numbers local to each pipeline stage.
+
+Archives are read member by member (never extracted as a whole); a ``.nemo`` target is written as
+an extracted directory, then streamed into one tar file.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import re
+import shutil
+import tarfile
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import yaml
+
+from ..config import ModelConfig
+from ..errors import ConvertError
+from ..layout.rules import EMBEDDING, OUTPUT
+from ..runtime import Runtime
+from ..safe_load import load_pt
+from ..topology import Layout
+from .base import FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, check_piece_shapes
+from .megatron import extra_state_keys, rank_entries
+
+CONFIG = "model_config.yaml"
+WEIGHTS = "model_weights.ckpt"
+PREFIX = "model."
+_RANK_DIR = re.compile(r"^(?:mp_rank_(\d{2})|tp_rank_(\d{2})_pp_rank_(\d{3}))$")
+_DTYPES = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16": torch.float16, "16-mixed": torch.float16,
+           "32": torch.float32}
+
+
+def rank_file(t: int, p: int, layout: Layout) -> str:
+    if layout.tp == 1 and layout.pp == 1:
+        return WEIGHTS
+    return f"mp_rank_{t:02d}/{WEIGHTS}" if layout.pp == 1 else f"tp_rank_{t:02d}_pp_rank_{p:03d}/{WEIGHTS}"
+
+
+class Archive:
+    """Read access to a .nemo tar or an extracted directory (paths relative to its root)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.is_tar = path.is_file()
+        if self.is_tar:
+            try:
+                with tarfile.open(path, "r:*") as tar:
+                    self._names = {m.name.removeprefix("./"): m.name for m in tar.getmembers() if m.isfile()}
+            except (tarfile.TarError, OSError) as e:
+                raise ConvertError(f"{path} is not a readable .nemo archive ({e})", "re-copy the archive") from None
+        else:
+            self._names = {str(p.relative_to(path)): str(p) for p in path.rglob("*") if p.is_file()}
+
+    def names(self) -> list[str]:
+        return sorted(self._names)
+
+    def read_bytes(self, name: str) -> bytes:
+        if not self.is_tar:
+            return Path(self._names[name]).read_bytes()
+        with tarfile.open(self.path, "r:*") as tar:
+            f = tar.extractfile(self._names[name])
+            assert f is not None
+            return f.read()
+
+    def load(self, name: str, trust_pickle: bool) -> Any:
+        """A torch file of the archive: memory-mapped from a directory, streamed from a tar."""
+        if not self.is_tar:
+            return load_pt(Path(self._names[name]), trust_pickle)
+        with tarfile.open(self.path, "r:*") as tar:
+            member: IO[bytes] | None = tar.extractfile(self._names[name])
+            assert member is not None
+            return load_pt(self.path / name, trust_pickle, stream=io.BytesIO(member.read()))
+
+
+def config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | None) -> tuple[ModelConfig, argparse.Namespace]:
+    """Model config and Megatron-LM style args from a NeMo ``model_config.yaml``."""
+    if not y.get("mcore_gpt", False):
+        raise ConvertError("the .nemo model is not megatron-core based (mcore_gpt is not true)",
+                           "legacy NeMo Megatron key layouts are not supported yet; convert with NeMo first")
+    try:
+        heads, hidden, layers = int(y["num_attention_heads"]), int(y["hidden_size"]), int(y["num_layers"])
+    except KeyError as e:
+        raise ConvertError(f"{CONFIG} lacks {e.args[0]}", "use the model_config.yaml saved with the model") from None
+    norm = str(y.get("normalization", "layernorm")).lower()
+    if norm not in ("rmsnorm", "layernorm"):
+        raise ConvertError(f"normalization={norm} is not supported", "only layernorm and rmsnorm convert")
+    act = str(y.get("activation", "gelu")).lower()
+    args = argparse.Namespace(
+        num_layers=layers, hidden_size=hidden, ffn_hidden_size=int(y.get("ffn_hidden_size") or 4 * hidden),
+        num_attention_heads=heads, num_query_groups=int(y.get("num_query_groups") or heads),
+        kv_channels=int(y.get("kv_channels") or hidden // heads), swiglu=act.endswith("swiglu"),
+        normalization="RMSNorm" if norm == "rmsnorm" else "LayerNorm",
+        norm_epsilon=float(y.get("layernorm_epsilon", 1e-5)), add_bias_linear=bool(y.get("bias", True)),
+        add_qkv_bias=bool(y.get("qkv_bias", y.get("bias", True))), qk_layernorm=bool(y.get("qk_layernorm", False)),
+        untie_embeddings_and_output_weights=not y.get("share_embeddings_and_output_weights", True),
+        vocab_size=vocab_size, padded_vocab_size=padded_vocab,
+        make_vocab_size_divisible_by=int(y.get("make_vocab_size_divisible_by", 128)),
+        position_embedding_type=str(y.get("position_embedding_type", "learned_absolute")),
+        max_position_embeddings=int(y.get("max_position_embeddings") or y.get("encoder_seq_length") or 2048),
+        rotary_base=float(y.get("rotary_base", 10000)), rotary_percent=float(y.get("rotary_percentage", 1.0)),
+        transformer_impl="transformer_engine" if y.get("transformer_engine", True) else "local",
+        params_dtype=_DTYPES.get(str(y.get("precision", "32")), torch.float32))
+    from ..config import config_from_args
+
+    return config_from_args(args, vocab_size, None, 1), args
+
+
+def _looks_like(path: Path) -> bool:
+    if path.is_dir():
+        return (path / CONFIG).is_file()
+    return path.is_file() and path.suffix == ".nemo"
+
+
+class NemoFormat:
+    name = "nemo"
+    iteration_dirs = False
+    sharded = True
+
+    def __init__(self, options: FormatOptions | None = None) -> None:
+        self.options = options or FormatOptions()
+        self.trust_pickle = self.options.trust_pickle
+        self._archive: Archive | None = None
+        self._config: dict[str, Any] = {}
+
+    def detect(self, path: Path) -> bool:
+        return _looks_like(path)
+
+    def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
+        archive = Archive(path)
+        if CONFIG not in archive.names():
+            raise ConvertError(f"{path} has no {CONFIG}", "a .nemo archive needs its model_config.yaml; re-export it")
+        y = yaml.safe_load(archive.read_bytes(CONFIG)) or {}
+        tp, pp = int(y.get("tensor_model_parallel_size", 1)), int(y.get("pipeline_model_parallel_size", 1))
+        if y.get("virtual_pipeline_model_parallel_size"):
+            raise ConvertError("virtual pipeline .nemo checkpoints are not supported yet", "save without VPP")
+        layout = Layout(tp, pp)
+        files = {(t, p): rank_file(t, p, layout) for t, p in layout.ranks()}
+        for f in files.values():
+            if f not in archive.names():
+                raise ConvertError(f"{path}: {f} is missing (model_config.yaml says TP={tp} PP={pp})",
+                                   "re-copy the complete archive")
+        mine = {c: self._shapes(archive, f) for c, f in list(files.items())[rt.rank::rt.world]}
+        shapes: dict[tuple[int, int], dict[str, Any]] = {}
+        for part in rt.all_gather_object(mine):
+            shapes.update(part)
+        for c in files:
+            if isinstance(shapes[c], str):
+                raise ConvertError(shapes[c])
+        embed = shapes[(0, 0)].get(PREFIX + EMBEDDING)
+        if embed is None:
+            raise ConvertError(f"{files[(0, 0)]} has no {PREFIX}{EMBEDDING}", "the archive is not a GPT model")
+        cfg, args = config_from_nemo(y, embed[0][0] * tp, vocab_size)
+        cfg = cfg.replace(spec="te" if any("layer_norm_weight" in k for k in shapes[(0, 0)]) else "local")
+        layout.validate(cfg.num_layers, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size, "source")
+        chunks: list[SourceChunk] = []
+        for (t, p), rel in files.items():
+            expected = {PREFIX + k: v for k, v in rank_entries(cfg, layout, t, p, cfg.spec).items()}
+            have = shapes[(t, p)]
+            bad = sorted(set(have) ^ set(expected))
+            if bad:
+                raise ConvertError(f"{rel}: {'unexpected' if bad[0] in have else 'missing'} tensors {bad[:3]}",
+                                   "model_config.yaml does not describe these weights; check the archive")
+            for key, (shape, pieces) in expected.items():
+                check_piece_shapes(key, rel, shape, have[key][0])
+                chunks.append(SourceChunk(len(chunks), rel, key, shape, have[key][1], pieces))
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+        args.nemo_config, args.nemo_source = y, str(path.resolve())  # the target's config and artifacts
+        self._archive = archive
+        return SourceIndex(self.name, path, "release", args, cfg, layout, chunks)
+
+    def _shapes(self, archive: Archive, name: str) -> dict[str, Any] | str:
+        """name -> (shape, dtype) of a rank file's tensors, or the error (every rank must reach the gather)."""
+        try:
+            sd = archive.load(name, self.trust_pickle)
+        except ConvertError as e:
+            return str(e)
+        if not isinstance(sd, dict):
+            return f"{name} is not a state dict; re-copy the archive"
+        return {k: (tuple(v.shape), v.dtype) for k, v in sd.items()
+                if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+
+    def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
+        archive = self._archive or Archive(index.iter_dir)
+        by_file: dict[str, list[SourceChunk]] = {}
+        for c in chunks:
+            by_file.setdefault(c.file, []).append(c)
+        out = {}
+        for rel, group in by_file.items():
+            sd = archive.load(rel, self.trust_pickle)
+            out.update({c.id: sd[c.key] for c in group})
+        return out
+
+    def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
+        cfg, layout = target.cfg, target.layout
+        if layout.vpp:
+            raise ConvertError("virtual pipeline .nemo targets are not supported yet", "drop --target-vpp")
+        files = []
+        for t, p in layout.ranks():
+            tensors = []
+            for key, (shape, pieces) in rank_entries(cfg, layout, t, p, cfg.spec).items():
+                logical = pieces[0].logical if pieces else (OUTPUT if key == OUTPUT and not cfg.tied else EMBEDDING)
+                tensors.append(TargetTensor(PREFIX + key, shape, target.dtype or dtypes[logical], pieces))
+            objects = {PREFIX + k: None for k in extra_state_keys(cfg, layout, p, cfg.spec)}
+            files.append(TargetFile(len(files), rank_file(t, p, layout), tensors, objects))
+        return files
+
+    def write(self, target: Target, out_dir: Path, files: list[TargetFile],
+              data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
+        import os
+
+        for f in files:
+            sd: dict[str, Any] = {t.key: data[(f.id, j)] for j, t in enumerate(f.tensors)}
+            sd.update(f.objects)
+            path = out_dir / f.name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as fh:
+                torch.save(sd, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    def finalize(self, target: Target, out_dir: Path, rt: Runtime) -> None:
+        """Rank 0: model_config.yaml for the target layout, and the source's tokenizer artifacts."""
+        y = dict(getattr(target.args, "nemo_config", None) or {})
+        cfg = target.cfg
+        y.update(mcore_gpt=True, tensor_model_parallel_size=target.layout.tp,
+                 pipeline_model_parallel_size=target.layout.pp, num_layers=cfg.num_layers,
+                 hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+                 num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+                 kv_channels=cfg.kv_channels, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
+                 share_embeddings_and_output_weights=cfg.tied, position_embedding_type=cfg.position_embedding_type,
+                 normalization="rmsnorm" if cfg.normalization == "RMSNorm" else "layernorm",
+                 bias=cfg.add_bias_linear, max_position_embeddings=cfg.max_position_embeddings)
+        y.setdefault("activation", "fast-swiglu" if cfg.swiglu else "gelu")
+        (out_dir / CONFIG).write_text(yaml.safe_dump(y, sort_keys=False))
+        origin = getattr(target.args, "nemo_source", None)
+        if origin and Path(origin).exists():  # tokenizer and other artifacts travel with the model
+            source = Archive(Path(origin))
+            for name in source.names():
+                if name != CONFIG and not name.endswith(WEIGHTS):
+                    (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
+                    (out_dir / name).write_bytes(source.read_bytes(name))
+
+    def package(self, tmp: Path, dst: Path) -> Path:
+        """Rank 0: a ``.nemo`` target is streamed into one tar (members added file by file)."""
+        if dst.suffix != ".nemo":
+            return tmp
+        packed = tmp.parent / (tmp.name + ".nemo")
+        with tarfile.open(packed, "w:") as tar:
+            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                tar.add(f, arcname=f"./{f.relative_to(tmp)}")
+        shutil.rmtree(tmp)
+        return packed

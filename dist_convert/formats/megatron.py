@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,6 +83,31 @@ def extra_state_keys(cfg: ModelConfig, layout: Layout, pp_rank: int, spec: str) 
         if pp_rank == layout.pp - 1 and vp == layout.chunks_per_rank - 1:
             keys.append(chunk_key("output_layer._extra_state", vp, layout))
     return keys
+
+
+def rank_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name: Callable[[int, int], str],
+                      prefix: str = "") -> list[TargetFile]:
+    """Pure: one file per (tp, pp) rank holding its state-dict tensors (keys after ``prefix``)."""
+    cfg, layout = target.cfg, target.layout
+    files = []
+    for t, p in layout.ranks():
+        tensors = []
+        for key, (shape, pieces) in rank_entries(cfg, layout, t, p, cfg.spec).items():
+            # a rank holding only vocabulary padding rows has no pieces: its dtype is the embedding's
+            logical = pieces[0].logical if pieces else (OUTPUT if key.endswith(OUTPUT) and not cfg.tied else EMBEDDING)
+            tensors.append(TargetTensor(prefix + key, shape, target.dtype or dtypes[logical], pieces))
+        objects = {prefix + k: None for k in extra_state_keys(cfg, layout, p, cfg.spec)}
+        files.append(TargetFile(len(files), file_name(t, p), tensors, objects))
+    return files
+
+
+def save_durable(obj: Any, path: Path) -> None:
+    """``torch.save`` fsynced: durable before the metadata and the rename make the target visible."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:
@@ -188,17 +214,7 @@ class MegatronFormat(IterDirFormat):
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
-        cfg, layout = target.cfg, target.layout
-        files = []
-        for t, p in layout.ranks():
-            tensors = []
-            for key, (shape, pieces) in rank_entries(cfg, layout, t, p, cfg.spec).items():
-                # a rank holding only vocabulary padding rows has no pieces: its dtype is the embedding's
-                logical = pieces[0].logical if pieces else (OUTPUT if key.endswith(OUTPUT) and not cfg.tied else EMBEDDING)
-                tensors.append(TargetTensor(key, shape, target.dtype or dtypes[logical], pieces))
-            objects = {k: None for k in extra_state_keys(cfg, layout, p, cfg.spec)}
-            files.append(TargetFile(len(files), f"{rank_dir_name(t, p, layout.pp)}/{MODEL_FILE}", tensors, objects))
-        return files
+        return rank_target_files(target, dtypes, lambda t, p: f"{rank_dir_name(t, p, target.layout.pp)}/{MODEL_FILE}")
 
     def write(self, target: Target, iter_dir: Path, files: list[TargetFile],
               data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
@@ -208,13 +224,8 @@ class MegatronFormat(IterDirFormat):
             for key, value in values:
                 entry, k = split_chunk_key(key)
                 entries.setdefault(entry, {})[k] = value
-            path = iter_dir / f.name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "wb") as fh:
-                torch.save({**entries, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
-                            "iteration": 0 if target.iteration == "release" else target.iteration}, fh)
-                fh.flush()
-                os.fsync(fh.fileno())  # durable before the tracker and the rename make it visible
+            save_durable({**entries, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
+                          "iteration": 0 if target.iteration == "release" else target.iteration}, iter_dir / f.name)
 
     def finalize(self, target: Target, iter_dir: Path, rt: Runtime) -> None:
         return None

@@ -22,12 +22,12 @@ import yaml
 
 from ..config import ModelConfig
 from ..errors import ConvertError
-from ..layout.rules import EMBEDDING, OUTPUT
+from ..layout.rules import EMBEDDING
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, check_piece_shapes
-from .megatron import extra_state_keys, rank_entries
+from .base import FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, check_piece_shapes
+from .megatron import rank_entries, rank_target_files, save_durable
 
 CONFIG = "model_config.yaml"
 WEIGHTS = "model_weights.ckpt"
@@ -198,32 +198,14 @@ class NemoFormat:
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
-        cfg, layout = target.cfg, target.layout
-        if layout.vpp:
+        if target.layout.vpp:
             raise ConvertError("virtual pipeline .nemo targets are not supported yet", "drop --target-vpp")
-        files = []
-        for t, p in layout.ranks():
-            tensors = []
-            for key, (shape, pieces) in rank_entries(cfg, layout, t, p, cfg.spec).items():
-                logical = pieces[0].logical if pieces else (OUTPUT if key == OUTPUT and not cfg.tied else EMBEDDING)
-                tensors.append(TargetTensor(PREFIX + key, shape, target.dtype or dtypes[logical], pieces))
-            objects = {PREFIX + k: None for k in extra_state_keys(cfg, layout, p, cfg.spec)}
-            files.append(TargetFile(len(files), rank_file(t, p, layout), tensors, objects))
-        return files
+        return rank_target_files(target, dtypes, lambda t, p: rank_file(t, p, target.layout), PREFIX)
 
     def write(self, target: Target, out_dir: Path, files: list[TargetFile],
               data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
-        import os
-
         for f in files:
-            sd: dict[str, Any] = {t.key: data[(f.id, j)] for j, t in enumerate(f.tensors)}
-            sd.update(f.objects)
-            path = out_dir / f.name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "wb") as fh:
-                torch.save(sd, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
+            save_durable({**{t.key: data[(f.id, j)] for j, t in enumerate(f.tensors)}, **f.objects}, out_dir / f.name)
 
     def finalize(self, target: Target, out_dir: Path, rt: Runtime) -> None:
         """Rank 0: model_config.yaml for the target layout, and the source's tokenizer artifacts."""

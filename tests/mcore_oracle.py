@@ -8,15 +8,33 @@ Uses only megatron-core (never the dist_convert package) to
 Launch (world size must equal tp * pp):
 
   torchrun --nproc_per_node=N tests/mcore_oracle.py make --config C.json --tp T --pp P \
-      [--first N] [--last M] --seed S --iteration I --out-torch-dist D1 --out-megatron D2
+      [--vpp V] [--first N] [--last M] --seed S --iteration I --out-torch-dist D1 --out-megatron D2
   torchrun --nproc_per_node=N tests/mcore_oracle.py compare --config C.json --tp T --pp P \
-      [--first N] [--last M] --ckpt X --ref R [--ckpt-format auto|torch_dist|megatron] \
+      [--vpp V] [--first N] [--last M] --ckpt X --ref R [--ckpt-format auto|torch_dist|megatron] \
       [--ref-format auto|torch_dist|megatron] [--check-args]
   torchrun --nproc_per_node=T tests/mcore_oracle.py logits --config C.json --tp T [--pp 1] \
       --ckpt X --out FILE.pt [--seed S] [--ckpt-format ...]
+  torchrun --nproc_per_node=N tests/mcore_oracle.py layout --config C.json --tp T --pp P \
+      [--vpp V] [--first N] [--last M] --out FILE.json
 
 `compare` prints one MISMATCH line per differing tensor and exits 1 if any rank saw one;
 on success rank 0 prints "ORACLE OK <n> tensors" (n summed over ranks) and exits 0.
+
+--vpp V (V >= 2, needs P >= 2) uses the interleaved (virtual pipeline) schedule the way Megatron-LM
+does: initialize_model_parallel(..., virtual_pipeline_model_parallel_size=V), and every rank builds
+V model chunks GPTModel(..., vp_stage=v) with TransformerConfig.virtual_pipeline_model_parallel_size=V,
+pre_process only on pp rank 0 chunk 0 and post_process only on the last pp rank chunk V-1
+(with even stages, chunk v on pp rank p holds global layers v*L/V + p*L/(P*V) .. + L/(P*V)).
+Checkpoints then hold one entry per chunk, "model0" .. "model{V-1}", instead of "model": the
+torch_dist sharded state dict is {"model{v}": chunk_v.sharded_state_dict()} (global, layout-free
+keys), and each legacy mp_rank_TT_PPP/model_optim_rng.pt holds chunk_v.state_dict() (layer numbers
+local to the chunk) under "model{v}". args.virtual_pipeline_model_parallel_size is V (None without
+--vpp) and `compare --check-args` checks it. Without --vpp everything is as before.
+
+Random values (`make`) depend on the seed, the TP rank (for TP-sharded tensors) and the logical
+tensor with its GLOBAL layer number, not on the PP/VPP layout: the same seed and TP give the same
+model at any --pp/--vpp/--first/--last, so e.g. a VPP checkpoint compares OK at --pp 1 against a
+non-VPP one made with the same seed.
 
 Config JSON uses Megatron-LM argparse names: num_layers, hidden_size, ffn_hidden_size,
 num_attention_heads, num_query_groups, kv_channels, swiglu, normalization, add_bias_linear,
@@ -31,6 +49,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import zlib
 
@@ -107,7 +126,7 @@ def padded_vocab(cfg, tp):
     return int(math.ceil(cfg["vocab_size"] / mult) * mult)
 
 
-def make_args(cfg, tp, pp, first, last, iteration, ckpt_format):
+def make_args(cfg, tp, pp, first, last, iteration, ckpt_format, vpp=None):
     import torch
 
     d = dict(cfg)
@@ -121,20 +140,27 @@ def make_args(cfg, tp, pp, first, last, iteration, ckpt_format):
         params_dtype=torch.float32,
         bf16=False,
         fp16=False,
-        virtual_pipeline_model_parallel_size=None,
+        virtual_pipeline_model_parallel_size=vpp,
         iteration=iteration,
         ckpt_format=ckpt_format,
         use_rotary_position_embeddings=cfg["position_embedding_type"] == "rope",
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    if vpp is not None:
+        # Megatron-LM derives V from one of these flags (uneven stages need the second one)
+        uneven = first is not None or last is not None
+        d.update(
+            num_layers_per_virtual_pipeline_stage=None if uneven else cfg["num_layers"] // (pp * vpp),
+            num_virtual_stages_per_pipeline_rank=vpp if uneven else None,
+        )
     return argparse.Namespace(**d)
 
 
 # ----------------------------------------------------------------------------- model
 
 
-def init_parallel(tp, pp):
+def init_parallel(tp, pp, vpp=None):
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -144,13 +170,18 @@ def init_parallel(tp, pp):
     ws = dist.get_world_size()
     if ws != tp * pp:
         raise SystemExit(f"world size {ws} != tp*pp = {tp}*{pp}")
+    if vpp is not None and (vpp < 2 or pp < 2):
+        raise SystemExit(f"--vpp {vpp} needs --vpp >= 2 and --pp >= 2 (Megatron-LM drops a VPP of 1)")
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
     )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
-def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True):
+def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=None, vp_stage=None):
+    """One GPTModel; with vpp, the chunk for virtual stage vp_stage (as Megatron-LM's get_model)."""
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state
@@ -163,6 +194,8 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True):
         extra["num_layers_in_first_pipeline_stage"] = first
     if last is not None:
         extra["num_layers_in_last_pipeline_stage"] = last
+    if vpp is not None:
+        extra["virtual_pipeline_model_parallel_size"] = vpp
     config = TransformerConfig(
         num_layers=cfg["num_layers"],
         hidden_size=cfg["hidden_size"],
@@ -195,8 +228,8 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True):
         transformer_layer_spec=spec,
         vocab_size=padded_vocab(cfg, tp),
         max_sequence_length=cfg["max_position_embeddings"],
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=not cfg["untie_embeddings_and_output_weights"],
         position_embedding_type=cfg["position_embedding_type"],
@@ -204,32 +237,61 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True):
         rotary_base=cfg["rotary_base"],
         rope_scaling=cfg.get("use_rope_scaling", False),
         rope_scaling_factor=cfg.get("rope_scaling_factor", 8.0),
+        vp_stage=vp_stage,
     )
     return model
 
 
-def randomize(model, cfg, seed):
-    """Overwrite every parameter with seeded random values (norm weights ~1 +- 0.1, biases
-    ~N(0, 0.1), matrices ~N(0, 1/hidden)).
+def build_chunks(cfg, tp, pp, first=None, last=None, vpp=None, parallel_output=True):
+    """This rank's model chunks: [model] without VPP, else one chunk per virtual stage 0..vpp-1."""
+    if vpp is None:
+        return [build_model(cfg, tp, pp, first, last, parallel_output)]
+    return [build_model(cfg, tp, pp, first, last, parallel_output, vpp=vpp, vp_stage=v) for v in range(vpp)]
 
-    Each tensor gets its own generator seeded from (seed, pp_rank, tp_rank, name); TP-replicated
-    tensors leave tp_rank out so they are identical on all TP ranks. The tied output layer on the
-    last PP stage uses the seed of the first stage's word embeddings so the copies agree.
+
+def model_keys(vpp):
+    """Checkpoint entries holding the model chunks, as Megatron-LM names them."""
+    return ["model"] if vpp is None else [f"model{v}" for v in range(vpp)]
+
+
+def global_param_name(model, name):
+    """`name` with the chunk-local decoder layer index replaced by the global (0-based) layer."""
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if m is None or not hasattr(model, "decoder"):
+        return name
+    layer_number = getattr(model.decoder.layers[int(m.group(1))], "layer_number", None)  # 1-based, global
+    if layer_number is None:
+        return name
+    return f"decoder.layers.{layer_number - 1}.{m.group(2)}"
+
+
+def randomize(model, cfg, seed):
+    """Overwrite every parameter of `model` (or of each chunk in a list of VPP chunks) with seeded
+    random values (norm weights ~1 +- 0.1, biases ~N(0, 0.1), matrices ~N(0, 1/hidden)).
+
+    Each tensor gets its own generator seeded from (seed, tp_rank, name with the GLOBAL layer
+    number), so values do not depend on the PP/VPP layout; TP-replicated tensors leave tp_rank out
+    so they are identical on all TP ranks. The tied output layer on the last PP stage uses the seed
+    of the first stage's word embeddings so the copies agree.
     Every row of the (padded) vocab, padding included, is random and nonzero.
     """
     import torch
     from megatron.core import parallel_state
 
+    if isinstance(model, (list, tuple)):
+        for chunk in model:
+            randomize(chunk, cfg, seed)
+        return
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     scale = 1.0 / math.sqrt(cfg["hidden_size"])
     with torch.no_grad():
         for name, p in model.named_parameters():
-            key_pp, key_name = pp_rank, name
+            key_name = global_param_name(model, name)
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
-                key_pp, key_name = 0, "embedding.word_embeddings.weight"
+                key_name = "embedding.word_embeddings.weight"
             sharded = bool(getattr(p, "tensor_model_parallel", False))
-            key = f"{seed}|{key_pp}|{tp_rank if sharded else -1}|{key_name}"
+            # the "0" was the pp rank; kept so PP=1 models keep their former values
+            key = f"{seed}|0|{tp_rank if sharded else -1}|{key_name}"
             g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             r = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if "norm" in name and name.endswith("weight"):
@@ -281,19 +343,29 @@ def legacy_rank_file(iterdir, tp_rank, pp_rank, pp):
 
 def load_into(model, path, fmt, pp):
     """Strictly load checkpoint `path` into `model`. Returns (iterdir, fmt, args or None)."""
+    return load_chunks([model], path, fmt, pp, None)
+
+
+def load_chunks(chunks, path, fmt, pp, vpp):
+    """Strictly load checkpoint `path` into this rank's model chunks (one without VPP, else vpp:
+    entries "model0".. of the torch_dist state dict / legacy rank file). Returns (iterdir, fmt,
+    args or None)."""
     import torch
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    keys = model_keys(vpp)
+    assert len(keys) == len(chunks), (keys, len(chunks))
     iterdir = resolve_iter_dir(path)
     if fmt == "auto":
         fmt = detect_format(iterdir)
     if fmt == "torch_dist":
         common = dist_checkpointing.load_common_state_dict(iterdir)
         loaded = dist_checkpointing.load(
-            {"model": model.sharded_state_dict()}, iterdir, strict=StrictHandling.RAISE_ALL
+            {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, iterdir, strict=StrictHandling.RAISE_ALL
         )
-        model.load_state_dict(loaded["model"], strict=True)
+        for k, c in zip(keys, chunks):
+            c.load_state_dict(loaded[k], strict=True)
         ck_args = common.get("args") if isinstance(common, dict) else None
     elif fmt == "megatron":
         f = legacy_rank_file(
@@ -305,7 +377,11 @@ def load_into(model, path, fmt, pp):
         if not os.path.isfile(f):
             raise SystemExit(f"missing legacy shard {f} (legacy checkpoints load only at their layout)")
         sd = torch.load(f, map_location="cpu", weights_only=False)
-        model.load_state_dict(sd["model"], strict=True)
+        have = sorted(k for k in sd if re.fullmatch(r"model\d*", k))
+        if have != sorted(keys):
+            raise SystemExit(f"{f}: model entries {have}, expected {sorted(keys)} (wrong --vpp?)")
+        for k, c in zip(keys, chunks):
+            c.load_state_dict(sd[k], strict=True)
         ck_args = sd.get("args")
     else:
         raise SystemExit(f"unknown format {fmt}")
@@ -320,8 +396,9 @@ def cmd_make(a, cfg):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
 
-    model = build_model(cfg, a.tp, a.pp, a.first, a.last)
-    randomize(model, cfg, a.seed)
+    chunks = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp)
+    randomize(chunks, cfg, a.seed)
+    keys = model_keys(a.vpp)
     rank = dist.get_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -332,15 +409,15 @@ def cmd_make(a, cfg):
         if rank == 0:
             os.makedirs(d, exist_ok=True)
         dist.barrier()
-        args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch_dist")
-        state = {
-            "model": model.sharded_state_dict(),
+        args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch_dist", a.vpp)
+        state = {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}
+        state.update({
             "args": args,
             "iteration": it,
             "checkpoint_version": 3.0,
             # what Megatron-LM >= core 0.14 records for the default (non-singleton) layout
             "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
-        }
+        })
         dist_checkpointing.save(state, d)
         dist.barrier()
         if rank == 0:
@@ -351,17 +428,17 @@ def cmd_make(a, cfg):
         d = os.path.join(a.out_megatron, iter_dir_name(it))
         f = legacy_rank_file(d, tp_rank, pp_rank, a.pp)
         os.makedirs(os.path.dirname(f), exist_ok=True)
-        args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch")
-        torch.save(
-            {"model": model.state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": it},
-            f,
-        )
+        args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch", a.vpp)
+        state = {k: c.state_dict() for k, c in zip(keys, chunks)}
+        state.update({"args": args, "checkpoint_version": 3.0, "iteration": it})
+        torch.save(state, f)
         dist.barrier()
         if rank == 0:
             with open(os.path.join(a.out_megatron, "latest_checkpointed_iteration.txt"), "w") as fh:
                 fh.write(str(it))
     if rank == 0:
-        print(f"ORACLE MADE tp={a.tp} pp={a.pp} padded_vocab={padded_vocab(cfg, a.tp)}", flush=True)
+        vp = "" if a.vpp is None else f" vpp={a.vpp}"
+        print(f"ORACLE MADE tp={a.tp} pp={a.pp}{vp} padded_vocab={padded_vocab(cfg, a.tp)}", flush=True)
     return 0
 
 
@@ -373,7 +450,7 @@ def vocab_rows(cfg, tp, tp_rank):
 
 
 def check_args(ck_args, cfg, a):
-    """Problems with the args stored in a checkpoint that claims to be at layout (tp, pp)."""
+    """Problems with the args stored in a checkpoint that claims to be at layout (tp, pp, vpp)."""
     if ck_args is None:
         return ["checkpoint has no args"]
     probs = []
@@ -381,6 +458,7 @@ def check_args(ck_args, cfg, a):
         "tensor_model_parallel_size": a.tp,
         "pipeline_model_parallel_size": a.pp,
         "padded_vocab_size": padded_vocab(cfg, a.tp),
+        "virtual_pipeline_model_parallel_size": a.vpp,
     }
     for k in (
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -425,37 +503,39 @@ def cmd_compare(a, cfg):
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     rank = dist.get_rank()
-    m_ck = build_model(cfg, a.tp, a.pp, a.first, a.last)
-    m_ref = build_model(cfg, a.tp, a.pp, a.first, a.last)
+    c_ck = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp)
+    c_ref = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp)
     # Different random contents before loading, so an un-loaded tensor cannot compare equal.
-    randomize(m_ck, cfg, 1_000_003)
-    randomize(m_ref, cfg, 2_000_003)
-    _, fmt_ck, ck_args = load_into(m_ck, a.ckpt, a.ckpt_format, a.pp)
-    _, fmt_ref, _ = load_into(m_ref, a.ref, a.ref_format, a.pp)
+    randomize(c_ck, cfg, 1_000_003)
+    randomize(c_ref, cfg, 2_000_003)
+    _, fmt_ck, ck_args = load_chunks(c_ck, a.ckpt, a.ckpt_format, a.pp, a.vpp)
+    _, fmt_ref, _ = load_chunks(c_ref, a.ref, a.ref_format, a.pp, a.vpp)
 
     bad = []
     if a.check_args:
         bad += [f"ARGS {p}" for p in check_args(ck_args, cfg, a)]
         if fmt_ck == "torch_dist":
             bad += [f"SHAPE {p}" for p in check_vocab_shapes(a.ckpt, cfg, a.tp)]
-    sd_ck = m_ck.state_dict()
-    sd_ref = m_ref.state_dict()
-    if set(sd_ck) != set(sd_ref):
-        bad.append(f"KEYS differ: {sorted(set(sd_ck) ^ set(sd_ref))}")
     nrows = vocab_rows(cfg, a.tp, tp_rank)
     n = 0
-    for k in sorted(set(sd_ck) & set(sd_ref)):
-        x, y = sd_ck[k], sd_ref[k]
-        if not isinstance(x, torch.Tensor) or k.endswith("_extra_state"):
-            continue
-        if k.endswith("word_embeddings.weight") or k.endswith("output_layer.weight"):
-            x, y = x[:nrows], y[:nrows]
-        n += 1
-        if x.shape != y.shape:
-            bad.append(f"{k}: shape {tuple(x.shape)} vs {tuple(y.shape)}")
-        elif not torch.equal(x, y):
-            diff = (x.double() - y.double()).abs().max().item()
-            bad.append(f"{k}: max abs diff {diff:.6g}")
+    for v, (m_ck, m_ref) in enumerate(zip(c_ck, c_ref)):
+        vp = "" if a.vpp is None else f"vp={v} "
+        sd_ck = m_ck.state_dict()
+        sd_ref = m_ref.state_dict()
+        if set(sd_ck) != set(sd_ref):
+            bad.append(f"{vp}KEYS differ: {sorted(set(sd_ck) ^ set(sd_ref))}")
+        for k in sorted(set(sd_ck) & set(sd_ref)):
+            x, y = sd_ck[k], sd_ref[k]
+            if not isinstance(x, torch.Tensor) or k.endswith("_extra_state"):
+                continue
+            if k.endswith("word_embeddings.weight") or k.endswith("output_layer.weight"):
+                x, y = x[:nrows], y[:nrows]
+            n += 1
+            if x.shape != y.shape:
+                bad.append(f"{vp}{k}: shape {tuple(x.shape)} vs {tuple(y.shape)}")
+            elif not torch.equal(x, y):
+                diff = (x.double() - y.double()).abs().max().item()
+                bad.append(f"{vp}{k}: max abs diff {diff:.6g}")
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tag = f"rank={rank} tp={tp_rank} pp={pp_rank}"
     gathered = [None] * dist.get_world_size()
@@ -477,8 +557,8 @@ def cmd_logits(a, cfg):
     import torch
     import torch.distributed as dist
 
-    if a.pp != 1:
-        raise SystemExit("logits needs --pp 1")
+    if a.pp != 1 or a.vpp is not None:
+        raise SystemExit("logits needs --pp 1 and no --vpp")
     model = build_model(cfg, a.tp, 1, parallel_output=False)
     randomize(model, cfg, 3_000_017)
     load_into(model, a.ckpt, a.ckpt_format, 1)
@@ -501,27 +581,39 @@ def cmd_logits(a, cfg):
 
 def cmd_layout(a, cfg):
     """Dump what megatron-core itself asks a checkpoint to hold at (tp, pp): the main-replica
-    ShardedTensors / ShardedObjects of ``sharded_state_dict()`` and the legacy ``state_dict()`` keys."""
+    ShardedTensors / ShardedObjects of ``sharded_state_dict()`` and the legacy ``state_dict()`` keys.
+    With --vpp, each rank's entry has "chunks": one such dict per virtual stage (plus vp_stage,
+    pre_process, post_process and the chunk's global 0-based decoder "layers")."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 
-    model = build_model(cfg, a.tp, a.pp, a.first, a.last)
-    ssd = model.sharded_state_dict()
-    apply_factories(ssd)
-    tensors, objects = [], []
-    for v in nested_values(ssd):
-        main = not any(v.replica_id) if isinstance(v.replica_id, tuple) else v.replica_id == 0
-        if isinstance(v, ShardedTensor) and main:
-            tensors.append([v.key, list(v.global_shape), list(v.global_offset), list(v.local_shape)])
-        elif isinstance(v, ShardedObject) and main:
-            objects.append(v.unique_key)
-    legacy = {k: (list(t.shape) if isinstance(t, torch.Tensor) else None) for k, t in model.state_dict().items()}
+    def describe(model):
+        ssd = model.sharded_state_dict()
+        apply_factories(ssd)
+        tensors, objects = [], []
+        for v in nested_values(ssd):
+            main = not any(v.replica_id) if isinstance(v.replica_id, tuple) else v.replica_id == 0
+            if isinstance(v, ShardedTensor) and main:
+                tensors.append([v.key, list(v.global_shape), list(v.global_offset), list(v.local_shape)])
+            elif isinstance(v, ShardedObject) and main:
+                objects.append(v.unique_key)
+        legacy = {k: (list(t.shape) if isinstance(t, torch.Tensor) else None) for k, t in model.state_dict().items()}
+        return {"tensors": tensors, "objects": objects, "state_dict": legacy}
+
+    chunks = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp)
     mine = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-            "tensors": tensors, "objects": objects, "state_dict": legacy}
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank()}
+    if a.vpp is None:
+        mine.update(describe(chunks[0]))
+    else:
+        mine["chunks"] = [
+            {"vp_stage": v, "pre_process": c.pre_process, "post_process": c.post_process,
+             "layers": [layer.layer_number - 1 for layer in c.decoder.layers], **describe(c)}
+            for v, c in enumerate(chunks)
+        ]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     if dist.get_rank() == 0:
@@ -540,6 +632,8 @@ def main(argv=None):
         sp.add_argument("--pp", type=int, default=1)
         sp.add_argument("--first", type=int, default=None, help="layers in first PP stage")
         sp.add_argument("--last", type=int, default=None, help="layers in last PP stage")
+        sp.add_argument("--vpp", type=int, default=None,
+                        help="virtual pipeline (interleaved) stages per PP rank; default: no VPP")
 
     fmts = ["auto", "torch_dist", "megatron"]
     sp = sub.add_parser("make")
@@ -556,7 +650,7 @@ def main(argv=None):
     sp.add_argument("--ref-format", choices=fmts, default="auto")
     sp.add_argument("--check-args", action="store_true",
                     help="also require the ckpt's stored args (and, for torch_dist, its stored "
-                         "vocab rows) to match the config at (tp, pp)")
+                         "vocab rows) to match the config at (tp, pp, vpp)")
     sp = sub.add_parser("logits")
     common(sp)
     sp.add_argument("--ckpt", required=True)
@@ -572,7 +666,7 @@ def main(argv=None):
     import torch.distributed as dist
 
     cfg = load_config(a.config)
-    init_parallel(a.tp, a.pp)
+    init_parallel(a.tp, a.pp, a.vpp)
     rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits, "layout": cmd_layout}[a.cmd](a, cfg)
     dist.barrier()
     dist.destroy_process_group()

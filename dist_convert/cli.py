@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf target: bytes per *.safetensors shard (default 5GB)")
     r.add_argument("--tokenizer-dir", type=Path, default=None,
                    help="hf target: copy tokenizer files from here (default: the source's tokenizer directory)")
+    r.add_argument("--tokenizer-model", type=Path, default=None,
+                   help="nemo target: put this tokenizer model into the archive (overrides the source's)")
+    r.add_argument("--tokenizer-vocab-file", type=Path, default=None,
+                   help="nemo target: put this tokenizer vocab file into the archive (overrides the source's)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     _common(r)
 
@@ -107,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run(ns: argparse.Namespace, rt: Runtime) -> int:
     if ns.cmd == "reshard":
         from .convert import ReshardOptions, reshard
-        formats = FormatOptions(ns.trust_pickle, ns.max_shard_size, ns.tokenizer_dir)
+        formats = FormatOptions(ns.trust_pickle, ns.max_shard_size, ns.tokenizer_dir, ns.tokenizer_model,
+                                ns.tokenizer_vocab_file)
         opts = ReshardOptions(ns.src, ns.dst, ns.src_format, ns.dst_format, ns.target_tp, ns.target_pp,
                               ns.target_first, ns.target_last, ns.target_spec, ns.target_vpp, ns.vocab_size, ns.dtype,
                               ns.memory_budget, ns.overwrite, ns.vocab_divisible_by, formats)

@@ -132,6 +132,11 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         raise ConvertError(f"target {opts.dst} already exists", "pass --overwrite to replace it or choose another DST")
     if opts.dtype not in DTYPES:
         raise ConvertError(f"unknown --dtype {opts.dtype}", f"use one of {', '.join(DTYPES)}")
+    f = opts.formats
+    for flag, path in (("--tokenizer-dir", f.tokenizer_dir), ("--tokenizer-model", f.tokenizer_model),
+                       ("--tokenizer-vocab-file", f.tokenizer_vocab_file)):
+        if path is not None and not path.exists():
+            raise ConvertError(f"{flag} {path} does not exist", f"pass an existing path to {flag}")
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
     dst_fmt = get_format(opts.dst_format or src_fmt.name, opts.formats)
     layout = target_layout(opts, index, dst_fmt)

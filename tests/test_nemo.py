@@ -79,11 +79,18 @@ def test_nemo_archive_to_torch_dist_loads_in_megatron_core(gpt_a, tmp_path):
 def test_nemo_to_nemo_relayout_keeps_tokenizer_and_updates_config(gpt_a, tmp_path):
     nemo = make_nemo(gpt_a, tmp_path)
     dst = tmp_path / "out.nemo"
-    ok(run_cli("reshard", str(nemo), str(dst), "--target-tp", "1", "--target-pp", "2", "--vocab-size", "100", nproc=2))
+    vocab = tmp_path / "new_vocab.json"
+    vocab.write_text('{"a": 0}')
+    ok(run_cli("reshard", str(nemo), str(dst), "--target-tp", "1", "--target-pp", "2", "--vocab-size", "100",
+               "--tokenizer-vocab-file", str(vocab), nproc=2))
     assert dst.is_file() and not list(tmp_path.glob("*.dist_convert_tmp*"))
     config = unpack_as_megatron(dst, tmp_path / "unpacked", 1, 2)
     assert (config["tensor_model_parallel_size"], config["pipeline_model_parallel_size"]) == (1, 2)
-    assert config["tokenizer"]["model"] == f"nemo:{TOKENIZER}"
+    assert config["tokenizer"]["model"] == f"nemo:{TOKENIZER}"  # carried over
+    assert config["tokenizer"]["vocab_file"] == "nemo:new_vocab.json"  # the override, inside the archive
+    with tarfile.open(dst) as tar:
+        assert tar.extractfile("./new_vocab.json").read() == b'{"a": 0}'
+
     res = oracle("compare", 2, "--config", str(gpt_a.config), "--tp", "1", "--pp", "2", "--ckpt",
                  str(tmp_path / "unpacked"), "--ckpt-format", "megatron", "--ref", str(gpt_a.torch_dist))
     assert "ORACLE OK" in res.stdout

@@ -96,6 +96,8 @@ class FormatOptions:
     trust_pickle: bool = False  # allow arbitrary pickled objects in .pt files
     max_shard_size: int = 5 * 10**9  # hf: bytes per written *.safetensors file
     tokenizer_dir: Path | None = None  # hf: where tokenizer files to copy into the target live
+    tokenizer_model: Path | None = None  # nemo: tokenizer model file to put into the target archive
+    tokenizer_vocab_file: Path | None = None  # nemo: tokenizer vocab file to put into the target archive
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,13 @@ class NemoFormat:
                  normalization="rmsnorm" if cfg.normalization == "RMSNorm" else "layernorm",
                  bias=cfg.add_bias_linear, max_position_embeddings=cfg.max_position_embeddings)
         y.setdefault("activation", "fast-swiglu" if cfg.swiglu else "gelu")
+        tokenizer = dict(y.get("tokenizer") or {})
+        for key, path in (("model", self.options.tokenizer_model), ("vocab_file", self.options.tokenizer_vocab_file)):
+            if path is not None:  # an override travels inside the archive, referenced the way NeMo does
+                shutil.copy2(path, out_dir / path.name)
+                tokenizer[key] = f"nemo:{path.name}"
+        if tokenizer:
+            y["tokenizer"] = tokenizer
         (out_dir / CONFIG).write_text(yaml.safe_dump(y, sort_keys=False))
         origin = getattr(target.args, "nemo_source", None)
         if origin and Path(origin).exists():  # tokenizer and other artifacts travel with the model

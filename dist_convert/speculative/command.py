@@ -95,6 +95,10 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     args = args_for_target(index.args, cfg, layout, dtype)
     rt.log(f"[bold]speculate[/] {index.format} {index.layout} -> torch_dist {layout} + {algo} "
            f"({human_bytes(index.nbytes)}; {rt.world} ranks, data-parallel {rt.world // (layout.tp * layout.pp)})")
+    if layout.pp > 1:
+        index.notes.append("ModelOpt 0.47 supports pipeline parallelism for saving and exporting speculative models, "
+                           "not for their training forward (EAGLE-3 takes aux hidden states from layers on other "
+                           "stages); train the draft at PP=1")
     for note in index.notes:
         rt.log(f"note: {note}")
 

@@ -241,8 +241,12 @@ class NemoFormat:
         if dst.suffix != ".nemo":
             return tmp
         packed = tmp.parent / (tmp.name + ".nemo")
-        with tarfile.open(packed, "w:") as tar:
-            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                tar.add(f, arcname=f"./{f.relative_to(tmp)}")
+        try:
+            with tarfile.open(packed, "w:") as tar:
+                for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                    tar.add(f, arcname=f"./{f.relative_to(tmp)}")
+        except BaseException:
+            packed.unlink(missing_ok=True)  # never leave a partial archive behind
+            raise
         shutil.rmtree(tmp)
         return packed

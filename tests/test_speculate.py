@@ -83,3 +83,5 @@ def test_already_speculative_source_is_refused(gpt_a, tmp_path):
                "--medusa-heads", "1"))
     assert_refused(run_cli("speculate", str(first), str(tmp_path / "dst"), "--eagle-layers", "1"), tmp_path,
                    "already a speculative model (medusa", "base checkpoint")
+    assert_refused(run_cli("reshard", str(first), str(tmp_path / "dst"), "--target-tp", "2"), tmp_path,
+                   "is a ModelOpt checkpoint", "restore it with megatron-core + ModelOpt")

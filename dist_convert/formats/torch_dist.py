@@ -138,6 +138,10 @@ class TorchDistFormat(IterDirFormat):
         if found is None:
             raise ConvertError(f"{path} is not a torch_dist checkpoint (no .metadata)", "pass the right --src-format")
         iter_dir, iteration = found
+        if (iter_dir / "modelopt_state").is_dir():
+            raise ConvertError(f"{iter_dir} is a ModelOpt checkpoint (modelopt_state/): its draft modules and "
+                               "per-layer base keys only load into a model converted by ModelOpt",
+                               "restore it with megatron-core + ModelOpt, or convert the base checkpoint it came from")
         common = load_pt(iter_dir / COMMON, self.trust_pickle, mmap=False) if (iter_dir / COMMON).is_file() else {}
         args = common.get("args") if isinstance(common, dict) else None
         if args is None:

@@ -179,6 +179,36 @@ class IterDirFormat:
         return tmp
 
 
+def on_rank0(rt: Runtime, fn: Callable[[], Any]) -> Any:
+    """Collective: ``fn`` (a small metadata read) runs on rank 0; every rank gets its result or its error."""
+    result: Any = None
+    if rt.rank == 0:
+        try:
+            result = fn()
+        except ConvertError as e:
+            result = e
+    result = rt.broadcast_object(result)
+    if isinstance(result, ConvertError):
+        raise result
+    return result
+
+
+def add_rank_file_chunks(chunks: list[SourceChunk], rel: str, expected: dict[str, tuple[tuple[int, ...], list[Piece]]],
+                         have: dict[str, tuple[tuple[int, ...], torch.dtype]], described_by: str) -> None:
+    """Check one rank file's tensors against the layout table's ``expected`` entries; append its chunks."""
+    unknown = sorted(set(have) - set(expected))
+    missing = sorted(set(expected) - set(have))
+    if unknown:
+        raise ConvertError(f"{rel}: unexpected tensors {unknown[:3]}{' ...' if len(unknown) > 3 else ''}",
+                           f"{described_by} does not describe this model (or it is not a GPT model); check the source")
+    if missing:
+        raise ConvertError(f"{rel}: missing tensors {missing[:3]}{' ...' if len(missing) > 3 else ''}",
+                           "the rank file is incomplete or from another model; re-copy the checkpoint")
+    for key, (shape, pieces) in expected.items():
+        check_piece_shapes(key, rel, shape, have[key][0])
+        chunks.append(SourceChunk(len(chunks), rel, key, shape, have[key][1], pieces))
+
+
 def write_tracker(root: Path, iteration: int | str) -> None:
     (root / TRACKER).write_text(str(iteration))
 

@@ -1,5 +1,5 @@
 """Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2, Qwen3): ``config.json`` plus
-``model.safetensors`` or ``model-XXXXX-of-YYYYY.safetensors`` shards with
+``model.safetensors`` or ``model-00001-of-00004.safetensors`` style shards with
 ``model.safetensors.index.json``.
 
 HF keeps q/k/v and gate/up as separate tensors; megatron-core fuses them (``linear_qkv`` group-major:
@@ -21,7 +21,7 @@ from ..layout.boxes import Box, Piece
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
 from ..runtime import Runtime
 from ..topology import Layout
-from .base import FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor
+from .base import FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, on_rank0
 from .hf_config import config_from_hf, hf_from_config
 from .safetensors_io import read_boxes, read_header, write_file
 
@@ -145,16 +145,7 @@ class HFFormat:
         return _looks_like(path)
 
     def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
-        result: Any = None
-        if rt.rank == 0:
-            try:
-                result = self._index(path, vocab_size)
-            except ConvertError as e:
-                result = e
-        result = rt.broadcast_object(result)
-        if isinstance(result, ConvertError):
-            raise result
-        return result
+        return on_rank0(rt, lambda: self._index(path, vocab_size))
 
     def _index(self, path: Path, vocab_size: int | None) -> SourceIndex:
         if not (path / CONFIG).is_file():

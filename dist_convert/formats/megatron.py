@@ -20,7 +20,7 @@ from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
 from .base import (IterDirFormat, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor,
-                   check_piece_shapes)
+                   add_rank_file_chunks)
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model_optim_rng.pt"
@@ -185,20 +185,8 @@ class MegatronFormat(IterDirFormat):
         chunks: list[SourceChunk] = []
         for c in order:
             rel = coords[c]
-            expected = rank_entries(cfg, layout, c[0], c[1], spec)
-            have = files[c]["tensors"]
-            unknown = sorted(set(have) - set(expected))
-            missing = sorted(set(expected) - set(have))
-            if unknown:
-                raise ConvertError(f"{rel}: unexpected tensors {unknown[:3]}{' ...' if len(unknown) > 3 else ''}",
-                                   "the args do not describe this model (or it is not a GPT model); check the "
-                                   "source checkpoint's args")
-            if missing:
-                raise ConvertError(f"{rel}: missing tensors {missing[:3]}{' ...' if len(missing) > 3 else ''}",
-                                   "the rank file is incomplete or from another model; re-copy the checkpoint")
-            for key, (shape, pieces) in expected.items():
-                check_piece_shapes(key, rel, shape, have[key][0])
-                chunks.append(SourceChunk(len(chunks), rel, key, shape, have[key][1], pieces))
+            add_rank_file_chunks(chunks, rel, rank_entries(cfg, layout, c[0], c[1], spec), files[c]["tensors"],
+                                 "the checkpoint's args")
         return SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks)
 
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:

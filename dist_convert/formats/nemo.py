@@ -26,7 +26,7 @@ from ..layout.rules import EMBEDDING
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, check_piece_shapes
+from .base import FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, add_rank_file_chunks
 from .megatron import rank_entries, rank_target_files, save_durable
 
 CONFIG = "model_config.yaml"
@@ -162,14 +162,7 @@ class NemoFormat:
         chunks: list[SourceChunk] = []
         for (t, p), rel in files.items():
             expected = {PREFIX + k: v for k, v in rank_entries(cfg, layout, t, p, cfg.spec).items()}
-            have = shapes[(t, p)]
-            bad = sorted(set(have) ^ set(expected))
-            if bad:
-                raise ConvertError(f"{rel}: {'unexpected' if bad[0] in have else 'missing'} tensors {bad[:3]}",
-                                   "model_config.yaml does not describe these weights; check the archive")
-            for key, (shape, pieces) in expected.items():
-                check_piece_shapes(key, rel, shape, have[key][0])
-                chunks.append(SourceChunk(len(chunks), rel, key, shape, have[key][1], pieces))
+            add_rank_file_chunks(chunks, rel, expected, shapes[(t, p)], CONFIG)
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
         args.nemo_config, args.nemo_source = y, str(path.resolve())  # the target's config and artifacts
         self._archive = archive

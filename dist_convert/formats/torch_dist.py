@@ -28,7 +28,7 @@ from ..layout.rules import EXTRA_STATE_MODULES, LAYER_PREFIX, LogicalTensor, log
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import IterDirFormat, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor
+from .base import IterDirFormat, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, on_rank0
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"
@@ -122,16 +122,7 @@ class TorchDistFormat(IterDirFormat):
     looks_like = staticmethod(_looks_like)
 
     def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
-        result: Any = None
-        if rt.rank == 0:
-            try:
-                result = self._index(path, vocab_size)
-            except ConvertError as e:
-                result = e
-        result = rt.broadcast_object(result)
-        if isinstance(result, ConvertError):
-            raise result
-        return result
+        return on_rank0(rt, lambda: self._index(path, vocab_size))
 
     def _index(self, path: Path, vocab_size: int | None) -> SourceIndex:
         found = self.find(path)

@@ -81,7 +81,7 @@ def use_local_layers_without_te() -> list[str]:
     @contextlib.contextmanager
     def attention_without_context_parallel(attention_mask: Any, num_attention_heads: int) -> Iterator[None]:
         if parallel_state.get_context_parallel_world_size() > 1:
-            raise NotImplementedError("EAGLE with context parallelism needs Transformer Engine")
+            raise RuntimeError("EAGLE with context parallelism needs Transformer Engine")
         yield
 
     megatron_eagle.TELinear = ReplicatedLinear

@@ -4,6 +4,7 @@ HF -> megatron-core -> HF gives back every tensor bit for bit, loadable by ``fro
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,21 @@ def test_hf_target_refusals(gpt_b, hf_dir, tmp_path):
                    "LayerNorm", "none of the supported Hugging Face families")
     assert_refused(run_cli("reshard", str(hf_dir / "llama"), str(tmp_path / "dst"), "--dst-format", "hf",
                            "--target-tp", "2"), tmp_path, "TP/PP do not apply", "--target-tp")
+
+
+def test_hf_to_hf_recast_and_reshard_and_a_stored_tied_head(hf_dir, tmp_path):
+    """hf -> hf changes dtype and shard size only; a tied model that also stores lm_head (some
+    exporters write both) imports with the copy read as a replica of the embedding."""
+    out = tmp_path / "bf16"
+    ok(run_cli("reshard", str(hf_dir / "qwen2"), str(out), "--dtype", "bf16", "--max-shard-size", "50KB"))
+    a, b = tensors(hf_dir / "qwen2"), tensors(out)
+    assert set(a) == set(b) and all(torch.equal(a[k].to(torch.bfloat16), b[k]) for k in a)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 2
+    from safetensors.torch import save_file
+
+    both = tmp_path / "both"
+    shutil.copytree(hf_dir / "llama32", both)
+    stored = tensors(both)
+    stored["lm_head.weight"] = stored["model.embed_tokens.weight"].clone()
+    save_file(stored, str(both / "model.safetensors"), metadata={"format": "pt"})
+    ok(run_cli("verify", str(both), str(hf_dir / "llama32")))

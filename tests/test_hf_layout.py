@@ -127,7 +127,7 @@ def test_import_plan_reads_only_each_ranks_share(fmt, tp, pp):
 def test_split_sources_fill_every_target_exactly(fmt, layout, world):
     """HF tensors cut by split_chunks (tiny blocks) and read as slices, planned and executed in
     memory: every target tensor holds exactly the logical values (vocab padding zero)."""
-    from test_plan import logical_model, simulate
+    from test_plan import assert_targets_hold, logical_model, simulate
 
     cfg, args, _ = config_from_hf(hf_config(architectures=["Qwen2ForCausalLM"], vocab_size=50), None)
     cfg = cfg.replace(make_vocab_size_divisible_by=8)
@@ -143,10 +143,4 @@ def test_split_sources_fill_every_target_exactly(fmt, layout, world):
     assert len(cut) > 3 * len(chunks) and max(c.nbytes for c in cut) <= 2048
     data = {c.id: stored[c.key][tuple(slice(o, o + n) for o, n in zip(c.offsets, c.shape))] for c in cut}
     plan = make_plan(cut, files, world, 16 << 10, {n: t.numel() for n, t in model.items()})
-    out = simulate(plan, files, data)
-    for f in files:
-        for j, t in enumerate(f.tensors):
-            expect = torch.zeros(t.shape)
-            for pc in t.pieces:
-                expect[pc.sbox.slices()] = model[pc.logical][pc.lbox.slices()].reshape(pc.sbox.sizes)
-            assert torch.equal(out[(f.id, j)], expect), (f.name, t.key)
+    assert_targets_hold(simulate(plan, files, data), files, model)

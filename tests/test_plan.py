@@ -50,6 +50,16 @@ def simulate(plan, files, data):
     return out
 
 
+def assert_targets_hold(out, files, model):
+    """Every simulated target tensor holds exactly its pieces of the logical model, zeros elsewhere."""
+    for f in files:
+        for j, t in enumerate(f.tensors):
+            expect = torch.zeros(t.shape)
+            for pc in t.pieces:
+                expect[pc.sbox.slices()] = model[pc.logical][pc.lbox.slices()].reshape(pc.sbox.sizes)
+            assert torch.equal(out[(f.id, j)], expect), (f.name, t.key)
+
+
 def numel(cfg):
     out = {}
     for n, t in logical_tensors(cfg).items():
@@ -105,13 +115,7 @@ def test_plan_covers_every_target_byte_once(src, dst, world, fmt):
             assert sum(b.numel for b in boxes) == sum(p.lbox.numel for p in t.pieces)
             assert not any(a.intersect(b) for a, b in itertools.combinations(boxes, 2))
     # the stored values are exactly the logical tensors (padding rows zero)
-    out = simulate(plan, files, data)
-    for f in files:
-        for j, t in enumerate(f.tensors):
-            expect = torch.zeros(t.shape)
-            for pc in t.pieces:
-                expect[pc.sbox.slices()] = model[pc.logical][pc.lbox.slices()].reshape(pc.sbox.sizes)
-            assert torch.equal(out[(f.id, j)], expect), (f.name, t.key)
+    assert_targets_hold(simulate(plan, files, data), files, model)
     # bytes in flight per rank per wave stay within the budget
     assert max(wave_peak_bytes(plan, {c.id: c for c in chunks})) <= budget
 

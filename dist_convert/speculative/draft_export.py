@@ -22,22 +22,18 @@ import torch.distributed as dist
 from ..config import ModelConfig
 from ..convert import INCOMPLETE_SUFFIX, commit_dst
 from ..errors import ConvertError
-from ..formats.hf import part_pieces
+from ..formats.hf import LAYER_NAMES, part_pieces
 from ..formats.hf_config import hf_from_config
 from ..formats.safetensors_io import write_file
 from ..runtime import Runtime
 
 _LAYER = re.compile(r"^eagle_module\.decoder\.layers\.(\d+)\.(.+)$")
 _MEDUSA = re.compile(r"^medusa_heads\.(\d+)\.(medusa_layers\.(\d+)\.linear\.(weight|bias)|lm_head\.weight)$")
-# megatron-core suffix in a draft decoder layer -> (HF suffix, part of the fused tensor)
-_LAYER_PARTS = {
-    "self_attention.linear_qkv.weight": [("self_attn.q_proj.weight", "q"), ("self_attn.k_proj.weight", "k"),
-                                         ("self_attn.v_proj.weight", "v")],
-    "self_attention.linear_proj.weight": [("self_attn.o_proj.weight", None)],
-    "pre_mlp_layernorm.weight": [("post_attention_layernorm.weight", None)],
-    "mlp.linear_fc1.weight": [("mlp.gate_proj.weight", "gate"), ("mlp.up_proj.weight", "up")],
-    "mlp.linear_fc2.weight": [("mlp.down_proj.weight", None)],
-}
+# megatron-core suffix in a draft decoder layer -> [(HF suffix, part of the fused tensor)]: the hf
+# format's table (a draft layer is a Llama layer; only its first input norm is named differently)
+_LAYER_PARTS: dict[str, list[tuple[str, str | None]]] = {}
+for _hf, _mcore, _part in LAYER_NAMES:
+    _LAYER_PARTS.setdefault(_mcore, []).append((_hf, _part))
 
 
 def draft_base_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
@@ -74,8 +70,8 @@ def serving_names(name: str, eagle3: bool, layers: int) -> list[tuple[str, str |
         raise ConvertError(f"unexpected EAGLE tensor {name}", "report this with the model config")
     i, suffix = int(m.group(1)), m.group(2)
     prefix = (f"midlayer.{i}." if deep else "midlayer.") if eagle3 else f"layers.{i}."
-    if suffix == "input_layernorm.weight":
-        return [(prefix + ("hidden_norm.weight" if eagle3 else "input_layernorm.weight"), None)]
+    if suffix == "input_layernorm.weight" and eagle3:
+        return [(prefix + "hidden_norm.weight", None)]
     if suffix not in _LAYER_PARTS:
         raise ConvertError(f"unexpected EAGLE tensor {name}", "report this with the model config")
     return [(prefix + hf, part) for hf, part in _LAYER_PARTS[suffix]]

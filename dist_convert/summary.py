@@ -1,7 +1,9 @@
 """The end-of-run table: per rank tensors, bytes read/written/moved, times and peak memory."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import socket
+from dataclasses import dataclass, field
 
 from rich.table import Table
 
@@ -20,16 +22,25 @@ class RankStats:
     write_s: float
     wall_s: float
     peak_rss: int
+    node: str = field(default_factory=lambda: node_name())
+
+
+def node_name() -> str:
+    """The node a rank runs on: the launcher's name for it (Slurm's node name), else the host name."""
+    return os.environ.get("DIST_CONVERT_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def print_summary(rt: Runtime, stats: list[RankStats], title: str) -> None:
     if rt.rank != 0:
         return
     table = Table(title=title)
+    multi_node = len({s.node for s in stats}) > 1  # then a last column says where each rank ran
     for col in ("rank", "files", "tensors", "read", "written", "sent", "received", "write s", "wall s", "peak RSS"):
         table.add_column(col, justify="right")
+    if multi_node:
+        table.add_column("node")
     for s in stats:
         table.add_row(str(s.rank), str(s.files), str(s.tensors), human_bytes(s.read_bytes),
                       human_bytes(s.written_bytes), human_bytes(s.sent_bytes), human_bytes(s.received_bytes),
-                      f"{s.write_s:.2f}", f"{s.wall_s:.2f}", human_bytes(s.peak_rss))
+                      f"{s.write_s:.2f}", f"{s.wall_s:.2f}", human_bytes(s.peak_rss), *([s.node] if multi_node else []))
     _console.print(table)

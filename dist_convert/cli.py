@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-vpp", type=int, default=None,
                    help="virtual pipeline stages per PP rank (interleaved; default: the source's when PP is kept; "
                         "1: none)")
+    r.add_argument("--target-pipeline-split-rank", type=int, default=None, dest="target_split",
+                   help="encoder-decoder (T5) with PP > 1: the first decoder stage; encoder stages come before it "
+                        "(default: the source's when PP is kept)")
     r.add_argument("--target-spec", choices=("te", "local"), default=None,
                    help="layer-spec naming of the target (default: the source's)")
     r.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep")
@@ -65,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nemo target: put this tokenizer model into the archive (overrides the source's)")
     r.add_argument("--tokenizer-vocab-file", type=Path, default=None,
                    help="nemo target: put this tokenizer vocab file into the archive (overrides the source's)")
+    r.add_argument("--nemo-style", choices=("mcore", "legacy", "megatron_legacy"), default=None,
+                   help="nemo target: megatron-core keys, legacy NeMo Megatron keys, or legacy keys with the "
+                        "megatron_legacy QKV layout (default: the source's for a .nemo source, else mcore)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     _common(r)
 
@@ -112,10 +118,11 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
     if ns.cmd == "reshard":
         from .convert import ReshardOptions, reshard
         formats = FormatOptions(ns.trust_pickle, ns.max_shard_size, ns.tokenizer_dir, ns.tokenizer_model,
-                                ns.tokenizer_vocab_file)
+                                ns.tokenizer_vocab_file, nemo_style=ns.nemo_style)
         opts = ReshardOptions(ns.src, ns.dst, ns.src_format, ns.dst_format, ns.target_tp, ns.target_pp,
                               ns.target_first, ns.target_last, ns.target_spec, ns.target_vpp, ns.vocab_size, ns.dtype,
-                              ns.memory_budget, ns.overwrite, ns.vocab_divisible_by, formats)
+                              ns.memory_budget, ns.overwrite, ns.vocab_divisible_by, formats,
+                              target_split=ns.target_split)
         reshard(opts, rt)
         return 0
     if ns.cmd == "speculate":

@@ -32,6 +32,20 @@ class ModelConfig:
     max_position_embeddings: int | None
     qk_layernorm: bool
     spec: str  # "local" | "te": layer-spec naming of the checkpoint
+    family: str = "gpt"  # "gpt" (decoder only) | "t5" (encoder-decoder, megatron-core T5Model)
+    encoder_num_layers: int = 0  # t5: encoder layers (num_layers counts the decoder's)
+    relative_attention_num_buckets: int = 32  # t5 with relative position embeddings
+
+    @property
+    def stacks(self) -> list[tuple[str, int]]:
+        """Transformer stacks in model order: (module name, layers)."""
+        if self.family == "t5":
+            return [("encoder", self.encoder_num_layers), ("decoder", self.num_layers)]
+        return [("decoder", self.num_layers)]
+
+    def check_layout(self, layout: Layout, what: str = "target") -> None:
+        layout.validate(self.num_layers, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size, what,
+                        encoder_layers=self.encoder_num_layers if self.family == "t5" else None)
 
     @property
     def qkv_rows(self) -> int:
@@ -68,8 +82,8 @@ def _get(args: argparse.Namespace, name: str, default: Any = None) -> Any:
 
 
 def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str | None,
-                     source_tp: int) -> ModelConfig:
-    """Read the model config from Megatron-LM ``args``.
+                     source_tp: int, family: str = "gpt") -> ModelConfig:
+    """Read the model config from Megatron-LM ``args`` (``family``: "gpt", or "t5" for an encoder-decoder).
 
     ``vocab_size`` (the ``--vocab-size`` flag) overrides the args. When neither gives the true vocab
     size, the padded size stands in for it; the caller refuses a target where that loses information.
@@ -92,8 +106,9 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
                                "pass the true vocabulary size with --vocab-size")
         true_vocab = int(padded)
     impl = _get(args, "transformer_impl", "transformer_engine")
+    t5 = family == "t5"
     return ModelConfig(
-        num_layers=int(args.num_layers),
+        num_layers=int(_get(args, "decoder_num_layers", args.num_layers) if t5 else args.num_layers),
         hidden_size=hidden,
         ffn_hidden_size=int(_get(args, "ffn_hidden_size", 4 * hidden)),
         num_attention_heads=heads,
@@ -110,6 +125,9 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
         max_position_embeddings=_get(args, "max_position_embeddings", None),
         qk_layernorm=bool(_get(args, "qk_layernorm", False)),
         spec=spec or ("local" if impl == "local" else "te"),
+        family=family,
+        encoder_num_layers=int(_get(args, "encoder_num_layers", args.num_layers)) if t5 else 0,
+        relative_attention_num_buckets=int(_get(args, "relative_attention_num_buckets", 32)),
     )
 
 
@@ -123,6 +141,9 @@ def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout,
     out.decoder_last_pipeline_num_layers = layout.last
     out.virtual_pipeline_model_parallel_size = layout.vpp
     out.num_layers_per_virtual_pipeline_stage = cfg.num_layers // (layout.pp * layout.vpp) if layout.vpp else None
+    if cfg.family == "t5":
+        out.encoder_num_layers, out.decoder_num_layers = cfg.encoder_num_layers, cfg.num_layers
+        out.pipeline_model_parallel_split_rank = layout.split
     out.padded_vocab_size = cfg.padded_vocab(layout.tp)
     out.vocab_size = cfg.vocab_size
     out.transformer_impl = "local" if cfg.spec == "local" else "transformer_engine"

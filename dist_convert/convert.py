@@ -43,6 +43,7 @@ class ReshardOptions:
     overwrite: bool = False
     vocab_divisible_by: int | None = None
     formats: FormatOptions = dataclasses.field(default_factory=FormatOptions)
+    target_split: int | None = None  # encoder-decoder (T5): first decoder pipeline stage
 
 
 def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None,
@@ -69,7 +70,8 @@ def source_dtypes(index: SourceIndex) -> dict[str, torch.dtype]:
 def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> Layout:
     src = index.layout
     if not dst_fmt.sharded:
-        if (opts.target_tp or 1) != 1 or (opts.target_pp or 1) != 1 or (opts.target_vpp or 1) != 1:
+        if (opts.target_tp or 1) != 1 or (opts.target_pp or 1) != 1 or (opts.target_vpp or 1) != 1 \
+                or opts.target_split:
             raise ConvertError(f"--dst-format {dst_fmt.name} stores unsharded tensors; TP/PP do not apply",
                                "drop --target-tp/--target-pp/--target-vpp (or set them to 1)")
         return Layout(1, 1)
@@ -78,10 +80,10 @@ def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> 
     first = opts.target_first if opts.target_first is not None else (src.first if same_pp else None)
     last = opts.target_last if opts.target_last is not None else (src.last if same_pp else None)
     vpp = opts.target_vpp if opts.target_vpp is not None else (src.vpp if same_pp else None)
+    split = opts.target_split if opts.target_split is not None else (src.split if same_pp else None)
     layout = Layout(opts.target_tp or src.tp, pp, first if pp > 1 else None, last if pp > 1 else None,
-                    vpp if vpp != 1 else None)
-    cfg = index.cfg
-    layout.validate(cfg.num_layers, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size)
+                    vpp if vpp != 1 else None, split if pp > 1 or opts.target_split else None)
+    index.cfg.check_layout(layout)
     return layout
 
 
@@ -139,6 +141,9 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
             raise ConvertError(f"{flag} {path} does not exist", f"pass an existing path to {flag}")
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
     dst_fmt = get_format(opts.dst_format or src_fmt.name, opts.formats)
+    if f.nemo_style and dst_fmt.name != "nemo":
+        raise ConvertError(f"--nemo-style applies to .nemo targets, not {dst_fmt.name}",
+                           "drop --nemo-style or pass --dst-format nemo")
     layout = target_layout(opts, index, dst_fmt)
     cfg = index.cfg.replace(spec=opts.target_spec or index.cfg.spec,
                             make_vocab_size_divisible_by=opts.vocab_divisible_by or index.cfg.make_vocab_size_divisible_by)

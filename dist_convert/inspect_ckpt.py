@@ -19,13 +19,15 @@ from .runtime import Runtime, human_bytes
 def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options: FormatOptions) -> dict:
     _, index = load_index(path, fmt, rt, vocab_size, options)
     dtypes = Counter(str(c.dtype).replace("torch.", "") for c in index.chunks)
+    chunks = index.layout.stack_chunks(index.cfg.stacks)
     return {
         "path": str(index.iter_dir),
         "format": index.format,
         "iteration": index.iteration,
         "layout": {"tp": index.layout.tp, "pp": index.layout.pp, "first_stage_layers": index.layout.first,
-                   "last_stage_layers": index.layout.last},
-        "stage_layers": index.layout.stage_sizes(index.cfg.num_layers),
+                   "last_stage_layers": index.layout.last, "vpp": index.layout.vpp,
+                   "pipeline_split_rank": index.layout.split},
+        "stage_layers": [sum(n for p, *_, n in chunks if p == s) for s in range(index.layout.pp)],
         "config": dataclasses.asdict(index.cfg),
         "logical_tensors": len(logical_tensors(index.cfg)),
         "stored_chunks": len(index.chunks),

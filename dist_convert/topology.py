@@ -13,11 +13,14 @@ class Layout:
     first: int | None = None  # layers in the first pipeline stage (uneven PP)
     last: int | None = None  # layers in the last pipeline stage (uneven PP)
     vpp: int | None = None  # virtual pipeline stages (model chunks) per pipeline rank, interleaved
+    split: int | None = None  # encoder-decoder models: first decoder stage (pipeline split rank)
 
     def __str__(self) -> str:
         s = f"TP={self.tp} PP={self.pp}"
         if self.vpp:
             s += f" VPP={self.vpp}"
+        if self.split is not None:
+            s += f" split={self.split}"
         if self.first is not None or self.last is not None:
             s += f" (first={self.first}, last={self.last})"
         return s
@@ -30,7 +33,7 @@ class Layout:
             return int(value) if value else None
         vpp = get("virtual_pipeline_model_parallel_size")
         return Layout(tp, pp, get("decoder_first_pipeline_num_layers"), get("decoder_last_pipeline_num_layers"),
-                      vpp if vpp and vpp > 1 else None)
+                      vpp if vpp and vpp > 1 else None, get("pipeline_model_parallel_split_rank"))
 
     @property
     def chunks_per_rank(self) -> int:
@@ -44,6 +47,24 @@ class Layout:
                     enumerate(zip(self.stage_offsets(num_layers), self.stage_sizes(num_layers)))]
         per = num_layers // (self.pp * self.vpp)
         return [(p, v, v * (num_layers // self.vpp) + p * per, per) for p in range(self.pp) for v in range(self.vpp)]
+
+    def stack_chunks(self, stacks: list[tuple[str, int]]) -> list[tuple[int, int, str, int, int]]:
+        """(pp rank, virtual stage, stack, first layer of the stack, layer count) of every model chunk.
+
+        One stack (GPT's decoder) follows ``model_chunks``. An encoder-decoder model (T5) puts its
+        encoder on pipeline stages [0, split) and its decoder on [split, PP), each evenly, as
+        Megatron-LM's ``pipeline_model_parallel_split_rank`` does; with PP=1 both are on stage 0.
+        """
+        if len(stacks) == 1:
+            name, n = stacks[0]
+            return [(p, v, name, off, count) for p, v, off, count in self.model_chunks(n)]
+        (enc, n_enc), (dec, n_dec) = stacks
+        if self.pp == 1:
+            return [(0, 0, enc, 0, n_enc), (0, 0, dec, 0, n_dec)]
+        split = self.split or 0
+        per_enc, per_dec = n_enc // split, n_dec // (self.pp - split)
+        return ([(p, 0, enc, p * per_enc, per_enc) for p in range(split)]
+                + [(p, 0, dec, (p - split) * per_dec, per_dec) for p in range(split, self.pp)])
 
     def stage_sizes(self, num_layers: int) -> list[int]:
         """Layers per pipeline stage, following megatron-core's uneven-PP rule."""
@@ -85,7 +106,9 @@ class Layout:
         """(tp, pp) coordinates of every model-parallel rank, pp-major as Megatron numbers files."""
         return [(t, p) for p in range(self.pp) for t in range(self.tp)]
 
-    def validate(self, num_layers: int, heads: int, groups: int, ffn: int, what: str = "target") -> None:
+    def validate(self, num_layers: int, heads: int, groups: int, ffn: int, what: str = "target",
+                 encoder_layers: int | None = None) -> None:
+        """Refuse layouts megatron-core cannot hold; ``encoder_layers`` is given for encoder-decoder models."""
         flag = "--target-tp" if what == "target" else "the source layout"
         if self.tp < 1 or self.pp < 1:
             raise ConvertError(f"{what} TP and PP must be >= 1 (got {self})", "pass positive --target-tp/--target-pp")
@@ -93,6 +116,9 @@ class Layout:
             if n % self.tp:
                 raise ConvertError(f"{what} TP={self.tp} does not divide {name}={n}",
                                    f"choose {flag} among the divisors of {n}")
+        if encoder_layers is not None or self.split is not None:
+            self._validate_split(num_layers, encoder_layers, what)
+            return
         if self.pp > num_layers:
             raise ConvertError(f"{what} PP={self.pp} exceeds num_layers={num_layers}",
                                "choose --target-pp <= num_layers")
@@ -110,3 +136,26 @@ class Layout:
         if any(n <= 0 for n in sizes):
             raise ConvertError(f"{what} pipeline stages {sizes} include an empty stage",
                                "adjust --target-pp or the first/last stage sizes")
+
+    def _validate_split(self, dec_layers: int, enc_layers: int | None, what: str) -> None:
+        fix = "--target-pipeline-split-rank" if what == "target" else "the source's pipeline_model_parallel_split_rank"
+        if enc_layers is None:
+            raise ConvertError(f"{what} {self} sets a pipeline split rank, which only encoder-decoder (T5) models have",
+                               "drop --target-pipeline-split-rank")
+        if self.vpp is not None or self.first is not None or self.last is not None:
+            raise ConvertError(f"{what} {self}: encoder-decoder models take no virtual or uneven pipeline stages",
+                               "drop --target-vpp/--target-num-layers-in-first/last-stage; use "
+                               "--target-pipeline-split-rank")
+        if self.pp == 1:
+            if self.split not in (None, 0):
+                raise ConvertError(f"{what} pipeline split rank {self.split} needs PP > 1", f"drop {fix}")
+            return
+        split = self.split
+        if split is None or not 0 < split < self.pp:
+            raise ConvertError(f"{what} PP={self.pp} of an encoder-decoder model needs a pipeline split rank in "
+                               f"[1, {self.pp - 1}] (got {split})",
+                               f"pass {fix} (the first decoder stage; encoder stages come before it)")
+        if enc_layers % split or dec_layers % (self.pp - split):
+            raise ConvertError(f"{what} split rank {split} puts {enc_layers} encoder layers on {split} stages and "
+                               f"{dec_layers} decoder layers on {self.pp - split}: not an even split",
+                               f"choose {fix} so both stacks divide evenly over their stages")

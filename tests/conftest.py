@@ -82,7 +82,11 @@ CONFIGS = {
 
 
 def make_source(root: Path, name: str) -> Source:
-    cfg, tp, pp, first = CONFIGS[name]
+    return make_gpt(root, name, *CONFIGS[name])
+
+
+def make_gpt(root: Path, name: str, cfg: dict, tp: int, pp: int, first: int | None = None) -> Source:
+    """A megatron-core GPT with config ``cfg``, saved by the oracle at (tp, pp) in both Megatron-LM formats."""
     root.mkdir(parents=True, exist_ok=True)
     config = root / f"{name}.json"
     config.write_text(json.dumps(cfg))

@@ -104,7 +104,8 @@ def test_extracted_nemo_directory_and_verify(gpt_a, tmp_path):
 @pytest.mark.parametrize("damage,needles", [
     (lambda d: (d / "model_config.yaml").unlink(), ["has no model_config.yaml"]),
     (lambda d: (d / "model_config.yaml").write_text(yaml.safe_dump({**yaml.safe_load(
-        (d / "model_config.yaml").read_text()), "mcore_gpt": False})), ["not megatron-core based", "not supported"]),
+        (d / "model_config.yaml").read_text()), "mcore_gpt": False})),
+     ["not megatron-core based", "megatron-core keys", "set mcore_gpt: true"]),
     (lambda d: shutil.rmtree(d / "tp_rank_01_pp_rank_001"), ["tp_rank_01_pp_rank_001/model_weights.ckpt is missing"]),
 ])
 def test_bad_nemo_is_refused(gpt_a, tmp_path, damage, needles):

@@ -10,7 +10,8 @@ from .megatron import MegatronFormat
 from .nemo import NemoFormat
 from .torch_dist import TorchDistFormat
 
-FORMATS: dict[str, type] = {f.name: f for f in (TorchDistFormat, MegatronFormat, HFFormat, NemoFormat)}
+# nemo before megatron: an extracted .nemo at TP>1 PP=1 also has mp_rank_XX/ directories
+FORMATS: dict[str, type] = {f.name: f for f in (TorchDistFormat, NemoFormat, MegatronFormat, HFFormat)}
 
 
 def get_format(name: str, options: FormatOptions | None = None) -> Format:

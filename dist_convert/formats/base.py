@@ -98,6 +98,7 @@ class FormatOptions:
     tokenizer_dir: Path | None = None  # hf: where tokenizer files to copy into the target live
     tokenizer_model: Path | None = None  # nemo: tokenizer model file to put into the target archive
     tokenizer_vocab_file: Path | None = None  # nemo: tokenizer vocab file to put into the target archive
+    nemo_style: str | None = None  # nemo target: "mcore" | "legacy" | "megatron_legacy" (None: the source's)
 
 
 @dataclass(frozen=True)

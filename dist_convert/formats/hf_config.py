@@ -114,6 +114,8 @@ def config_from_hf(hf: dict[str, Any], vocab_divisible_by: int | None) -> tuple[
 def export_family(cfg: ModelConfig, args: argparse.Namespace) -> Family:
     """The HF family a megatron-core model exports as; refuses models no supported family expresses."""
     problems = []
+    if cfg.family != "gpt":
+        problems.append(f"an encoder-decoder ({cfg.family.upper()}) architecture")
     if not cfg.swiglu:
         problems.append("a non-gated MLP")
     if cfg.normalization != "RMSNorm":

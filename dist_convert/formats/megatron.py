@@ -15,7 +15,8 @@ import torch
 from ..config import ModelConfig, config_from_args
 from ..errors import ConvertError
 from ..layout.boxes import Piece, local_pieces, mcore_global_shape
-from ..layout.rules import EMBEDDING, EXTRA_STATE_MODULES, LAYER_PREFIX, OUTPUT, logical_tensors, spec_suffix
+from ..layout.rules import (EMBEDDING, OUTPUT_MODULES, TIED_COPIES, extra_state_modules, holders, model_family,
+                            logical_tensors, spec_suffix)
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
@@ -51,37 +52,42 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
                  spec: str) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
     """Pure: every tensor a legacy rank file holds (all its model chunks): key -> (local shape, pieces)."""
     tensors = logical_tensors(cfg)
-    chunks = [c for c in layout.model_chunks(cfg.num_layers) if c[0] == pp_rank]
+    chunks = [c for c in layout.stack_chunks(cfg.stacks) if c[0] == pp_rank]
     out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
-    for _, vp, offset, count in chunks:
-        first = pp_rank == 0 and vp == 0
-        last = pp_rank == layout.pp - 1 and vp == layout.chunks_per_rank - 1
 
-        def add(key: str, name: str, vp: int = vp) -> None:
-            t = tensors[name]
-            gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
-            out[chunk_key(key, vp, layout)] = local_pieces(name, t.kind, gshape, t.shape[0], tp_rank, layout.tp)
+    def add(key: str, name: str, vp: int) -> None:
+        t = tensors[name]
+        gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
+        out[chunk_key(key, vp, layout)] = local_pieces(name, t.kind, gshape, t.shape[0], tp_rank, layout.tp)
 
+    for _, vp, stack, offset, count in chunks:
         for name, t in tensors.items():
-            if t.layer is not None:
-                if offset <= t.layer < offset + count:
-                    add(f"{LAYER_PREFIX}{t.layer - offset}.{spec_suffix(t, spec)}", name)
-            elif (t.stage == "first" and first) or (t.stage == "last" and last):
-                add(name, name)
-        if last and cfg.tied and layout.pp > 1:  # the last stage keeps a copy of the tied embedding
-            add(OUTPUT, EMBEDDING)
+            if t.stack == stack and offset <= t.layer < offset + count:
+                add(f"{t.layer_prefix}{t.layer - offset}.{spec_suffix(t, spec)}", name, vp)
+    vps = {vp for _, vp, *_ in chunks}
+    for name, t in tensors.items():
+        if t.layer is None:
+            for key in (name,) + t.aliases:
+                for vp in vps:
+                    if (pp_rank, vp) in holders(t.stage, layout):
+                        add(key, name, vp)
+    last = (layout.pp - 1, layout.chunks_per_rank - 1)
+    if (cfg.tied and pp_rank == last[0] and layout.pp > 1
+            and last not in holders(tensors[EMBEDDING].stage, layout)):  # a copy of the tied embedding
+        for key in TIED_COPIES[cfg.family]:
+            add(key, EMBEDDING, last[1])
     return out
 
 
 def extra_state_keys(cfg: ModelConfig, layout: Layout, pp_rank: int, spec: str) -> list[str]:
     keys = []
-    for p, vp, _, count in layout.model_chunks(cfg.num_layers):
+    for p, vp, stack, _, count in layout.stack_chunks(cfg.stacks):
         if p != pp_rank:
             continue
-        keys += [chunk_key(f"{LAYER_PREFIX}{i}.{m}._extra_state", vp, layout)
-                 for i in range(count) for m in EXTRA_STATE_MODULES[spec]]
+        keys += [chunk_key(f"{stack}.layers.{i}.{m}._extra_state", vp, layout)
+                 for i in range(count) for m in extra_state_modules(cfg, stack, spec)]
         if pp_rank == layout.pp - 1 and vp == layout.chunks_per_rank - 1:
-            keys.append(chunk_key("output_layer._extra_state", vp, layout))
+            keys += [chunk_key(f"{m}._extra_state", vp, layout) for m in OUTPUT_MODULES[cfg.family]]
     return keys
 
 
@@ -89,12 +95,14 @@ def rank_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name:
                       prefix: str = "") -> list[TargetFile]:
     """Pure: one file per (tp, pp) rank holding its state-dict tensors (keys after ``prefix``)."""
     cfg, layout = target.cfg, target.layout
+    names = {a: n for n, t in logical_tensors(cfg).items() for a in (n,) + t.aliases}
     files = []
     for t, p in layout.ranks():
         tensors = []
         for key, (shape, pieces) in rank_entries(cfg, layout, t, p, cfg.spec).items():
-            # a rank holding only vocabulary padding rows has no pieces: its dtype is the embedding's
-            logical = pieces[0].logical if pieces else (OUTPUT if key.endswith(OUTPUT) and not cfg.tied else EMBEDDING)
+            # a rank holding only vocabulary padding rows has no pieces: its dtype is its tensor's (a tied
+            # copy's is the embedding's)
+            logical = pieces[0].logical if pieces else names.get(split_chunk_key(key)[1], EMBEDDING)
             tensors.append(TargetTensor(prefix + key, shape, target.dtype or dtypes[logical], pieces))
         objects = {prefix + k: None for k in extra_state_keys(cfg, layout, p, cfg.spec)}
         files.append(TargetFile(len(files), file_name(t, p), tensors, objects))
@@ -174,14 +182,15 @@ class MegatronFormat(IterDirFormat):
         if args is None:
             raise ConvertError(f"{iter_dir / coords[(0, 0)]} has no args",
                                "the checkpoint must be saved by Megatron-LM")
-        spec = "te" if any("layer_norm_weight" in k for k in files[(0, 0)]["tensors"]) else "local"
-        cfg = config_from_args(args, vocab_size, spec, tp)
+        keys0 = [split_chunk_key(k)[1] for k in files[(0, 0)]["tensors"]]
+        spec = "te" if any("layer_norm_weight" in k for k in keys0) else "local"
+        cfg = config_from_args(args, vocab_size, spec, tp, model_family(keys0))
         layout = Layout.from_args(args, tp, pp)
         if files[(0, 0)]["chunks"] != (layout.vpp or 0):
             raise ConvertError(f"rank files hold {files[(0, 0)]['chunks'] or 'no'} virtual pipeline chunks but the args "
                                f"say virtual_pipeline_model_parallel_size={layout.vpp}",
                                "the args do not match the rank files; check the source checkpoint")
-        layout.validate(cfg.num_layers, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size, "source")
+        cfg.check_layout(layout, "source")
         chunks: list[SourceChunk] = []
         for c in order:
             rel = coords[c]

@@ -22,12 +22,12 @@ import yaml
 
 from ..config import ModelConfig
 from ..errors import ConvertError
-from ..layout.rules import EMBEDDING
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
 from .base import FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, add_rank_file_chunks
-from .megatron import rank_entries, rank_target_files, save_durable
+from .megatron import save_durable
+from .nemo_legacy import nemo_target_files, source_style, target_style
 
 CONFIG = "model_config.yaml"
 WEIGHTS = "model_weights.ckpt"
@@ -79,11 +79,34 @@ class Archive:
             return load_pt(self.path / name, trust_pickle, stream=io.BytesIO(member.read()))
 
 
+T5_ARCH = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "activation", "normalization",
+           "bias", "position_embedding_type", "relative_attention_num_buckets")
+
+
+def t5_sections(y: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The encoder and decoder settings of a NeMo T5 config (``encoder:``/``decoder:`` over the top level)."""
+    return {**y, **(y.get("encoder") or {})}, {**y, **(y.get("decoder") or {})}
+
+
 def config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | None) -> tuple[ModelConfig, argparse.Namespace]:
-    """Model config and Megatron-LM style args from a NeMo ``model_config.yaml``."""
-    if not y.get("mcore_gpt", False):
-        raise ConvertError("the .nemo model is not megatron-core based (mcore_gpt is not true)",
-                           "legacy NeMo Megatron key layouts are not supported yet; convert with NeMo first")
+    """Model config and Megatron-LM style args from a NeMo ``model_config.yaml`` (GPT, or T5 with ``mcore_t5``)."""
+    if not y.get("mcore_t5"):
+        return _config_from_nemo(y, padded_vocab, vocab_size, "gpt")
+    enc, dec = t5_sections(y)
+    differ = [k for k in T5_ARCH if enc.get(k) != dec.get(k)]
+    if differ:
+        raise ConvertError(f"the T5 encoder and decoder differ in {', '.join(differ)}",
+                           "only T5 models whose encoder and decoder share one architecture convert")
+    try:
+        stacks = {"encoder_num_layers": int(enc["num_layers"]), "decoder_num_layers": int(dec["num_layers"])}
+    except KeyError:
+        raise ConvertError(f"{CONFIG} lacks encoder/decoder num_layers", "use the model_config.yaml saved with the model")
+    merged = {**dec, "share_embeddings_and_output_weights": y.get("share_decoder_tokens_head_embeddings", True)}
+    return _config_from_nemo(merged, padded_vocab, vocab_size, "t5", stacks)
+
+
+def _config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | None, family: str,
+                      stacks: dict[str, int] | None = None) -> tuple[ModelConfig, argparse.Namespace]:
     try:
         heads, hidden, layers = int(y["num_attention_heads"]), int(y["hidden_size"]), int(y["num_layers"])
     except KeyError as e:
@@ -95,7 +118,7 @@ def config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | Non
     args = argparse.Namespace(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=int(y.get("ffn_hidden_size") or 4 * hidden),
         num_attention_heads=heads, num_query_groups=int(y.get("num_query_groups") or heads),
-        kv_channels=int(y.get("kv_channels") or hidden // heads), swiglu=act.endswith("swiglu"),
+        kv_channels=int(y.get("kv_channels") or hidden // heads), swiglu=act.endswith(("swiglu", "geglu", "reglu")),
         normalization="RMSNorm" if norm == "rmsnorm" else "LayerNorm",
         norm_epsilon=float(y.get("layernorm_epsilon", 1e-5)), add_bias_linear=bool(y.get("bias", True)),
         add_qkv_bias=bool(y.get("qkv_bias", y.get("bias", True))), qk_layernorm=bool(y.get("qk_layernorm", False)),
@@ -106,10 +129,11 @@ def config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | Non
         max_position_embeddings=int(y.get("max_position_embeddings") or y.get("encoder_seq_length") or 2048),
         rotary_base=float(y.get("rotary_base", 10000)), rotary_percent=float(y.get("rotary_percentage", 1.0)),
         transformer_impl="transformer_engine" if y.get("transformer_engine", True) else "local",
-        params_dtype=_DTYPES.get(str(y.get("precision", "32")), torch.float32))
+        params_dtype=_DTYPES.get(str(y.get("precision", "32")), torch.float32),
+        relative_attention_num_buckets=int(y.get("relative_attention_num_buckets", 32)), **(stacks or {}))
     from ..config import config_from_args
 
-    return config_from_args(args, vocab_size, None, 1), args
+    return config_from_args(args, vocab_size, None, 1, family), args
 
 
 def _looks_like(path: Path) -> bool:
@@ -140,7 +164,8 @@ class NemoFormat:
         tp, pp = int(y.get("tensor_model_parallel_size", 1)), int(y.get("pipeline_model_parallel_size", 1))
         if y.get("virtual_pipeline_model_parallel_size"):
             raise ConvertError("virtual pipeline .nemo checkpoints are not supported yet", "save without VPP")
-        layout = Layout(tp, pp)
+        split = y.get("pipeline_model_parallel_split_rank") if y.get("mcore_t5") and pp > 1 else None
+        layout = Layout(tp, pp, split=int(split) if split is not None else None)
         files = {(t, p): rank_file(t, p, layout) for t, p in layout.ranks()}
         for f in files.values():
             if f not in archive.names():
@@ -153,20 +178,22 @@ class NemoFormat:
         for c in files:
             if isinstance(shapes[c], str):
                 raise ConvertError(shapes[c])
-        embed = shapes[(0, 0)].get(PREFIX + EMBEDDING)
+        style = source_style(y, shapes[(0, 0)])  # mcore or legacy NeMo keys (nemo_legacy.py)
+        embed = shapes[(0, 0)].get(style.embedding_key)
         if embed is None:
-            raise ConvertError(f"{files[(0, 0)]} has no {PREFIX}{EMBEDDING}", "the archive is not a GPT model")
+            raise ConvertError(f"{files[(0, 0)]} has no {style.embedding_key}", "the archive is not a GPT model")
         cfg, args = config_from_nemo(y, embed[0][0] * tp, vocab_size)
         cfg = cfg.replace(spec="te" if any("layer_norm_weight" in k for k in shapes[(0, 0)]) else "local")
-        layout.validate(cfg.num_layers, cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size, "source")
+        cfg.check_layout(layout, "source")
         chunks: list[SourceChunk] = []
         for (t, p), rel in files.items():
-            expected = {PREFIX + k: v for k, v in rank_entries(cfg, layout, t, p, cfg.spec).items()}
+            expected = style.entries(cfg, layout, t, p)
             add_rank_file_chunks(chunks, rel, expected, shapes[(t, p)], CONFIG)
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+        args.pipeline_model_parallel_split_rank = layout.split
         args.nemo_config, args.nemo_source = y, str(path.resolve())  # the target's config and artifacts
         self._archive = archive
-        return SourceIndex(self.name, path, "release", args, cfg, layout, chunks)
+        return SourceIndex(self.name, path, "release", args, cfg, layout, chunks, list(style.notes))
 
     def _shapes(self, archive: Archive, name: str) -> dict[str, Any] | str:
         """name -> (shape, dtype) of a rank file's tensors, or the error (every rank must reach the gather)."""
@@ -193,7 +220,7 @@ class NemoFormat:
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         if target.layout.vpp:
             raise ConvertError("virtual pipeline .nemo targets are not supported yet", "drop --target-vpp")
-        return rank_target_files(target, dtypes, lambda t, p: rank_file(t, p, target.layout), PREFIX)
+        return nemo_target_files(target, dtypes, lambda t, p: rank_file(t, p, target.layout), self.options.nemo_style)
 
     def write(self, target: Target, out_dir: Path, files: list[TargetFile],
               data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
@@ -203,16 +230,27 @@ class NemoFormat:
     def finalize(self, target: Target, out_dir: Path, rt: Runtime) -> None:
         """Rank 0: model_config.yaml for the target layout, and the source's tokenizer artifacts."""
         y = dict(getattr(target.args, "nemo_config", None) or {})
-        cfg = target.cfg
-        y.update(mcore_gpt=True, tensor_model_parallel_size=target.layout.tp,
-                 pipeline_model_parallel_size=target.layout.pp, num_layers=cfg.num_layers,
-                 hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
-                 num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
-                 kv_channels=cfg.kv_channels, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
-                 share_embeddings_and_output_weights=cfg.tied, position_embedding_type=cfg.position_embedding_type,
-                 normalization="rmsnorm" if cfg.normalization == "RMSNorm" else "layernorm",
-                 bias=cfg.add_bias_linear, max_position_embeddings=cfg.max_position_embeddings)
-        y.setdefault("activation", "fast-swiglu" if cfg.swiglu else "gelu")
+        cfg, layout = target.cfg, target.layout
+        arch = dict(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+                    num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
+                    kv_channels=cfg.kv_channels, position_embedding_type=cfg.position_embedding_type,
+                    normalization="rmsnorm" if cfg.normalization == "RMSNorm" else "layernorm",
+                    bias=cfg.add_bias_linear, max_position_embeddings=cfg.max_position_embeddings)
+        y.update(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                 make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by)
+        if cfg.family == "t5":  # NeMo's T5 config: one section per stack, the split rank at the top
+            for name, layers in (("encoder", cfg.encoder_num_layers), ("decoder", cfg.num_layers)):
+                section = {**arch, **(y.get(name) or {}), "num_layers": layers}
+                section.setdefault("activation", "swiglu" if cfg.swiglu else "gelu")
+                section.setdefault("relative_attention_num_buckets", cfg.relative_attention_num_buckets)
+                y[name] = section
+            y.update(pipeline_model_parallel_split_rank=layout.split or 0, share_token_embeddings=True,
+                     share_decoder_tokens_head_embeddings=cfg.tied)
+        else:
+            y.update(mcore_gpt=True, num_layers=cfg.num_layers, share_embeddings_and_output_weights=cfg.tied, **arch)
+        y.update(target_style(self.options.nemo_style, target.args, cfg.family).config_updates(y))
+        if cfg.family != "t5":
+            y.setdefault("activation", "fast-swiglu" if cfg.swiglu else "gelu")
         tokenizer = dict(y.get("tokenizer") or {})
         for key, path in (("model", self.options.tokenizer_model), ("vocab_file", self.options.tokenizer_vocab_file)):
             if path is not None:  # an override travels inside the archive, referenced the way NeMo does

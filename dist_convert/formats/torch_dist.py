@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from ..config import config_from_args
 from ..errors import ConvertError
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
-from ..layout.rules import EXTRA_STATE_MODULES, LAYER_PREFIX, LogicalTensor, logical_tensors, torch_dist_key
+from ..layout.rules import (OUTPUT_MODULES, LogicalTensor, extra_state_modules, holders, logical_tensors,
+                            model_family, torch_dist_key)
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
@@ -41,9 +42,12 @@ def _looks_like(path: Path) -> bool:
 
 
 def _stacked_groups(cfg) -> dict[str, list[LogicalTensor]]:
+    """torch_dist key -> the logical tensors it stacks (one per layer; one for top-level keys and aliases)."""
     groups: dict[str, list[LogicalTensor]] = {}
     for t in logical_tensors(cfg).values():
         groups.setdefault(torch_dist_key(t), []).append(t)
+        for alias in t.aliases:
+            groups[alias] = [t]
     return groups
 
 
@@ -148,10 +152,10 @@ class TorchDistFormat(IterDirFormat):
                                "the checkpoint is corrupt or truncated; re-copy it") from None
         tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-        cfg = config_from_args(args, vocab_size, None, tp)
+        stored = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        cfg = config_from_args(args, vocab_size, None, tp, model_family(set(stored)))
         layout = Layout.from_args(args, tp, pp)
         groups = _stacked_groups(cfg)
-        stored = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         model_keys = {k for k in stored if not k.startswith(SKIPPED_PREFIXES)}
         unknown, missing = sorted(model_keys - set(groups)), sorted(set(groups) - model_keys)
         if unknown or missing:
@@ -198,14 +202,14 @@ class TorchDistFormat(IterDirFormat):
         """One file per target (tp, pp) rank with its main-replica chunks, as megatron-core saves them."""
         cfg, layout = target.cfg, target.layout
         groups = _stacked_groups(cfg)
-        stage = layout.stage_of_layer(cfg.num_layers)
-        L = cfg.num_layers
+        stage = {(stack, off + i): p for p, _, stack, off, n in layout.stack_chunks(cfg.stacks) for i in range(n)}
+        layers = dict(cfg.stacks)
         files = []
         for tp_rank, pp_rank in layout.ranks():
             tensors: list[TargetTensor] = []
             for key, ts in groups.items():
                 for t in ts:
-                    holder = stage[t.layer] if t.layer is not None else (0 if t.stage == "first" else layout.pp - 1)
+                    holder = stage[(t.stack, t.layer)] if t.layer is not None else holders(t.stage, layout)[0][0]
                     if holder != pp_rank or (t.kind is Kind.REP and tp_rank != 0):
                         continue
                     gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
@@ -216,12 +220,16 @@ class TorchDistFormat(IterDirFormat):
                         else:
                             box = Box((t.layer,) + c.offsets, (1,) + c.sizes)
                             tensors.append(TargetTensor(key, box.sizes, dtype, block_pieces(ts, box), box.offsets,
-                                                        (L,) + gshape))
+                                                        (layers[t.stack],) + gshape))
             objects: dict[str, Any] = {}
             if tp_rank == 0:
-                for layer in (i for i in range(L) if stage[i] == pp_rank):
-                    for m in EXTRA_STATE_MODULES[cfg.spec]:
-                        objects[f"{LAYER_PREFIX}{m}._extra_state/shard_{layer}_{L}"] = [None]
+                for (stack, layer), p in stage.items():
+                    if p == pp_rank:
+                        for m in extra_state_modules(cfg, stack, cfg.spec):
+                            objects[f"{stack}.layers.{m}._extra_state/shard_{layer}_{layers[stack]}"] = [None]
+                if cfg.family == "t5" and pp_rank == layout.pp - 1:  # GPTModel drops its output layer's
+                    for m in OUTPUT_MODULES[cfg.family]:
+                        objects[f"{m}._extra_state/shard_0_1"] = [None]
             files.append(TargetFile(len(files), f"tp{tp_rank}_pp{pp_rank}", tensors, objects))
         return files
 

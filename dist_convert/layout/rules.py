@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import ModelConfig
+from ..topology import Layout
 from .boxes import Kind
 
 Cond = Callable[[ModelConfig], bool]
@@ -23,11 +24,12 @@ _h: Shape = lambda c: (c.hidden_size,)  # noqa: E731
 
 @dataclass(frozen=True)
 class Rule:
-    name: str  # per-layer suffix (after decoder.layers.N.) or a full top-level name
+    name: str  # per-layer suffix (after <stack>.layers.N.) or a full top-level name
     kind: Kind
     shape: Shape
     when: Cond = _always
     te_name: str | None = None  # name in Transformer Engine fused layer specs (and torch_dist keys)
+    aliases: tuple[str, ...] = ()  # further names megatron-core stores the same tensor under
 
 
 # Per-layer tensors: suffix after ``decoder.layers.<N>.``
@@ -53,7 +55,22 @@ LAYER_RULES: tuple[Rule, ...] = (
     Rule("mlp.linear_fc2.bias", Kind.REP, _h, _bias),
 )
 
-# Top-level tensors and the pipeline stage that holds them ("first" or "last").
+# T5 decoder layers add cross-attention (linear_kv rows are group-major [k_g; v_g], so a dim-0 split is exact).
+CROSS_RULES: tuple[Rule, ...] = (
+    Rule("pre_cross_attn_layernorm.weight", Kind.REP, _h),
+    Rule("pre_cross_attn_layernorm.bias", Kind.REP, _h, _norm_bias),
+    Rule("cross_attention.linear_q.weight", Kind.COL, lambda c: (c.num_attention_heads * c.kv_channels, c.hidden_size)),
+    Rule("cross_attention.linear_q.bias", Kind.COL, lambda c: (c.num_attention_heads * c.kv_channels,), _bias),
+    Rule("cross_attention.linear_kv.weight", Kind.COL, lambda c: (2 * c.num_query_groups * c.kv_channels, c.hidden_size)),
+    Rule("cross_attention.linear_kv.bias", Kind.COL, lambda c: (2 * c.num_query_groups * c.kv_channels,), _bias),
+    Rule("cross_attention.linear_proj.weight", Kind.ROW,
+         lambda c: (c.hidden_size, c.num_attention_heads * c.kv_channels)),
+    Rule("cross_attention.linear_proj.bias", Kind.REP, _h, _bias),
+)
+
+# Top-level tensors and where they live (see ``holders``): "first"/"last" pipeline stage; for T5
+# also "embed" (first stage and the first decoder stage), "encoder"/"decoder" (every stage of that
+# stack), "encoder_last" (the last encoder stage).
 TOP_RULES: tuple[tuple[Rule, str], ...] = (
     (Rule("embedding.word_embeddings.weight", Kind.VOCAB, lambda c: (c.vocab_size, c.hidden_size)), "first"),
     (Rule("embedding.position_embeddings.weight", Kind.REP,
@@ -65,6 +82,26 @@ TOP_RULES: tuple[tuple[Rule, str], ...] = (
           lambda c: c.untie_embeddings_and_output_weights), "last"),
 )
 
+_relative: Cond = lambda c: c.position_embedding_type == "relative"  # noqa: E731
+T5_TOP_RULES: tuple[tuple[Rule, str], ...] = (
+    (Rule("embedding.word_embeddings.weight", Kind.VOCAB, lambda c: (c.vocab_size, c.hidden_size)), "embed"),
+    (Rule("embedding.position_embeddings.weight", Kind.REP, lambda c: (c.max_position_embeddings or 0, c.hidden_size),
+          lambda c: c.position_embedding_type == "learned_absolute", aliases=("position_embeddings.weight",)), "embed"),
+    (Rule("encoder_relative_pos_emb.relative_attention_bias.weight", Kind.REP,
+          lambda c: (c.relative_attention_num_buckets, c.num_attention_heads), _relative), "encoder"),
+    (Rule("decoder_relative_pos_emb.relative_attention_bias.weight", Kind.REP,
+          lambda c: (c.relative_attention_num_buckets, c.num_attention_heads), _relative), "decoder"),
+    (Rule("encoder.final_layernorm.weight", Kind.REP, _h), "encoder_last"),
+    (Rule("encoder.final_layernorm.bias", Kind.REP, _h, _norm_bias), "encoder_last"),
+    (Rule("decoder.final_layernorm.weight", Kind.REP, _h), "last"),
+    (Rule("decoder.final_layernorm.bias", Kind.REP, _h, _norm_bias), "last"),
+    (Rule("lm_head.output_layer.weight", Kind.VOCAB, lambda c: (c.vocab_size, c.hidden_size),
+          lambda c: c.untie_embeddings_and_output_weights, aliases=("output_layer.weight",)), "last"),
+    # with shared embeddings the T5 head has a (vocab-parallel) bias
+    (Rule("lm_head.output_layer.bias", Kind.VOCAB, lambda c: (c.vocab_size,), lambda c: c.tied,
+          aliases=("output_layer.bias",)), "last"),
+)
+
 # Modules whose ``_extra_state`` megatron-core stores (None for the local spec, FP8 metadata for TE).
 EXTRA_STATE_MODULES = {
     "local": ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"),
@@ -72,10 +109,20 @@ EXTRA_STATE_MODULES = {
            "mlp.linear_fc1", "mlp.linear_fc2"),
 }
 
+CROSS_EXTRA_STATE_MODULES = {
+    "local": ("cross_attention.linear_q", "cross_attention.linear_kv", "cross_attention.linear_proj"),
+    "te": ("cross_attention.linear_q", "cross_attention.linear_kv", "cross_attention.core_attention",
+           "cross_attention.linear_proj"),
+}
+# Output-layer modules with an ``_extra_state`` entry, and the names a PP>1 last stage stores a
+# copy of the tied word embeddings under (legacy rank files).
+OUTPUT_MODULES = {"gpt": ("output_layer",), "t5": ("lm_head.output_layer", "output_layer")}
+TIED_COPIES = {"gpt": ("output_layer.weight",), "t5": ("lm_head.output_layer.weight", "output_layer.weight")}
+
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 LAYER_PREFIX = "decoder.layers."
-_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LAYER_RE = re.compile(r"^(?:encoder|decoder)\.layers\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
@@ -83,10 +130,16 @@ class LogicalTensor:
     name: str
     kind: Kind
     shape: tuple[int, ...]
-    layer: int | None  # global layer number, None for top-level tensors
+    layer: int | None  # layer number within its stack, None for top-level tensors
     suffix: str  # rule name: per-layer suffix or the top-level name
-    stage: str  # "layer", "first" or "last"
+    stage: str  # "layer", or a top-level placement (see TOP_RULES / holders)
     te_name: str | None
+    stack: str | None = None  # "decoder" / "encoder" for layer tensors
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def layer_prefix(self) -> str:
+        return f"{self.stack}.layers."
 
 
 def effective_kind(rule: Rule, cfg: ModelConfig) -> Kind:
@@ -95,23 +148,49 @@ def effective_kind(rule: Rule, cfg: ModelConfig) -> Kind:
     return rule.kind
 
 
+def _top(rule: Rule, stage: str, cfg: ModelConfig) -> LogicalTensor:
+    return LogicalTensor(rule.name, rule.kind, rule.shape(cfg), None, rule.name, stage, None, aliases=rule.aliases)
+
+
 def logical_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
-    """Every logical tensor of the model, in a stable order."""
+    """Every logical tensor of the model, in a stable order: top-level tensors outside the stacks,
+    then per stack its layers followed by its own top-level tensors (e.g. its final layernorm)."""
+    tops = [(r, st) for r, st in (T5_TOP_RULES if cfg.family == "t5" else TOP_RULES) if r.when(cfg)]
+    stacks = cfg.stacks
     out: dict[str, LogicalTensor] = {}
-    for rule, stage in TOP_RULES:
-        if rule.name.startswith("decoder.") or not rule.when(cfg):
-            continue
-        out[rule.name] = LogicalTensor(rule.name, rule.kind, rule.shape(cfg), None, rule.name, stage, None)
-    for layer in range(cfg.num_layers):
-        for rule in LAYER_RULES:
-            if rule.when(cfg):
-                name = f"{LAYER_PREFIX}{layer}.{rule.name}"
-                out[name] = LogicalTensor(name, effective_kind(rule, cfg), rule.shape(cfg), layer,
-                                          rule.name, "layer", rule.te_name)
-    for rule, stage in TOP_RULES:
-        if rule.name.startswith("decoder.") and rule.when(cfg):
-            out[rule.name] = LogicalTensor(rule.name, rule.kind, rule.shape(cfg), None, rule.name, stage, None)
+    for rule, stage in tops:
+        if not any(rule.name.startswith(f"{name}.") for name, _ in stacks):
+            out[rule.name] = _top(rule, stage, cfg)
+    for name, count in stacks:
+        rules = LAYER_RULES + (CROSS_RULES if cfg.family == "t5" and name == "decoder" else ())
+        for layer in range(count):
+            for rule in rules:
+                if rule.when(cfg):
+                    full = f"{name}.layers.{layer}.{rule.name}"
+                    out[full] = LogicalTensor(full, effective_kind(rule, cfg), rule.shape(cfg), layer, rule.name,
+                                              "layer", rule.te_name, name)
+        for rule, stage in tops:
+            if rule.name.startswith(f"{name}."):
+                out[rule.name] = _top(rule, stage, cfg)
     return out
+
+
+def holders(stage: str, layout: Layout) -> list[tuple[int, int]]:
+    """(pp rank, virtual stage) of every model chunk storing a top-level tensor; the first is its home."""
+    pp, split = layout.pp, layout.split
+    if stage == "first" or pp == 1:
+        return [(0, 0)]
+    if stage == "last":
+        return [(pp - 1, layout.chunks_per_rank - 1)]
+    assert split is not None, "encoder-decoder placements need a split rank with PP > 1"
+    ranks = {"embed": [0, split], "encoder": range(split), "decoder": range(split, pp),
+             "encoder_last": [split - 1]}[stage]
+    return [(p, 0) for p in ranks]
+
+
+def extra_state_modules(cfg: ModelConfig, stack: str, spec: str) -> tuple[str, ...]:
+    cross = CROSS_EXTRA_STATE_MODULES[spec] if cfg.family == "t5" and stack == "decoder" else ()
+    return EXTRA_STATE_MODULES[spec] + cross
 
 
 def split_layer_name(name: str) -> tuple[int, str] | None:
@@ -131,4 +210,9 @@ def torch_dist_key(t: LogicalTensor) -> str:
     """
     if t.layer is None:
         return t.name
-    return f"{LAYER_PREFIX}{t.te_name or t.suffix}"
+    return f"{t.layer_prefix}{t.te_name or t.suffix}"
+
+
+def model_family(keys: list[str] | set[str]) -> str:
+    """"t5" when the stored keys (megatron-core naming, no prefix) include an encoder stack, else "gpt"."""
+    return "t5" if any(k.startswith("encoder.layers.") for k in keys) else "gpt"

@@ -80,6 +80,9 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
                                   opts.target_first, opts.target_last, "local", 1, opts.vocab_size, opts.dtype,
                                   opts.memory_budget, opts.overwrite, opts.vocab_divisible_by, opts.formats)
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
+    if index.cfg.family != "gpt":
+        raise ConvertError(f"{opts.src} is an encoder-decoder ({index.cfg.family.upper()}) model; EAGLE and Medusa "
+                           "drafts attach to decoder-only GPT models", "pass a GPT checkpoint to speculate")
     layout = target_layout(reshard_opts, index, get_format("torch_dist"))
     cfg = index.cfg.replace(spec="local", make_vocab_size_divisible_by=opts.vocab_divisible_by
                             or index.cfg.make_vocab_size_divisible_by)

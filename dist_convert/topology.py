@@ -26,14 +26,16 @@ class Layout:
         return s
 
     @staticmethod
-    def from_args(args: object, tp: int, pp: int) -> "Layout":
-        """The layout Megatron-LM ``args`` describe (pipeline details only with PP > 1)."""
+    def from_args(args: object, tp: int, pp: int, encoder_decoder: bool = False) -> "Layout":
+        """The layout Megatron-LM ``args`` describe (pipeline details only with PP > 1; the split rank
+        only for encoder-decoder models: Megatron-LM's GPT args may carry an unused one)."""
         def get(name: str) -> int | None:
             value = getattr(args, name, None) if pp > 1 else None
             return int(value) if value else None
         vpp = get("virtual_pipeline_model_parallel_size")
         return Layout(tp, pp, get("decoder_first_pipeline_num_layers"), get("decoder_last_pipeline_num_layers"),
-                      vpp if vpp and vpp > 1 else None, get("pipeline_model_parallel_split_rank"))
+                      vpp if vpp and vpp > 1 else None,
+                      get("pipeline_model_parallel_split_rank") if encoder_decoder else None)
 
     @property
     def chunks_per_rank(self) -> int:

@@ -83,3 +83,11 @@ def test_split_rank_on_a_gpt_model_is_refused():
     gpt = T5.replace(family="gpt", encoder_num_layers=0)
     with pytest.raises(ConvertError, match="only encoder-decoder"):
         gpt.check_layout(Layout(1, 2, split=1))
+
+
+def test_split_rank_in_args_counts_only_for_encoder_decoder_models():
+    import argparse
+
+    args = argparse.Namespace(pipeline_model_parallel_split_rank=1)
+    assert Layout.from_args(args, 1, 2).split is None  # an unused Megatron-LM GPT argument
+    assert Layout.from_args(args, 1, 2, encoder_decoder=True).split == 1

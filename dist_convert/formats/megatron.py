@@ -185,7 +185,7 @@ class MegatronFormat(IterDirFormat):
         keys0 = [split_chunk_key(k)[1] for k in files[(0, 0)]["tensors"]]
         spec = "te" if any("layer_norm_weight" in k for k in keys0) else "local"
         cfg = config_from_args(args, vocab_size, spec, tp, model_family(keys0))
-        layout = Layout.from_args(args, tp, pp)
+        layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5")
         if files[(0, 0)]["chunks"] != (layout.vpp or 0):
             raise ConvertError(f"rank files hold {files[(0, 0)]['chunks'] or 'no'} virtual pipeline chunks but the args "
                                f"say virtual_pipeline_model_parallel_size={layout.vpp}",

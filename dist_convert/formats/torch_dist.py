@@ -154,7 +154,7 @@ class TorchDistFormat(IterDirFormat):
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
         stored = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         cfg = config_from_args(args, vocab_size, None, tp, model_family(set(stored)))
-        layout = Layout.from_args(args, tp, pp)
+        layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5")
         groups = _stacked_groups(cfg)
         model_keys = {k for k in stored if not k.startswith(SKIPPED_PREFIXES)}
         unknown, missing = sorted(model_keys - set(groups)), sorted(set(groups) - model_keys)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -11,12 +12,12 @@ import torch
 
 from .config import ModelConfig, args_for_target
 from .errors import ConvertError
-from .exchange import allocate_targets, execute
+from .exchange import Assembly, execute
 from .formats import detect_format, get_format
 from .formats.base import (Format, FormatOptions, SourceIndex, Target, TargetFile, iter_dir_name, numel,
                            write_tracker)
 from .layout.rules import logical_tensors
-from .plan import DEFAULT_BUDGET, Plan, make_plan, split_chunks
+from .plan import DEFAULT_BUDGET, Plan, make_plan, split_chunks, split_files
 from .runtime import Runtime, human_bytes, peak_rss_bytes
 from .summary import RankStats, print_summary
 from .topology import Layout
@@ -44,6 +45,7 @@ class ReshardOptions:
     vocab_divisible_by: int | None = None
     formats: FormatOptions = dataclasses.field(default_factory=FormatOptions)
     target_split: int | None = None  # encoder-decoder (T5): first decoder pipeline stage
+    stats_json: Path | None = None  # rank 0 writes the per-rank summary here as JSON (dist_convert bench)
 
 
 def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None,
@@ -156,6 +158,8 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     args = args_for_target(index.args, cfg, layout, dtype)
     target = Target(cfg, layout, dtype, args, index.iteration)
     files = dst_fmt.target_files(target, source_dtypes(index))
+    if dst_fmt.any_writer:  # give every rank a part to write
+        files = split_files(files, rt.world)
     index = sliced(index, files, opts.memory_budget)
     plan = make_plan(index.chunks, files, rt.world, opts.memory_budget, logical_numel(index))
     rt.log(f"[bold]reshard[/] {index.format} {index.layout} -> {dst_fmt.name} {layout}  "
@@ -177,23 +181,36 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
                      time.perf_counter() - t0, peak_rss_bytes())
     stats = rt.all_gather_object(mine)
     print_summary(rt, stats, f"wrote {opts.dst} ({dst_fmt.name}, {layout})")
+    if opts.stats_json is not None and rt.rank == 0:
+        opts.stats_json.write_text(json.dumps([dataclasses.asdict(s) for s in stats]))
     return {"plan": plan, "stats": stats}
 
 
 def _convert_into(tmp: Path, target: Target, index: SourceIndex, src_fmt: Format, dst_fmt: Format,
                   files: list[TargetFile], plan: Plan, rt: Runtime) -> tuple[dict[str, int], float, list[TargetFile]]:
-    """Collective: exchange and write this rank's files, then rank 0 writes metadata and tracker last."""
+    """Collective: exchange this rank's tensors and write each as soon as it is complete (the writer
+    streams tensors or whole files), then rank 0 writes metadata and tracker last."""
     tmp_iter = tmp / iter_dir_name(index.iteration) if dst_fmt.iteration_dirs else tmp
     if rt.rank == 0:
         tmp_iter.mkdir(exist_ok=True)
     rt.barrier()
     my_files = [files[i] for i in plan.files_of(rt.rank)]
-    data = allocate_targets(my_files)
-    counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), data)
+    by_id = {f.id: f for f in my_files}
+    writer = dst_fmt.open_writer(target, tmp_iter, my_files, rt)
+    write_s = 0.0
+
+    def done(fid: int, j: int, tensor: torch.Tensor) -> None:
+        nonlocal write_s
+        tw = time.perf_counter()
+        writer.put(by_id[fid], j, tensor)
+        write_s += time.perf_counter() - tw
+
+    out = Assembly(my_files, plan, rt.rank, done)
+    counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out)
     tw = time.perf_counter()
-    dst_fmt.write(target, tmp_iter, my_files, data, rt)
-    write_s = time.perf_counter() - tw
-    del data
+    out.finish()
+    writer.close()
+    write_s += time.perf_counter() - tw
     rt.barrier()
     if rt.rank == 0:
         dst_fmt.finalize(target, tmp_iter, rt)

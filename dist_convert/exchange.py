@@ -16,18 +16,61 @@ from .runtime import Runtime
 ReadFn = Callable[[list[SourceChunk]], dict[int, torch.Tensor]]
 
 
-def allocate_targets(files: list[TargetFile]) -> dict[tuple[int, int], torch.Tensor]:
-    """Zero-filled target tensors (zeros stay where nothing maps: vocabulary padding)."""
-    return {(f.id, j): torch.zeros(t.shape, dtype=t.dtype) for f in files for j, t in enumerate(f.tensors)}
+Done = Callable[[int, int, torch.Tensor], None]
+
+
+class Assembly:
+    """This rank's target tensors. Each is allocated zero-filled when first touched (zeros stay where
+    nothing maps: vocabulary padding) and, when ``done`` is given, handed to it as soon as every byte
+    the plan sends it has arrived, then dropped: memory holds only tensors still being assembled.
+    Without ``done`` every tensor is kept in ``tensors``; ``into`` gives preallocated ones to fill."""
+
+    def __init__(self, files: list[TargetFile], plan: Plan, rank: int, done: Done | None = None,
+                 into: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
+        self.specs = {(f.id, j): t for f in files for j, t in enumerate(f.tensors)}
+        self.missing: dict[tuple[int, int], int] = defaultdict(int)
+        for w in plan.waves:
+            for t in w.transfers:
+                if t.writer == rank:
+                    self.missing[(t.file, t.tensor)] += t.nbytes
+        self.done = done
+        self.tensors: dict[tuple[int, int], torch.Tensor] = dict(into or {})
+        self.handed: set[tuple[int, int]] = set()
+
+    def view(self, t: Transfer) -> torch.Tensor:
+        """Where transfer ``t`` lands."""
+        key = (t.file, t.tensor)
+        if key not in self.tensors:
+            spec = self.specs[key]
+            self.tensors[key] = torch.zeros(spec.shape, dtype=spec.dtype)
+        return self.tensors[key][t.dst_box.slices()]
+
+    def filled(self, t: Transfer) -> None:
+        key = (t.file, t.tensor)
+        self.missing[key] -= t.nbytes
+        if self.missing[key] == 0 and self.done is not None:
+            self.done(key[0], key[1], self.tensors.pop(key))
+            self.handed.add(key)
+
+    def finish(self) -> dict[tuple[int, int], torch.Tensor]:
+        """Every tensor not handed over yet (zeros where nothing touched it): handed over, or returned."""
+        for key, spec in self.specs.items():
+            if key not in self.handed and key not in self.tensors:
+                self.tensors[key] = torch.zeros(spec.shape, dtype=spec.dtype)
+        if self.done is not None:
+            for key in sorted(self.tensors):
+                self.done(key[0], key[1], self.tensors.pop(key))
+                self.handed.add(key)
+        return self.tensors
 
 
 def _order(t: Transfer) -> tuple:
     return (t.file, t.tensor, t.dst_box.offsets, t.chunk)
 
 
-def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadFn,
-            out: dict[tuple[int, int], torch.Tensor], what: str = "converting") -> dict[str, int]:
-    """Collective. Fills ``out`` (this rank's target tensors). Returns byte counters."""
+def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadFn, out: Assembly,
+            what: str = "converting") -> dict[str, int]:
+    """Collective. Fills this rank's target tensors in ``out``. Returns byte counters."""
     stats = {"read": 0, "sent": 0, "received": 0, "copied": 0}
     with rt.progress(plan.moved_bytes, what) as bar:
         for wave in plan.waves:
@@ -45,6 +88,7 @@ def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadF
                                    "fix the source checkpoint and rerun")
             stats["read"] += sum(c.nbytes for c in mine)
             _run_wave(wave.transfers, data, rt, out, stats)
+            del data
             bar.advance(sum(t.nbytes for t in wave.transfers))
     return stats
 
@@ -55,14 +99,15 @@ def _piece(src: torch.Tensor, t: Transfer, shape: tuple[int, ...] | torch.Size) 
     return src[t.src_box.slices()].reshape(shape)
 
 
-def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runtime,
-              out: dict[tuple[int, int], torch.Tensor], stats: dict[str, int]) -> None:
+def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runtime, out: Assembly,
+              stats: dict[str, int]) -> None:
     send: dict[int, list[Transfer]] = defaultdict(list)
     recv: dict[int, list[Transfer]] = defaultdict(list)
     for t in transfers:
         if t.reader == rt.rank and t.writer == rt.rank:
-            dst = out[(t.file, t.tensor)][t.dst_box.slices()]
+            dst = out.view(t)
             dst.copy_(_piece(data[t.chunk], t, dst.shape))
+            out.filled(t)
             stats["copied"] += t.nbytes
         elif t.reader == rt.rank:
             send[t.writer].append(t)
@@ -87,6 +132,7 @@ def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runt
     pos = 0
     for r in range(rt.world):
         for t in sorted(recv[r], key=_order):
-            dst = out[(t.file, t.tensor)][t.dst_box.slices()]
+            dst = out.view(t)
             dst.copy_(recvbuf[pos:pos + t.nbytes].view(t.dtype).reshape(dst.shape))
+            out.filled(t)
             pos += aligned(t.nbytes)

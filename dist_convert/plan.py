@@ -102,10 +102,29 @@ def balance(sizes: dict[int, int], world: int, load: list[int] | None = None,
     return owner
 
 
+def split_files(files: list[TargetFile], world: int) -> list[TargetFile]:
+    """Spread target files over ``world`` writers when there are fewer files than ranks and the
+    format lets any rank write any part (DCP: a file is just a group of chunks). Each file's tensors
+    are split largest-first into ``ceil(world / len(files))`` parts of near-equal bytes; objects stay
+    with the first part. Otherwise the files are returned as they are."""
+    if not files or len(files) >= world:
+        return files
+    parts = -(-world // len(files))
+    out: list[TargetFile] = []
+    for f in files:
+        owner = balance({j: t.nbytes for j, t in enumerate(f.tensors)}, parts)
+        for p in range(parts):
+            tensors = [t for j, t in enumerate(f.tensors) if owner[j] == p]
+            if tensors or p == 0:
+                out.append(TargetFile(len(out), f"{f.name}.{p}", tensors, f.objects if p == 0 else {}))
+    return out
+
+
 def split_chunks(chunks: list[SourceChunk], files: list[TargetFile], max_bytes: int) -> list[SourceChunk]:
     """Cut each sliceable chunk at the boundaries of the target pieces it feeds, then into row blocks
     of at most ``max_bytes``, so that a rank reads just the rows or columns one target needs and no
-    read exceeds the wave budget. Other chunks pass through; ids are renumbered."""
+    read exceeds the wave budget. Chunks read by byte range (``contiguous_cuts``) are cut only where
+    every part stays one contiguous run. Other chunks pass through; ids are renumbered."""
     wanted: dict[str, list[Box]] = defaultdict(list)
     for f in files:
         for t in f.tensors:
@@ -124,6 +143,8 @@ def split_chunks(chunks: list[SourceChunk], files: list[TargetFile], max_bytes: 
                     b = piece_box(sp, inter)
                     for d, (o, n) in enumerate(zip(b.offsets, b.sizes)):
                         cuts[d] |= {o, o + n}
+        if c.contiguous_cuts:
+            cuts = contiguous_cuts(cuts, c.shape)
         spans = [list(itertools.pairwise(sorted(s))) for s in cuts]
         for cell in itertools.product(*spans):
             for box in _row_blocks(Box(tuple(a for a, _ in cell), tuple(b - a for a, b in cell)),
@@ -132,14 +153,28 @@ def split_chunks(chunks: list[SourceChunk], files: list[TargetFile], max_bytes: 
     return out
 
 
+def contiguous_cuts(cuts: list[set[int]], shape: tuple[int, ...]) -> list[set[int]]:
+    """Keep the cuts of a C-ordered tensor under which every cell is one contiguous run: a dim may
+    be cut only while every dim before it is cut into single rows."""
+    out, single = [], True
+    for s, n in zip(cuts, shape):
+        out.append(set(s) if single else {0, n})
+        single = single and len(s) == n + 1
+    return out
+
+
 def _row_blocks(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
-    row = itemsize * (box.numel // box.sizes[0]) if box.sizes and box.sizes[0] else 0
-    if not row or row * box.sizes[0] <= max_bytes:
+    """Blocks of at most ``max_bytes`` along the first axis longer than 1 (contiguous parts stay contiguous)."""
+    d = next((i for i, n in enumerate(box.sizes) if n > 1), None)
+    if d is None:
+        return [box]
+    row = itemsize * (box.numel // box.sizes[d])
+    if not row or row * box.sizes[d] <= max_bytes:
         return [box]
     per = max(1, max_bytes // row)
-    rest_o, rest_n = box.offsets[1:], box.sizes[1:]
-    return [Box((o,) + rest_o, (min(per, box.offsets[0] + box.sizes[0] - o),) + rest_n)
-            for o in range(box.offsets[0], box.offsets[0] + box.sizes[0], per)]
+    lo, n = box.offsets[d], box.sizes[d]
+    return [Box(box.offsets[:d] + (o,) + box.offsets[d + 1:], box.sizes[:d] + (min(per, lo + n - o),) + box.sizes[d + 1:])
+            for o in range(lo, lo + n, per)]
 
 
 def _sub_chunk(c: SourceChunk, box: Box, cid: int) -> SourceChunk:
@@ -148,8 +183,9 @@ def _sub_chunk(c: SourceChunk, box: Box, cid: int) -> SourceChunk:
     for sp in c.pieces:
         inter = sp.sbox.intersect(box)
         if inter is not None:
-            lbox = Box(tuple(lo + i - so for lo, i, so in zip(sp.lbox.offsets, inter.offsets, sp.sbox.offsets)),
-                       inter.sizes)
+            k = len(inter.sizes) - len(sp.lbox.sizes)  # leading size-1 axes of the stored box (stacked layers)
+            lbox = Box(tuple(lo + i - so for lo, i, so in zip(sp.lbox.offsets, inter.offsets[k:], sp.sbox.offsets[k:])),
+                       inter.sizes[k:])
             pieces.append(Piece(sp.logical, lbox, inter.relative_to(box)))
     base = c.offsets or (0,) * len(c.shape)
     return replace(c, id=cid, shape=box.sizes, pieces=pieces, offsets=tuple(a + b for a, b in zip(base, box.offsets)))
@@ -181,9 +217,9 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
                 consumer_bytes[cid][writer_of[fid]] += nbytes
     prefer = {cid: max(cb, key=cb.get) for cid, cb in consumer_bytes.items()}
     sizes = {cid: by_id[cid].nbytes for cid in kept}
-    # sliceable chunks were cut per consumer: read each where it is written, within 15% of a fair share
-    home = {cid for cid in kept if by_id[cid].sliceable}
-    reader_of = balance(sizes, world, prefer=prefer, home=home, cap=1.15 * sum(sizes.values()) / world)
+    # read each chunk where most of it is written (sliceable chunks were cut per consumer), as long as
+    # no rank reads more than 15% over a fair share; the rest is balanced by size
+    reader_of = balance(sizes, world, prefer=prefer, home=set(kept), cap=1.15 * sum(sizes.values()) / world)
     read_bytes = [0] * world
     for cid, r in reader_of.items():
         read_bytes[r] += by_id[cid].nbytes
@@ -213,7 +249,8 @@ def _waves(raw: dict[int, list], reader_of: dict[int, int], writer_of: dict[int,
     budget (a chunk larger than the budget alone gets a wave of its own). Chunks are taken
     round-robin over readers so that every wave keeps all ranks reading."""
     queues: dict[int, deque[int]] = defaultdict(deque)
-    for cid in sorted(reader_of):
+    # in target order, so that target tensors (and files) complete early and can be written and freed
+    for cid in sorted(reader_of, key=lambda c: (min(((x[0], x[1]) for x in raw[c]), default=(-1, -1)), c)):
         queues[reader_of[cid]].append(cid)
     pending: list[int] = []
     while any(queues.values()):

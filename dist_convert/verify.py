@@ -8,7 +8,7 @@ import torch
 
 from .convert import load_index, logical_numel, sliced, source_dtypes
 from .errors import ConvertError
-from .exchange import allocate_targets, execute
+from .exchange import Assembly, execute
 from .formats.base import FormatOptions, SourceIndex, TargetFile, TargetTensor, numel
 from .layout.boxes import Box, Piece
 from .layout.rules import logical_tensors
@@ -40,9 +40,10 @@ def _gather_logical(index: SourceIndex, fmt, names: list[str], writer_of: dict[i
     index = sliced(index, files, budget)
     plan = make_plan(index.chunks, files, rt.world, budget, logical_numel(index), writer_of=writer_of)
     mine = [files[i] for i in plan.files_of(rt.rank)]
-    data = allocate_targets(mine)
-    execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: fmt.read(index, cs), data,
+    out = Assembly(mine, plan, rt.rank)
+    execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: fmt.read(index, cs), out,
             what=f"reading {_label(index.iter_dir)}")
+    data = out.finish()
     return {f.name: data[(f.id, 0)] for f in mine}
 
 

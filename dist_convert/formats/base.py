@@ -40,7 +40,10 @@ class SourceChunk:
     dtype: torch.dtype
     pieces: list[Piece]
     offsets: tuple[int, ...] | None = None  # DCP: chunk offset in the stored global tensor
-    sliceable: bool = False  # any box of it can be read on its own (safetensors): plan.split_chunks cuts it
+    sliceable: bool = False  # boxes of it can be read on their own: plan.split_chunks cuts it
+    contiguous_cuts: bool = False  # only boxes that are one contiguous byte run (DCP items read by offset)
+    origin: tuple[int, ...] | None = None  # DCP: offsets of the stored item this chunk is (a part of)
+    origin_shape: tuple[int, ...] | None = None  # DCP: that stored item's shape
 
     @property
     def nbytes(self) -> int:
@@ -114,6 +117,7 @@ class Format(Protocol):
     name: str
     iteration_dirs: bool  # Megatron-LM layout: files under iter_NNNNNNN/ plus a tracker file
     sharded: bool  # stores TP/PP shards (False: whole tensors, e.g. hf)
+    any_writer: bool  # a target file is only a group of chunks: any rank may write any part of it (DCP)
 
     def detect(self, path: Path) -> bool: ...
 
@@ -126,15 +130,44 @@ class Format(Protocol):
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         """Pure: the files of the target and what each holds."""
 
-    def write(self, target: Target, iter_dir: Path, files: list[TargetFile],
-              data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
-        """Collective: write this rank's files into ``iter_dir`` (metadata excluded)."""
+    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> "TargetWriter":
+        """Collective: a writer of this rank's ``files`` into ``iter_dir`` (metadata excluded)."""
 
     def finalize(self, target: Target, iter_dir: Path, rt: Runtime) -> None:
         """Rank 0, after every rank wrote: the metadata that marks the iteration complete."""
 
     def package(self, tmp: Path, dst: Path) -> Path:
         """Rank 0, last: what to rename into ``dst`` (``tmp`` itself, or e.g. an archive made from it)."""
+
+
+class TargetWriter(Protocol):
+    def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> None:
+        """Tensor ``j`` of ``file`` is complete (called once per tensor, in any order)."""
+
+    def close(self) -> None:
+        """Collective, after the last ``put``: everything this rank owns is on disk."""
+
+
+class FileAtATime:
+    """A ``TargetWriter`` for formats that write a file whole: it holds a file's tensors until the
+    last one arrives, then calls ``write_file(file, tensors)`` and lets them go."""
+
+    def __init__(self, files: list[TargetFile], write_file: Callable[[TargetFile, list[torch.Tensor]], None]) -> None:
+        self.write_file = write_file
+        self.pending: dict[int, tuple[TargetFile, dict[int, torch.Tensor]]] = {f.id: (f, {}) for f in files}
+
+    def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> None:
+        got = self.pending[file.id][1]
+        got[j] = tensor
+        if len(got) == len(file.tensors):
+            del self.pending[file.id]
+            self.write_file(file, [got[i] for i in range(len(got))])
+
+    def close(self) -> None:
+        for fid, (f, got) in sorted(self.pending.items()):
+            assert not f.tensors, f"{f.name}: {len(f.tensors) - len(got)} tensors never arrived"
+            self.write_file(f, [])
+        self.pending.clear()
 
 
 def iter_dir_name(iteration: int | str) -> str:
@@ -164,6 +197,7 @@ class IterDirFormat:
     name: str
     iteration_dirs = True
     sharded = True
+    any_writer = False
     looks_like: Callable[[Path], bool]  # is ``path`` an iteration directory of this format?
 
     def __init__(self, options: FormatOptions | None = None) -> None:

@@ -21,7 +21,7 @@ from ..layout.boxes import Box, Piece
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
 from ..runtime import Runtime
 from ..topology import Layout
-from .base import FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, on_rank0
+from .base import FileAtATime, FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, on_rank0
 from .hf_config import config_from_hf, hf_from_config
 from .safetensors_io import read_boxes, read_header, write_file
 
@@ -136,6 +136,7 @@ class HFFormat:
     name = "hf"
     iteration_dirs = False
     sharded = False
+    any_writer = False
 
     def __init__(self, options: FormatOptions | None = None) -> None:
         self.options = options or FormatOptions()
@@ -212,10 +213,9 @@ class HFFormat:
                        enumerate(zip(names, shards))]
         return self._files
 
-    def write(self, target: Target, out_dir: Path, files: list[TargetFile],
-              data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
-        for f in files:
-            write_file(out_dir / f.name, [(t.key, data[(f.id, j)]) for j, t in enumerate(f.tensors)])
+    def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
+        return FileAtATime(files, lambda f, tensors: write_file(out_dir / f.name,
+                                                                [(t.key, x) for t, x in zip(f.tensors, tensors)]))
 
     def finalize(self, target: Target, out_dir: Path, rt: Runtime) -> None:
         """Rank 0: the shard index, config.json and tokenizer files."""

@@ -20,7 +20,7 @@ from ..layout.rules import (EMBEDDING, OUTPUT_MODULES, TIED_COPIES, extra_state_
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import (IterDirFormat, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor,
+from .base import (FileAtATime, IterDirFormat, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor,
                    add_rank_file_chunks)
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -213,16 +213,15 @@ class MegatronFormat(IterDirFormat):
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         return rank_target_files(target, dtypes, lambda t, p: f"{rank_dir_name(t, p, target.layout.pp)}/{MODEL_FILE}")
 
-    def write(self, target: Target, iter_dir: Path, files: list[TargetFile],
-              data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
-        for f in files:
+    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
+        def write_file(f: TargetFile, tensors: list[torch.Tensor]) -> None:
             entries: dict[str, dict[str, Any]] = {}
-            values = [(t.key, data[(f.id, j)]) for j, t in enumerate(f.tensors)] + list(f.objects.items())
-            for key, value in values:
+            for key, value in [(t.key, x) for t, x in zip(f.tensors, tensors)] + list(f.objects.items()):
                 entry, k = split_chunk_key(key)
                 entries.setdefault(entry, {})[k] = value
             save_durable({**entries, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
                           "iteration": 0 if target.iteration == "release" else target.iteration}, iter_dir / f.name)
+        return FileAtATime(files, write_file)
 
     def finalize(self, target: Target, iter_dir: Path, rt: Runtime) -> None:
         return None

@@ -25,7 +25,7 @@ from ..errors import ConvertError
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, add_rank_file_chunks
+from .base import FileAtATime, FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, add_rank_file_chunks
 from .megatron import save_durable
 from .nemo_legacy import nemo_target_files, source_style, target_style
 
@@ -146,6 +146,7 @@ class NemoFormat:
     name = "nemo"
     iteration_dirs = False
     sharded = True
+    any_writer = False
 
     def __init__(self, options: FormatOptions | None = None) -> None:
         self.options = options or FormatOptions()
@@ -222,10 +223,9 @@ class NemoFormat:
             raise ConvertError("virtual pipeline .nemo targets are not supported yet", "drop --target-vpp")
         return nemo_target_files(target, dtypes, lambda t, p: rank_file(t, p, target.layout), self.options.nemo_style)
 
-    def write(self, target: Target, out_dir: Path, files: list[TargetFile],
-              data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
-        for f in files:
-            save_durable({**{t.key: data[(f.id, j)] for j, t in enumerate(f.tensors)}, **f.objects}, out_dir / f.name)
+    def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
+        return FileAtATime(files, lambda f, tensors: save_durable(
+            {**{t.key: x for t, x in zip(f.tensors, tensors)}, **f.objects}, out_dir / f.name))
 
     def finalize(self, target: Target, out_dir: Path, rt: Runtime) -> None:
         """Rank 0: model_config.yaml for the target layout, and the source's tokenizer artifacts."""

@@ -13,12 +13,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadItem, SavePlan, TensorWriteData,
-                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..config import config_from_args
@@ -30,6 +27,7 @@ from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
 from .base import IterDirFormat, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, on_rank0
+from .distcp import RankFileWriter, StoredTensor, locate, write_metadata
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"
@@ -101,29 +99,40 @@ class _BoxLoadPlanner(LoadPlanner):
         return None
 
 
-class _ChunkSavePlanner(DefaultSavePlanner):
-    """Saves prepared chunks (each a box of a global tensor) and byte objects as they are."""
+class _StreamWriter:
+    """This rank's ``__R_0.distcp``: each tensor is appended as soon as it is complete; on close,
+    rank 0 writes ``.metadata`` from every rank's results."""
 
-    def __init__(self, items: list[tuple[WriteItem, Any]]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._items = [i for i, _ in items]
-        self._data = {(i.index.fqn, i.index.offset): d for i, d in items}
+    def __init__(self, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> None:
+        self.iter_dir, self.rt = iter_dir, rt
+        self.out = RankFileWriter(iter_dir, rt.rank)
+        for f in files:
+            for key, obj in f.objects.items():
+                buf = io.BytesIO()
+                torch.save(obj, buf)  # megatron-core stores ShardedObjects as torch.save([data, ...])
+                self.out.put_bytes(key, buf.getvalue())
 
-    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
-        self.state_dict = {}
-        self.is_coordinator = is_coordinator
+    def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> None:
+        t = file.tensors[j]
+        assert t.offsets is not None and t.global_shape is not None
+        self.out.put_tensor(t.key, t.offsets, t.global_shape, tensor)
 
-    def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan(self._items)
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        return self._data[(write_item.index.fqn, write_item.index.offset)]
+    def close(self) -> None:
+        self.out.close()
+        parts = self.rt.all_gather_object((self.out.results, self.out.tensors, self.out.objects))
+        if self.rt.rank == 0:
+            write_metadata(self.iter_dir, parts)
 
 
 class TorchDistFormat(IterDirFormat):
     name = "torch_dist"
     looks_like = staticmethod(_looks_like)
+    any_writer = True
+
+    def __init__(self, options=None) -> None:
+        super().__init__(options)
+        self._storage: dict[Path, dict] = {}
+        self._located: dict[Path, dict] = {}
 
     def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
         return on_rank0(rt, lambda: self._index(path, vocab_size))
@@ -175,11 +184,42 @@ class TorchDistFormat(IterDirFormat):
             for c in meta.chunks:
                 box = Box(tuple(c.offsets), tuple(c.sizes))
                 chunks.append(SourceChunk(len(chunks), key, key, tuple(c.sizes), meta.properties.dtype,
-                                          block_pieces(ts, box), offsets=tuple(c.offsets)))
+                                          block_pieces(ts, box), offsets=tuple(c.offsets), sliceable=True,
+                                          contiguous_cuts=True, origin=tuple(c.offsets), origin_shape=tuple(c.sizes)))
         notes = [f"skipped {n} training-state tensors (optimizer/rng)"] if (n := len(stored) - len(model_keys)) else []
         return SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks, notes)
 
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
+        """Each chunk's bytes with one positioned read where the item is a plain stored tensor
+        (distcp.locate), else through ``dcp.load``."""
+        out: dict[int, torch.Tensor] = {}
+        fallback = []
+        for c in chunks:
+            stored = self._locate(index, c)
+            if stored is None:
+                fallback.append(c)
+                continue
+            box = Box(tuple(a - b for a, b in zip(c.offsets, c.origin)), c.shape)
+            try:
+                out[c.id] = stored.read(box)
+            except (OSError, EOFError) as e:
+                raise ConvertError(f"reading {c.key} from {stored.path} failed ({e})",
+                                   "a .distcp file is corrupt or truncated; re-copy the checkpoint") from None
+        out.update(self._read_dcp(index, fallback))
+        return out
+
+    def _locate(self, index: SourceIndex, c: SourceChunk) -> StoredTensor | None:
+        """Where chunk ``c``'s stored item lies (cached per item; None: read it through DCP)."""
+        cache = self._located.setdefault(index.iter_dir, {})
+        key = (c.key, c.origin)
+        if key not in cache:
+            if index.iter_dir not in self._storage:
+                self._storage[index.iter_dir] = FileSystemReader(str(index.iter_dir)).read_metadata().storage_data
+            info = self._storage[index.iter_dir].get(MetadataIndex(c.key, torch.Size(c.origin)))
+            cache[key] = locate(index.iter_dir, info, c.origin_shape, c.dtype) if info is not None else None
+        return cache[key]
+
+    def _read_dcp(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         if not chunks:
             return {}
         out = {c.id: torch.empty(c.shape, dtype=c.dtype) for c in chunks}
@@ -233,26 +273,8 @@ class TorchDistFormat(IterDirFormat):
             files.append(TargetFile(len(files), f"tp{tp_rank}_pp{pp_rank}", tensors, objects))
         return files
 
-    def write(self, target: Target, iter_dir: Path, files: list[TargetFile],
-              data: dict[tuple[int, int], torch.Tensor], rt: Runtime) -> None:
-        items: list[tuple[WriteItem, Any]] = []
-        for f in files:
-            for j, t in enumerate(f.tensors):
-                assert t.offsets is not None and t.global_shape is not None
-                props = TensorProperties(dtype=t.dtype)
-                chunk = ChunkStorageMetadata(offsets=torch.Size(t.offsets), sizes=torch.Size(t.shape))
-                wi = WriteItem(index=MetadataIndex(t.key, torch.Size(t.offsets)), type=WriteItemType.SHARD,
-                               tensor_data=TensorWriteData(chunk=chunk, properties=props,
-                                                           size=torch.Size(t.global_shape)))
-                items.append((wi, data[(f.id, j)]))
-            for key, obj in f.objects.items():
-                buf = io.BytesIO()
-                torch.save(obj, buf)  # megatron-core stores ShardedObjects as torch.save([data, ...])
-                buf.seek(0)
-                items.append((WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO), buf))
-        writer = FileSystemWriter(str(iter_dir), single_file_per_rank=True, thread_count=1)
-        dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(items), process_group=rt.group,
-                 no_dist=not rt.distributed)
+    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> "_StreamWriter":
+        return _StreamWriter(iter_dir, files, rt)
 
     def finalize(self, target: Target, iter_dir: Path, rt: Runtime) -> None:
         common = {"args": target.args, "checkpoint_version": CHECKPOINT_VERSION,

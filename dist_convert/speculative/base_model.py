@@ -10,7 +10,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConvertError
-from ..exchange import execute
+from ..exchange import Assembly, execute
 from ..formats.base import Format, SourceIndex, TargetFile, TargetTensor
 from ..formats.megatron import rank_entries
 from ..layout.boxes import Kind
@@ -113,8 +113,8 @@ def fill_base_weights(model: Any, index: SourceIndex, fmt: Format, cfg: ModelCon
         out[(mine.id, j)] = param.data if param.device.type == "cpu" else torch.zeros_like(param, device="cpu")
     plan = make_plan(index.chunks, files, rt.world, budget, logical_numel, writer_of={f.id: f.id for f in files})
     with torch.no_grad():
-        counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: fmt.read(index, cs), out,
-                           what="loading base weights")
+        counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: fmt.read(index, cs),
+                           Assembly([mine], plan, rt.rank, into=out), what="loading base weights")
         for j, t in enumerate(mine.tensors):
             if state[t.key].device.type != "cpu":
                 state[t.key].copy_(out[(mine.id, j)], non_blocking=True)

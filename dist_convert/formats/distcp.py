@@ -1,0 +1,228 @@
+"""Direct access to torch.distributed.checkpoint files as ``FileSystemWriter`` lays them out (each
+item a ``torch.save`` blob at a recorded offset of a ``__R_I.distcp`` file).
+
+Reading: a stored tensor's raw bytes are located inside its blob (a stored zip member), so any
+contiguous span of it is read with one positioned read into a fresh buffer, no unpickling, and a
+rank reads only the rows it needs. Anything unusual (transforms, compression, views) reports
+``None`` and the caller falls back to ``dcp.load``.
+
+Writing: a rank appends items to its own file as they become ready (streaming: a tensor can be
+freed as soon as it is written), then rank 0 writes ``.metadata`` from every rank's results with
+DCP's own ``FileSystemWriter.finish``, so the metadata is exactly what ``dcp.save`` produces.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import warnings
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..layout.boxes import Box
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor stored contiguously at byte ``offset`` of ``path``."""
+
+    path: Path
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def read(self, box: Box) -> torch.Tensor:
+        """The ``box`` of the stored tensor, read with one positioned read of the span covering it
+        (exactly the box's bytes when the box is contiguous)."""
+        strides = contiguous_strides(self.shape)
+        first = sum(o * s for o, s in zip(box.offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.sizes, strides))
+        count = last - first + 1 if box.numel else 0
+        flat = torch.empty(count, dtype=self.dtype)
+        buf = memoryview(flat.view(torch.uint8).numpy())
+        with open(self.path, "rb", buffering=0) as fh:
+            done, pos = 0, self.offset + first * self.dtype.itemsize
+            while done < len(buf):
+                n = os.preadv(fh.fileno(), [buf[done:]], pos + done)
+                if n <= 0:
+                    raise EOFError(f"{self.path} ends inside a stored tensor")
+                done += n
+        return flat.as_strided(box.sizes, strides)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def is_contiguous_box(shape: tuple[int, ...], box: Box) -> bool:
+    """Whether ``box`` is one contiguous run of a C-ordered tensor of ``shape``."""
+    d = next((i for i, n in enumerate(box.sizes) if n != 1), len(shape))
+    return all(box.sizes[i] == shape[i] for i in range(d + 1, len(shape)))
+
+
+class _Slice(io.RawIOBase):
+    """A read-only, seekable window [start, start + length) of an open file."""
+
+    def __init__(self, fh: Any, start: int, length: int) -> None:
+        self.fh, self.start, self.length, self.pos = fh, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        self.fh.seek(self.start + self.pos)
+        got = self.fh.readinto(memoryview(b)[:n])
+        self.pos += got
+        return got
+
+
+class _Meta:
+    """What ``torch.save`` pickles for one tensor: recorded, never executed."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+
+class _MetaUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _Meta
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name.endswith("Storage"):
+            with warnings.catch_warnings():  # the legacy typed storage classes warn on use
+                warnings.simplefilter("ignore")
+                return getattr(torch, name).dtype
+        raise pickle.UnpicklingError(f"unexpected global {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return pid
+
+
+def locate(iter_dir: Path, info: Any, shape: tuple[int, ...], dtype: torch.dtype) -> StoredTensor | None:
+    """Where the raw bytes of a stored DCP tensor item are, or None when it is not a plain
+    contiguous ``torch.save`` of exactly that tensor."""
+    if getattr(info, "transform_descriptors", None):
+        return None
+    path = iter_dir / info.relative_path
+    try:
+        with open(path, "rb") as fh:
+            z = zipfile.ZipFile(_Slice(fh, info.offset, info.length))
+            names = z.namelist()
+            pkl = [z.getinfo(n) for n in names if n.endswith("/data.pkl")]
+            data = [z.getinfo(n) for n in names if "/data/" in n and not n.endswith("/")]
+            if len(pkl) != 1 or len(data) != 1 or {m.compress_type for m in pkl + data} != {zipfile.ZIP_STORED}:
+                return None
+            fh.seek(_data_offset(fh, info.offset, pkl[0]))  # zipfile.read would check the CRC, which
+            meta = _MetaUnpickler(io.BytesIO(fh.read(pkl[0].file_size))).load()  # torch may leave 0
+            member, offset = data[0], _data_offset(fh, info.offset, data[0])
+    except (OSError, ValueError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, AttributeError, TypeError):
+        return None
+    if not isinstance(meta, _Meta) or len(meta.args) < 4:
+        return None
+    storage, storage_offset, size, stride = meta.args[:4]
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if (not isinstance(storage, tuple) or len(storage) < 2 or storage[1] != dtype
+            or storage_offset != 0 or tuple(size) != tuple(shape) or tuple(stride) != contiguous_strides(shape)
+            or member.file_size != nbytes):
+        return None
+    return StoredTensor(path, offset, tuple(shape), dtype)
+
+
+def _data_offset(fh: Any, base: int, member: zipfile.ZipInfo) -> int:
+    """Absolute offset of a stored zip member's bytes: after its local header (whose extra field,
+    torch's alignment padding, may differ from the central directory's)."""
+    fh.seek(base + member.header_offset)
+    header = fh.read(30)
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError("no local zip header")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return base + member.header_offset + 30 + name_len + extra_len
+
+
+@dataclass
+class WrittenTensor:
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class RankFileWriter:
+    """One rank's ``__R_0.distcp``: items appended as they come, fsynced on close."""
+
+    def __init__(self, iter_dir: Path, rank: int) -> None:
+        self.rel = f"__{rank}_0.distcp"
+        self.fh = open(iter_dir / self.rel, "wb")
+        self.results: list[WriteResult] = []
+        self.tensors: list[WrittenTensor] = []
+        self.objects: list[str] = []
+
+    def _record(self, index: MetadataIndex, offset: int) -> None:
+        length = self.fh.tell() - offset
+        self.results.append(WriteResult(index=index, size_in_bytes=length,
+                                        storage_data=_StorageInfo(self.rel, offset, length)))
+
+    def put_tensor(self, key: str, offsets: tuple[int, ...], global_shape: tuple[int, ...], t: torch.Tensor) -> None:
+        if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone(memory_format=torch.contiguous_format)  # torch.save would store a view's whole storage
+        offset = self.fh.tell()
+        crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)  # as fast as a raw write; torch.load does not check it
+        try:
+            torch.save(t, self.fh)
+        finally:
+            torch.serialization.set_crc32_options(crc)
+        self._record(MetadataIndex(key, torch.Size(offsets)), offset)
+        self.tensors.append(WrittenTensor(key, tuple(offsets), tuple(t.shape), tuple(global_shape), t.dtype))
+
+    def put_bytes(self, key: str, payload: bytes) -> None:
+        offset = self.fh.tell()
+        self.fh.write(payload)
+        self._record(MetadataIndex(key), offset)
+        self.objects.append(key)
+
+    def close(self) -> None:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+
+
+def write_metadata(iter_dir: Path, parts: list[tuple[list[WriteResult], list[WrittenTensor], list[str]]]) -> None:
+    """Rank 0: ``.metadata`` for every rank's items, through DCP's own writer."""
+    sdm: dict[str, Any] = {}
+    for _, tensors, objects in parts:
+        for t in tensors:
+            md = sdm.setdefault(t.key, TensorStorageMetadata(TensorProperties(dtype=t.dtype),
+                                                             torch.Size(t.global_shape), []))
+            md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(t.offsets), sizes=torch.Size(t.sizes)))
+        for key in objects:
+            sdm[key] = BytesStorageMetadata()
+    writer = FileSystemWriter(str(iter_dir), single_file_per_rank=True)
+    writer.finish(Metadata(state_dict_metadata=sdm), [results for results, _, _ in parts])

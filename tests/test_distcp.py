@@ -1,0 +1,117 @@
+"""Direct DCP file access (formats/distcp.py) against torch.distributed.checkpoint itself: the
+located bytes are the tensors DCP saved, and the streamed files load with DCP and carry the metadata
+``dcp.save`` writes for the same tensors."""
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from dist_convert.formats.distcp import RankFileWriter, is_contiguous_box, locate, write_metadata
+from dist_convert.layout.boxes import Box
+from dist_convert.plan import contiguous_cuts
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(6, 4, 5, generator=g).to(torch.bfloat16), "b": torch.randn(7, generator=g),
+            "i": torch.arange(12, dtype=torch.int32).reshape(3, 4)}
+
+
+def _save(path, tensors) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(tensors, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+
+
+def test_located_bytes_are_what_dcp_saved(tmp_path):
+    tensors = _tensors()
+    _save(tmp_path, tensors)
+    storage = FileSystemReader(str(tmp_path)).read_metadata().storage_data
+    for key, t in tensors.items():
+        info = storage[MetadataIndex(key, torch.Size([0] * t.dim()))]
+        stored = locate(tmp_path, info, tuple(t.shape), t.dtype)
+        assert stored is not None, key
+        assert torch.equal(stored.read(Box.full(tuple(t.shape))), t)
+    w = tensors["w"]
+    stored = locate(tmp_path, storage[MetadataIndex("w", torch.Size([0, 0, 0]))], (6, 4, 5), torch.bfloat16)
+    for box in (Box((2, 0, 0), (3, 4, 5)), Box((1, 1, 0), (1, 2, 5)), Box((1, 1, 1), (2, 2, 3))):
+        assert torch.equal(stored.read(box), w[box.slices()])
+    # the wrong dtype or shape is not taken for the stored tensor
+    assert locate(tmp_path, storage[MetadataIndex("w", torch.Size([0, 0, 0]))], (6, 4, 5), torch.float16) is None
+    assert locate(tmp_path, storage[MetadataIndex("w", torch.Size([0, 0, 0]))], (6, 20), torch.bfloat16) is None
+
+
+def test_items_that_are_not_plain_tensors_fall_back(tmp_path):
+    base = torch.arange(20, dtype=torch.float32)
+    with open(tmp_path / "x.distcp", "wb") as fh:
+        fh.write(b"raw bytes, not a zip")
+        start = fh.tell()
+        torch.save(base[4:10], fh)  # a view: torch.save stores its whole storage at an offset
+        end = fh.tell()
+    assert locate(tmp_path, _StorageInfo("x.distcp", 0, start), (5,), torch.float32) is None
+    assert locate(tmp_path, _StorageInfo("x.distcp", start, end - start), (6,), torch.float32) is None
+
+
+def test_streamed_files_load_with_dcp_and_match_its_metadata(tmp_path):
+    tensors = _tensors()
+    ref, ours = tmp_path / "ref", tmp_path / "ours"
+    ours.mkdir()
+    _save(ref, {**tensors, "obj": ["payload", 3]})
+    parts = []
+    for rank, keys in enumerate((["w"], ["b", "i"])):
+        w = RankFileWriter(ours, rank)
+        if rank == 1:
+            buf = io.BytesIO()
+            torch.save(["payload", 3], buf)
+            w.put_bytes("obj", buf.getvalue())
+        for k in keys:
+            t = tensors[k]
+            w.put_tensor(k, (0,) * t.dim(), tuple(t.shape), torch.cat([t.reshape(-1), t.reshape(-1)])[:t.numel()]
+                         .view(t.shape))  # a view of a larger storage is written as just the tensor
+        w.close()
+        parts.append((w.results, w.tensors, w.objects))
+    write_metadata(ours, parts)
+    with open(ref / ".metadata", "rb") as fh:
+        expected = pickle.load(fh).state_dict_metadata
+    with open(ours / ".metadata", "rb") as fh:
+        got = pickle.load(fh)
+    assert got.state_dict_metadata == expected
+    assert {s.relative_path for s in got.storage_data.values()} == {"__0_0.distcp", "__1_0.distcp"}
+    out = {**{k: torch.zeros_like(t) for k, t in tensors.items()}, "obj": None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(out, storage_reader=FileSystemReader(str(ours)), no_dist=True)
+    for k, t in tensors.items():
+        assert torch.equal(out[k], t), k
+    assert out["obj"] == ["payload", 3]
+    for k, t in tensors.items():  # and our own reader finds the raw bytes (the records carry no CRC32)
+        stored = locate(ours, got.storage_data[MetadataIndex(k, torch.Size([0] * t.dim()))], tuple(t.shape), t.dtype)
+        assert stored is not None and torch.equal(stored.read(Box.full(tuple(t.shape))), t)
+    assert (ours / "__0_0.distcp").stat().st_size < 2 * tensors["w"].nbytes + 4096
+
+
+@pytest.mark.parametrize("shape,box,contiguous", [
+    ((4, 3, 2), Box((1, 0, 0), (2, 3, 2)), True),
+    ((4, 3, 2), Box((1, 1, 0), (1, 2, 2)), True),
+    ((4, 3, 2), Box((1, 1, 0), (2, 2, 2)), False),
+    ((4, 3, 2), Box((0, 0, 0), (4, 3, 1)), False),
+    ((4, 3, 2), Box((2, 2, 1), (1, 1, 1)), True),
+])
+def test_contiguous_boxes(shape, box, contiguous):
+    assert is_contiguous_box(shape, box) is contiguous
+
+
+def test_contiguous_cuts_keep_every_cell_contiguous():
+    shape = (2, 8, 6)
+    per_layer, rows, cols = {0, 1, 2}, {0, 4, 8}, {0, 3, 6}
+    assert contiguous_cuts([per_layer, rows, cols], shape) == [per_layer, rows, {0, 6}]
+    assert contiguous_cuts([{0, 2}, rows, cols], shape) == [{0, 2}, {0, 8}, {0, 6}]
+    assert contiguous_cuts([per_layer, {0, 1, 2, 3, 4, 5, 6, 7, 8}, cols], shape) == [per_layer, set(range(9)), cols]

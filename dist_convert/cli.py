@@ -1,4 +1,5 @@
-"""Command line: ``torchrun --nproc_per_node=N dist_convert <reshard|speculate|inspect|verify> ...``."""
+"""Command line: ``torchrun --nproc_per_node=N dist_convert <reshard|speculate|inspect|verify> ...``;
+``python -m dist_convert bench ...`` (one process; it launches its own torchrun jobs)."""
 from __future__ import annotations
 
 import argparse
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nemo target: megatron-core keys, legacy NeMo Megatron keys, or legacy keys with the "
                         "megatron_legacy QKV layout (default: the source's for a .nemo source, else mcore)")
     r.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    r.add_argument("--stats-json", type=Path, default=None,
+                   help="rank 0 also writes the per-rank summary table here as JSON")
     _common(r)
 
     s = sub.add_parser("speculate", help="add EAGLE draft layers or Medusa heads with ModelOpt, save sharded")
@@ -111,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--atol", type=float, default=0.0)
     v.add_argument("--rtol", type=float, default=0.0)
     _common(v)
+    from .bench.run import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 
@@ -122,7 +127,7 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
         opts = ReshardOptions(ns.src, ns.dst, ns.src_format, ns.dst_format, ns.target_tp, ns.target_pp,
                               ns.target_first, ns.target_last, ns.target_spec, ns.target_vpp, ns.vocab_size, ns.dtype,
                               ns.memory_budget, ns.overwrite, ns.vocab_divisible_by, formats,
-                              target_split=ns.target_split)
+                              target_split=ns.target_split, stats_json=ns.stats_json)
         reshard(opts, rt)
         return 0
     if ns.cmd == "speculate":
@@ -153,6 +158,9 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    if ns.cmd == "bench":  # one process that launches its own torchrun jobs
+        from .bench.run import bench_main
+        return bench_main(ns)
     try:
         rt = init_runtime(ns.backend, ns.timeout)
     except (RuntimeError, ValueError) as e:

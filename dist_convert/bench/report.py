@@ -1,0 +1,209 @@
+"""The issue's targets as pure functions, and the bench's table, JSON and plot.
+
+Targets (issue 7): wall time at 2 ranks <= 1.3x the I/O floor; >= 3x faster than the whole-model
+baseline; peak RSS per rank <= 1.2 x (checkpoint bytes / world size) + 300 MB; memory flat as the
+checkpoint grows with a fixed --memory-budget; cost linear in size."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from rich.table import Table
+
+from ..errors import ConvertError
+from ..runtime import _console, human_bytes
+from .measure import Outcome
+
+FLOOR_FACTOR = 1.3
+SPEEDUP = 3.0
+RSS_FACTOR = 1.2
+RSS_BASE = 300 << 20  # a process with torch imported
+FLAT_SLOPE = 0.1  # memory flat: RSS grows by < 10% of the growth of a rank's share of the checkpoint
+LINEAR_SLACK = 1.2  # cost linear: seconds per byte at the largest size <= 1.2x that at the smallest
+
+
+def rss_limit(nbytes: int, world: int) -> int:
+    return int(RSS_FACTOR * nbytes / world + RSS_BASE)
+
+
+def within_floor(wall_s: float, floor_s: float) -> bool:
+    return wall_s <= FLOOR_FACTOR * floor_s
+
+
+def fast_enough(wall_s: float, baseline_s: float) -> bool:
+    return baseline_s >= SPEEDUP * wall_s
+
+
+def rss_ok(peak_rss: int, nbytes: int, world: int) -> bool:
+    return peak_rss <= rss_limit(nbytes, world)
+
+
+def memory_slope(nbytes: list[int], rss: list[int], world: int) -> float:
+    """Growth of peak RSS per byte of growth of a rank's share, smallest to largest checkpoint."""
+    grow = (nbytes[-1] - nbytes[0]) / world
+    return (rss[-1] - rss[0]) / grow if grow else 0.0
+
+
+def memory_flat(nbytes: list[int], rss: list[int], world: int) -> bool:
+    return memory_slope(nbytes, rss, world) <= FLAT_SLOPE
+
+
+def cost_ratio(nbytes: list[int], seconds: list[float]) -> float:
+    """Seconds per byte at the largest size over seconds per byte at the smallest (1: linear)."""
+    return (seconds[-1] / nbytes[-1]) / (seconds[0] / nbytes[0])
+
+
+def cost_linear(nbytes: list[int], seconds: list[float]) -> bool:
+    return cost_ratio(nbytes, seconds) <= LINEAR_SLACK
+
+
+def _verdict(ok: bool | None) -> str | None:
+    return None if ok is None else ("PASS" if ok else "FAIL")
+
+
+def row(o: Outcome, nbytes: int, floor: Outcome | None, baseline: Outcome | None,
+        startup: Outcome | None = None) -> dict[str, Any]:
+    """One method's numbers, ratios and target checks (None where a number or check does not apply).
+    ``net_s`` is a dist_convert run's wall time less the start-up of a launch at the same world size."""
+    wall, inproc, rss = o.wall_s, o.inproc_s, o.peak_rss
+    floor_s = floor.wall_s if floor else None
+    net = wall - startup.wall_s if o.method == "dist_convert" and wall and startup and startup.wall_s else None
+    checks: dict[str, str | None] = {"floor": None, "speedup": None, "rss": None}
+    if o.method == "dist_convert" and wall is not None:
+        checks["floor"] = _verdict(within_floor(wall, floor_s)) if floor_s else None
+        checks["speedup"] = _verdict(fast_enough(wall, baseline.wall_s)) if baseline and baseline.wall_s else None
+    if rss is not None and o.world:
+        checks["rss"] = _verdict(rss_ok(rss, nbytes, o.world))
+    return {"method": o.method, "label": o.label, "world": o.world, "status": o.status, "reason": o.reason,
+            "wall_s": wall, "inproc_s": inproc,
+            "gb_per_s": nbytes / wall / 2**30 if wall else None,  # GB = 2**30 bytes, as human_bytes prints
+            "x_floor": wall / floor_s if wall and floor_s else None,
+            "inproc_x_floor": inproc / floor_s if inproc and floor_s else None,
+            "net_s": net, "net_x_floor": net / floor_s if net and floor_s else None,
+            "peak_rss_per_rank": rss, "rss_limit": rss_limit(nbytes, o.world) if o.world else None,
+            "checks": checks, "runs": [r.__dict__ for r in o.runs], "output": o.output}
+
+
+def target_rows(outcomes: list[Outcome], nbytes: int) -> list[dict[str, Any]]:
+    floor = next((o for o in outcomes if o.method == "floor" and o.runs), None)
+    baseline = next((o for o in outcomes if o.method == "whole_model" and o.runs), None)
+    startup = {o.world: o for o in outcomes if o.method == "startup" and o.runs}
+    return [row(o, nbytes, floor, baseline, startup.get(o.world)) for o in outcomes]
+
+
+def _num(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "" if v is None else fmt.format(v)
+
+
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    table = Table(title=title)
+    for col in ("method", "wall s", "in-proc s", "GB/s", "wall/floor", "net/floor", "RSS/rank", "RSS limit",
+                f"≤{FLOOR_FACTOR}x floor", f"≥{SPEEDUP:g}x whole", "RSS≤limit"):
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
+    notes = []
+    for r in rows:
+        if r["status"] != "ok":
+            table.add_row(r["label"], r["status"])
+            notes.append(f"{r['label']}: {r['status']}: {r['reason']}")
+            continue
+        checks = [_color(r["checks"][k]) for k in ("floor", "speedup", "rss")]
+        table.add_row(r["label"], _num(r["wall_s"]), _num(r["inproc_s"]), _num(r["gb_per_s"], "{:.3g}"),
+                      _num(r["x_floor"]),
+                      _num(r["net_x_floor"]),
+                      human_bytes(r["peak_rss_per_rank"]) if r["peak_rss_per_rank"] is not None else "",
+                      human_bytes(r["rss_limit"]) if r["rss_limit"] is not None else "", *checks)
+    _console.print(table)
+    for note in notes:
+        _console.print(note)
+
+
+def _color(v: str | None) -> str:
+    return "" if v is None else f"[green]{v}[/]" if v == "PASS" else f"[red]{v}[/]"
+
+
+def print_sizes_table(title: str, rows: list[dict[str, Any]], verdicts: dict[str, Any]) -> None:
+    table = Table(title=title)
+    for col in ("size", "bytes", "floor s", "wall s", "in-proc s", "GB/s", "peak RSS/rank", "RSS limit"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        rss = human_bytes(r["peak_rss_per_rank"]) if r["peak_rss_per_rank"] else r["status"]
+        table.add_row(r["size"], human_bytes(r["bytes"]), _num(r["floor_s"]), _num(r["wall_s"]), _num(r["inproc_s"]),
+                      _num(r["gb_per_s"], "{:.3g}"), rss, human_bytes(r["rss_limit"]))
+    _console.print(table)
+    for key, v in verdicts.items():
+        _console.print(f"{key}: {v['value']:.3f} (target {v['target']}) {_color(v['verdict'])}")
+
+
+def sizes_verdicts(nbytes: list[int], rss: list[int], inproc: list[float], world: int) -> dict[str, Any]:
+    slope, ratio = memory_slope(nbytes, rss, world), cost_ratio(nbytes, inproc)
+    return {"memory slope (RSS growth / growth of bytes per rank)":
+            {"value": slope, "target": f"<= {FLAT_SLOPE}", "verdict": _verdict(memory_flat(nbytes, rss, world))},
+            "cost ratio (in-proc s per byte, largest / smallest)":
+            {"value": ratio, "target": f"<= {LINEAR_SLACK}", "verdict": _verdict(cost_linear(nbytes, inproc))}}
+
+
+def check_plot_available() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConvertError("--plot needs matplotlib, which is not installed in this environment",
+                           "install it (e.g. .venv/bin/pip install matplotlib) or drop --plot")
+
+
+def _axes() -> tuple[Any, Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    return fig, ax_t, ax_m
+
+
+def _save(fig: Any, axes: tuple[Any, Any], path: str) -> None:
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_sizes(path: str, rows: list[dict[str, Any]]) -> None:
+    """--sizes: wall and in-process seconds, and peak RSS per rank, against the checkpoint size."""
+    fig, ax_t, ax_m = _axes()
+    for w in sorted({r["world"] for r in rows}):
+        ok = [r for r in rows if r["world"] == w and r["status"] == "ok"]
+        gib = [r["bytes"] / 2**30 for r in ok]
+        ax_t.plot(gib, [r["wall_s"] for r in ok], "o-", label=f"dist_convert w={w} wall")
+        ax_t.plot(gib, [r["inproc_s"] for r in ok], "o--", label=f"dist_convert w={w} in-process")
+        ax_m.plot(gib, [r["peak_rss_per_rank"] / 2**30 for r in ok], "o-", label=f"dist_convert w={w}")
+        ax_m.plot(gib, [r["rss_limit"] / 2**30 for r in ok], ":", label=f"RSS target w={w}")
+    ax_t.plot([r["bytes"] / 2**30 for r in rows], [r["floor_s"] for r in rows], "k:", label="I/O floor")
+    ax_t.set(xlabel="checkpoint GB", ylabel="s", title="time")
+    ax_m.set(xlabel="checkpoint GB", ylabel="GB", title="peak RSS per rank")
+    _save(fig, (ax_t, ax_m), path)
+
+
+def plot(path: str, targets: list[dict[str, Any]]) -> None:
+    """Throughput (GB/s of wall time) and peak RSS per rank against ranks, one line per target."""
+    fig, ax_t, ax_m = _axes()
+    for t in targets:
+        rows = [r for r in t["rows"] if r["status"] == "ok"]
+        dc = sorted((r for r in rows if r["method"] == "dist_convert"), key=lambda r: r["world"])
+        line = ax_t.plot([r["world"] for r in dc], [r["gb_per_s"] for r in dc], "o-", label=f"dist_convert {t['name']}")
+        color = line[0].get_color()
+        ax_m.plot([r["world"] for r in dc], [r["peak_rss_per_rank"] / 2**30 for r in dc], "o-", color=color,
+                  label=f"dist_convert {t['name']}")
+        for r in rows:
+            marker = {"floor": None, "whole_model": "s", "mcore": "^"}.get(r["method"])
+            if r["method"] == "floor":
+                ax_t.axhline(r["gb_per_s"], color=color, ls=":", label=f"I/O floor {t['name']}")
+            elif marker:
+                ax_t.plot([r["world"]], [r["gb_per_s"]], marker, color=color, label=f"{r['method']} {t['name']}")
+                ax_m.plot([r["world"]], [r["peak_rss_per_rank"] / 2**30], marker, color=color,
+                          label=f"{r['method']} {t['name']}")
+        ax_m.plot([r["world"] for r in dc], [r["rss_limit"] / 2**30 for r in dc], "--", color=color, alpha=0.5,
+                  label=f"RSS target {t['name']}")
+    ax_t.set(xlabel="ranks", ylabel="GB/s (source bytes / wall s)", title="throughput")
+    ax_m.set(xlabel="ranks", ylabel="GB", title="peak RSS per rank")
+    for ax in (ax_t, ax_m):
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    _save(fig, (ax_t, ax_m), path)

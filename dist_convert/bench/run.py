@@ -1,0 +1,283 @@
+"""``python -m dist_convert bench``: make (or take) a checkpoint, then per target layout time the I/O floor,
+dist_convert at each world size, the whole-model baseline and megatron-core, interleaved rep by rep."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..errors import ConvertError
+from ..runtime import _console, human_bytes
+from . import measure, report
+from .measure import MethodFailed, Outcome, Run
+from .shape import LlamaShape, choose_shape, lcm
+
+METHODS = ("floor", "startup", "dist_convert", "whole_model", "mcore")
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+DEFAULT_TARGETS = "1x2,4x1"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,2,4")
+    return out
+
+
+def _targets(text: str) -> list[tuple[int, int]]:
+    try:
+        return [(int(t), int(p)) for t, p in (x.lower().split("x") for x in text.split(",") if x.strip())]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of TPxPP layouts like 1x2,4x1") from None
+
+
+def add_bench_parser(sub: Any) -> None:
+    from ..cli import parse_size
+    from ..plan import DEFAULT_BUDGET
+
+    b = sub.add_parser("bench", help="time dist_convert against the I/O floor, a whole-model single-process "
+                                     "converter and megatron-core's own load + save (one process; launches torchrun)")
+    b.add_argument("--size", type=parse_size, default=1 << 30, help="synthetic checkpoint size (default 1GB)")
+    b.add_argument("--sizes", default=None, help="scaling mode, e.g. 256MB,512MB,1GB: dist_convert at 2 ranks "
+                                                 "per size with a fixed --memory-budget (memory flat, cost linear)")
+    b.add_argument("--dtype", choices=tuple(ITEMSIZE), default="bf16")
+    b.add_argument("--format", choices=("torch_dist", "megatron"), default="torch_dist")
+    b.add_argument("--src-tp", type=int, default=2, help="layout of the synthetic checkpoint (default TP=2 PP=1)")
+    b.add_argument("--src-pp", type=int, default=1)
+    b.add_argument("--src", type=Path, default=None, help="time this existing checkpoint instead of a synthetic one")
+    b.add_argument("--target-tp", type=int, default=None, help="one target layout (with --target-pp)")
+    b.add_argument("--target-pp", type=int, default=None)
+    b.add_argument("--targets", type=_targets, default=None, help=f"TPxPP list (default {DEFAULT_TARGETS})")
+    b.add_argument("--ranks", type=_ints, default=None, help="dist_convert world sizes (default 1,2,4; --sizes: 2)")
+    b.add_argument("--reps", type=int, default=3, help="runs per measurement; the median is reported")
+    b.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    b.add_argument("--memory-budget", type=parse_size, default=DEFAULT_BUDGET, help="passed to dist_convert")
+    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic values")
+    b.add_argument("--workdir", type=Path, default=None, help="where to write (default: a new directory in $TMPDIR)")
+    b.add_argument("--keep", action="store_true", help="keep the source and each method's last output")
+    b.add_argument("--drop-caches", action="store_true", help="empty the page cache before every run (root)")
+    b.add_argument("--timeout", type=float, default=3600.0, help="seconds per command")
+    b.add_argument("--json", type=Path, default=None, help="write every number here")
+    b.add_argument("--plot", type=Path, default=None, help="PNG of throughput and peak RSS against ranks")
+
+
+@dataclass
+class Source:
+    path: Path
+    format: str
+    tp: int
+    pp: int
+    nbytes: int
+    files: list[Path]
+    shape: str
+    make_s: float | None = None
+
+
+def check_options(ns: argparse.Namespace) -> tuple[list[str], list[tuple[int, int]]]:
+    methods = [m.strip() for m in ns.methods.split(",") if m.strip()]
+    if not methods or set(methods) - set(METHODS):
+        raise ConvertError(f"--methods {ns.methods!r} names unknown methods", f"choose among {','.join(METHODS)}")
+    if ns.reps < 1:
+        raise ConvertError(f"--reps {ns.reps} is not positive", "pass --reps 1 or more")
+    if ns.targets and (ns.target_tp or ns.target_pp):
+        raise ConvertError("--targets and --target-tp/--target-pp both given", "pass one of them")
+    targets = ns.targets or ([(ns.target_tp or ns.src_tp, ns.target_pp or ns.src_pp)]
+                             if ns.target_tp or ns.target_pp else _targets(DEFAULT_TARGETS))
+    if min(min(t) for t in targets) < 1 or min(ns.src_tp, ns.src_pp) < 1:
+        raise ConvertError("TP and PP must be >= 1", "fix --src-tp/--src-pp/--target-tp/--target-pp/--targets")
+    if ns.sizes and ns.src:
+        raise ConvertError("--sizes makes synthetic checkpoints; --src names an existing one", "drop one of them")
+    if ns.plot:
+        report.check_plot_available()
+    if ns.drop_caches and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        raise ConvertError("--drop-caches needs write access to /proc/sys/vm/drop_caches", "run as root or drop it")
+    return methods, targets
+
+
+def make_source(ns: argparse.Namespace, size: int, targets: list[tuple[int, int]], work: Path) -> Source:
+    """A synthetic checkpoint written by dist_convert's writers under torchrun (one rank per rank file)."""
+    from .synth import shape_json
+
+    shape: LlamaShape = choose_shape(size, ITEMSIZE[ns.dtype], lcm([ns.src_tp] + [t for t, _ in targets]),
+                                     lcm([ns.src_pp] + [p for _, p in targets]))
+    out = work / f"src_{size}"
+    measure.remove(out)
+    (work / f"src_{size}.config.json").write_text(json.dumps(shape.config()))  # for tests/mcore_oracle.py
+    world = ns.src_tp * ns.src_pp
+    cmd = measure.torchrun(world, "dist_convert.bench.synth", "--out", str(out), "--shape", shape_json(shape),
+                           "--format", ns.format, "--tp", str(ns.src_tp), "--pp", str(ns.src_pp), "--dtype", ns.dtype,
+                           "--seed", str(ns.seed))
+    _console.print(f"[bold]bench[/] writing a synthetic {ns.format} checkpoint at TP={ns.src_tp} PP={ns.src_pp}: "
+                   f"{shape} ({ns.dtype}, {human_bytes(shape.nbytes(ITEMSIZE[ns.dtype]))})")
+    try:
+        wall = measure.run_command(cmd, ns.timeout)
+    except MethodFailed as e:
+        raise ConvertError(f"writing the synthetic checkpoint failed ({e})", "check --src-tp/--src-pp/--size") from None
+    files = measure.source_files(out)
+    return Source(out, ns.format, ns.src_tp, ns.src_pp, measure.total_bytes(files), files, str(shape), wall)
+
+
+def existing_source(path: Path) -> Source:
+    from ..convert import load_index
+    from ..formats.base import FormatOptions
+    from ..runtime import Runtime
+
+    fmt, index = load_index(path, "auto", Runtime(), None, FormatOptions(trust_pickle=True))
+    if fmt.name not in ("torch_dist", "megatron"):
+        raise ConvertError(f"--src {path} is {fmt.name}; bench compares torch_dist or megatron checkpoints",
+                           "pass a torch_dist or megatron checkpoint to --src")
+    files = measure.source_files(path)
+    cfg = index.cfg
+    shape = f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}"
+    return Source(path, fmt.name, index.layout.tp, index.layout.pp, measure.total_bytes(files), files, shape)
+
+
+Job = tuple[Outcome, Callable[[Path, Path], Run]]
+
+
+def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns: argparse.Namespace) -> list[Job]:
+    """Each method as (its outcome record, a function timing one run into (dst, stats file))."""
+    out: list[Job] = []
+    if "floor" in methods:
+        out.append((Outcome("floor", "I/O floor", None), lambda dst, _: measure.time_floor(src.files, dst)))
+    if "startup" in methods:
+        for w in ranks:
+            def start(dst: Path, stats: Path, w: int = w) -> Run:
+                args = ("dist_convert.bench.startup", "--stats-json", str(stats))
+                cmd = measure.torchrun(w, *args) if w > 1 else measure.python_module(*args)
+                return measure.time_job(cmd, stats, measure.parse_dist_convert, ns.timeout)
+            out.append((Outcome("startup", f"start-up w={w}", w), start))
+    if "dist_convert" in methods:
+        for w in ranks:
+            def dc(dst: Path, stats: Path, w: int = w) -> Run:  # one rank: one plain process, as the baseline
+                args = ("dist_convert", "reshard", str(src.path), str(dst), "--target-tp", str(tp), "--target-pp",
+                        str(pp), "--memory-budget", str(ns.memory_budget), "--stats-json", str(stats))
+                cmd = measure.torchrun(w, *args) if w > 1 else measure.python_module(*args)
+                return measure.time_job(cmd, stats, measure.parse_dist_convert, ns.timeout)
+            out.append((Outcome("dist_convert", f"dist_convert w={w}", w), dc))
+    if "whole_model" in methods:
+        def whole(dst: Path, stats: Path) -> Run:
+            cmd = measure.python_module("dist_convert.bench.baselines", str(src.path), str(dst), "--tp", str(tp),
+                                        "--pp", str(pp), "--stats-json", str(stats))
+            return measure.time_job(cmd, stats, measure.parse_single, ns.timeout)
+        out.append((Outcome("whole_model", "whole-model w=1", 1), whole))
+    if "mcore" in methods:
+        o = Outcome("mcore", f"mcore load+save w={tp * pp}", tp * pp)
+        if src.format != "torch_dist":
+            o.status, o.reason = "n/a", "dist_checkpointing reads torch_dist; legacy files load only at their layout"
+        elif importlib.util.find_spec("megatron.core") is None:
+            o.status, o.reason = "n/a", "megatron-core is not installed"
+
+        def mc(dst: Path, stats: Path) -> Run:
+            cmd = measure.torchrun(tp * pp, "dist_convert.bench.mcore_job", str(src.path), str(dst), "--tp", str(tp),
+                                   "--pp", str(pp), "--stats-json", str(stats))
+            return measure.time_job(cmd, stats, measure.parse_mcore, ns.timeout)
+        out.append((o, mc))
+    return out
+
+
+def measure_target(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns: argparse.Namespace,
+                   work: Path) -> list[Outcome]:
+    """Every method, ``--reps`` times, interleaved (rep 1 of each, then rep 2, ...) so drift hits all alike."""
+    todo = jobs(src, tp, pp, ranks, methods, ns)
+    base = work / f"out_tp{tp}_pp{pp}"
+    base.mkdir(parents=True, exist_ok=True)
+    for rep in range(ns.reps):
+        for i, (o, fn) in enumerate(todo):
+            if o.status != "ok":
+                continue
+            dst, stats = base / f"{i}_{o.method}", base / f"{i}.stats.json"
+            measure.remove(dst)
+            if ns.drop_caches:
+                measure.drop_caches()
+            try:
+                o.runs.append(fn(dst, stats))
+                r = o.runs[-1]
+                r.detail["load1"] = os.getloadavg()[0]  # 1-minute load average just after the run
+                _console.print(f"  TP={tp} PP={pp} {o.label} rep {rep + 1}/{ns.reps}: {r.wall_s:.2f} s"
+                               + (f" (in-process {r.inproc_s:.2f} s)" if r.inproc_s is not None else ""))
+            except MethodFailed as e:
+                o.status, o.reason = ("n/a" if o.method == "mcore" else "failed"), str(e)
+                _console.print(f"  [red]{o.label} failed[/]: {e}")
+            if ns.keep and rep == ns.reps - 1 and o.method != "floor" and dst.exists():
+                o.output = str(dst)
+            else:
+                measure.remove(dst)
+    return [o for o, _ in todo]
+
+
+def machine() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "loadavg_start": os.getloadavg()}
+
+
+def bench_main(ns: argparse.Namespace) -> int:
+    try:
+        return _bench(ns)
+    except ConvertError as e:
+        print(f"dist_convert: error: {e}", flush=True, file=sys.stderr)
+        return 2
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    methods, targets = check_options(ns)
+    if ns.workdir:
+        ns.workdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="dc_bench.", dir=ns.workdir))
+    result: dict[str, Any] = {"machine": machine(), "workdir": str(work), "memory_budget": ns.memory_budget}
+    try:
+        if ns.sizes:
+            from .scaling import run_sizes
+            result["sizes"] = run_sizes(ns, targets[0], work)
+            failed = any(r["status"] != "ok" for r in result["sizes"]["rows"])
+        else:
+            result.update(run_targets(ns, methods, targets, work))
+            failed = any(r["status"] == "failed" for t in result["targets"] for r in t["rows"])
+    finally:
+        if not ns.keep:
+            measure.remove(work)
+    m = result["machine"]
+    m["loadavg_end"] = os.getloadavg()
+    _console.print(f"machine: {m['cpus']} CPUs, load average {m['loadavg_start'][0]:.2f} at start, "
+                   f"{m['loadavg_end'][0]:.2f} at end (1 min)")
+    if ns.json:
+        ns.json.write_text(json.dumps(result, indent=1, default=str))
+    if ns.plot:
+        if "targets" in result:
+            report.plot(str(ns.plot), result["targets"])
+        else:
+            report.plot_sizes(str(ns.plot), result["sizes"]["rows"])
+    return 1 if failed else 0
+
+
+def run_targets(ns: argparse.Namespace, methods: list[str], targets: list[tuple[int, int]], work: Path) -> dict:
+    src = existing_source(ns.src) if ns.src else make_source(ns, ns.size, targets, work)
+    _console.print(f"source: {src.format} TP={src.tp} PP={src.pp}, {len(src.files)} files, {human_bytes(src.nbytes)}"
+                   + (f" (written in {src.make_s:.1f} s)" if src.make_s else ""))
+    out = {"source": {"path": str(src.path), "format": src.format, "tp": src.tp, "pp": src.pp, "bytes": src.nbytes,
+                      "files": len(src.files), "shape": src.shape, "dtype": ns.dtype, "make_s": src.make_s},
+           "targets": []}
+    for tp, pp in targets:
+        t0 = time.perf_counter()
+        rows = report.target_rows(measure_target(src, tp, pp, ns.ranks or [1, 2, 4], methods, ns, work), src.nbytes)
+        name = f"TP={tp} PP={pp}"
+        loads = [r["detail"]["load1"] for row in rows for r in row["runs"] if "load1" in r["detail"]]
+        noise = f"; load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} CPUs" if loads else ""
+        report.print_table(f"{src.format} TP={src.tp} PP={src.pp} -> {name}: {human_bytes(src.nbytes)}, "
+                           f"median of {ns.reps} ({time.perf_counter() - t0:.0f} s{noise})", rows)
+        out["targets"].append({"name": name, "tp": tp, "pp": pp, "rows": rows})
+    return out

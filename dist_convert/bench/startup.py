@@ -1,0 +1,32 @@
+"""The fixed cost of a dist_convert launch, timed by ``bench`` as its own method: start the
+interpreter, import the CLI with every format, join the process group, and leave.
+
+  torchrun --nproc_per_node=N -m dist_convert.bench.startup --stats-json FILE
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    t0 = time.perf_counter()
+    p = argparse.ArgumentParser(prog="python -m dist_convert.bench.startup", description=__doc__)
+    p.add_argument("--stats-json", type=Path, required=True)
+    a = p.parse_args(argv)
+    from .. import cli  # noqa: F401 - the import is what is timed
+    from ..runtime import init_runtime, peak_rss_bytes
+
+    rt = init_runtime()
+    rt.barrier()
+    stats = rt.all_gather_object({"wall_s": time.perf_counter() - t0, "peak_rss": peak_rss_bytes()})
+    if rt.rank == 0:
+        a.stats_json.write_text(json.dumps(stats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""dist_convert bench: the shape chooser, the value generator and the target math (pure); the synthetic
+writer and the whole-model baseline in process; one end-to-end ``bench`` run at 8 MB whose outputs are
+checked: megatron-core's own method loads the synthetic checkpoint strictly (StrictHandling.RAISE_ALL)
+and its resharded save equals dist_convert's output, and so does the whole-model baseline's."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from conftest import ok, run_cli
+from dist_convert.bench import report
+from dist_convert.bench.baselines import whole_model
+from dist_convert.bench.measure import Outcome, Run
+from dist_convert.bench.shape import LlamaShape, choose_shape, make_args
+from dist_convert.bench.synth import Values, write_synthetic
+from dist_convert.cli import main as cli_main
+from dist_convert.config import config_from_args
+from dist_convert.formats.base import numel
+from dist_convert.layout.boxes import Box
+from dist_convert.layout.rules import logical_tensors
+from dist_convert.runtime import Runtime
+from dist_convert.topology import Layout
+
+MB, GB = 1 << 20, 1 << 30
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("size", [8 * MB, 64 * MB, 256 * MB, GB, 10 * GB, 100 * GB])
+def test_shape_is_llama_like_and_within_5_percent(size, itemsize):
+    s = choose_shape(size, itemsize, tp_multiple=4, pp_multiple=2)
+    assert abs(s.nbytes(itemsize) / size - 1) <= 0.05, s
+    assert s.num_query_groups % 4 == 0 and s.num_attention_heads % s.num_query_groups == 0
+    assert s.num_query_groups < s.num_attention_heads and s.hidden_size % s.num_attention_heads == 0  # GQA
+    assert s.num_layers % 2 == 0 and s.ffn_hidden_size % 4 == 0 and s.vocab_size == 32000
+    cfg = config_from_args(make_args(s, torch.bfloat16, 1), None, "local", 2)
+    for layout in (Layout(1, 2), Layout(4, 1), Layout(2, 1)):
+        cfg.check_layout(layout)
+    assert cfg.swiglu and cfg.normalization == "RMSNorm" and not cfg.tied
+    # the shape's byte count is the layout table's
+    assert sum(numel(t.shape) for t in logical_tensors(cfg).values()) == s.params
+
+
+def test_shape_respects_other_tp_and_pp_multiples():
+    s = choose_shape(512 * MB, 2, tp_multiple=8, pp_multiple=4)
+    assert s.num_query_groups % 8 == 0 and s.num_layers % 4 == 0 and s.ffn_hidden_size % 8 == 0
+
+
+def test_values_are_seeded_and_boxes_agree():
+    a, b, c = Values(0, torch.bfloat16), Values(0, torch.bfloat16), Values(1, torch.bfloat16)
+    shape = (40, 24)
+    full = a.block("w", Box.full(shape), shape)
+    assert torch.equal(full, b.block("w", Box.full(shape), shape))
+    assert not torch.equal(full, c.block("w", Box.full(shape), shape))
+    assert not torch.equal(full, a.block("v", Box.full(shape), shape))
+    assert torch.equal(a.block("w", Box((5, 8), (10, 8)), shape), full[5:15, 8:16])
+    assert torch.equal(a.block("n", Box((3,), (4,)), (24,)), a.block("n", Box.full((24,)), (24,))[3:7])
+    assert full.float().std() > 0
+
+
+def test_target_math():
+    assert report.rss_limit(GB, 2) == int(1.2 * GB / 2 + 300 * MB)
+    assert report.within_floor(1.3, 1.0) and not report.within_floor(1.31, 1.0)
+    assert report.fast_enough(1.0, 3.0) and not report.fast_enough(1.01, 3.0)
+    assert report.rss_ok(report.rss_limit(GB, 4), GB, 4) and not report.rss_ok(report.rss_limit(GB, 4) + 1, GB, 4)
+    sizes = [256 * MB, 512 * MB, GB]
+    assert report.memory_flat(sizes, [700 * MB, 710 * MB, 720 * MB], 2)  # 40 MB over 384 MB of share growth
+    assert not report.memory_flat(sizes, [400 * MB, 530 * MB, 790 * MB], 2)  # grows with the share
+    assert report.memory_slope(sizes, [400 * MB, 0, 784 * MB], 2) == pytest.approx(1.0)
+    assert report.cost_linear(sizes, [2.0, 3.0, 5.0])  # start-up cost: sub-linear per byte
+    assert not report.cost_linear(sizes, [1.0, 2.5, 6.0])  # super-linear
+    floor = Outcome("floor", "floor", None, [Run(1.0), Run(2.0), Run(1.5)])
+    base = Outcome("whole_model", "w", 1, [Run(9.0, 8.0, [GB])])
+    dc = Outcome("dist_convert", "d", 2, [Run(1.9, 1.0, [100 * MB, 300 * MB])])
+    start = Outcome("startup", "s", 2, [Run(0.4, 0.3, [90 * MB, 90 * MB])])
+    rows = report.target_rows([floor, dc, base, start], GB)
+    assert rows[0]["wall_s"] == 1.5 and rows[0]["x_floor"] == 1.0
+    assert rows[1]["checks"] == {"floor": "PASS", "speedup": "PASS", "rss": "PASS"}
+    assert rows[1]["peak_rss_per_rank"] == 300 * MB and rows[1]["gb_per_s"] == pytest.approx(1 / 1.9)
+    assert rows[1]["net_s"] == pytest.approx(1.5) and rows[1]["net_x_floor"] == pytest.approx(1.0)
+    assert rows[3]["net_s"] is None and rows[3]["checks"]["floor"] is None
+    assert rows[2]["checks"] == {"floor": None, "speedup": None, "rss": "PASS"}  # 1 GB <= 1.2 GB + 300 MB
+
+
+@pytest.mark.parametrize("fmt", ["megatron", "torch_dist"])
+def test_synthetic_writer_and_whole_model_baseline_in_process(tmp_path, fmt):
+    shape = LlamaShape(num_layers=2, hidden_size=32, ffn_hidden_size=96, num_attention_heads=8, num_query_groups=4,
+                       vocab_size=1000)
+    write_synthetic(tmp_path / "src", shape, torch.bfloat16, fmt, Layout(2, 2), 0, Runtime())
+    stats = whole_model(tmp_path / "src", tmp_path / "out", 4, 1)
+    assert stats["wall_s"] > 0 and stats["peak_rss"] > 0
+    assert cli_main(["verify", str(tmp_path / "src"), str(tmp_path / "out")]) == 0
+    assert cli_main(["inspect", str(tmp_path / "out")]) == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
+def test_plot_refused_without_matplotlib(tmp_path, capsys):
+    assert cli_main(["bench", "--plot", str(tmp_path / "p.png"), "--workdir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and "pip install matplotlib" in err
+    assert not list(tmp_path.iterdir())  # refused before writing anything
+
+
+def test_bad_options_are_refused(tmp_path, capsys):
+    assert cli_main(["bench", "--methods", "floor,nope", "--workdir", str(tmp_path)]) == 2
+    assert "--methods" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "bench.json"
+    proc = ok(run_cli("bench", "--size", "8MB", "--reps", "1", "--ranks", "1,2", "--target-tp", "1", "--target-pp", "2",
+                      "--workdir", str(tmp), "--keep", "--json", str(out), timeout=600))
+    assert "wall/floor" in proc.stderr  # the table
+    return json.loads(out.read_text())
+
+
+def test_bench_end_to_end_reports_every_method(bench):
+    src = bench["source"]
+    assert src["format"] == "torch_dist" and (src["tp"], src["pp"]) == (2, 1)
+    assert abs(src["bytes"] / (8 * MB) - 1) < 0.05
+    (target,) = bench["targets"]
+    assert (target["tp"], target["pp"]) == (1, 2)
+    rows = {(r["method"], r["world"]): r for r in target["rows"]}
+    assert set(rows) == {("floor", None), ("startup", 1), ("startup", 2), ("dist_convert", 1), ("dist_convert", 2),
+                         ("whole_model", 1), ("mcore", 2)}
+    for (method, _), r in rows.items():
+        assert r["status"] == "ok", r
+        assert r["wall_s"] > 0 and r["gb_per_s"] > 0 and r["x_floor"] > 0
+        if method != "floor":
+            assert r["inproc_s"] > 0 and r["peak_rss_per_rank"] > 100 * MB
+            assert r["checks"]["rss"] in ("PASS", "FAIL")
+    assert rows[("dist_convert", 2)]["checks"]["floor"] in ("PASS", "FAIL")
+    dc, start = rows[("dist_convert", 2)], rows[("startup", 2)]
+    assert dc["net_s"] == pytest.approx(dc["wall_s"] - start["wall_s"])
+    assert rows[("dist_convert", 2)]["checks"]["speedup"] in ("PASS", "FAIL")
+    assert len(rows[("mcore", 2)]["runs"][0]["peak_rss_per_rank"]) == 2
+    assert bench["machine"]["cpus"] >= 1
+
+
+def _output(bench, method, world):
+    return next(r["output"] for r in bench["targets"][0]["rows"] if (r["method"], r["world"]) == (method, world))
+
+
+def test_megatron_core_loads_the_synthetic_checkpoint_and_agrees(bench):
+    """The mcore method loaded the synthetic TP=2 checkpoint strictly at TP=1 PP=2 (or it would have
+    failed) and saved it; that save equals dist_convert's reshard of the same source."""
+    assert cli_main(["verify", _output(bench, "mcore", 2), _output(bench, "dist_convert", 2)]) == 0
+
+
+def test_whole_model_baseline_equals_dist_convert(bench):
+    assert cli_main(["verify", _output(bench, "whole_model", 1), _output(bench, "dist_convert", 2)]) == 0
+    assert cli_main(["verify", _output(bench, "dist_convert", 1), _output(bench, "dist_convert", 2)]) == 0

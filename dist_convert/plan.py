@@ -232,14 +232,15 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
 
 def _chunk_cost(cid: int, raw: dict[int, list], reader: int, writer_of: dict[int, int],
                 by_id: dict[int, SourceChunk]) -> dict[int, int]:
-    """Bytes a chunk puts in flight per rank: the reader holds it (cast) and its send buffer, each
-    other writer its receive buffer."""
+    """Bytes a chunk puts in memory per rank: the reader holds it (cast) and its send buffer; each
+    writer the target tensor bytes it fills and, when it is not the reader, its receive buffer."""
     cost = {reader: max(by_id[cid].nbytes, sum(x[4] for x in raw[cid]))}
     for fid, _, _, _, nbytes, _ in raw[cid]:
         w = writer_of[fid]
+        cost[w] = cost.get(w, 0) + nbytes
         if w != reader:
             cost[reader] += aligned(nbytes)
-            cost[w] = cost.get(w, 0) + aligned(nbytes)
+            cost[w] += aligned(nbytes)
     return cost
 
 

@@ -113,8 +113,12 @@ def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "bench.json"
     proc = ok(run_cli("bench", "--size", "8MB", "--reps", "1", "--ranks", "1,2", "--target-tp", "1", "--target-pp", "2",
-                      "--workdir", str(tmp), "--keep", "--json", str(out), timeout=600))
+                      "--workdir", str(tmp), "--keep", "--json", str(out), "--markdown", str(tmp / "bench.md"),
+                      timeout=600))
     assert "wall/floor" in proc.stderr  # the table
+    md = (tmp / "bench.md").read_text().splitlines()
+    rows = [ln for ln in md if ln.startswith("| dist_convert w=")]
+    assert len(rows) == 2 and all(len(r.split("|")) == 12 for r in rows)  # 10 columns each
     return json.loads(out.read_text())
 
 

@@ -73,8 +73,8 @@ def numel(cfg):
 
 
 def wave_peak_bytes(plan: Plan, by_id: dict[int, SourceChunk]) -> list[int]:
-    """Largest per-rank bytes in flight over all waves (reads + send + receive buffers), recounted
-    from the plan's transfers independently of the planner's own bookkeeping."""
+    """Largest per-rank bytes in memory over all waves (reads + send and receive buffers + the target
+    bytes filled), recounted from the plan's transfers independently of the planner's own bookkeeping."""
     peak = [0] * plan.world
     for w in plan.waves:
         used = [0] * plan.world
@@ -82,6 +82,7 @@ def wave_peak_bytes(plan: Plan, by_id: dict[int, SourceChunk]) -> list[int]:
             for cid in cids:
                 used[r] += max(by_id[cid].nbytes, sum(t.nbytes for t in w.transfers if t.chunk == cid))
         for t in w.transfers:
+            used[t.writer] += t.nbytes
             if t.reader != t.writer:
                 used[t.reader] += aligned(t.nbytes)
                 used[t.writer] += aligned(t.nbytes)
@@ -205,6 +206,7 @@ def test_waves_are_packed_near_the_lower_bound_at_scale():
         for r, cids in w.reads.items():
             per_rank[r] += sum(by_id[c].nbytes for c in cids)
         for t in w.transfers:
+            per_rank[t.writer] += t.nbytes
             if t.reader != t.writer:
                 per_rank[t.reader] += t.nbytes
                 per_rank[t.writer] += t.nbytes

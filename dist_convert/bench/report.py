@@ -117,6 +117,31 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
         _console.print(note)
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The per-target tables as Markdown: times, ratios to the floor, peak RSS per rank, verdicts."""
+    src, m = result["source"], result["machine"]
+    out = [f"Source: synthetic {src['shape']} ({src['dtype']}, {human_bytes(src['bytes'])}, {src['format']} "
+           f"TP={src['tp']} PP={src['pp']}, {src['files']} files). Machine: {m['cpus']} CPUs, {m['platform']}, "
+           f"torch {m['torch']}.", ""]
+    head = ["method", "wall s", "in-process s", "wall / floor", "net / floor", "peak RSS / rank", "RSS limit",
+            f"wall ≤ {FLOOR_FACTOR}x floor", f"≥ {SPEEDUP:g}x whole-model", "RSS ≤ limit"]
+    for t in result["targets"]:
+        out += [f"**{src['format']} TP={src['tp']} PP={src['pp']} -> {t['name']}**", "",
+                "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in t["rows"]:
+            if r["status"] != "ok":
+                out.append(f"| {r['label']} | {r['status']}: {r['reason']} |" + " |" * (len(head) - 2))
+                continue
+            c = r["checks"]
+            cells = [r["label"], _num(r["wall_s"]), _num(r["inproc_s"]), _num(r["x_floor"]), _num(r["net_x_floor"]),
+                     human_bytes(r["peak_rss_per_rank"]) if r["peak_rss_per_rank"] else "",
+                     human_bytes(r["rss_limit"]) if r["rss_limit"] else "", c["floor"] or "", c["speedup"] or "",
+                     c["rss"] or ""]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def _color(v: str | None) -> str:
     return "" if v is None else f"[green]{v}[/]" if v == "PASS" else f"[red]{v}[/]"
 

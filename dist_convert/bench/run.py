@@ -72,6 +72,7 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--drop-caches", action="store_true", help="empty the page cache before every run (root)")
     b.add_argument("--timeout", type=float, default=3600.0, help="seconds per command")
     b.add_argument("--json", type=Path, default=None, help="write every number here")
+    b.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown (for the README)")
     b.add_argument("--plot", type=Path, default=None, help="PNG of throughput and peak RSS against ranks")
 
 
@@ -256,6 +257,8 @@ def _bench(ns: argparse.Namespace) -> int:
                    f"{m['loadavg_end'][0]:.2f} at end (1 min)")
     if ns.json:
         ns.json.write_text(json.dumps(result, indent=1, default=str))
+    if ns.markdown and "targets" in result:
+        ns.markdown.write_text(report.markdown(result))
     if ns.plot:
         if "targets" in result:
             report.plot(str(ns.plot), result["targets"])

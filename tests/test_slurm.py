@@ -101,7 +101,12 @@ def test_two_node_reshard_splits_work_and_verifies(cluster, gpt_a, tmp_path):
     assert all(b > 0 for b in per_node.values()), per_node  # both nodes read a share ...
     assert all(b < 0.75 * source for b in per_node.values()), (per_node, source)  # ... no node (or rank) all
     assert max(read.values()) < 0.5 * source and min(read.values()) > 0, read
-    assert abs(sum(read.values()) - source) <= 0.01 * source, (read, source)  # each byte read once
+    # each byte read once, except the vocabulary padding rows, which nobody needs to read (fp32 source)
+    cfg = gpt_a.cfg
+    multiple = cfg["make_vocab_size_divisible_by"] * gpt_a.tp
+    padding = (-(-cfg["vocab_size"] // multiple) * multiple - cfg["vocab_size"]) * cfg["hidden_size"] * 4 \
+        * (2 if cfg["untie_embeddings_and_output_weights"] else 1)
+    assert padding > 0 and abs(sum(read.values()) - (source - padding)) <= 0.005 * source, (read, source, padding)
 
     # the result: dist_convert's own comparison, and megatron-core loading it at TP=1 PP=2
     proc = ok(run_cli("verify", str(gpt_a.torch_dist), str(dst), nproc=2))

@@ -9,7 +9,7 @@ from pathlib import Path
 from .errors import ConvertError
 from .formats.base import FormatOptions
 from .plan import DEFAULT_BUDGET
-from .runtime import Runtime, init_runtime
+from .runtime import Runtime, collective_failure, init_runtime
 
 FORMAT_CHOICES = ("auto", "torch_dist", "megatron", "hf", "nemo")
 
@@ -28,13 +28,31 @@ def parse_size(text: str) -> int:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="collective backend (auto: nccl when CUDA is available, else gloo)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="collective timeout in seconds")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds a rank waits for the others in a collective before it reports a hung or lost rank "
+                        "(default 1800)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="true (unpadded) vocabulary size when the checkpoint args lack it")
     p.add_argument("--trust-pickle", action="store_true",
-                   help="allow arbitrary pickled objects in .pt files (only for files you trust)")
+                   help="allow arbitrary pickled objects in .pt files and torch_dist .metadata (only for files you "
+                        "trust)")
     p.add_argument("--memory-budget", type=parse_size, default=DEFAULT_BUDGET,
                    help="bytes in flight per rank per exchange wave (default 256M)")
+    p.add_argument("--allow-missing", action="append", default=[], metavar="PATTERN",
+                   help="let the source lack the tensors whose stored key or logical name matches this glob "
+                        "(repeatable); they are left out of the conversion (default: refuse missing tensors)")
+    p.add_argument("--ignore-unexpected", action="append", default=[], metavar="PATTERN",
+                   help="skip the source tensors the model does not have whose stored key matches this glob "
+                        "(repeatable; default: refuse unknown tensors)")
+
+
+def format_options(ns: argparse.Namespace) -> FormatOptions:
+    """Reader/writer options from the flags of any subcommand (flags it lacks keep their defaults)."""
+    d = FormatOptions()
+    return FormatOptions(ns.trust_pickle, getattr(ns, "max_shard_size", d.max_shard_size),
+                         getattr(ns, "tokenizer_dir", None), getattr(ns, "tokenizer_model", None),
+                         getattr(ns, "tokenizer_vocab_file", None), getattr(ns, "nemo_style", None),
+                         tuple(ns.allow_missing), tuple(ns.ignore_unexpected))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--nemo-style", choices=("mcore", "legacy", "megatron_legacy"), default=None,
                    help="nemo target: megatron-core keys, legacy NeMo Megatron keys, or legacy keys with the "
                         "megatron_legacy QKV layout (default: the source's for a .nemo source, else mcore)")
-    r.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    r.add_argument("--overwrite", action="store_true",
+                   help="replace an existing DST (and discard an interrupted run's DST.dist_convert_tmp)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run: keep the target files it finished (checksums checked), "
+                        "convert the rest (same arguments and world size)")
     r.add_argument("--stats-json", type=Path, default=None,
                    help="rank 0 also writes the per-rank summary table here as JSON")
     _common(r)
@@ -106,9 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     _common(i)
 
-    v = sub.add_parser("verify", help="compare every logical tensor of two checkpoints")
+    v = sub.add_parser("verify", help="compare every logical tensor of two checkpoints; or check one's checksums")
     v.add_argument("a", type=Path)
-    v.add_argument("b", type=Path)
+    v.add_argument("b", type=Path, nargs="?", default=None)
+    v.add_argument("--checksums", action="store_true",
+                   help="check the size and SHA-256 of every file against the manifest dist_convert wrote (of A, "
+                        "and of B when given); fast, no source needed")
     v.add_argument("--a-format", choices=FORMAT_CHOICES, default="auto")
     v.add_argument("--b-format", choices=FORMAT_CHOICES, default="auto")
     v.add_argument("--atol", type=float, default=0.0)
@@ -122,12 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
 def run(ns: argparse.Namespace, rt: Runtime) -> int:
     if ns.cmd == "reshard":
         from .convert import ReshardOptions, reshard
-        formats = FormatOptions(ns.trust_pickle, ns.max_shard_size, ns.tokenizer_dir, ns.tokenizer_model,
-                                ns.tokenizer_vocab_file, nemo_style=ns.nemo_style)
+        formats = format_options(ns)
         opts = ReshardOptions(ns.src, ns.dst, ns.src_format, ns.dst_format, ns.target_tp, ns.target_pp,
                               ns.target_first, ns.target_last, ns.target_spec, ns.target_vpp, ns.vocab_size, ns.dtype,
                               ns.memory_budget, ns.overwrite, ns.vocab_divisible_by, formats,
-                              target_split=ns.target_split, stats_json=ns.stats_json)
+                              target_split=ns.target_split, stats_json=ns.stats_json, resume=ns.resume)
         reshard(opts, rt)
         return 0
     if ns.cmd == "speculate":
@@ -136,17 +160,31 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
         draft = DraftRequest(ns.eagle_layers, ns.eagle_version, ns.medusa_heads, ns.medusa_layers, ns.spec_config)
         speculate(SpeculateOptions(ns.src, ns.dst, draft, ns.src_format, ns.target_tp, ns.target_pp, ns.target_first,
                                    ns.target_last, ns.export_draft, ns.dtype, ns.vocab_size, ns.memory_budget,
-                                   ns.overwrite, ns.vocab_divisible_by, FormatOptions(ns.trust_pickle)), rt)
+                                   ns.overwrite, ns.vocab_divisible_by, format_options(ns)), rt)
         return 0
     if ns.cmd == "inspect":
         from .inspect_ckpt import describe, print_description
-        info = describe(ns.ckpt, ns.format, rt, ns.vocab_size, FormatOptions(ns.trust_pickle))
+        info = describe(ns.ckpt, ns.format, rt, ns.vocab_size, format_options(ns))
         if rt.rank == 0:
             print_description(info, ns.json)
         return 0
+    if ns.checksums:
+        from .integrity import check_checksums
+        bad = False
+        for path in [p for p in (ns.a, ns.b) if p is not None]:
+            problems = check_checksums(path, rt)
+            for line in problems[:20]:
+                rt.log(f"[red]CHECKSUM[/] {path}: {line}")
+            bad |= bool(problems)
+            rt.log(f"[red]checksums failed[/]: {len(problems)} problems in {path}" if problems
+                   else f"[green]checksums OK[/]: every file of {path} matches its manifest")
+        if ns.b is None or bad:
+            return 1 if bad else 0
+    elif ns.b is None:
+        raise ConvertError("verify needs B, the checkpoint to compare A with", "pass B, or --checksums to check A alone")
     from .verify import verify
     mismatches = verify(ns.a, ns.b, rt, ns.a_format, ns.b_format, ns.atol, ns.rtol, ns.vocab_size,
-                        FormatOptions(ns.trust_pickle), ns.memory_budget)
+                        format_options(ns), ns.memory_budget)
     for m in mismatches[:20]:
         rt.log(f"[red]MISMATCH[/] {m.name}: {m.detail}")
     if mismatches:
@@ -166,14 +204,21 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"dist_convert: error: cannot start the process group ({e}); launch with torchrun", file=sys.stderr)
         return 2
+    broken = False
     try:
         return run(ns, rt)
-    except ConvertError as e:
-        if rt.rank == 0 or e.local:
-            print(f"dist_convert: error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - only our errors and failed collectives are reported as one line
+        err = e if isinstance(e, ConvertError) else collective_failure(e, rt)
+        if err is None:  # a bug: the traceback; torchrun stops the other ranks (a barrier could wait forever)
+            broken = True
+            raise
+        broken = err.group_broken
+        if rt.rank == 0 or err.local:
+            print(f"dist_convert: error: {err}", file=sys.stderr)
         return 2
     finally:
-        rt.close()
+        if not broken:  # a failed collective leaves nothing to tear down together
+            rt.close()
 
 
 if __name__ == "__main__":

@@ -72,6 +72,9 @@ class ModelConfig:
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron's rule: round up to a multiple of ``divisible_by * tp``."""
+    if divisible_by < 1:
+        raise ConvertError(f"make_vocab_size_divisible_by={divisible_by} is not a positive padding multiple",
+                           "pass --make-vocab-size-divisible-by N with N >= 1 (e.g. 128)")
     multiple = divisible_by * tp
     return -(-vocab // multiple) * multiple
 

@@ -5,8 +5,10 @@ import dataclasses
 import json
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,16 +16,19 @@ from .config import ModelConfig, args_for_target
 from .errors import ConvertError
 from .exchange import Assembly, execute
 from .formats import detect_format, get_format
-from .formats.base import (Format, FormatOptions, SourceIndex, Target, TargetFile, iter_dir_name, numel,
-                           write_tracker)
+from . import faults
+from .exchange import stop_on_error
+from .formats.base import (Format, FormatOptions, SourceIndex, Target, TargetFile, WrittenFile, iter_dir_name, numel,
+                           omit_absent, on_rank0, write_tracker)
+from .integrity import (INCOMPLETE_SUFFIX, Entry, Journal, file_sha256, fingerprint, read_journal, read_marker,
+                        refuse_incomplete, remove_run_state, restart_journal, write_manifest, write_marker)
 from .layout.rules import logical_tensors
-from .plan import DEFAULT_BUDGET, Plan, make_plan, split_chunks, split_files
-from .runtime import Runtime, human_bytes, peak_rss_bytes
+from .plan import DEFAULT_BUDGET, Plan, balance, make_plan, split_chunks, split_files
+from .runtime import Runtime, collective_failure, human_bytes, peak_rss_bytes
 from .summary import RankStats, print_summary
 from .topology import Layout
 
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-INCOMPLETE_SUFFIX = ".dist_convert_tmp"
 
 
 @dataclass
@@ -46,10 +51,12 @@ class ReshardOptions:
     formats: FormatOptions = dataclasses.field(default_factory=FormatOptions)
     target_split: int | None = None  # encoder-decoder (T5): first decoder pipeline stage
     stats_json: Path | None = None  # rank 0 writes the per-rank summary here as JSON (dist_convert bench)
+    resume: bool = False  # continue the interrupted run in DST.dist_convert_tmp
 
 
 def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None,
                options: FormatOptions) -> tuple[Format, SourceIndex]:
+    refuse_incomplete(path)  # an interrupted conversion's output is not a checkpoint yet
     fmt = detect_format(path, options) if fmt_name == "auto" else get_format(fmt_name, options)
     return fmt, fmt.index(path, rt, vocab_size)
 
@@ -66,7 +73,10 @@ def logical_numel(index: SourceIndex) -> dict[str, int]:
 
 
 def source_dtypes(index: SourceIndex) -> dict[str, torch.dtype]:
-    return {p.logical: c.dtype for c in index.chunks for p in c.pieces}
+    """Each logical tensor's stored dtype (absent ones: the most common, so target files can list them)."""
+    found = {p.logical: c.dtype for c in index.chunks for p in c.pieces}
+    common = Counter(found.values()).most_common(1)[0][0] if found else torch.float32
+    return {**dict.fromkeys(index.absent, common), **found}
 
 
 def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> Layout:
@@ -98,14 +108,36 @@ def check_vocab(opts: ReshardOptions, index: SourceIndex, cfg: ModelConfig, layo
             "pass --vocab-size with the tokenizer's vocabulary size")
 
 
-def prepare_dst(dst: Path, rt: Runtime) -> Path:
-    """Collective: a fresh temporary directory beside ``dst``; renamed into place at the end."""
+def prepare_dst(dst: Path, rt: Runtime, marker: dict[str, Any] | None = None, resume: bool = False,
+                overwrite: bool = False) -> Path:
+    """Collective: the temporary directory beside ``dst`` that is renamed into place at the end,
+    marked incomplete (``marker``: what the run is). Fresh unless ``resume``, which needs the
+    interrupted run's directory with the same fingerprint."""
     tmp = dst.parent / (dst.name + INCOMPLETE_SUFFIX)
-    if rt.rank == 0:
+    marker = marker or {}
+
+    def make() -> None:
+        before = read_marker(tmp)
+        if resume:
+            if before is None:
+                raise ConvertError(f"--resume: there is no interrupted conversion to {dst} ({tmp} "
+                                   f"{'is not one' if tmp.exists() else 'does not exist'})", "run without --resume")
+            if before.get("fingerprint") != marker.get("fingerprint"):
+                raise ConvertError(f"--resume: {tmp} was started by a different conversion (source, target layout, "
+                                   f"format or world size differ: it had {before.get('world', '?')} ranks)",
+                                   "rerun with the interrupted run's arguments and world size, or drop --resume "
+                                   "and pass --overwrite to start over")
+            return
         if tmp.exists():
-            shutil.rmtree(tmp)
+            finished = len(read_journal(tmp)) if before is not None else 0
+            if finished and not overwrite:
+                raise ConvertError(f"an interrupted conversion to {dst} left {finished} finished target files in "
+                                   f"{tmp}", "pass --resume to continue it, or --overwrite to start over")
+            _remove(tmp)
         tmp.mkdir(parents=True)
-    rt.barrier()
+        write_marker(tmp, marker)
+
+    on_rank0(rt, make)
     return tmp
 
 
@@ -119,6 +151,8 @@ def _remove(path: Path) -> None:
 def commit_dst(tmp: Path, dst: Path, rt: Runtime) -> None:
     """Rank 0: swap the finished directory (or archive) into place; an old target is removed only now."""
     if rt.rank == 0:
+        if tmp.is_dir():
+            remove_run_state(tmp)
         if dst.exists():
             old = dst.parent / (dst.name + ".dist_convert_old")
             _remove(old)
@@ -128,6 +162,24 @@ def commit_dst(tmp: Path, dst: Path, rt: Runtime) -> None:
         else:
             tmp.rename(dst)
     rt.barrier()
+
+
+def resumed_files(tmp: Path, files: list[TargetFile], rt: Runtime) -> dict[int, Entry]:
+    """Collective (``--resume``): the journaled target files whose size and SHA-256 still match,
+    checked in parallel; the journal is rewritten to hold just those."""
+    names = {f.id: f for f in files}
+    journal = {fid: e for fid, e in read_journal(tmp).items() if fid in names}
+    owner = balance({fid: e.bytes for fid, e in journal.items()}, rt.world)
+    good = []
+    for fid, e in journal.items():
+        path = tmp / e.name
+        if owner[fid] == rt.rank and path.is_file() and path.stat().st_size == e.bytes and file_sha256(path) == e.sha256:
+            good.append(fid)
+    kept = {fid: journal[fid] for part in rt.all_gather_object(good) for fid in part}
+    if rt.rank == 0:
+        restart_journal(tmp, list(kept.values()))
+    rt.barrier()
+    return kept
 
 
 def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
@@ -148,7 +200,8 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
                            "drop --nemo-style or pass --dst-format nemo")
     layout = target_layout(opts, index, dst_fmt)
     cfg = index.cfg.replace(spec=opts.target_spec or index.cfg.spec,
-                            make_vocab_size_divisible_by=opts.vocab_divisible_by or index.cfg.make_vocab_size_divisible_by)
+                            make_vocab_size_divisible_by=index.cfg.make_vocab_size_divisible_by
+                            if opts.vocab_divisible_by is None else opts.vocab_divisible_by)
     if dst_fmt.sharded:
         check_vocab(opts, index, cfg, layout)
     elif not (opts.vocab_size or getattr(index.args, "vocab_size", None)):
@@ -157,24 +210,28 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     dtype = DTYPES[opts.dtype]
     args = args_for_target(index.args, cfg, layout, dtype)
     target = Target(cfg, layout, dtype, args, index.iteration)
-    files = dst_fmt.target_files(target, source_dtypes(index))
+    files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)
     if dst_fmt.any_writer:  # give every rank a part to write
         files = split_files(files, rt.world)
-    index = sliced(index, files, opts.memory_budget)
-    plan = make_plan(index.chunks, files, rt.world, opts.memory_budget, logical_numel(index))
-    rt.log(f"[bold]reshard[/] {index.format} {index.layout} -> {dst_fmt.name} {layout}  "
-           f"({len(index.chunks)} source chunks, {human_bytes(index.nbytes)}; {len(files)} target files; "
-           f"{rt.world} ranks; {len(plan.waves)} waves)")
-    for note in index.notes:
-        rt.log(f"note: {note}")
-    tmp = prepare_dst(opts.dst, rt)
+    run = {"dst_format": dst_fmt.name, "src": str(opts.src.resolve()), "src_format": index.format,
+           "iteration": index.iteration, "files": len(files)}
+    marker = {**run, "world": rt.world, "fingerprint": fingerprint(files, run)}
+    tmp = prepare_dst(opts.dst, rt, marker, opts.resume, opts.overwrite)
     try:
+        finished = resumed_files(tmp, files, rt) if opts.resume else {}
+        todo = [f for f in files if f.id not in finished]
+        index = sliced(index, todo, opts.memory_budget)
+        plan = make_plan(index.chunks, todo, rt.world, opts.memory_budget, logical_numel(index), absent=index.absent)
+        rt.log(f"[bold]reshard[/] {index.format} {index.layout} -> {dst_fmt.name} {layout}  "
+               f"({len(index.chunks)} source chunks, {human_bytes(index.nbytes)}; {len(files)} target files"
+               f"{f', {len(finished)} finished before (--resume)' if opts.resume else ''}; {rt.world} ranks; "
+               f"{len(plan.waves)} waves)")
+        for note in index.notes:
+            rt.log(f"note: {note}")
         counters, write_s, my_files = _convert_into(tmp, target, index, src_fmt, dst_fmt, files, plan, rt)
         artifact = dst_fmt.package(tmp, opts.dst) if rt.rank == 0 else tmp
-    except BaseException:
-        if rt.rank == 0:  # a failed run leaves nothing that looks like a checkpoint
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    except Exception as e:
+        raise _failed(e, tmp, rt) from None
     commit_dst(artifact, opts.dst, rt)
     mine = RankStats(rt.rank, len(my_files), sum(len(f.tensors) for f in my_files), counters["read"],
                      plan.write_bytes[rt.rank], counters["sent"], counters["received"], write_s,
@@ -186,35 +243,93 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     return {"plan": plan, "stats": stats}
 
 
+def _failed(e: Exception, tmp: Path, rt: Runtime) -> Exception:
+    """A failed run leaves nothing that looks like a checkpoint: rank 0 keeps the marked temporary
+    directory when it holds finished files (for ``--resume``), else removes it. Returns the error
+    to raise (a collective failure becomes a one-line ConvertError)."""
+    err = e if isinstance(e, ConvertError) else collective_failure(e, rt)
+    finished = len(read_journal(tmp)) if tmp.is_dir() else 0
+    if not finished:
+        if rt.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    elif err is not None:
+        err.add_fix(f"{finished} finished target files are kept in {tmp}: rerun the same command with --resume "
+                    "to convert only the rest")
+    return e if err is None else err
+
+
+def _write_error(e: Exception, where: Path) -> ConvertError:
+    """Any failure of a writer (OSError, or torch.save's RuntimeError around one) as one line."""
+    inner: BaseException | None = e
+    while inner is not None and not isinstance(inner, OSError):
+        inner = inner.__cause__ or inner.__context__
+    e = inner if isinstance(inner, OSError) else e
+    if isinstance(e, OSError):
+        what, why = e.filename or where, e.strerror or str(e)
+    else:
+        what, why = where, (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return ConvertError(f"writing {what} failed: {why}",
+                        "free space or raise the file size limit where DST lives (df -h, ulimit -f)")
+
+
 def _convert_into(tmp: Path, target: Target, index: SourceIndex, src_fmt: Format, dst_fmt: Format,
                   files: list[TargetFile], plan: Plan, rt: Runtime) -> tuple[dict[str, int], float, list[TargetFile]]:
     """Collective: exchange this rank's tensors and write each as soon as it is complete (the writer
-    streams tensors or whole files), then rank 0 writes metadata and tracker last."""
+    streams tensors or whole files; each finished file is journaled with its checksum), then rank 0
+    writes metadata, tracker and checksum manifest last."""
     tmp_iter = tmp / iter_dir_name(index.iteration) if dst_fmt.iteration_dirs else tmp
+    prefix = tmp_iter.relative_to(tmp).as_posix() if dst_fmt.iteration_dirs else ""
     if rt.rank == 0:
         tmp_iter.mkdir(exist_ok=True)
     rt.barrier()
-    my_files = [files[i] for i in plan.files_of(rt.rank)]
-    by_id = {f.id: f for f in my_files}
+    by_id = {f.id: f for f in files}
+    my_files = [by_id[i] for i in plan.files_of(rt.rank)]
     writer = dst_fmt.open_writer(target, tmp_iter, my_files, rt)
+    journal = Journal(tmp, rt.rank, prefix)
     write_s = 0.0
+
+    def finished(written: list[WrittenFile]) -> None:
+        for w in written:
+            journal.add(w)
+            faults.reached("file", rt.rank)
 
     def done(fid: int, j: int, tensor: torch.Tensor) -> None:
         nonlocal write_s
         tw = time.perf_counter()
-        writer.put(by_id[fid], j, tensor)
+        try:
+            finished(writer.put(by_id[fid], j, tensor))
+        except Exception as e:  # noqa: BLE001 - a failed write stops every rank at the next wave
+            raise _write_error(e, tmp_iter / by_id[fid].name) from e
         write_s += time.perf_counter() - tw
 
     out = Assembly(my_files, plan, rt.rank, done)
-    counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out)
-    tw = time.perf_counter()
-    out.finish()
-    writer.close()
-    write_s += time.perf_counter() - tw
+    try:
+        counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out)
+        tw = time.perf_counter()
+        out.finish()
+        error = out.error
+        if error is None:
+            try:
+                finished(writer.close())
+            except Exception as e:  # noqa: BLE001 - as in done()
+                error = _write_error(e, tmp_iter)
+        stop_on_error(rt, error)
+        write_s += time.perf_counter() - tw
+    finally:
+        journal.close()
     rt.barrier()
-    if rt.rank == 0:
-        dst_fmt.finalize(target, tmp_iter, rt)
-        if dst_fmt.iteration_dirs:
-            write_tracker(tmp, index.iteration)
-    rt.barrier()
+
+    def metadata_last() -> None:
+        entries = read_journal(tmp)
+        lost = [f.name for f in files if f.id not in entries]
+        assert not lost, f"target files never written: {lost[:3]}"
+        try:
+            dst_fmt.finalize(target, tmp_iter, [entries[f.id].written(prefix) for f in files])
+            if dst_fmt.iteration_dirs:
+                write_tracker(tmp, index.iteration)
+            write_manifest(tmp, known={e.name: e for e in entries.values()})
+        except (OSError, RuntimeError) as e:
+            raise _write_error(e, tmp) from None
+
+    on_rank0(rt, metadata_last)
     return counters, write_s, my_files

@@ -9,4 +9,9 @@ class ConvertError(Exception):
         self.cause = cause
         self.fix = fix
         self.local = False  # True when only this rank hit it: that rank prints it, whatever its rank
+        self.group_broken = False  # a collective failed: the process group cannot be used any more
         super().__init__(f"{cause}; {fix}" if fix else cause)
+
+    def add_fix(self, more: str) -> None:
+        self.fix = f"{self.fix}; {more}" if self.fix else more
+        self.args = (f"{self.cause}; {self.fix}",)

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from . import faults
 from .errors import ConvertError
 from .formats.base import SourceChunk, TargetFile
 from .plan import Plan, Transfer, aligned
@@ -36,6 +37,16 @@ class Assembly:
         self.done = done
         self.tensors: dict[tuple[int, int], torch.Tensor] = dict(into or {})
         self.handed: set[tuple[int, int]] = set()
+        self.error: ConvertError | None = None  # the first error of ``done``: the run stops at the next wave
+
+    def _hand(self, key: tuple[int, int]) -> None:
+        tensor = self.tensors.pop(key)
+        self.handed.add(key)
+        if self.error is None and self.done is not None:
+            try:
+                self.done(key[0], key[1], tensor)
+            except ConvertError as e:
+                self.error = e
 
     def view(self, t: Transfer) -> torch.Tensor:
         """Where transfer ``t`` lands."""
@@ -49,8 +60,7 @@ class Assembly:
         key = (t.file, t.tensor)
         self.missing[key] -= t.nbytes
         if self.missing[key] == 0 and self.done is not None:
-            self.done(key[0], key[1], self.tensors.pop(key))
-            self.handed.add(key)
+            self._hand(key)
 
     def finish(self) -> dict[tuple[int, int], torch.Tensor]:
         """Every tensor not handed over yet (zeros where nothing touched it): handed over, or returned."""
@@ -59,8 +69,7 @@ class Assembly:
                 self.tensors[key] = torch.zeros(spec.shape, dtype=spec.dtype)
         if self.done is not None:
             for key in sorted(self.tensors):
-                self.done(key[0], key[1], self.tensors.pop(key))
-                self.handed.add(key)
+                self._hand(key)
         return self.tensors
 
 
@@ -74,23 +83,32 @@ def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadF
     stats = {"read": 0, "sent": 0, "received": 0, "copied": 0}
     with rt.progress(plan.moved_bytes, what) as bar:
         for wave in plan.waves:
+            faults.reached("wave", rt.rank)
             mine = [chunks[c] for c in wave.reads.get(rt.rank, [])]
-            error: ConvertError | None = None
-            try:
-                data = read(mine)
-            except ConvertError as e:
-                error, data = e, {}
-            if not rt.all_ok(error is None):
-                if error is not None:
-                    error.local = True
-                    raise error
-                raise ConvertError("another rank failed to read its part of the source (see its error above)",
-                                   "fix the source checkpoint and rerun")
+            error = out.error
+            data = {}
+            if error is None:
+                try:
+                    data = read(mine)
+                except ConvertError as e:
+                    error = e
+            stop_on_error(rt, error)
             stats["read"] += sum(c.nbytes for c in mine)
             _run_wave(wave.transfers, data, rt, out, stats)
             del data
             bar.advance(sum(t.nbytes for t in wave.transfers))
+    stop_on_error(rt, out.error)
     return stats
+
+
+def stop_on_error(rt: Runtime, error: ConvertError | None) -> None:
+    """Collective: every rank stops when any rank has an error (that rank raises its own)."""
+    if rt.all_ok(error is None):
+        return
+    if error is not None:
+        error.local = True
+        raise error
+    raise ConvertError("another rank failed (see its error above)", "fix that cause and rerun")
 
 
 def _piece(src: torch.Tensor, t: Transfer, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:

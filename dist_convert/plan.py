@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict, deque
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -57,20 +58,24 @@ class Plan:
         return sum(t.nbytes for w in self.waves for t in w.transfers)
 
 
-def select_source(chunks: list[SourceChunk], logical_numel: dict[str, int]) -> dict[int, list[Piece]]:
+def select_source(chunks: list[SourceChunk], logical_numel: dict[str, int],
+                  absent: Collection[str] = frozenset()) -> dict[int, list[Piece]]:
     """Keep one copy of every logical box (replicas are read once) and check that the kept pieces
-    cover every logical tensor exactly. Returns chunk id -> kept pieces (only chunks with any)."""
+    cover every logical tensor exactly, except the ``absent`` ones (``SourceIndex.absent``: never
+    read). Returns chunk id -> kept pieces (only chunks with any)."""
     seen: set[tuple[str, Box]] = set()
     kept: dict[int, list[Piece]] = {}
     covered: dict[str, list[Box]] = defaultdict(list)
     for c in chunks:
         for p in c.pieces:
-            if (p.logical, p.lbox) in seen:
+            if (p.logical, p.lbox) in seen or p.logical in absent:
                 continue
             seen.add((p.logical, p.lbox))
             kept.setdefault(c.id, []).append(p)
             covered[p.logical].append(p.lbox)
     for name, numel in logical_numel.items():
+        if name in absent:
+            continue
         boxes = covered.get(name, [])
         total = sum(b.numel for b in boxes)
         overlap = any(a.intersect(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
@@ -192,10 +197,13 @@ def _sub_chunk(c: SourceChunk, box: Box, cid: int) -> SourceChunk:
 
 
 def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, budget: int,
-              logical_numel: dict[str, int], writer_of: dict[int, int] | None = None) -> Plan:
-    """Who reads which chunk, who writes which file, and the transfers between them, in waves."""
-    kept = select_source(chunks, logical_numel)
+              logical_numel: dict[str, int], writer_of: dict[int, int] | None = None,
+              absent: Collection[str] = frozenset()) -> Plan:
+    """Who reads which chunk, who writes which file, and the transfers between them, in waves
+    (``absent``: logical tensors the source lacks; nothing is read for them)."""
+    kept = select_source(chunks, logical_numel, absent)
     by_id = {c.id: c for c in chunks}
+    by_file = {f.id: f for f in files}
     writer_of = writer_of or balance({f.id: f.nbytes for f in files}, world)
     targets: dict[str, list[tuple[int, int, Piece]]] = defaultdict(list)
     for f in files:
@@ -211,12 +219,12 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
                 inter = sp.lbox.intersect(tp.lbox)
                 if inter is None:
                     continue
-                dtype = files[fid].tensors[j].dtype
+                dtype = by_file[fid].tensors[j].dtype
                 nbytes = inter.numel * dtype.itemsize
                 raw[cid].append((fid, j, piece_box(sp, inter), piece_box(tp, inter), nbytes, dtype))
                 consumer_bytes[cid][writer_of[fid]] += nbytes
     prefer = {cid: max(cb, key=cb.get) for cid, cb in consumer_bytes.items()}
-    sizes = {cid: by_id[cid].nbytes for cid in kept}
+    sizes = {cid: by_id[cid].nbytes for cid in kept if cid in raw}  # chunks no target file needs are not read
     # read each chunk where most of it is written (sliceable chunks were cut per consumer), as long as
     # no rank reads more than 15% over a fair share; the rest is balanced by size
     reader_of = balance(sizes, world, prefer=prefer, home=set(kept), cap=1.15 * sum(sizes.values()) / world)

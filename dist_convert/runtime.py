@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                            TransferSpeedColumn)
 
+from .errors import ConvertError
+
 _console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 150)
 
 
@@ -25,6 +27,7 @@ class Runtime:
     group: Any = None  # the process group, None when running as one process
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str = "none"
+    timeout_s: float = 1800.0  # collective timeout
 
     @property
     def distributed(self) -> bool:
@@ -90,7 +93,26 @@ def init_runtime(backend: str = "auto", timeout_s: float = 1800.0) -> Runtime:
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": device} if backend == "nccl" else {}))
     return Runtime(rank=rank, world=world, local_rank=local_rank, group=dist.group.WORLD, device=device,
-                   backend=backend)
+                   backend=backend, timeout_s=timeout_s)
+
+
+def collective_failure(e: BaseException, rt: Runtime) -> ConvertError | None:
+    """A failed collective (gloo/NCCL: a peer timed out, hung, crashed or was killed) as a one-line
+    error for this rank; None for any other exception."""
+    msg = str(e)
+    if not (isinstance(e, (RuntimeError, dist.DistError)) and rt.distributed):
+        return None
+    if "Timed out" in msg or "timed out" in msg or "Timeout" in msg:
+        err = ConvertError(f"rank {rt.rank}: another rank did not answer within --timeout {rt.timeout_s:g} s "
+                           "(it hung, is stuck on I/O, or is much slower)",
+                           "see that rank's output; raise --timeout if a step is legitimately slow")
+    elif any(k in msg for k in ("Connection closed", "Connection reset", "Broken pipe", "NCCL", "peer")):
+        err = ConvertError(f"rank {rt.rank}: another rank stopped mid-run (it crashed or was killed)",
+                           "see torchrun's failure summary for that rank (e.g. SIGKILL: out of memory) and fix it")
+    else:
+        return None
+    err.local, err.group_broken = True, True
+    return err
 
 
 def ensure_process_group(rt: Runtime) -> None:

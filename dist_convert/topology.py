@@ -114,7 +114,7 @@ class Layout:
         flag = "--target-tp" if what == "target" else "the source layout"
         if self.tp < 1 or self.pp < 1:
             raise ConvertError(f"{what} TP and PP must be >= 1 (got {self})", "pass positive --target-tp/--target-pp")
-        for name, n in (("num_query_groups", groups), ("num_attention_heads", heads), ("ffn_hidden_size", ffn)):
+        for name, n in (("num_attention_heads", heads), ("num_query_groups", groups), ("ffn_hidden_size", ffn)):
             if n % self.tp:
                 raise ConvertError(f"{what} TP={self.tp} does not divide {name}={n}",
                                    f"choose {flag} among the divisors of {n}")

@@ -38,7 +38,8 @@ def _gather_logical(index: SourceIndex, fmt, names: list[str], writer_of: dict[i
                     budget: int) -> dict[str, torch.Tensor]:
     files = logical_files(index, names)
     index = sliced(index, files, budget)
-    plan = make_plan(index.chunks, files, rt.world, budget, logical_numel(index), writer_of=writer_of)
+    plan = make_plan(index.chunks, files, rt.world, budget, logical_numel(index), writer_of=writer_of,
+                     absent=index.absent)
     mine = [files[i] for i in plan.files_of(rt.rank)]
     out = Assembly(mine, plan, rt.rank)
     execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: fmt.read(index, cs), out,
@@ -80,7 +81,10 @@ def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: 
     mismatches += [Mismatch(n, "only in B") for n in tb if n not in ta]
     mismatches += [Mismatch(n, f"shape {ta[n].shape} vs {tb[n].shape}")
                    for n in ta if n in tb and ta[n].shape != tb[n].shape]
-    names = [n for n in ta if n in tb and ta[n].shape == tb[n].shape]
+    absent = ia.absent | ib.absent  # left out by --allow-missing: not compared
+    names = [n for n in ta if n in tb and ta[n].shape == tb[n].shape and n not in absent]
+    if absent:
+        rt.log(f"note: not compared (--allow-missing): {sorted(absent)[:5]}{' ...' if len(absent) > 5 else ''}")
     if not names:
         raise ConvertError("the two checkpoints share no logical tensors", "compare checkpoints of the same model")
     sizes = {i: numel(ta[n].shape) for i, n in enumerate(names)}

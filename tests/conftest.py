@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,11 +22,18 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
 
 
-def run_cli(*args: str, nproc: int | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, nproc: int | None = None, timeout: int = 300, env: dict[str, str] | None = None,
+            max_file_size: int | None = None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=N dist_convert ...`` from the repo root; ``python -m dist_convert``
-    when ``nproc`` is None (no torchrun)."""
+    when ``nproc`` is None (no torchrun). ``env`` adds variables; ``max_file_size`` sets RLIMIT_FSIZE
+    (bytes any process may write to one file: a full disk as the kernel reports it, EFBIG)."""
     cmd = torchrun(nproc, "dist_convert", *args) if nproc else [PY, "-m", "dist_convert", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_size, max_file_size))
+
+    return subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=limit if max_file_size is not None else None)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

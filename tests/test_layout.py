@@ -84,6 +84,9 @@ def test_padded_vocab_rule():
     assert padded_vocab_size(50257, 128, 1) == 50304
     assert padded_vocab_size(50257, 128, 8) == 51200
     assert padded_vocab_size(128, 128, 1) == 128
+    for bad in (0, -16):
+        with pytest.raises(ConvertError, match=f"make_vocab_size_divisible_by={bad} .*--make-vocab-size-divisible-by"):
+            padded_vocab_size(100, bad, 2)
 
 
 def test_piece_box_with_layer_axis():
@@ -127,6 +130,15 @@ def test_layout_validation_names_the_flag(layout, flag):
     with pytest.raises(ConvertError) as e:
         layout.validate(8, heads=4, groups=2, ffn=96)
     assert flag in str(e.value)
+
+
+@pytest.mark.parametrize("kw,needle", [({"num_attention_heads": 6, "num_query_groups": 6}, "num_attention_heads=6"),
+                                       ({}, "num_query_groups=2"), ({"num_query_groups": 4, "ffn_hidden_size": 90},
+                                                                   "ffn_hidden_size=90")])
+def test_target_tp_must_divide_heads_groups_and_ffn(kw, needle):
+    with pytest.raises(ConvertError) as e:
+        cfg(**kw).check_layout(Layout(4, 1))
+    assert f"target TP=4 does not divide {needle}; choose --target-tp among the divisors" in str(e.value)
 
 
 def test_config_from_megatron_lm_args():

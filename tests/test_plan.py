@@ -159,6 +159,37 @@ def test_missing_source_shard_is_refused():
         make_plan(chunks, files, 2, 1 << 30, numel(CFG))
 
 
+def test_absent_tensors_are_neither_read_nor_written():
+    """--allow-missing: a logical tensor one rank file lacks is left out everywhere: the plan reads
+    none of it (not even the half another rank has) and omit_absent drops it from every target file."""
+    from dist_convert.errors import ConvertError
+    from dist_convert.formats.base import TargetFile, TargetTensor, omit_absent
+    from dist_convert.layout.boxes import Box, Piece
+    model = logical_model(CFG)
+    chunks, data = legacy_source(CFG, Layout(2, 2), model)
+    gone = "decoder.layers.1.mlp.linear_fc2.weight"
+    chunks = [c for c in chunks if not (c.file == "mp_rank_01_000" and c.key == gone)]
+    for fmt in (MegatronFormat(), TorchDistFormat()):
+        full = fmt.target_files(Target(CFG, Layout(1, 2), None, None, 1), {n: torch.float32 for n in model})
+        with pytest.raises(ConvertError, match=f"source shards of {gone} do not cover it"):
+            make_plan(chunks, full, 2, 1 << 20, numel(CFG))
+        files = omit_absent(full, {gone})
+        assert [(f.id, f.name, f.objects) for f in files] == [(f.id, f.name, f.objects) for f in full]
+        kept = [(f.id, t) for f in files for t in f.tensors]
+        assert len(kept) == sum(len(f.tensors) for f in full) - 1
+        assert all(p.logical != gone for _, t in kept for p in t.pieces)
+        plan = make_plan(chunks, files, 2, 1 << 20, numel(CFG), absent={gone})
+        by_id = {c.id: c for c in chunks}
+        assert all(p.logical != gone for cid in plan.reader_of for p in by_id[cid].pieces)
+        assert_targets_hold(simulate(plan, files, data), files, model)
+        assert omit_absent(full, frozenset()) is full
+    a, b = Piece("a", Box((0,), (1,)), Box((0,), (1,))), Piece("b", Box((0,), (1,)), Box((1,), (1,)))
+    mixed = [TargetFile(0, "f", [TargetTensor("ab", (2,), torch.float32, [a, b])])]
+    with pytest.raises(ConvertError, match="holds a, which the source lacks, together with tensors it has"):
+        omit_absent(mixed, {"a"})
+    assert omit_absent(mixed, {"a", "b"})[0].tensors == []
+
+
 def test_vocab_shard_that_is_all_padding_is_zero_filled():
     cfg = CFG.replace(num_query_groups=4, vocab_size=40)  # padded to 64 at TP=4: rank 3 holds rows 48..63
     model = logical_model(cfg)

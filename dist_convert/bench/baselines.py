@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from ..convert import ReshardOptions, check_vocab, load_index, source_dtypes, target_layout
 from ..config import args_for_target
 from ..errors import ConvertError
-from ..formats.base import FormatOptions, SourceIndex, Target, TargetFile, iter_dir_name, write_tracker
+from ..formats.base import FormatOptions, SourceIndex, Target, TargetFile, WrittenFile, iter_dir_name, write_tracker
 from ..formats.megatron import split_chunk_key
 from ..layout.boxes import Box
 from ..layout.rules import logical_tensors
@@ -94,15 +94,16 @@ def whole_model(src: Path, dst: Path, target_tp: int, target_pp: int, trust_pick
     iter_dir = dst / iter_dir_name(index.iteration)
     iter_dir.mkdir(parents=True)
     # torch_dist: one save of every target rank's chunks; else one target rank file at a time
+    written: list[WrittenFile] = []
     for group in ([files] if fmt.name == "torch_dist" else [[f] for f in files]):
         data = split(group, full)
         writer = fmt.open_writer(target, iter_dir, group, rt)
         for f in group:
             for j in range(len(f.tensors)):
-                writer.put(f, j, data[(f.id, j)])
-        writer.close()
+                written += writer.put(f, j, data[(f.id, j)])
+        written += writer.close()
         del data
-    fmt.finalize(target, iter_dir, rt)
+    fmt.finalize(target, iter_dir, written)
     write_tracker(dst, index.iteration)
     t1 = time.perf_counter()
     return {"wall_s": t1 - t0, "load_s": t_load - t0, "concat_s": t_concat - t_load, "split_write_s": t1 - t_concat,

@@ -85,13 +85,14 @@ def write_synthetic(out: Path, shape: LlamaShape, dtype: torch.dtype, fmt_name: 
     mine = files[rt.rank::rt.world]
     shapes, values = {n: t.shape for n, t in tensors.items()}, Values(seed, dtype)
     writer = fmt.open_writer(target, iter_dir, mine, rt)
+    written = []
     for f in mine:
         for j, t in enumerate(f.tensors):
-            writer.put(f, j, stored(t, shapes, values))
-    writer.close()
-    rt.barrier()
+            written += writer.put(f, j, stored(t, shapes, values))
+    written += writer.close()
+    every = [w for part in rt.all_gather_object(written) for w in part]
     if rt.rank == 0:
-        fmt.finalize(target, iter_dir, rt)
+        fmt.finalize(target, iter_dir, every)
         write_tracker(out, ITERATION)
     rt.barrier()
 

@@ -7,8 +7,10 @@ logical tensor sits where, so resharding is box intersection (plan.py).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import re
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -60,6 +62,7 @@ class SourceIndex:
     layout: Layout
     chunks: list[SourceChunk]
     notes: list[str] = field(default_factory=list)
+    absent: frozenset[str] = frozenset()  # logical tensors the source lacks, left out (--allow-missing)
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +95,28 @@ class TargetFile:
         return sum(t.nbytes for t in self.tensors)
 
 
+def omit_absent(files: list[TargetFile], absent: Collection[str]) -> list[TargetFile]:
+    """Pure: the target files without the tensors that hold only logical tensors the source lacks
+    (``SourceIndex.absent``, from ``--allow-missing``). File ids, names and objects stay; a tensor
+    without pieces (vocabulary padding only) stays. A tensor mixing absent and present logical
+    tensors is refused: its absent part could only be written as zeros."""
+    if not absent:
+        return files
+    out = []
+    for f in files:
+        tensors = []
+        for t in f.tensors:
+            gone = {p.logical for p in t.pieces if p.logical in absent}
+            if gone and len(gone) < len({p.logical for p in t.pieces}):
+                raise ConvertError(f"target tensor {t.key} of {f.name} holds {sorted(gone)[0]}, which the source "
+                                   "lacks, together with tensors it has",
+                                   "drop the --allow-missing pattern that matches it, or choose another --dst-format")
+            if not gone:
+                tensors.append(t)
+        out.append(replace(f, tensors=tensors))
+    return out
+
+
 @dataclass(frozen=True)
 class FormatOptions:
     """Reader/writer options from the command line (each format uses the ones it knows)."""
@@ -102,6 +127,8 @@ class FormatOptions:
     tokenizer_model: Path | None = None  # nemo: tokenizer model file to put into the target archive
     tokenizer_vocab_file: Path | None = None  # nemo: tokenizer vocab file to put into the target archive
     nemo_style: str | None = None  # nemo target: "mcore" | "legacy" | "megatron_legacy" (None: the source's)
+    allow_missing: tuple[str, ...] = ()  # globs: source tensors that may be missing (left out of the conversion)
+    ignore_unexpected: tuple[str, ...] = ()  # globs: unknown source tensors to skip
 
 
 @dataclass(frozen=True)
@@ -131,43 +158,59 @@ class Format(Protocol):
         """Pure: the files of the target and what each holds."""
 
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> "TargetWriter":
-        """Collective: a writer of this rank's ``files`` into ``iter_dir`` (metadata excluded)."""
+        """A writer of this rank's ``files`` into ``iter_dir`` (metadata excluded)."""
 
-    def finalize(self, target: Target, iter_dir: Path, rt: Runtime) -> None:
-        """Rank 0, after every rank wrote: the metadata that marks the iteration complete."""
+    def finalize(self, target: Target, iter_dir: Path, written: list["WrittenFile"]) -> None:
+        """Rank 0, after every rank wrote ``written`` (all target files, this run's and a resumed
+        run's): the metadata that marks the iteration complete."""
 
     def package(self, tmp: Path, dst: Path) -> Path:
         """Rank 0, last: what to rename into ``dst`` (``tmp`` itself, or e.g. an archive made from it)."""
 
 
-class TargetWriter(Protocol):
-    def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> None:
-        """Tensor ``j`` of ``file`` is complete (called once per tensor, in any order)."""
+@dataclass
+class WrittenFile:
+    """A target file on disk, fsynced: what a writer reports when it finished one."""
 
-    def close(self) -> None:
-        """Collective, after the last ``put``: everything this rank owns is on disk."""
+    file: int  # TargetFile id
+    name: str  # its path relative to the writer's directory
+    record: dict[str, Any] = field(default_factory=dict)  # what ``finalize`` needs of it (JSON; journaled)
+
+
+class TargetWriter(Protocol):
+    def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> list[WrittenFile]:
+        """Tensor ``j`` of ``file`` is complete (called once per tensor, in any order); returns the
+        files this finished."""
+
+    def close(self) -> list[WrittenFile]:
+        """Local, after the last ``put``: finish the rest (e.g. files without tensors)."""
 
 
 class FileAtATime:
     """A ``TargetWriter`` for formats that write a file whole: it holds a file's tensors until the
-    last one arrives, then calls ``write_file(file, tensors)`` and lets them go."""
+    last one arrives, then calls ``write_file(file, tensors)`` (which fsyncs) and lets them go."""
 
     def __init__(self, files: list[TargetFile], write_file: Callable[[TargetFile, list[torch.Tensor]], None]) -> None:
         self.write_file = write_file
         self.pending: dict[int, tuple[TargetFile, dict[int, torch.Tensor]]] = {f.id: (f, {}) for f in files}
 
-    def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> None:
+    def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> list[WrittenFile]:
         got = self.pending[file.id][1]
         got[j] = tensor
-        if len(got) == len(file.tensors):
-            del self.pending[file.id]
-            self.write_file(file, [got[i] for i in range(len(got))])
+        if len(got) < len(file.tensors):
+            return []
+        del self.pending[file.id]
+        self.write_file(file, [got[i] for i in range(len(got))])
+        return [WrittenFile(file.id, file.name)]
 
-    def close(self) -> None:
+    def close(self) -> list[WrittenFile]:
+        out = []
         for fid, (f, got) in sorted(self.pending.items()):
             assert not f.tensors, f"{f.name}: {len(f.tensors) - len(got)} tensors never arrived"
             self.write_file(f, [])
+            out.append(WrittenFile(f.id, f.name))
         self.pending.clear()
+        return out
 
 
 def iter_dir_name(iteration: int | str) -> str:
@@ -228,20 +271,96 @@ def on_rank0(rt: Runtime, fn: Callable[[], Any]) -> Any:
     return result
 
 
+def matches(patterns: Iterable[str], *names: str) -> bool:
+    """Whether any fnmatch-style glob matches any of ``names`` (``*`` also matches dots)."""
+    return any(fnmatch.fnmatchcase(n, p) for p in patterns for n in names)
+
+
+def _few(names: list[str]) -> str:
+    return f"{names[:3]}{' ...' if len(names) > 3 else ''}"
+
+
+@dataclass
+class KeyPolicy:
+    """Strict by default: a source tensor the model does not have, or one the model needs but the
+    source lacks, is refused. ``--ignore-unexpected`` / ``--allow-missing`` globs opt in to skipping
+    them (matched against the stored key, and for missing ones against the logical tensors it holds).
+    Readers report each file's surprises here and pass their index through ``finish``."""
+
+    allow_missing: tuple[str, ...] = ()
+    ignore_unexpected: tuple[str, ...] = ()
+    ignored: list[str] = field(default_factory=list)  # "where: key" of skipped unknown tensors
+    absent: set[str] = field(default_factory=set)  # logical tensors left out
+
+    @classmethod
+    def of(cls, options: FormatOptions) -> "KeyPolicy":
+        return cls(tuple(options.allow_missing), tuple(options.ignore_unexpected))
+
+    def unexpected(self, where: str, keys: Iterable[str], fix: str, what: str = "unexpected tensors") -> None:
+        """Skip the unknown stored ``keys`` of ``where`` that ``--ignore-unexpected`` matches; refuse the rest."""
+        keys = sorted(keys)
+        refused = [k for k in keys if not matches(self.ignore_unexpected, k)]
+        if refused:
+            raise ConvertError(f"{where}: {what} {_few(refused)}", f"{fix}, or pass --ignore-unexpected PATTERN to "
+                               "skip them")
+        self.ignored += [f"{where}: {k}" for k in keys]
+
+    def missing(self, where: str, keys: dict[str, Collection[str]], fix: str) -> None:
+        """``keys``: stored key the source lacks -> the logical tensors it would hold (a part of). Those
+        ``--allow-missing`` matches (the key, or every logical tensor it holds) are left out; the rest refused."""
+        refused = sorted(k for k, names in keys.items()
+                         if not (matches(self.allow_missing, k) or names and all(matches(self.allow_missing, n)
+                                                                                 for n in names)))
+        if refused:
+            raise ConvertError(f"{where}: missing tensors {_few(refused)}", f"{fix}, or pass --allow-missing PATTERN "
+                               "to leave them out of the conversion")
+        for names in keys.values():
+            self.absent.update(names)
+
+    def finish(self, index: SourceIndex) -> SourceIndex:
+        """The index without the absent logical tensors (their pieces dropped everywhere: a chunk left
+        with none is not read), with a note for what was skipped; refuses a logical tensor stored in
+        two dtypes."""
+        if self.absent:
+            chunks = []
+            for c in index.chunks:
+                pieces = [p for p in c.pieces if p.logical not in self.absent]
+                if pieces or not c.pieces:
+                    chunks.append(replace(c, id=len(chunks), pieces=pieces))
+            index = replace(index, chunks=chunks, absent=frozenset(self.absent), notes=index.notes + [
+                f"left out {len(self.absent)} logical tensors the source lacks (--allow-missing): "
+                f"{_few(sorted(self.absent))}"])
+        if self.ignored:
+            index.notes.append(f"ignored {len(self.ignored)} unexpected source tensors (--ignore-unexpected): "
+                               f"{_few(self.ignored)}")
+        check_dtypes(index.chunks)
+        return index
+
+
+def check_dtypes(chunks: list[SourceChunk]) -> None:
+    """Refuse a logical tensor whose parts are stored with different dtypes."""
+    first: dict[str, SourceChunk] = {}
+    for c in chunks:
+        for p in c.pieces:
+            f = first.setdefault(p.logical, c)
+            if f.dtype != c.dtype:
+                raise ConvertError(f"{p.logical} is stored as {f.dtype} in {f.file} ({f.key}) but as {c.dtype} in "
+                                   f"{c.file} ({c.key})",
+                                   "the files disagree; re-copy them from one checkpoint")
+
+
 def add_rank_file_chunks(chunks: list[SourceChunk], rel: str, expected: dict[str, tuple[tuple[int, ...], list[Piece]]],
-                         have: dict[str, tuple[tuple[int, ...], torch.dtype]], described_by: str) -> None:
+                         have: dict[str, tuple[tuple[int, ...], torch.dtype]], described_by: str,
+                         policy: KeyPolicy) -> None:
     """Check one rank file's tensors against the layout table's ``expected`` entries; append its chunks."""
-    unknown = sorted(set(have) - set(expected))
-    missing = sorted(set(expected) - set(have))
-    if unknown:
-        raise ConvertError(f"{rel}: unexpected tensors {unknown[:3]}{' ...' if len(unknown) > 3 else ''}",
-                           f"{described_by} does not describe this model (or it is not a GPT model); check the source")
-    if missing:
-        raise ConvertError(f"{rel}: missing tensors {missing[:3]}{' ...' if len(missing) > 3 else ''}",
-                           "the rank file is incomplete or from another model; re-copy the checkpoint")
+    policy.unexpected(rel, set(have) - set(expected),
+                      f"{described_by} does not describe this model (or it is not a GPT model); check the source")
+    policy.missing(rel, {k: {p.logical for p in v[1]} for k, v in expected.items() if k not in have},
+                   "the rank file is incomplete or from another model; re-copy the checkpoint")
     for key, (shape, pieces) in expected.items():
-        check_piece_shapes(key, rel, shape, have[key][0])
-        chunks.append(SourceChunk(len(chunks), rel, key, shape, have[key][1], pieces))
+        if key in have:
+            check_piece_shapes(key, rel, shape, have[key][0])
+            chunks.append(SourceChunk(len(chunks), rel, key, shape, have[key][1], pieces))
 
 
 def write_tracker(root: Path, iteration: int | str) -> None:

@@ -6,6 +6,11 @@ contiguous span of it is read with one positioned read into a fresh buffer, no u
 rank reads only the rows it needs. Anything unusual (transforms, compression, views) reports
 ``None`` and the caller falls back to ``dcp.load``.
 
+Metadata: ``.metadata`` is a pickle, which DCP's ``FileSystemReader.read_metadata`` loads with plain
+``pickle``; here it is loaded by a restricted unpickler that builds only DCP's metadata classes
+(``load_metadata``; ``--trust-pickle`` hands it to DCP), and checked against the ``.distcp`` files
+before anything is read (``check_storage``).
+
 Writing: a rank appends items to its own file as they become ready (streaming: a tensor can be
 freed as soon as it is written), then rank 0 writes ``.metadata`` from every rank's results with
 DCP's own ``FileSystemWriter.finish``, so the metadata is exactly what ``dcp.save`` produces.
@@ -23,13 +28,98 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+                                                   MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..errors import ConvertError
 from ..layout.boxes import Box
+
+METADATA = ".metadata"
+# every global a DCP .metadata pickle needs (torch 2.x FileSystemWriter; torch dtypes are allowed too)
+_METADATA_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.planner": frozenset({"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # torch.layout values (torch.strided)
+    "torch": frozenset({"Size"}),
+    "collections": frozenset({"OrderedDict"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath"}),  # StorageMeta.checkpoint_id as FileSystemWriter saves it
+}
+
+
+class _Untrusted(pickle.UnpicklingError):
+    """A global outside the allow-list."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise _Untrusted(f"{module}.{name}")
+
+
+def load_metadata(iter_dir: Path, trust_pickle: bool = False) -> Metadata:
+    """``iter_dir/.metadata``, unpickled with only DCP's metadata classes allowed (``trust_pickle``:
+    by DCP's own reader, which unpickles anything); every failure is a ``ConvertError``."""
+    path = iter_dir / METADATA
+    try:
+        if trust_pickle:
+            md = FileSystemReader(str(iter_dir)).read_metadata()
+        else:
+            with open(path, "rb") as fh:
+                md = _MetadataUnpickler(fh).load()
+    except _Untrusted as e:
+        raise ConvertError(f"{path} references {e}, outside the allow-list of DCP metadata classes",
+                           "pass --trust-pickle only if you trust this checkpoint") from None
+    except Exception as e:  # noqa: BLE001 - a corrupt pickle fails in many ways: all are the same user error
+        msg = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+        raise ConvertError(f"{path} is unreadable ({type(e).__name__}{': ' + msg if msg else ''})",
+                           "the checkpoint is corrupt or truncated; re-copy it") from None
+    if not isinstance(md, Metadata):
+        raise ConvertError(f"{path} holds a {type(md).__name__}, not DCP metadata",
+                           "the checkpoint is corrupt; re-copy it")
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
+    return md
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with ``.metadata`` loaded by ``load_metadata``."""
+
+    def __init__(self, iter_dir: Path, trust_pickle: bool = False) -> None:
+        super().__init__(str(iter_dir))
+        self.iter_dir, self.trust_pickle = iter_dir, trust_pickle
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = load_metadata(self.iter_dir, self.trust_pickle)
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def check_storage(iter_dir: Path, md: Metadata) -> None:
+    """Refuse metadata that places items in ``.distcp`` files that are missing, too short, or outside
+    ``iter_dir``: a missing or truncated rank file is found before any rank reads."""
+    ends: dict[str, tuple[int, int]] = {}
+    for info in (md.storage_data or {}).values():
+        end, n = ends.get(info.relative_path, (0, 0))
+        ends[info.relative_path] = (max(end, info.offset + info.length), n + 1)
+    for rel, (end, n) in sorted(ends.items()):
+        path = iter_dir / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise ConvertError(f"{iter_dir / METADATA} places items in {rel}, outside the checkpoint directory",
+                               "the metadata is corrupt or not to be trusted; re-copy the checkpoint")
+        if not path.is_file():
+            raise ConvertError(f"{path} is missing ({METADATA} stores {n} items in it)",
+                               "copy the complete checkpoint (every .distcp file)")
+        if path.stat().st_size < end:
+            raise ConvertError(f"{path} is truncated ({path.stat().st_size} bytes; {METADATA} places items up to "
+                               f"byte {end})", "the checkpoint is corrupt or truncated; re-copy it")
 
 
 @dataclass(frozen=True)
@@ -165,29 +255,19 @@ def _data_offset(fh: Any, base: int, member: zipfile.ZipInfo) -> int:
     return base + member.header_offset + 30 + name_len + extra_len
 
 
-@dataclass
-class WrittenTensor:
-    key: str
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    dtype: torch.dtype
+DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                                                       torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+                                                       torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
-class RankFileWriter:
-    """One rank's ``__R_0.distcp``: items appended as they come, fsynced on close."""
+class ItemFileWriter:
+    """One ``.distcp`` file: items appended as they come, fsynced on close. ``items`` records each
+    (JSON: it is journaled, so a resumed run can write ``.metadata`` for files an earlier run made)."""
 
-    def __init__(self, iter_dir: Path, rank: int) -> None:
-        self.rel = f"__{rank}_0.distcp"
-        self.fh = open(iter_dir / self.rel, "wb")
-        self.results: list[WriteResult] = []
-        self.tensors: list[WrittenTensor] = []
-        self.objects: list[str] = []
-
-    def _record(self, index: MetadataIndex, offset: int) -> None:
-        length = self.fh.tell() - offset
-        self.results.append(WriteResult(index=index, size_in_bytes=length,
-                                        storage_data=_StorageInfo(self.rel, offset, length)))
+    def __init__(self, iter_dir: Path, rel: str) -> None:
+        self.rel = rel
+        self.fh = open(iter_dir / rel, "wb")
+        self.items: list[dict[str, Any]] = []
 
     def put_tensor(self, key: str, offsets: tuple[int, ...], global_shape: tuple[int, ...], t: torch.Tensor) -> None:
         if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
@@ -199,14 +279,14 @@ class RankFileWriter:
             torch.save(t, self.fh)
         finally:
             torch.serialization.set_crc32_options(crc)
-        self._record(MetadataIndex(key, torch.Size(offsets)), offset)
-        self.tensors.append(WrittenTensor(key, tuple(offsets), tuple(t.shape), tuple(global_shape), t.dtype))
+        self.items.append({"key": key, "offsets": list(offsets), "sizes": list(t.shape),
+                           "global_shape": list(global_shape), "dtype": str(t.dtype).removeprefix("torch."),
+                           "file": self.rel, "at": offset, "length": self.fh.tell() - offset})
 
     def put_bytes(self, key: str, payload: bytes) -> None:
         offset = self.fh.tell()
         self.fh.write(payload)
-        self._record(MetadataIndex(key), offset)
-        self.objects.append(key)
+        self.items.append({"key": key, "file": self.rel, "at": offset, "length": len(payload)})
 
     def close(self) -> None:
         self.fh.flush()
@@ -214,15 +294,21 @@ class RankFileWriter:
         self.fh.close()
 
 
-def write_metadata(iter_dir: Path, parts: list[tuple[list[WriteResult], list[WrittenTensor], list[str]]]) -> None:
-    """Rank 0: ``.metadata`` for every rank's items, through DCP's own writer."""
+def write_metadata(iter_dir: Path, items: list[dict[str, Any]]) -> None:
+    """Rank 0: ``.metadata`` for every file's items (``ItemFileWriter.items``), through DCP's own writer."""
     sdm: dict[str, Any] = {}
-    for _, tensors, objects in parts:
-        for t in tensors:
-            md = sdm.setdefault(t.key, TensorStorageMetadata(TensorProperties(dtype=t.dtype),
-                                                             torch.Size(t.global_shape), []))
-            md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(t.offsets), sizes=torch.Size(t.sizes)))
-        for key in objects:
-            sdm[key] = BytesStorageMetadata()
+    results: list[WriteResult] = []
+    for it in items:
+        if "offsets" in it:
+            offsets = torch.Size(it["offsets"])
+            md = sdm.setdefault(it["key"], TensorStorageMetadata(TensorProperties(dtype=DTYPES[it["dtype"]]),
+                                                                 torch.Size(it["global_shape"]), []))
+            md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(it["sizes"])))
+            index = MetadataIndex(it["key"], offsets)
+        else:
+            sdm[it["key"]] = BytesStorageMetadata()
+            index = MetadataIndex(it["key"])
+        results.append(WriteResult(index=index, size_in_bytes=it["length"],
+                                   storage_data=_StorageInfo(it["file"], it["at"], it["length"])))
     writer = FileSystemWriter(str(iter_dir), single_file_per_rank=True)
-    writer.finish(Metadata(state_dict_metadata=sdm), [results for results, _, _ in parts])
+    writer.finish(Metadata(state_dict_metadata=sdm), [results])

@@ -21,7 +21,8 @@ from ..layout.boxes import Box, Piece
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
 from ..runtime import Runtime
 from ..topology import Layout
-from .base import FileAtATime, FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, on_rank0
+from .base import (FileAtATime, FormatOptions, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
+                   TargetTensor, WrittenFile, on_rank0)
 from .hf_config import config_from_hf, hf_from_config
 from .safetensors_io import read_boxes, read_header, write_file
 
@@ -173,23 +174,22 @@ class HFFormat:
             notes.append(f"skipped {len(ignored)} rotary inv_freq buffers (recomputed by every loader)")
         if cfg.tied and "lm_head.weight" in found:  # a stored copy of the tied embedding: a replica
             expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
-        unknown = sorted(set(found) - set(expected) - set(ignored))
-        missing = sorted(set(expected) - set(found))
-        if unknown:
-            raise ConvertError(f"{path}: tensors not in a {hf['architectures'][0]} with this config.json: "
-                               f"{unknown[:3]}{' ...' if len(unknown) > 3 else ''}",
-                               "the weights belong to another architecture or config; use the matching config.json")
-        if missing:
-            raise ConvertError(f"{path}: missing tensors {missing[:3]}{' ...' if len(missing) > 3 else ''}",
-                               "download or copy every shard of the model")
+        policy = KeyPolicy.of(self.options)
+        policy.unexpected(str(path), set(found) - set(expected) - set(ignored),
+                          "the weights belong to another architecture or config; use the matching config.json",
+                          f"tensors not in a {hf['architectures'][0]} with this config.json:")
+        policy.missing(str(path), {k: {p.logical for p in v[1]} for k, v in expected.items() if k not in found},
+                       "download or copy every shard of the model")
         chunks = []
         for key, (shape, pieces) in expected.items():
+            if key not in found:
+                continue
             f, dtype, have = found[key]
             if tuple(have) != tuple(shape):
                 raise ConvertError(f"{f}: {key} has shape {tuple(have)} but {CONFIG} implies {tuple(shape)}",
                                    "config.json and the weights disagree; use the config saved with these weights")
             chunks.append(SourceChunk(len(chunks), f, key, shape, dtype, pieces, (0,) * len(shape), sliceable=True))
-        return SourceIndex(self.name, path, "release", args, cfg, Layout(1, 1), chunks, notes)
+        return policy.finish(SourceIndex(self.name, path, "release", args, cfg, Layout(1, 1), chunks, notes))
 
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         by_file: dict[str, list[SourceChunk]] = {}
@@ -217,7 +217,7 @@ class HFFormat:
         return FileAtATime(files, lambda f, tensors: write_file(out_dir / f.name,
                                                                 [(t.key, x) for t, x in zip(f.tensors, tensors)]))
 
-    def finalize(self, target: Target, out_dir: Path, rt: Runtime) -> None:
+    def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0: the shard index, config.json and tokenizer files."""
         files = self._files
         dtypes = {t.dtype for f in files for t in f.tensors}

@@ -20,8 +20,8 @@ from ..layout.rules import (EMBEDDING, OUTPUT_MODULES, TIED_COPIES, extra_state_
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import (FileAtATime, IterDirFormat, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor,
-                   add_rank_file_chunks)
+from .base import (FileAtATime, IterDirFormat, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
+                   TargetTensor, WrittenFile, add_rank_file_chunks)
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model_optim_rng.pt"
@@ -192,11 +192,12 @@ class MegatronFormat(IterDirFormat):
                                "the args do not match the rank files; check the source checkpoint")
         cfg.check_layout(layout, "source")
         chunks: list[SourceChunk] = []
+        policy = KeyPolicy.of(self.options)
         for c in order:
             rel = coords[c]
             add_rank_file_chunks(chunks, rel, rank_entries(cfg, layout, c[0], c[1], spec), files[c]["tensors"],
-                                 "the checkpoint's args")
-        return SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks)
+                                 "the checkpoint's args", policy)
+        return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks))
 
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
@@ -223,5 +224,5 @@ class MegatronFormat(IterDirFormat):
                           "iteration": 0 if target.iteration == "release" else target.iteration}, iter_dir / f.name)
         return FileAtATime(files, write_file)
 
-    def finalize(self, target: Target, iter_dir: Path, rt: Runtime) -> None:
+    def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
         return None

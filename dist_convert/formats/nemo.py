@@ -25,7 +25,9 @@ from ..errors import ConvertError
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import FileAtATime, FormatOptions, SourceChunk, SourceIndex, Target, TargetFile, add_rank_file_chunks
+from .base import (FileAtATime, FormatOptions, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
+                   WrittenFile, add_rank_file_chunks)
+from ..integrity import is_run_state
 from .megatron import save_durable
 from .nemo_legacy import nemo_target_files, source_style, target_style
 
@@ -187,14 +189,15 @@ class NemoFormat:
         cfg = cfg.replace(spec="te" if any("layer_norm_weight" in k for k in shapes[(0, 0)]) else "local")
         cfg.check_layout(layout, "source")
         chunks: list[SourceChunk] = []
+        policy = KeyPolicy.of(self.options)
         for (t, p), rel in files.items():
             expected = style.entries(cfg, layout, t, p)
-            add_rank_file_chunks(chunks, rel, expected, shapes[(t, p)], CONFIG)
+            add_rank_file_chunks(chunks, rel, expected, shapes[(t, p)], CONFIG, policy)
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
         args.pipeline_model_parallel_split_rank = layout.split
         args.nemo_config, args.nemo_source = y, str(path.resolve())  # the target's config and artifacts
         self._archive = archive
-        return SourceIndex(self.name, path, "release", args, cfg, layout, chunks, list(style.notes))
+        return policy.finish(SourceIndex(self.name, path, "release", args, cfg, layout, chunks, list(style.notes)))
 
     def _shapes(self, archive: Archive, name: str) -> dict[str, Any] | str:
         """name -> (shape, dtype) of a rank file's tensors, or the error (every rank must reach the gather)."""
@@ -227,7 +230,7 @@ class NemoFormat:
         return FileAtATime(files, lambda f, tensors: save_durable(
             {**{t.key: x for t, x in zip(f.tensors, tensors)}, **f.objects}, out_dir / f.name))
 
-    def finalize(self, target: Target, out_dir: Path, rt: Runtime) -> None:
+    def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0: model_config.yaml for the target layout, and the source's tokenizer artifacts."""
         y = dict(getattr(target.args, "nemo_config", None) or {})
         cfg, layout = target.cfg, target.layout
@@ -274,7 +277,7 @@ class NemoFormat:
         packed = tmp.parent / (tmp.name + ".nemo")
         try:
             with tarfile.open(packed, "w:") as tar:
-                for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                for f in sorted(p for p in tmp.rglob("*") if p.is_file() and not is_run_state(p.relative_to(tmp))):
                     tar.add(f, arcname=f"./{f.relative_to(tmp)}")
         except BaseException:
             packed.unlink(missing_ok=True)  # never leave a partial archive behind

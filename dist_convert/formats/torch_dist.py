@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -26,8 +25,10 @@ from ..layout.rules import (OUTPUT_MODULES, LogicalTensor, extra_state_modules, 
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import IterDirFormat, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, on_rank0
-from .distcp import RankFileWriter, StoredTensor, locate, write_metadata
+from .base import (IterDirFormat, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor,
+                   WrittenFile, on_rank0)
+from .distcp import (ItemFileWriter, SafeFileSystemReader, StoredTensor, check_storage, load_metadata, locate,
+                     write_metadata)
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"
@@ -100,28 +101,44 @@ class _BoxLoadPlanner(LoadPlanner):
 
 
 class _StreamWriter:
-    """This rank's ``__R_0.distcp``: each tensor is appended as soon as it is complete; on close,
-    rank 0 writes ``.metadata`` from every rank's results."""
+    """One ``__<file id>_0.distcp`` per target file, opened at its first tensor (objects go first);
+    each tensor is appended as soon as it is complete; the file is closed (fsynced) with its last."""
 
-    def __init__(self, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> None:
-        self.iter_dir, self.rt = iter_dir, rt
-        self.out = RankFileWriter(iter_dir, rt.rank)
-        for f in files:
+    def __init__(self, iter_dir: Path, files: list[TargetFile]) -> None:
+        self.iter_dir, self.files = iter_dir, files
+        self.open: dict[int, ItemFileWriter] = {}
+        self.left = {f.id: len(f.tensors) for f in files}
+
+    def _file(self, f: TargetFile) -> ItemFileWriter:
+        if f.id not in self.open:
+            w = self.open[f.id] = ItemFileWriter(self.iter_dir, f"__{f.id}_0.distcp")
             for key, obj in f.objects.items():
                 buf = io.BytesIO()
                 torch.save(obj, buf)  # megatron-core stores ShardedObjects as torch.save([data, ...])
-                self.out.put_bytes(key, buf.getvalue())
+                w.put_bytes(key, buf.getvalue())
+        return self.open[f.id]
 
-    def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> None:
+    def _done(self, f: TargetFile) -> WrittenFile:
+        w = self.open.pop(f.id)
+        w.close()
+        return WrittenFile(f.id, w.rel, {"items": w.items})
+
+    def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> list[WrittenFile]:
         t = file.tensors[j]
         assert t.offsets is not None and t.global_shape is not None
-        self.out.put_tensor(t.key, t.offsets, t.global_shape, tensor)
+        self._file(file).put_tensor(t.key, t.offsets, t.global_shape, tensor)
+        self.left[file.id] -= 1
+        return [self._done(file)] if self.left[file.id] == 0 else []
 
-    def close(self) -> None:
-        self.out.close()
-        parts = self.rt.all_gather_object((self.out.results, self.out.tensors, self.out.objects))
-        if self.rt.rank == 0:
-            write_metadata(self.iter_dir, parts)
+    def close(self) -> list[WrittenFile]:
+        """The files without tensors (objects only)."""
+        out = []
+        for f in self.files:
+            assert not self.left[f.id], f"{f.name}: {self.left[f.id]} tensors never arrived"
+            if not f.tensors:
+                self._file(f)
+                out.append(self._done(f))
+        return out
 
 
 class TorchDistFormat(IterDirFormat):
@@ -154,11 +171,8 @@ class TorchDistFormat(IterDirFormat):
         if ((common.get("content_metadata") or {}) if isinstance(common, dict) else {}).get("singleton_local_shards"):
             raise ConvertError(f"{iter_dir} was saved with singleton_local_shards (per-layer keys)",
                                "this layout is not supported yet; save with megatron-core's default stacked layout")
-        try:
-            md = FileSystemReader(str(iter_dir)).read_metadata()
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable metadata is the same user error
-            raise ConvertError(f"{iter_dir / '.metadata'} is unreadable ({type(e).__name__})",
-                               "the checkpoint is corrupt or truncated; re-copy it") from None
+        md = load_metadata(iter_dir, self.trust_pickle)
+        check_storage(iter_dir, md)
         tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
         stored = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -166,13 +180,14 @@ class TorchDistFormat(IterDirFormat):
         layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5")
         groups = _stacked_groups(cfg)
         model_keys = {k for k in stored if not k.startswith(SKIPPED_PREFIXES)}
-        unknown, missing = sorted(model_keys - set(groups)), sorted(set(groups) - model_keys)
-        if unknown or missing:
-            what = f"unexpected tensors {unknown[:3]}" if unknown else f"missing tensors {missing[:3]}"
-            raise ConvertError(f"{iter_dir}: {what}",
-                               "the args do not describe this model (or it is not a GPT model); check the source")
+        policy = KeyPolicy.of(self.options)
+        fix = "the args do not describe this model (or it is not a GPT model); check the source"
+        policy.unexpected(str(iter_dir), model_keys - set(groups), fix)
+        policy.missing(str(iter_dir), {k: {t.name for t in ts} for k, ts in groups.items() if k not in model_keys}, fix)
         chunks: list[SourceChunk] = []
         for key, ts in groups.items():
+            if key not in model_keys:
+                continue
             meta = stored[key]
             t0 = ts[0]
             lead = (len(ts),) if t0.layer is not None else ()
@@ -187,7 +202,7 @@ class TorchDistFormat(IterDirFormat):
                                           block_pieces(ts, box), offsets=tuple(c.offsets), sliceable=True,
                                           contiguous_cuts=True, origin=tuple(c.offsets), origin_shape=tuple(c.sizes)))
         notes = [f"skipped {n} training-state tensors (optimizer/rng)"] if (n := len(stored) - len(model_keys)) else []
-        return SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks, notes)
+        return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks, notes))
 
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         """Each chunk's bytes with one positioned read where the item is a plain stored tensor
@@ -214,7 +229,7 @@ class TorchDistFormat(IterDirFormat):
         key = (c.key, c.origin)
         if key not in cache:
             if index.iter_dir not in self._storage:
-                self._storage[index.iter_dir] = FileSystemReader(str(index.iter_dir)).read_metadata().storage_data
+                self._storage[index.iter_dir] = load_metadata(index.iter_dir, self.trust_pickle).storage_data
             info = self._storage[index.iter_dir].get(MetadataIndex(c.key, torch.Size(c.origin)))
             cache[key] = locate(index.iter_dir, info, c.origin_shape, c.dtype) if info is not None else None
         return cache[key]
@@ -229,7 +244,7 @@ class TorchDistFormat(IterDirFormat):
         try:
             with warnings.catch_warnings():  # no_dist=True is intended: every rank reads its own chunks
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load({}, storage_reader=FileSystemReader(str(index.iter_dir)),
+                dcp.load({}, storage_reader=SafeFileSystemReader(index.iter_dir, self.trust_pickle),
                          planner=_BoxLoadPlanner(requests), no_dist=True)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every cause
             cause = next(iter(e.failures.values()), e) if isinstance(e, CheckpointException) else e
@@ -274,9 +289,11 @@ class TorchDistFormat(IterDirFormat):
         return files
 
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> "_StreamWriter":
-        return _StreamWriter(iter_dir, files, rt)
+        return _StreamWriter(iter_dir, files)
 
-    def finalize(self, target: Target, iter_dir: Path, rt: Runtime) -> None:
+    def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
+        write_metadata(iter_dir, sorted((it for w in written for it in w.record["items"]),
+                                        key=lambda it: (it["file"], it["at"])))
         common = {"args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
                   "iteration": 0 if target.iteration == "release" else target.iteration}
         torch.save(common, iter_dir / COMMON)

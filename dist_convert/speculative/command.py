@@ -17,6 +17,7 @@ from ..convert import (DTYPES, ReshardOptions, check_vocab, commit_dst, load_ind
 from ..errors import ConvertError
 from ..formats import get_format
 from ..formats.base import Format, FormatOptions, SourceIndex, iter_dir_name, resolve_iter_dir, write_tracker
+from ..integrity import write_manifest
 from ..plan import DEFAULT_BUDGET
 from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes
 from ..summary import RankStats, print_summary
@@ -125,8 +126,10 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
     tw = time.perf_counter()
     try:
         save_speculative(model, tmp / iter_dir_name(index.iteration), args, index.iteration, rt)
+        rt.barrier()
         if rt.rank == 0:
             write_tracker(tmp, index.iteration)
+            write_manifest(tmp)
         rt.barrier()
     except BaseException:
         if rt.rank == 0:

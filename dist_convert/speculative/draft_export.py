@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import ModelConfig
-from ..convert import INCOMPLETE_SUFFIX, commit_dst
+from ..convert import commit_dst
+from ..integrity import INCOMPLETE_SUFFIX, write_manifest
 from ..errors import ConvertError
 from ..formats.hf import LAYER_NAMES, part_pieces
 from ..formats.hf_config import hf_from_config
@@ -187,6 +188,8 @@ def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConf
                 write_file(tmp / "model.safetensors", draft_tensors(full, draft_cfg, eagle3, layers, cfg.vocab_size))
                 (tmp / "config.json").write_text(json.dumps(draft_config(base, algo, spec_cfg, model), indent=2))
         rt.barrier()
+        if rt.rank == 0:
+            write_manifest(tmp)
     except BaseException:
         if rt.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

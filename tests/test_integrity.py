@@ -82,3 +82,10 @@ def test_manifest_check_finds_every_kind_of_damage(tmp_path):
     (root / MANIFEST).unlink()
     with pytest.raises(ConvertError, match="has no dist_convert_checksums.json"):
         check_checksums(root, rt)
+
+
+def test_integrity_imports_first():
+    """The formats import integrity (run-state names) and integrity imports the formats: no cycle."""
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "-c", "import dist_convert.integrity"], check=True)

@@ -10,6 +10,7 @@ target), the tracker, removes journal and marker and renames the directory into 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -106,14 +107,11 @@ def restart_journal(root: Path, entries: list[Entry]) -> None:
     """Rank 0 (``--resume``): the journal holds just ``entries`` (the files kept) before ranks add theirs."""
     shutil.rmtree(root / JOURNAL, ignore_errors=True)
     (root / JOURNAL).mkdir()
-    with open(root / JOURNAL / "resumed.jsonl", "w") as fh:
-        fh.writelines(json.dumps(asdict(e)) + "\n" for e in entries)
-        fh.flush()
-        os.fsync(fh.fileno())
+    _write_durable(root / JOURNAL / "resumed.jsonl", "".join(json.dumps(asdict(e)) + "\n" for e in entries))
 
 
 def write_marker(root: Path, info: dict[str, Any]) -> None:
-    _write_json_durable(root / MARKER, {**info, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    _write_durable(root / MARKER, json.dumps({**info, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
 
 
 def read_marker(path: Path) -> dict[str, Any] | None:
@@ -158,12 +156,12 @@ def write_manifest(root: Path, known: dict[str, Entry] | None = None) -> None:
         e = known.get(rel)
         files[rel] = {"bytes": e.bytes, "sha256": e.sha256} if e else {"bytes": p.stat().st_size,
                                                                         "sha256": file_sha256(p)}
-    _write_json_durable(root / MANIFEST, {"algorithm": "sha256", "files": files})
+    _write_durable(root / MANIFEST, json.dumps({"algorithm": "sha256", "files": files}, indent=1))
 
 
-def _write_json_durable(path: Path, obj: Any) -> None:
+def _write_durable(path: Path, text: str) -> None:
     with open(path, "w") as fh:
-        json.dump(obj, fh, indent=1)
+        fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -188,45 +186,41 @@ def check_checksums(path: Path, rt: Runtime) -> list[str]:
     by one rank (balanced by size); returns one problem line per missing, resized, changed or
     unlisted file."""
     refuse_incomplete(path)
-    archive = path.is_file() and tarfile.is_tarfile(path)
-    arcname: dict[str, str] = {}
-    if archive:
-        with tarfile.open(path) as tar:
-            members = [m for m in tar.getmembers() if m.isfile()]
-            arcname = {m.name.removeprefix("./"): m.name for m in members}
-            present = {m.name.removeprefix("./"): m.size for m in members}
-            manifest = _load_manifest(tar.extractfile(arcname[MANIFEST]).read().decode(), f"{path}:{MANIFEST}") \
-                if MANIFEST in arcname else None
-    elif path.is_dir():
-        manifest = _load_manifest((path / MANIFEST).read_text(), str(path / MANIFEST)) \
-            if (path / MANIFEST).is_file() else None
-        present = {p.relative_to(path).as_posix(): p.stat().st_size for p in path.rglob("*") if p.is_file()}
-    else:
-        raise ConvertError(f"{path} does not exist or is not a checkpoint",
-                           "pass the target directory (or .nemo archive) to check")
-    if manifest is None:
-        raise ConvertError(f"{path} has no {MANIFEST}",
-                           "only targets written by dist_convert carry checksums; compare it to its source with "
-                           "`verify A B` instead")
-    names = sorted(manifest)
-    owner = balance({i: manifest[n]["bytes"] for i, n in enumerate(names)}, rt.world)
-    mine = [n for i, n in enumerate(names) if owner[i] == rt.rank]
-    problems = []
-    if rt.rank == 0:
-        problems += [f"{n}: not in the manifest" for n in sorted(set(present) - set(manifest) - {MANIFEST})]
-    tar = tarfile.open(path) if archive else None
-    try:
-        for n in mine:
+    with contextlib.ExitStack() as stack:
+        if path.is_file() and tarfile.is_tarfile(path):  # one open archive: listed once, read member by member
+            tar = stack.enter_context(tarfile.open(path))
+            members = {m.name.removeprefix("./"): m for m in tar.getmembers() if m.isfile()}
+            present = {n: m.size for n, m in members.items()}
+
+            def read(n: str) -> IO[bytes]:
+                return tar.extractfile(members[n])
+        elif path.is_dir():
+            present = {p.relative_to(path).as_posix(): p.stat().st_size for p in path.rglob("*") if p.is_file()}
+
+            def read(n: str) -> IO[bytes]:
+                return open(path / n, "rb")
+        else:
+            raise ConvertError(f"{path} does not exist or is not a checkpoint",
+                               "pass the target directory (or .nemo archive) to check")
+        if MANIFEST not in present:
+            raise ConvertError(f"{path} has no {MANIFEST}",
+                               "only targets written by dist_convert carry checksums; compare it to its source with "
+                               "`verify A B` instead")
+        with read(MANIFEST) as fh:
+            manifest = _load_manifest(fh.read().decode(), f"{path}:{MANIFEST}")
+        names = sorted(manifest)
+        owner = balance({i: manifest[n]["bytes"] for i, n in enumerate(names)}, rt.world)
+        problems = [f"{n}: not in the manifest" for n in sorted(set(present) - set(manifest) - {MANIFEST})] \
+            if rt.rank == 0 else []
+        for n in (n for i, n in enumerate(names) if owner[i] == rt.rank):
             want = manifest[n]
             if n not in present:
                 problems.append(f"{n}: missing")
             elif present[n] != want["bytes"]:
                 problems.append(f"{n}: {present[n]} bytes, the manifest says {want['bytes']}")
             else:
-                got = sha256_of(tar.extractfile(arcname[n])) if tar else file_sha256(path / n)
+                with read(n) as fh:
+                    got = sha256_of(fh)
                 if got != want["sha256"]:
                     problems.append(f"{n}: SHA-256 {got[:16]}... differs from the manifest's {want['sha256'][:16]}...")
-    finally:
-        if tar is not None:
-            tar.close()
     return [p for part in rt.all_gather_object(problems) for p in part]

@@ -1,0 +1,76 @@
+"""MoE groundwork (branch wip/moe, issue 9): the layout table's MoE rows, pure. Expected names and
+shapes are what megatron-core 0.16.1's GPTModel (local spec, SequentialMLP) stores for this tiny
+model: 2 layers, hidden 32, 4 experts of FFN 16, a gated shared expert of 24, moe_layer_freq [0, 1]."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dist_convert.config import ModelConfig, config_from_args, moe_layer_pattern
+from dist_convert.errors import ConvertError
+from dist_convert.layout.boxes import Kind
+from dist_convert.layout.rules import logical_tensors, torch_dist_key
+
+MOE = dict(num_experts=4, moe_ffn_hidden_size=16, moe_layer_pattern=(0, 1), moe_shared_expert_intermediate_size=24,
+           moe_shared_expert_gate=True)
+
+
+def _cfg(**kw) -> ModelConfig:
+    return ModelConfig(2, 32, 64, 4, 4, 8, True, "RMSNorm", False, False, False, 128, 16, "rope", None, False, "local",
+                       **MOE).replace(**kw)
+
+
+def test_moe_layer_names_shapes_and_kinds():
+    t = logical_tensors(_cfg())
+    layer1 = {n.removeprefix("decoder.layers.1."): (v.shape, v.kind, v.expert) for n, v in t.items()
+              if n.startswith("decoder.layers.1.mlp.")}
+    expected = {"mlp.router.weight": ((4, 32), Kind.REP, None),
+                "mlp.shared_experts.linear_fc1.weight": ((48, 32), Kind.GLU, None),
+                "mlp.shared_experts.linear_fc2.weight": ((32, 24), Kind.ROW, None),
+                "mlp.shared_experts.gate_weight": ((1, 32), Kind.REP, None)}
+    for e in range(4):
+        expected[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = ((32, 32), Kind.GLU, e)
+        expected[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = ((32, 16), Kind.ROW, e)
+    assert layer1 == expected
+    assert {n for n in t if n.startswith("decoder.layers.0.mlp.")} == {"decoder.layers.0.mlp.linear_fc1.weight",
+                                                                      "decoder.layers.0.mlp.linear_fc2.weight"}
+    assert t["decoder.layers.0.mlp.linear_fc1.weight"].shape == (128, 32)
+
+
+def test_moe_torch_dist_keys_and_te_names():
+    t = logical_tensors(_cfg(spec="te"))
+    assert torch_dist_key(t["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]) == \
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    # TE fuses pre_mlp_layernorm into linear_fc1 only in dense layers; torch_dist uses the fused name for both
+    assert t["decoder.layers.0.pre_mlp_layernorm.weight"].te_name == "mlp.linear_fc1.layer_norm_weight"
+    assert t["decoder.layers.1.pre_mlp_layernorm.weight"].te_name is None
+    assert torch_dist_key(t["decoder.layers.1.pre_mlp_layernorm.weight"]) == "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+
+
+def test_router_expert_bias_and_dense_models_unchanged():
+    t = logical_tensors(_cfg(moe_router_expert_bias=True, moe_layer_pattern=None))
+    assert t["decoder.layers.0.mlp.router.expert_bias"].shape == (4,)
+    assert not any(".mlp.linear_fc1." in n for n in t)
+    dense = logical_tensors(_cfg(num_experts=0))
+    assert not any("expert" in n or "router" in n for n in dense) and len(dense) == 2 * 6 + 2
+
+
+@pytest.mark.parametrize("freq,expected", [(1, None), (None, None), (2, (1, 0, 1, 0)), ([0, 1, 1, 0], (0, 1, 1, 0))])
+def test_moe_layer_freq(freq, expected):
+    assert moe_layer_pattern(freq, 4) == expected
+
+
+@pytest.mark.parametrize("freq", [0, [1, 0], [0, 2, 1, 1]])
+def test_bad_moe_layer_freq_is_refused(freq):
+    with pytest.raises(ConvertError, match="moe_layer_freq"):
+        moe_layer_pattern(freq, 4)
+
+
+def test_config_from_megatron_args():
+    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, swiglu=True,
+                              vocab_size=128, num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq=[0, 1],
+                              moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)
+    cfg = config_from_args(args, None, "local", 1)
+    assert (cfg.num_experts, cfg.expert_ffn, cfg.moe_layer_pattern, cfg.shared_fc1_rows) == (4, 16, (0, 1), 48)
+    assert not cfg.is_moe_layer(0) and cfg.is_moe_layer(1)

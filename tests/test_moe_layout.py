@@ -74,3 +74,30 @@ def test_config_from_megatron_args():
     cfg = config_from_args(args, None, "local", 1)
     assert (cfg.num_experts, cfg.expert_ffn, cfg.moe_layer_pattern, cfg.shared_fc1_rows) == (4, 16, (0, 1), 48)
     assert not cfg.is_moe_layer(0) and cfg.is_moe_layer(1)
+
+
+def test_expert_placement_and_layout_checks():
+    from dist_convert.topology import Layout
+    lay = Layout(tp=2, pp=1, ep=2)
+    assert lay.expert_tp == 2 and str(lay) == "TP=2 PP=1 EP=2 ETP=2"
+    assert [list(lay.experts_of(r, 8)) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert str(Layout(tp=2, pp=1)) == "TP=2 PP=1" and Layout(tp=2, etp=1).expert_tp == 1
+    lay.validate_experts(8, 16)
+    with pytest.raises(ConvertError, match="EP=3 does not divide num_experts=8.*--target-ep"):
+        Layout(ep=3).validate_experts(8, 16)
+    with pytest.raises(ConvertError, match="ETP=3 does not divide the expert FFN size 16.*--target-etp"):
+        Layout(tp=1, etp=3).validate_experts(8, 16)
+
+
+def test_legacy_rank_dirs_with_expert_rank():
+    from dist_convert.formats.megatron import parse_rank_dir, rank_dir_name
+    assert rank_dir_name(1, 0, 1) == "mp_rank_01" and rank_dir_name(0, 1, 2) == "mp_rank_00_001"
+    assert rank_dir_name(0, 1, 2, 3, 4) == "mp_rank_00_001_003" and rank_dir_name(0, 0, 1, 1, 2) == "mp_rank_00_001"
+    # the same name means pipeline rank 1 or expert rank 1: the args decide
+    assert parse_rank_dir("mp_rank_00_001", pp=2, ep=1) == (0, 1, 0)
+    assert parse_rank_dir("mp_rank_00_001", pp=1, ep=2) == (0, 0, 1)
+    assert parse_rank_dir("mp_rank_03_001_002", pp=2, ep=4) == (3, 1, 2)
+    assert parse_rank_dir("mp_rank_00_001", pp=2, ep=2) is None and parse_rank_dir("mp_rank_00", pp=2, ep=1) is None
+    assert parse_rank_dir("model", pp=1, ep=1) is None
+    for t, p, e in [(0, 0, 0), (1, 2, 3)]:
+        assert parse_rank_dir(rank_dir_name(t, p, 4, e, 4), 4, 4) == (t, p, e)

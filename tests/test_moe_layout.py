@@ -101,3 +101,21 @@ def test_legacy_rank_dirs_with_expert_rank():
     assert parse_rank_dir("model", pp=1, ep=1) is None
     for t, p, e in [(0, 0, 0), (1, 2, 3)]:
         assert parse_rank_dir(rank_dir_name(t, p, 4, e, 4), 4, 4) == (t, p, e)
+
+
+def test_legacy_rank_file_of_an_expert_rank():
+    from dist_convert.formats.megatron import rank_entries
+    from dist_convert.topology import Layout
+    cfg = _cfg()
+    lay = Layout(tp=1, pp=1, ep=2)
+    files = [rank_entries(cfg, lay, 0, 0, "local", ep_rank=e) for e in range(2)]
+    experts = [sorted(k for k in f if "local_experts" in k) for f in files]
+    assert experts[0] == experts[1] == [f"decoder.layers.1.mlp.experts.local_experts.{i}.linear_fc{j}.weight"
+                                        for i in range(2) for j in (1, 2)]
+    shape, pieces = files[1]["decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"]
+    assert shape == (32, 32) and {p.logical for p in pieces} == {"decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"}
+    shared = set(files[0]) - set(experts[0])
+    assert shared == set(files[1]) - set(experts[1]) and "decoder.layers.1.mlp.router.weight" in shared
+    tp2 = rank_entries(cfg, Layout(tp=2, pp=1, ep=2), 1, 0, "local", ep_rank=1)
+    shape, pieces = tp2["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"]
+    assert shape == (16, 32) and [p.lbox.offsets[0] for p in pieces] == [8, 24]  # gate and up halves of rank 1

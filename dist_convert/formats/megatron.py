@@ -67,8 +67,11 @@ def split_chunk_key(key: str) -> tuple[str, str]:
 
 
 def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
-                 spec: str) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
-    """Pure: every tensor a legacy rank file holds (all its model chunks): key -> (local shape, pieces)."""
+                 spec: str, ep_rank: int = 0) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
+    """Pure: every tensor a legacy rank file holds (all its model chunks): key -> (local shape, pieces).
+    MoE: the file of expert rank ``ep_rank`` holds its routed experts under local indices, and a copy
+    of every other tensor (legacy files need expert-TP = TP: the routed experts split over ``tp_rank``)."""
+    mine = set(layout.experts_of(ep_rank, cfg.num_experts)) if cfg.num_experts else set()
     tensors = logical_tensors(cfg)
     chunks = [c for c in layout.stack_chunks(cfg.stacks) if c[0] == pp_rank]
     out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
@@ -81,7 +84,13 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
     for _, vp, stack, offset, count in chunks:
         for name, t in tensors.items():
             if t.stack == stack and offset <= t.layer < offset + count:
-                add(f"{t.layer_prefix}{t.layer - offset}.{spec_suffix(t, spec)}", name, vp)
+                suffix = spec_suffix(t, spec)
+                if t.expert is not None:
+                    if t.expert not in mine:
+                        continue
+                    local = t.expert - min(mine)
+                    suffix = suffix.replace(f"local_experts.{t.expert}.", f"local_experts.{local}.")
+                add(f"{t.layer_prefix}{t.layer - offset}.{suffix}", name, vp)
     vps = {vp for _, vp, *_ in chunks}
     for name, t in tensors.items():
         if t.layer is None:

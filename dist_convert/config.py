@@ -35,6 +35,13 @@ class ModelConfig:
     family: str = "gpt"  # "gpt" (decoder only) | "t5" (encoder-decoder, megatron-core T5Model)
     encoder_num_layers: int = 0  # t5: encoder layers (num_layers counts the decoder's)
     relative_attention_num_buckets: int = 32  # t5 with relative position embeddings
+    # Mixture of Experts (megatron-core MoELayer); num_experts 0: dense
+    num_experts: int = 0
+    moe_ffn_hidden_size: int | None = None  # per-expert FFN size (default: ffn_hidden_size)
+    moe_layer_pattern: tuple[int, ...] | None = None  # 1: MoE layer, 0: dense (None: every layer MoE)
+    moe_shared_expert_intermediate_size: int | None = None  # shared experts' FFN size (None: none)
+    moe_shared_expert_gate: bool = False
+    moe_router_expert_bias: bool = False  # router.expert_bias (kept in fp32 by megatron-core)
 
     @property
     def stacks(self) -> list[tuple[str, int]]:
@@ -46,6 +53,25 @@ class ModelConfig:
     def check_layout(self, layout: Layout, what: str = "target") -> None:
         layout.validate(self.num_layers, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size, what,
                         encoder_layers=self.encoder_num_layers if self.family == "t5" else None)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based, global) is an MoE layer."""
+        if not self.num_experts:
+            return False
+        return self.moe_layer_pattern is None or bool(self.moe_layer_pattern[layer])
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def expert_fc1_rows(self) -> int:
+        return 2 * self.expert_ffn if self.swiglu else self.expert_ffn
+
+    @property
+    def shared_fc1_rows(self) -> int:
+        n = self.moe_shared_expert_intermediate_size or 0
+        return 2 * n if self.swiglu else n
 
     @property
     def qkv_rows(self) -> int:
@@ -131,7 +157,38 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
         family=family,
         encoder_num_layers=int(_get(args, "encoder_num_layers", args.num_layers)) if t5 else 0,
         relative_attention_num_buckets=int(_get(args, "relative_attention_num_buckets", 32)),
+        **_moe_from_args(args, int(args.num_layers)),
     )
+
+
+def moe_layer_pattern(freq: Any, num_layers: int) -> tuple[int, ...] | None:
+    """megatron-core's ``moe_layer_freq``: an int k (every k-th layer, from layer 0, is MoE; 1: all)
+    or a list of 0/1 per layer. None when every layer is MoE."""
+    if freq is None or freq == 1:
+        return None
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ConvertError(f"moe_layer_freq={freq} is not a positive layer frequency",
+                               "the checkpoint args are damaged; fix moe_layer_freq")
+        return tuple(1 if i % freq == 0 else 0 for i in range(num_layers))
+    pattern = tuple(int(x) for x in freq)
+    if len(pattern) != num_layers or set(pattern) - {0, 1}:
+        raise ConvertError(f"moe_layer_freq={list(pattern)} is not one 0/1 per layer ({num_layers} layers)",
+                           "the checkpoint args are damaged; fix moe_layer_freq")
+    return pattern
+
+
+def _moe_from_args(args: argparse.Namespace, num_layers: int) -> dict[str, Any]:
+    experts = int(_get(args, "num_experts", 0) or 0)
+    if not experts:
+        return {}
+    ffn = _get(args, "moe_ffn_hidden_size", None)
+    shared = _get(args, "moe_shared_expert_intermediate_size", None)
+    return {"num_experts": experts, "moe_ffn_hidden_size": int(ffn) if ffn else None,
+            "moe_layer_pattern": moe_layer_pattern(_get(args, "moe_layer_freq", 1), num_layers),
+            "moe_shared_expert_intermediate_size": int(shared) if shared else None,
+            "moe_shared_expert_gate": bool(_get(args, "moe_shared_expert_gate", False)),
+            "moe_router_expert_bias": bool(_get(args, "moe_router_enable_expert_bias", False))}
 
 
 def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout,

@@ -14,9 +14,13 @@ class Layout:
     last: int | None = None  # layers in the last pipeline stage (uneven PP)
     vpp: int | None = None  # virtual pipeline stages (model chunks) per pipeline rank, interleaved
     split: int | None = None  # encoder-decoder models: first decoder stage (pipeline split rank)
+    ep: int = 1  # MoE: expert-parallel size (routed experts spread evenly, in order, over EP ranks)
+    etp: int | None = None  # MoE: expert-tensor-parallel size of routed experts (None: TP)
 
     def __str__(self) -> str:
         s = f"TP={self.tp} PP={self.pp}"
+        if self.ep != 1 or self.etp not in (None, self.tp):
+            s += f" EP={self.ep} ETP={self.expert_tp}"
         if self.vpp:
             s += f" VPP={self.vpp}"
         if self.split is not None:
@@ -36,6 +40,27 @@ class Layout:
         return Layout(tp, pp, get("decoder_first_pipeline_num_layers"), get("decoder_last_pipeline_num_layers"),
                       vpp if vpp and vpp > 1 else None,
                       get("pipeline_model_parallel_split_rank") if encoder_decoder else None)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def experts_of(self, ep_rank: int, num_experts: int) -> range:
+        """Global indices of the routed experts expert-parallel rank ``ep_rank`` holds, in local order
+        (megatron-core: global = ep_rank * num_local_experts + local)."""
+        local = num_experts // self.ep
+        return range(ep_rank * local, (ep_rank + 1) * local)
+
+    def validate_experts(self, num_experts: int, expert_ffn: int, what: str = "target") -> None:
+        """Refuse expert layouts megatron-core cannot hold."""
+        if self.ep < 1 or self.expert_tp < 1:
+            raise ConvertError(f"{what} EP and ETP must be >= 1 (got {self})", "pass positive --target-ep/--target-etp")
+        if num_experts % self.ep:
+            raise ConvertError(f"{what} EP={self.ep} does not divide num_experts={num_experts}",
+                               f"choose --target-ep among the divisors of {num_experts}")
+        if expert_ffn % self.expert_tp:
+            raise ConvertError(f"{what} ETP={self.expert_tp} does not divide the expert FFN size {expert_ffn}",
+                               f"choose --target-etp among the divisors of {expert_ffn}")
 
     @property
     def chunks_per_rank(self) -> int:

@@ -28,8 +28,26 @@ MODEL_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron-LM's ``mp_rank_TT[_PPP][_EEE]``: the pipeline part only with PP > 1, the expert part
+    only with EP > 1."""
+    return (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+            + (f"_{ep_rank:03d}" if ep > 1 else ""))
+
+
+def parse_rank_dir(name: str, pp: int, ep: int) -> tuple[int, int, int] | None:
+    """(tp, pp, ep) rank of a rank directory name, given the PP and EP sizes from the args (the name
+    alone is ambiguous: ``mp_rank_00_001`` is pipeline rank 1 with EP=1, expert rank 1 with PP=1);
+    None when the name does not fit those sizes."""
+    m = _RANK_RE.match(name)
+    if m is None:
+        return None
+    parts = [int(g) for g in m.groups()[1:] if g is not None]
+    if len(parts) != (pp > 1) + (ep > 1):
+        return None
+    p = parts.pop(0) if pp > 1 else 0
+    e = parts.pop(0) if ep > 1 else 0
+    return int(m.group(1)), p, e
 
 
 def _looks_like(path: Path) -> bool:
@@ -49,8 +67,11 @@ def split_chunk_key(key: str) -> tuple[str, str]:
 
 
 def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
-                 spec: str) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
-    """Pure: every tensor a legacy rank file holds (all its model chunks): key -> (local shape, pieces)."""
+                 spec: str, ep_rank: int = 0) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
+    """Pure: every tensor a legacy rank file holds (all its model chunks): key -> (local shape, pieces).
+    MoE: the file of expert rank ``ep_rank`` holds its routed experts under local indices, and a copy
+    of every other tensor (legacy files need expert-TP = TP: the routed experts split over ``tp_rank``)."""
+    mine = set(layout.experts_of(ep_rank, cfg.num_experts)) if cfg.num_experts else set()
     tensors = logical_tensors(cfg)
     chunks = [c for c in layout.stack_chunks(cfg.stacks) if c[0] == pp_rank]
     out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
@@ -63,7 +84,13 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
     for _, vp, stack, offset, count in chunks:
         for name, t in tensors.items():
             if t.stack == stack and offset <= t.layer < offset + count:
-                add(f"{t.layer_prefix}{t.layer - offset}.{spec_suffix(t, spec)}", name, vp)
+                suffix = spec_suffix(t, spec)
+                if t.expert is not None:
+                    if t.expert not in mine:
+                        continue
+                    local = t.expert - min(mine)
+                    suffix = suffix.replace(f"local_experts.{t.expert}.", f"local_experts.{local}.")
+                add(f"{t.layer_prefix}{t.layer - offset}.{suffix}", name, vp)
     vps = {vp for _, vp, *_ in chunks}
     for name, t in tensors.items():
         if t.layer is None:

@@ -30,6 +30,9 @@ class Rule:
     when: Cond = _always
     te_name: str | None = None  # name in Transformer Engine fused layer specs (and torch_dist keys)
     aliases: tuple[str, ...] = ()  # further names megatron-core stores the same tensor under
+    layers: str = "all"  # MoE models: "all" layers, "dense" layers only, or "moe" layers only
+    per_expert: bool = False  # one tensor per (global) expert: ``name`` has an ``{e}`` field
+    dist_name: str | None = None  # torch_dist key suffix when it differs from te_name / name
 
 
 # Per-layer tensors: suffix after ``decoder.layers.<N>.``
@@ -49,10 +52,33 @@ LAYER_RULES: tuple[Rule, ...] = (
     Rule("self_attention.linear_proj.bias", Kind.REP, _h, _bias),
     Rule("pre_mlp_layernorm.weight", Kind.REP, _h, te_name="mlp.linear_fc1.layer_norm_weight"),
     Rule("pre_mlp_layernorm.bias", Kind.REP, _h, _norm_bias, te_name="mlp.linear_fc1.layer_norm_bias"),
-    Rule("mlp.linear_fc1.weight", Kind.COL, lambda c: (c.fc1_rows, c.hidden_size)),
-    Rule("mlp.linear_fc1.bias", Kind.COL, lambda c: (c.fc1_rows,), _bias),
-    Rule("mlp.linear_fc2.weight", Kind.ROW, lambda c: (c.hidden_size, c.ffn_hidden_size)),
-    Rule("mlp.linear_fc2.bias", Kind.REP, _h, _bias),
+    Rule("mlp.linear_fc1.weight", Kind.COL, lambda c: (c.fc1_rows, c.hidden_size), layers="dense"),
+    Rule("mlp.linear_fc1.bias", Kind.COL, lambda c: (c.fc1_rows,), _bias, layers="dense"),
+    Rule("mlp.linear_fc2.weight", Kind.ROW, lambda c: (c.hidden_size, c.ffn_hidden_size), layers="dense"),
+    Rule("mlp.linear_fc2.bias", Kind.REP, _h, _bias, layers="dense"),
+) + (
+    # MoE layers (megatron-core MoELayer): a replicated router, routed experts split over expert-TP
+    # and spread over expert-parallel ranks (logical name: the global expert index), shared experts
+    # split over TP. torch_dist stacks the experts of a layer on an axis after the layer axis.
+    Rule("mlp.router.weight", Kind.REP, lambda c: (c.num_experts, c.hidden_size), layers="moe"),
+    Rule("mlp.router.bias", Kind.REP, lambda c: (c.num_experts,), _bias, layers="moe"),
+    Rule("mlp.router.expert_bias", Kind.REP, lambda c: (c.num_experts,), lambda c: c.moe_router_expert_bias,
+         layers="moe"),
+    Rule("mlp.experts.local_experts.{e}.linear_fc1.weight", Kind.COL, lambda c: (c.expert_fc1_rows, c.hidden_size),
+         layers="moe", per_expert=True, dist_name="mlp.experts.experts.linear_fc1.weight"),
+    Rule("mlp.experts.local_experts.{e}.linear_fc1.bias", Kind.COL, lambda c: (c.expert_fc1_rows,), _bias,
+         layers="moe", per_expert=True, dist_name="mlp.experts.experts.linear_fc1.bias"),
+    Rule("mlp.experts.local_experts.{e}.linear_fc2.weight", Kind.ROW, lambda c: (c.hidden_size, c.expert_ffn),
+         layers="moe", per_expert=True, dist_name="mlp.experts.experts.linear_fc2.weight"),
+    Rule("mlp.experts.local_experts.{e}.linear_fc2.bias", Kind.REP, _h, _bias, layers="moe", per_expert=True,
+         dist_name="mlp.experts.experts.linear_fc2.bias"),
+    Rule("mlp.shared_experts.linear_fc1.weight", Kind.COL, lambda c: (c.shared_fc1_rows, c.hidden_size),
+         lambda c: bool(c.moe_shared_expert_intermediate_size), layers="moe"),
+    Rule("mlp.shared_experts.linear_fc2.weight", Kind.ROW,
+         lambda c: (c.hidden_size, c.moe_shared_expert_intermediate_size or 0),
+         lambda c: bool(c.moe_shared_expert_intermediate_size), layers="moe"),
+    Rule("mlp.shared_experts.gate_weight", Kind.REP, lambda c: (1, c.hidden_size),
+         lambda c: bool(c.moe_shared_expert_intermediate_size) and c.moe_shared_expert_gate, layers="moe"),
 )
 
 # T5 decoder layers add cross-attention (linear_kv rows are group-major [k_g; v_g], so a dim-0 split is exact).
@@ -136,6 +162,8 @@ class LogicalTensor:
     te_name: str | None
     stack: str | None = None  # "decoder" / "encoder" for layer tensors
     aliases: tuple[str, ...] = ()
+    expert: int | None = None  # MoE: the global expert index of a routed expert's tensor
+    dist_suffix: str | None = None  # torch_dist key suffix when it differs from te_name / suffix
 
     @property
     def layer_prefix(self) -> str:
@@ -143,9 +171,32 @@ class LogicalTensor:
 
 
 def effective_kind(rule: Rule, cfg: ModelConfig) -> Kind:
-    if rule.kind is Kind.COL and rule.name.startswith("mlp.linear_fc1") and cfg.swiglu:
+    """SwiGLU fc1 (dense, routed and shared experts) is [gate; up]: each half splits on its own."""
+    if rule.kind is Kind.COL and rule.name.startswith("mlp.") and ".linear_fc1." in rule.name and cfg.swiglu:
         return Kind.GLU
     return rule.kind
+
+
+def _layer_rule_applies(rule: Rule, cfg: ModelConfig, stack: str, layer: int) -> bool:
+    if not rule.when(cfg):
+        return False
+    if rule.layers == "all":
+        return True
+    moe = stack == "decoder" and cfg.is_moe_layer(layer)
+    return moe if rule.layers == "moe" else not moe
+
+
+def _layer_tensors(rule: Rule, cfg: ModelConfig, stack: str, layer: int) -> list[LogicalTensor]:
+    te_name, dist = rule.te_name, rule.dist_name
+    if rule.name.startswith("pre_mlp_layernorm") and stack == "decoder" and cfg.is_moe_layer(layer):
+        te_name, dist = None, rule.te_name  # TE fuses it into linear_fc1 only in dense layers
+    out = []
+    for e in range(cfg.num_experts) if rule.per_expert else [None]:
+        suffix = rule.name.format(e=e) if e is not None else rule.name
+        full = f"{stack}.layers.{layer}.{suffix}"
+        out.append(LogicalTensor(full, effective_kind(rule, cfg), rule.shape(cfg), layer, suffix, "layer", te_name,
+                                 stack, expert=e, dist_suffix=dist))
+    return out
 
 
 def _top(rule: Rule, stage: str, cfg: ModelConfig) -> LogicalTensor:
@@ -165,10 +216,8 @@ def logical_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
         rules = LAYER_RULES + (CROSS_RULES if cfg.family == "t5" and name == "decoder" else ())
         for layer in range(count):
             for rule in rules:
-                if rule.when(cfg):
-                    full = f"{name}.layers.{layer}.{rule.name}"
-                    out[full] = LogicalTensor(full, effective_kind(rule, cfg), rule.shape(cfg), layer, rule.name,
-                                              "layer", rule.te_name, name)
+                if _layer_rule_applies(rule, cfg, name, layer):
+                    out.update((t.name, t) for t in _layer_tensors(rule, cfg, name, layer))
         for rule, stage in tops:
             if rule.name.startswith(f"{name}."):
                 out[rule.name] = _top(rule, stage, cfg)
@@ -210,7 +259,7 @@ def torch_dist_key(t: LogicalTensor) -> str:
     """
     if t.layer is None:
         return t.name
-    return f"{t.layer_prefix}{t.te_name or t.suffix}"
+    return f"{t.layer_prefix}{t.dist_suffix or t.te_name or t.suffix}"
 
 
 def model_family(keys: list[str] | set[str]) -> str:

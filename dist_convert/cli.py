@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-vpp", type=int, default=None,
                    help="virtual pipeline stages per PP rank (interleaved; default: the source's when PP is kept; "
                         "1: none)")
+    r.add_argument("--target-ep", type=int, default=None,
+                   help="MoE: expert-parallel size, routed experts spread evenly over EP ranks (default: the source's)")
+    r.add_argument("--target-etp", type=int, default=None,
+                   help="MoE: expert-tensor-parallel size of routed experts (default: the source's when it differs "
+                        "from its TP, else the target TP)")
     r.add_argument("--target-pipeline-split-rank", type=int, default=None, dest="target_split",
                    help="encoder-decoder (T5) with PP > 1: the first decoder stage; encoder stages come before it "
                         "(default: the source's when PP is kept)")
@@ -151,7 +156,8 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
         opts = ReshardOptions(ns.src, ns.dst, ns.src_format, ns.dst_format, ns.target_tp, ns.target_pp,
                               ns.target_first, ns.target_last, ns.target_spec, ns.target_vpp, ns.vocab_size, ns.dtype,
                               ns.memory_budget, ns.overwrite, ns.vocab_divisible_by, formats,
-                              target_split=ns.target_split, stats_json=ns.stats_json, resume=ns.resume)
+                              target_split=ns.target_split, stats_json=ns.stats_json, resume=ns.resume,
+                              target_ep=ns.target_ep, target_etp=ns.target_etp)
         reshard(opts, rt)
         return 0
     if ns.cmd == "speculate":

@@ -42,6 +42,7 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int | None = None  # shared experts' FFN size (None: none)
     moe_shared_expert_gate: bool = False
     moe_router_expert_bias: bool = False  # router.expert_bias (kept in fp32 by megatron-core)
+    moe_grouped: bool = False  # legacy files name experts as TEGroupedMLP does (linear_fc1.weight{i})
 
     @property
     def stacks(self) -> list[tuple[str, int]]:
@@ -53,6 +54,12 @@ class ModelConfig:
     def check_layout(self, layout: Layout, what: str = "target") -> None:
         layout.validate(self.num_layers, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size, what,
                         encoder_layers=self.encoder_num_layers if self.family == "t5" else None)
+        if self.num_experts:
+            layout.validate_experts(self.num_experts, self.expert_ffn, self.moe_shared_expert_intermediate_size,
+                                    what)
+        elif layout.ep != 1 or layout.etp is not None:
+            raise ConvertError(f"{what} {layout} sets expert parallelism, but the model has no experts",
+                               "drop --target-ep/--target-etp")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based, global) is an MoE layer."""
@@ -204,6 +211,9 @@ def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout,
     if cfg.family == "t5":
         out.encoder_num_layers, out.decoder_num_layers = cfg.encoder_num_layers, cfg.num_layers
         out.pipeline_model_parallel_split_rank = layout.split
+    if cfg.num_experts:
+        out.expert_model_parallel_size = layout.ep
+        out.expert_tensor_parallel_size = layout.expert_tp
     out.padded_vocab_size = cfg.padded_vocab(layout.tp)
     out.vocab_size = cfg.vocab_size
     out.transformer_impl = "local" if cfg.spec == "local" else "transformer_engine"

@@ -52,6 +52,8 @@ class ReshardOptions:
     target_split: int | None = None  # encoder-decoder (T5): first decoder pipeline stage
     stats_json: Path | None = None  # rank 0 writes the per-rank summary here as JSON (dist_convert bench)
     resume: bool = False  # continue the interrupted run in DST.dist_convert_tmp
+    target_ep: int | None = None  # MoE: expert-parallel size (default: the source's)
+    target_etp: int | None = None  # MoE: expert-tensor-parallel size (default: the source's relation to TP)
 
 
 def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None,
@@ -82,10 +84,10 @@ def source_dtypes(index: SourceIndex) -> dict[str, torch.dtype]:
 def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> Layout:
     src = index.layout
     if not dst_fmt.sharded:
-        if (opts.target_tp or 1) != 1 or (opts.target_pp or 1) != 1 or (opts.target_vpp or 1) != 1 \
-                or opts.target_split:
-            raise ConvertError(f"--dst-format {dst_fmt.name} stores unsharded tensors; TP/PP do not apply",
-                               "drop --target-tp/--target-pp/--target-vpp (or set them to 1)")
+        if any((x or 1) != 1 for x in (opts.target_tp, opts.target_pp, opts.target_vpp, opts.target_ep,
+                                       opts.target_etp)) or opts.target_split:
+            raise ConvertError(f"--dst-format {dst_fmt.name} stores unsharded tensors; TP/PP/EP do not apply",
+                               "drop --target-tp/--target-pp/--target-vpp/--target-ep/--target-etp (or set them to 1)")
         return Layout(1, 1)
     pp = opts.target_pp or src.pp
     same_pp = pp == src.pp
@@ -93,8 +95,12 @@ def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> 
     last = opts.target_last if opts.target_last is not None else (src.last if same_pp else None)
     vpp = opts.target_vpp if opts.target_vpp is not None else (src.vpp if same_pp else None)
     split = opts.target_split if opts.target_split is not None else (src.split if same_pp else None)
-    layout = Layout(opts.target_tp or src.tp, pp, first if pp > 1 else None, last if pp > 1 else None,
-                    vpp if vpp != 1 else None, split if pp > 1 or opts.target_split else None)
+    tp = opts.target_tp or src.tp
+    # ETP follows TP unless the source had one of its own (e.g. ETP=1 under TP=2) or --target-etp is given
+    etp = opts.target_etp or (src.etp if src.etp is not None else tp)
+    layout = Layout(tp, pp, first if pp > 1 else None, last if pp > 1 else None,
+                    vpp if vpp != 1 else None, split if pp > 1 or opts.target_split else None,
+                    opts.target_ep or src.ep, None if etp == tp else etp)
     index.cfg.check_layout(layout)
     return layout
 

@@ -37,13 +37,20 @@ class Layout:
             value = getattr(args, name, None) if pp > 1 else None
             return int(value) if value else None
         vpp = get("virtual_pipeline_model_parallel_size")
+        ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
+        etp = getattr(args, "expert_tensor_parallel_size", None)
         return Layout(tp, pp, get("decoder_first_pipeline_num_layers"), get("decoder_last_pipeline_num_layers"),
                       vpp if vpp and vpp > 1 else None,
-                      get("pipeline_model_parallel_split_rank") if encoder_decoder else None)
+                      get("pipeline_model_parallel_split_rank") if encoder_decoder else None,
+                      ep, None if etp is None or int(etp) == tp else int(etp))
 
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
+
+    def expert_rank(self, expert: int, num_experts: int) -> int:
+        """The expert-parallel rank holding global expert ``expert``."""
+        return expert // (num_experts // self.ep)
 
     def experts_of(self, ep_rank: int, num_experts: int) -> range:
         """Global indices of the routed experts expert-parallel rank ``ep_rank`` holds, in local order
@@ -51,7 +58,8 @@ class Layout:
         local = num_experts // self.ep
         return range(ep_rank * local, (ep_rank + 1) * local)
 
-    def validate_experts(self, num_experts: int, expert_ffn: int, what: str = "target") -> None:
+    def validate_experts(self, num_experts: int, expert_ffn: int, shared_ffn: int | None = None,
+                         what: str = "target") -> None:
         """Refuse expert layouts megatron-core cannot hold."""
         if self.ep < 1 or self.expert_tp < 1:
             raise ConvertError(f"{what} EP and ETP must be >= 1 (got {self})", "pass positive --target-ep/--target-etp")
@@ -61,6 +69,9 @@ class Layout:
         if expert_ffn % self.expert_tp:
             raise ConvertError(f"{what} ETP={self.expert_tp} does not divide the expert FFN size {expert_ffn}",
                                f"choose --target-etp among the divisors of {expert_ffn}")
+        if shared_ffn and shared_ffn % self.tp:
+            raise ConvertError(f"{what} TP={self.tp} does not divide the shared-expert FFN size {shared_ffn}",
+                               f"choose --target-tp among the divisors of {shared_ffn}")
 
     @property
     def chunks_per_rank(self) -> int:

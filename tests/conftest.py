@@ -68,9 +68,11 @@ class Source:
     torch_dist: Path
     megatron: Path
     cfg: dict
+    ep: int = 1  # MoE: expert-parallel size (the oracle runs tp * pp * ep ranks: ep data-parallel replicas)
 
     def layout_args(self) -> list[str]:
-        return ["--tp", str(self.tp), "--pp", str(self.pp)] + (["--first", str(self.first)] if self.first else [])
+        return (["--tp", str(self.tp), "--pp", str(self.pp)] + (["--first", str(self.first)] if self.first else [])
+                + (["--ep", str(self.ep)] if self.ep > 1 else []))
 
 
 # A: SwiGLU, RMSNorm, GQA, tied embeddings, RoPE.  B: GeLU, LayerNorm with biases, QKV bias,
@@ -93,13 +95,13 @@ def make_source(root: Path, name: str) -> Source:
     return make_gpt(root, name, *CONFIGS[name])
 
 
-def make_gpt(root: Path, name: str, cfg: dict, tp: int, pp: int, first: int | None = None) -> Source:
-    """A megatron-core GPT with config ``cfg``, saved by the oracle at (tp, pp) in both Megatron-LM formats."""
+def make_gpt(root: Path, name: str, cfg: dict, tp: int, pp: int, first: int | None = None, ep: int = 1) -> Source:
+    """A megatron-core GPT with config ``cfg``, saved by the oracle at (tp, pp[, ep]) in both Megatron-LM formats."""
     root.mkdir(parents=True, exist_ok=True)
     config = root / f"{name}.json"
     config.write_text(json.dumps(cfg))
-    src = Source(name, config, tp, pp, first, root / f"{name}_torch_dist", root / f"{name}_megatron", cfg)
-    oracle("make", tp * pp, "--config", str(config), *src.layout_args(), "--seed", "1234", "--iteration", "100",
+    src = Source(name, config, tp, pp, first, root / f"{name}_torch_dist", root / f"{name}_megatron", cfg, ep)
+    oracle("make", tp * pp * ep, "--config", str(config), *src.layout_args(), "--seed", "1234", "--iteration", "100",
            "--out-torch-dist", str(src.torch_dist), "--out-megatron", str(src.megatron))
     return src
 

@@ -3,9 +3,11 @@
 Uses only megatron-core (never the dist_convert package) to
   * make source checkpoints in both Megatron-LM layouts (torch_dist and legacy), and
   * check converted checkpoints against a reference (strict load + tensor equality), and
-  * compute full-vocab logits of a checkpoint (TP only) for numerical cross-layout checks.
+  * compute full-vocab logits of a checkpoint (TP, and EP for MoE models; no PP) for numerical
+    cross-layout checks.
 
-Launch (world size must equal tp * pp):
+Launch (world size must equal tp * pp for dense models; for MoE models (config with num_experts)
+it is tp * pp * dp for some dp >= 1, and megatron-core requires ep * etp to divide tp * dp):
 
   torchrun --nproc_per_node=N tests/mcore_oracle.py make --config C.json --tp T --pp P \
       [--vpp V] [--first N] [--last M] --seed S --iteration I --out-torch-dist D1 --out-megatron D2
@@ -16,6 +18,9 @@ Launch (world size must equal tp * pp):
       --ckpt X --out FILE.pt [--seed S] [--ckpt-format ...]
   torchrun --nproc_per_node=N tests/mcore_oracle.py layout --config C.json --tp T --pp P \
       [--vpp V] [--first N] [--last M] --out FILE.json
+
+All commands also take --ep E (expert_model_parallel_size, default 1) and --etp T
+(expert_tensor_parallel_size, default: the same as --tp); E > 1 or T != tp need an MoE config.
 
 `compare` prints one MISMATCH line per differing tensor and exits 1 if any rank saw one;
 on success rank 0 prints "ORACLE OK <n> tensors" (n summed over ranks) and exits 0.
@@ -42,6 +47,28 @@ add_qkv_bias, untie_embeddings_and_output_weights, vocab_size (true vocab),
 make_vocab_size_divisible_by, position_embedding_type, max_position_embeddings, seq_length,
 qk_layernorm, and optionally norm_epsilon, rotary_base, rotary_percent, use_rope_scaling,
 rope_scaling_factor (Llama-3 RoPE scaling).
+
+Mixture of Experts (MoE): a config with num_experts (absent or null = dense, everything as above)
+may also give moe_ffn_hidden_size (default ffn_hidden_size), moe_shared_expert_intermediate_size
+(default null = no shared expert), moe_shared_expert_gate (false), moe_layer_freq (int N: MoE iff
+layer % N == 0, or a list of 0/1 per layer; default 1; megatron-core stores per-layer torch_dist keys
+for a list or N > 1, stacked keys for 1), moe_router_topk (2), moe_router_enable_expert_bias (false;
+needs moe_router_score_function "sigmoid"), moe_router_score_function ("softmax"),
+moe_router_pre_softmax (false). The model is built with
+get_gpt_decoder_block_spec(use_transformer_engine=False) (SequentialMLP experts, shared experts,
+mixed dense/MoE layers), the "allgather" token dispatcher (alltoall needs CUDA) and no grouped GEMM.
+Expert layout: initialize_model_parallel(..., expert_model_parallel_size=E,
+expert_tensor_parallel_size=T); routed experts are cut by the expert-TP group, shared experts by the
+attention TP group, the router (and router.expert_bias, an fp32 buffer that `make` also fills) is
+replicated. Random values of expert tensors depend on the seed, the GLOBAL expert index and the
+expert-TP rank, not on EP/DP, so the same seed (and TP/ETP) gives the same model at any --ep.
+args get num_experts and the moe_* keys above (moe_layer_freq as given), moe_grouped_gemm=False,
+expert_model_parallel_size=E and expert_tensor_parallel_size (the effective value); `compare
+--check-args` checks them. Legacy (megatron) rank dirs are mp_rank_TT[_PPP][_EEE] (Megatron-LM's
+get_checkpoint_name: _PPP only with pp > 1, _EEE = expert-parallel rank only with ep > 1, TT = the
+attention TP rank); only expert-data-parallel rank 0 writes them, and the legacy format is refused
+when etp != tp (Megatron-LM cannot name those files). torch_dist saves dedupe DP replicas themselves.
+`layout` also records each rank's ep_rank and etp_rank.
 """
 
 import argparse
@@ -57,7 +84,7 @@ import zlib
 def apply_cpu_shims():
     """Minimal patches so megatron-core 0.16.1 saves/loads/forwards on CPU-only torch.
 
-    Applied only when CUDA is unavailable.
+    Applied only when CUDA is unavailable (the te_general_gemm one whenever TE is absent).
       * torch.cuda.synchronize: called unconditionally by the torch_dist save
         (filesystem_async.preload_tensors). -> no-op.
       * torch.cuda.current_device: device of a failure-flag tensor in the torch_dist save
@@ -68,8 +95,20 @@ def apply_cpu_shims():
       * CudaRNGStatesTracker.fork: attention dropout always runs inside
         get_cuda_rng_tracker().fork(), which needs a CUDA RNG state. Dropout is 0 and the model is
         in eval mode here, so forking is a no-op context.
+      * moe_utils.te_general_gemm: unbound without Transformer Engine, but the MoE router forward
+        tests it against None. -> None (only if the name is missing).
     """
     import torch
+
+    # MoE router forward (moe_utils.RouterGatingLinearFunction) tests `te_general_gemm is not None`,
+    # but the name is only bound when Transformer Engine imports (moe_utils.py:~34, ~1192): NameError
+    # without TE. Harmless for dense models.
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        moe_utils = None
+    if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
     if torch.cuda.is_available():
         return
@@ -118,7 +157,32 @@ def load_config(path):
     cfg.setdefault("rotary_base", 10000)
     cfg.setdefault("rotary_percent", 1.0)
     cfg["group_query_attention"] = cfg["num_query_groups"] < heads
+    if cfg.get("num_experts") is not None:  # MoE; dense configs get no new keys (their args stay as before)
+        if cfg.get("moe_ffn_hidden_size") is None:  # Megatron-LM validate_args default
+            cfg["moe_ffn_hidden_size"] = cfg["ffn_hidden_size"]
+        cfg.setdefault("moe_shared_expert_intermediate_size", None)
+        cfg.setdefault("moe_shared_expert_gate", False)
+        cfg.setdefault("moe_layer_freq", 1)
+        cfg.setdefault("moe_router_topk", 2)
+        cfg.setdefault("moe_router_enable_expert_bias", False)
+        cfg.setdefault("moe_router_score_function", "softmax")
+        cfg.setdefault("moe_router_pre_softmax", False)
+        freq = cfg["moe_layer_freq"]
+        if isinstance(freq, bool) or not (
+            (isinstance(freq, int) and freq >= 1)
+            or (isinstance(freq, list) and len(freq) == cfg["num_layers"] and set(freq) <= {0, 1})
+        ):
+            raise SystemExit(f"moe_layer_freq {freq!r}: need an int >= 1 or a list of num_layers 0/1")
     return cfg
+
+
+def is_moe(cfg):
+    return cfg.get("num_experts") is not None
+
+
+def expert_tp(cfg, tp, etp):
+    """Effective expert tensor-parallel size (None -> tp, as megatron-core and Megatron-LM)."""
+    return tp if etp is None else etp
 
 
 def padded_vocab(cfg, tp):
@@ -126,7 +190,7 @@ def padded_vocab(cfg, tp):
     return int(math.ceil(cfg["vocab_size"] / mult) * mult)
 
 
-def make_args(cfg, tp, pp, first, last, iteration, ckpt_format, vpp=None):
+def make_args(cfg, tp, pp, first, last, iteration, ckpt_format, vpp=None, ep=1, etp=None):
     import torch
 
     d = dict(cfg)
@@ -154,13 +218,21 @@ def make_args(cfg, tp, pp, first, last, iteration, ckpt_format, vpp=None):
             num_layers_per_virtual_pipeline_stage=None if uneven else cfg["num_layers"] // (pp * vpp),
             num_virtual_stages_per_pipeline_rank=vpp if uneven else None,
         )
+    if is_moe(cfg):  # the MoE keys of cfg are already in d (moe_layer_freq as given: int or list)
+        d.update(
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=expert_tp(cfg, tp, etp),
+        )
     return argparse.Namespace(**d)
 
 
 # ----------------------------------------------------------------------------- model
 
 
-def init_parallel(tp, pp, vpp=None):
+def init_parallel(tp, pp, vpp=None, ep=1, etp=None, cfg=None):
+    """Dense (cfg None or without num_experts): world must be tp*pp, no --ep/--etp. MoE: world =
+    tp*pp*dp, ep*etp must divide tp*dp and num_experts % ep == 0."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -168,28 +240,60 @@ def init_parallel(tp, pp, vpp=None):
     if not dist.is_initialized():
         dist.init_process_group(backend="gloo")
     ws = dist.get_world_size()
-    if ws != tp * pp:
-        raise SystemExit(f"world size {ws} != tp*pp = {tp}*{pp}")
+    extra = {}
+    if cfg is not None and is_moe(cfg):
+        e_tp = expert_tp(cfg, tp, etp)
+        if ep < 1 or e_tp < 1 or ws % (tp * pp):
+            raise SystemExit(f"world size {ws} is not a multiple of tp*pp = {tp}*{pp} (or bad --ep/--etp)")
+        dp = ws // (tp * pp)
+        if (tp * dp) % (ep * e_tp):
+            raise SystemExit(f"ep*etp = {ep}*{e_tp} must divide tp*dp = {tp}*{dp} (world {ws}, pp {pp})")
+        if cfg["num_experts"] % ep:
+            raise SystemExit(f"num_experts {cfg['num_experts']} not divisible by --ep {ep}")
+        extra = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=e_tp)
+    else:
+        if ep != 1 or (etp is not None and etp != tp):
+            raise SystemExit("--ep/--etp need an MoE config (num_experts)")
+        if ws != tp * pp:
+            raise SystemExit(f"world size {ws} != tp*pp = {tp}*{pp}")
     if vpp is not None and (vpp < 2 or pp < 2):
         raise SystemExit(f"--vpp {vpp} needs --vpp >= 2 and --pp >= 2 (Megatron-LM drops a VPP of 1)")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        **extra,
     )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
-def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=None, vp_stage=None):
+def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=None, vp_stage=None,
+                ep=1, etp=None):
     """One GPTModel; with vpp, the chunk for virtual stage vp_stage (as Megatron-LM's get_model)."""
     import torch
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     extra = {}
+    if is_moe(cfg):
+        extra.update(
+            num_moe_experts=cfg["num_experts"],
+            moe_ffn_hidden_size=cfg["moe_ffn_hidden_size"],
+            moe_layer_freq=cfg["moe_layer_freq"],
+            moe_router_topk=cfg["moe_router_topk"],
+            moe_shared_expert_intermediate_size=cfg["moe_shared_expert_intermediate_size"],
+            moe_shared_expert_gate=cfg["moe_shared_expert_gate"],
+            moe_router_enable_expert_bias=cfg["moe_router_enable_expert_bias"],
+            moe_router_score_function=cfg["moe_router_score_function"],
+            moe_router_pre_softmax=cfg["moe_router_pre_softmax"],
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=expert_tp(cfg, tp, etp),
+            moe_token_dispatcher_type="allgather",  # alltoall builds torch.cuda.Stream() (token_dispatcher.py:445)
+            moe_grouped_gemm=False,
+        )
     if first is not None:
         extra["num_layers_in_first_pipeline_stage"] = first
     if last is not None:
@@ -220,9 +324,16 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         perform_initialization=True,
         **extra,
     )
-    spec = get_gpt_layer_local_spec(
-        normalization=cfg["normalization"], qk_layernorm=cfg["qk_layernorm"]
-    )
+    if is_moe(cfg):
+        # the block spec gives mixed dense/MoE layers (get_gpt_layer_local_spec(num_experts=N) makes
+        # every layer MoE); qk_layernorm comes from config.qk_layernorm
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization=cfg["normalization"], vp_stage=vp_stage
+        )
+    else:
+        spec = get_gpt_layer_local_spec(
+            normalization=cfg["normalization"], qk_layernorm=cfg["qk_layernorm"]
+        )
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -242,11 +353,12 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
     return model
 
 
-def build_chunks(cfg, tp, pp, first=None, last=None, vpp=None, parallel_output=True):
+def build_chunks(cfg, tp, pp, first=None, last=None, vpp=None, parallel_output=True, ep=1, etp=None):
     """This rank's model chunks: [model] without VPP, else one chunk per virtual stage 0..vpp-1."""
     if vpp is None:
-        return [build_model(cfg, tp, pp, first, last, parallel_output)]
-    return [build_model(cfg, tp, pp, first, last, parallel_output, vpp=vpp, vp_stage=v) for v in range(vpp)]
+        return [build_model(cfg, tp, pp, first, last, parallel_output, ep=ep, etp=etp)]
+    return [build_model(cfg, tp, pp, first, last, parallel_output, vpp=vpp, vp_stage=v, ep=ep, etp=etp)
+            for v in range(vpp)]
 
 
 def model_keys(vpp):
@@ -274,6 +386,11 @@ def randomize(model, cfg, seed):
     so they are identical on all TP ranks. The tied output layer on the last PP stage uses the seed
     of the first stage's word embeddings so the copies agree.
     Every row of the (padded) vocab, padding included, is random and nonzero.
+
+    MoE: routed-expert parameters (``.mlp.experts.local_experts.{i}.``) are keyed by the GLOBAL
+    expert index (ep_rank * experts_per_rank + i) and, if expert-TP-sharded, the expert-TP rank
+    instead of the TP rank, so values do not depend on EP/DP. The router's persistent fp32 buffer
+    ``router.expert_bias`` is filled too (0.1 * N(0, 1), replicated key).
     """
     import torch
     from megatron.core import parallel_state
@@ -283,6 +400,11 @@ def randomize(model, cfg, seed):
             randomize(chunk, cfg, seed)
         return
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if is_moe(cfg):
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+        n_local = cfg["num_experts"] // parallel_state.get_expert_model_parallel_world_size()
+    expert_re = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
     scale = 1.0 / math.sqrt(cfg["hidden_size"])
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -290,8 +412,13 @@ def randomize(model, cfg, seed):
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 key_name = "embedding.word_embeddings.weight"
             sharded = bool(getattr(p, "tensor_model_parallel", False))
+            shard_rank = tp_rank
+            m = expert_re.fullmatch(key_name) if is_moe(cfg) else None
+            if m is not None:  # routed expert: global expert index, expert-TP rank
+                key_name = f"{m.group(1)}{ep_rank * n_local + int(m.group(2))}{m.group(3)}"
+                shard_rank = etp_rank
             # the "0" was the pp rank; kept so PP=1 models keep their former values
-            key = f"{seed}|0|{tp_rank if sharded else -1}|{key_name}"
+            key = f"{seed}|0|{shard_rank if sharded else -1}|{key_name}"
             g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
             r = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if "norm" in name and name.endswith("weight"):
@@ -301,6 +428,13 @@ def randomize(model, cfg, seed):
             else:  # matrices incl. embeddings: std 1/sqrt(hidden) keeps logits O(1)
                 v = scale * r
             p.copy_(v.to(p.dtype))
+        if is_moe(cfg):
+            for name, b in model.named_buffers():
+                if not name.endswith("router.expert_bias") or b is None:
+                    continue
+                key = f"{seed}|0|-1|{global_param_name(model, name)}"
+                g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+                b.copy_((0.1 * torch.randn(b.shape, generator=g, dtype=torch.float32)).to(b.dtype))
 
 
 # ----------------------------------------------------------------------------- checkpoint io
@@ -336,20 +470,31 @@ def detect_format(iterdir):
     raise SystemExit(f"{iterdir}: cannot detect checkpoint format")
 
 
-def legacy_rank_file(iterdir, tp_rank, pp_rank, pp):
+def legacy_rank_file(iterdir, tp_rank, pp_rank, pp, ep_rank=0, ep=1):
+    """Megatron-LM get_checkpoint_name: mp_rank_TT[_PPP][_EEE] (_PPP iff pp > 1, _EEE iff ep > 1)."""
     sub = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    if ep > 1:
+        sub += f"_{ep_rank:03d}"
     return os.path.join(iterdir, sub, "model_optim_rng.pt")
 
 
-def load_into(model, path, fmt, pp):
+def refuse_legacy_etp(cfg, tp, etp):
+    if is_moe(cfg) and expert_tp(cfg, tp, etp) != tp:
+        raise SystemExit(
+            f"legacy (megatron) format with etp {expert_tp(cfg, tp, etp)} != tp {tp}: Megatron-LM's "
+            "mp_rank_TT[_PPP][_EEE] names cannot tell the expert-TP rank; refused")
+
+
+def load_into(model, path, fmt, pp, cfg=None, tp=None, ep=1, etp=None):
     """Strictly load checkpoint `path` into `model`. Returns (iterdir, fmt, args or None)."""
-    return load_chunks([model], path, fmt, pp, None)
+    return load_chunks([model], path, fmt, pp, None, cfg, tp, ep, etp)
 
 
-def load_chunks(chunks, path, fmt, pp, vpp):
+def load_chunks(chunks, path, fmt, pp, vpp, cfg=None, tp=None, ep=1, etp=None):
     """Strictly load checkpoint `path` into this rank's model chunks (one without VPP, else vpp:
     entries "model0".. of the torch_dist state dict / legacy rank file). Returns (iterdir, fmt,
-    args or None)."""
+    args or None). MoE (cfg, tp, ep, etp given): the legacy file is picked by (tp, pp, ep rank) and
+    refused when etp != tp."""
     import torch
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -368,11 +513,15 @@ def load_chunks(chunks, path, fmt, pp, vpp):
             c.load_state_dict(loaded[k], strict=True)
         ck_args = common.get("args") if isinstance(common, dict) else None
     elif fmt == "megatron":
+        if cfg is not None:
+            refuse_legacy_etp(cfg, tp, etp)
         f = legacy_rank_file(
             iterdir,
             parallel_state.get_tensor_model_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_rank(),
             pp,
+            parallel_state.get_expert_model_parallel_rank() if ep > 1 else 0,
+            ep,
         )
         if not os.path.isfile(f):
             raise SystemExit(f"missing legacy shard {f} (legacy checkpoints load only at their layout)")
@@ -396,7 +545,9 @@ def cmd_make(a, cfg):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
 
-    chunks = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp)
+    if a.out_megatron:
+        refuse_legacy_etp(cfg, a.tp, a.etp)
+    chunks = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp)
     randomize(chunks, cfg, a.seed)
     keys = model_keys(a.vpp)
     rank = dist.get_rank()
@@ -409,7 +560,7 @@ def cmd_make(a, cfg):
         if rank == 0:
             os.makedirs(d, exist_ok=True)
         dist.barrier()
-        args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch_dist", a.vpp)
+        args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch_dist", a.vpp, a.ep, a.etp)
         state = {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}
         state.update({
             "args": args,
@@ -426,18 +577,23 @@ def cmd_make(a, cfg):
 
     if a.out_megatron:
         d = os.path.join(a.out_megatron, iter_dir_name(it))
-        f = legacy_rank_file(d, tp_rank, pp_rank, a.pp)
-        os.makedirs(os.path.dirname(f), exist_ok=True)
-        args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch", a.vpp)
-        state = {k: c.state_dict() for k, c in zip(keys, chunks)}
-        state.update({"args": args, "checkpoint_version": 3.0, "iteration": it})
-        torch.save(state, f)
+        ep_rank = parallel_state.get_expert_model_parallel_rank() if is_moe(cfg) else 0
+        f = legacy_rank_file(d, tp_rank, pp_rank, a.pp, ep_rank, a.ep)
+        # as Megatron-LM: only expert-data-parallel rank 0 writes (one file per (tp, pp, ep))
+        if not is_moe(cfg) or parallel_state.get_expert_data_parallel_rank() == 0:
+            os.makedirs(os.path.dirname(f), exist_ok=True)
+            args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch", a.vpp, a.ep, a.etp)
+            state = {k: c.state_dict() for k, c in zip(keys, chunks)}
+            state.update({"args": args, "checkpoint_version": 3.0, "iteration": it})
+            torch.save(state, f)
         dist.barrier()
         if rank == 0:
             with open(os.path.join(a.out_megatron, "latest_checkpointed_iteration.txt"), "w") as fh:
                 fh.write(str(it))
     if rank == 0:
         vp = "" if a.vpp is None else f" vpp={a.vpp}"
+        if is_moe(cfg):
+            vp += f" ep={a.ep} etp={expert_tp(cfg, a.tp, a.etp)} dp={dist.get_world_size() // (a.tp * a.pp)}"
         print(f"ORACLE MADE tp={a.tp} pp={a.pp}{vp} padded_vocab={padded_vocab(cfg, a.tp)}", flush=True)
     return 0
 
@@ -467,10 +623,21 @@ def check_args(ck_args, cfg, a):
         "max_position_embeddings", "group_query_attention",
     ):
         want[k] = cfg[k]
+    if is_moe(cfg):
+        want["expert_model_parallel_size"] = a.ep
+        want["expert_tensor_parallel_size"] = expert_tp(cfg, a.tp, a.etp)
+        for k in (
+            "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+            "moe_shared_expert_gate", "moe_router_topk", "moe_router_enable_expert_bias",
+            "moe_router_score_function", "moe_router_pre_softmax",
+        ):
+            want[k] = cfg[k]
     for k, v in want.items():
         got = getattr(ck_args, k, "<absent>")
         if k == "vocab_size" and got is None:
             continue  # Megatron-LM args may leave vocab_size unset (tokenizer decides)
+        if k == "expert_tensor_parallel_size" and got is None and v == a.tp:
+            continue  # None means "= tp" (megatron-core model_parallel_config.py:413)
         if got != v:
             probs.append(f"args.{k}={got!r} expected {v!r}")
     return probs
@@ -503,13 +670,13 @@ def cmd_compare(a, cfg):
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     rank = dist.get_rank()
-    c_ck = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp)
-    c_ref = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp)
+    c_ck = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp)
+    c_ref = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp)
     # Different random contents before loading, so an un-loaded tensor cannot compare equal.
     randomize(c_ck, cfg, 1_000_003)
     randomize(c_ref, cfg, 2_000_003)
-    _, fmt_ck, ck_args = load_chunks(c_ck, a.ckpt, a.ckpt_format, a.pp, a.vpp)
-    _, fmt_ref, _ = load_chunks(c_ref, a.ref, a.ref_format, a.pp, a.vpp)
+    _, fmt_ck, ck_args = load_chunks(c_ck, a.ckpt, a.ckpt_format, a.pp, a.vpp, cfg, a.tp, a.ep, a.etp)
+    _, fmt_ref, _ = load_chunks(c_ref, a.ref, a.ref_format, a.pp, a.vpp, cfg, a.tp, a.ep, a.etp)
 
     bad = []
     if a.check_args:
@@ -538,6 +705,9 @@ def cmd_compare(a, cfg):
                 bad.append(f"{vp}{k}: max abs diff {diff:.6g}")
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tag = f"rank={rank} tp={tp_rank} pp={pp_rank}"
+    if is_moe(cfg):
+        tag += (f" ep={parallel_state.get_expert_model_parallel_rank()}"
+                f" etp={parallel_state.get_expert_tensor_parallel_rank()}")
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, ([f"MISMATCH {tag} {b}" for b in bad], n))
     if rank == 0:
@@ -559,11 +729,11 @@ def cmd_logits(a, cfg):
 
     if a.pp != 1 or a.vpp is not None:
         raise SystemExit("logits needs --pp 1 and no --vpp")
-    model = build_model(cfg, a.tp, 1, parallel_output=False)
+    model = build_model(cfg, a.tp, 1, parallel_output=False, ep=a.ep, etp=a.etp)
     randomize(model, cfg, 3_000_017)
-    load_into(model, a.ckpt, a.ckpt_format, 1)
+    load_into(model, a.ckpt, a.ckpt_format, 1, cfg, a.tp, a.ep, a.etp)
     model.eval()
-    g = torch.Generator().manual_seed(a.seed)
+    g = torch.Generator().manual_seed(a.seed)  # same tokens on every rank (TP/EP/DP)
     b, s = 2, min(16, cfg["seq_length"])
     tokens = torch.randint(0, cfg["vocab_size"], (b, s), generator=g)
     position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
@@ -603,9 +773,11 @@ def cmd_layout(a, cfg):
         legacy = {k: (list(t.shape) if isinstance(t, torch.Tensor) else None) for k, t in model.state_dict().items()}
         return {"tensors": tensors, "objects": objects, "state_dict": legacy}
 
-    chunks = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp)
+    chunks = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp)
     mine = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-            "pp_rank": parallel_state.get_pipeline_model_parallel_rank()}
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+            "etp_rank": parallel_state.get_expert_tensor_parallel_rank()}
     if a.vpp is None:
         mine.update(describe(chunks[0]))
     else:
@@ -634,6 +806,9 @@ def main(argv=None):
         sp.add_argument("--last", type=int, default=None, help="layers in last PP stage")
         sp.add_argument("--vpp", type=int, default=None,
                         help="virtual pipeline (interleaved) stages per PP rank; default: no VPP")
+        sp.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE configs)")
+        sp.add_argument("--etp", type=int, default=None,
+                        help="expert_tensor_parallel_size (MoE configs); default: the same as --tp")
 
     fmts = ["auto", "torch_dist", "megatron"]
     sp = sub.add_parser("make")
@@ -666,7 +841,7 @@ def main(argv=None):
     import torch.distributed as dist
 
     cfg = load_config(a.config)
-    init_parallel(a.tp, a.pp, a.vpp)
+    init_parallel(a.tp, a.pp, a.vpp, a.ep, a.etp, cfg)
     rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits, "layout": cmd_layout}[a.cmd](a, cfg)
     dist.barrier()
     dist.destroy_process_group()

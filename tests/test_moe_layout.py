@@ -42,10 +42,15 @@ def test_moe_torch_dist_keys_and_te_names():
     t = logical_tensors(_cfg(spec="te"))
     assert torch_dist_key(t["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]) == \
         "decoder.layers.mlp.experts.experts.linear_fc1.weight"
-    # TE fuses pre_mlp_layernorm into linear_fc1 only in dense layers; torch_dist uses the fused name for both
+    # TE fuses pre_mlp_layernorm into linear_fc1 only in dense layers: an MoE layer keeps its own TENorm
+    # (gpt_layer_specs: no keys map for it); the local spec maps it to the fused name in torch_dist
     assert t["decoder.layers.0.pre_mlp_layernorm.weight"].te_name == "mlp.linear_fc1.layer_norm_weight"
     assert t["decoder.layers.1.pre_mlp_layernorm.weight"].te_name is None
-    assert torch_dist_key(t["decoder.layers.1.pre_mlp_layernorm.weight"]) == "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    assert torch_dist_key(t["decoder.layers.1.pre_mlp_layernorm.weight"], True) == \
+        "decoder.layers.1.pre_mlp_layernorm.weight"
+    local = logical_tensors(_cfg(spec="local"))
+    assert torch_dist_key(local["decoder.layers.1.pre_mlp_layernorm.weight"]) == \
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight"
 
 
 def test_router_expert_bias_and_dense_models_unchanged():

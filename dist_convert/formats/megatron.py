@@ -15,8 +15,8 @@ import torch
 from ..config import ModelConfig, config_from_args
 from ..errors import ConvertError
 from ..layout.boxes import Piece, local_pieces, mcore_global_shape
-from ..layout.rules import (EMBEDDING, OUTPUT_MODULES, TIED_COPIES, extra_state_modules, holders, model_family,
-                            logical_tensors, spec_suffix)
+from ..layout.rules import (EMBEDDING, OUTPUT_MODULES, TIED_COPIES, expert_key, expert_modules, extra_state_modules,
+                            holders, is_grouped_expert_key, logical_tensors, model_family, spec_suffix)
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
@@ -71,6 +71,10 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
     """Pure: every tensor a legacy rank file holds (all its model chunks): key -> (local shape, pieces).
     MoE: the file of expert rank ``ep_rank`` holds its routed experts under local indices, and a copy
     of every other tensor (legacy files need expert-TP = TP: the routed experts split over ``tp_rank``)."""
+    if cfg.num_experts and layout.expert_tp != layout.tp:
+        raise ConvertError(f"legacy rank files (mp_rank_*) split routed experts over TP; {layout} has no file naming "
+                           "in Megatron-LM's legacy format",
+                           "pass --target-etp equal to --target-tp, or write --dst-format torch_dist")
     mine = set(layout.experts_of(ep_rank, cfg.num_experts)) if cfg.num_experts else set()
     tensors = logical_tensors(cfg)
     chunks = [c for c in layout.stack_chunks(cfg.stacks) if c[0] == pp_rank]
@@ -88,8 +92,7 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
                 if t.expert is not None:
                     if t.expert not in mine:
                         continue
-                    local = t.expert - min(mine)
-                    suffix = suffix.replace(f"local_experts.{t.expert}.", f"local_experts.{local}.")
+                    suffix = expert_key(suffix, t.expert - min(mine), cfg.moe_grouped)
                 add(f"{t.layer_prefix}{t.layer - offset}.{suffix}", name, vp)
     vps = {vp for _, vp, *_ in chunks}
     for name, t in tensors.items():
@@ -108,31 +111,35 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
 
 def extra_state_keys(cfg: ModelConfig, layout: Layout, pp_rank: int, spec: str) -> list[str]:
     keys = []
-    for p, vp, stack, _, count in layout.stack_chunks(cfg.stacks):
+    experts = expert_modules(cfg, cfg.num_experts // layout.ep) if cfg.num_experts else ()
+    for p, vp, stack, off, count in layout.stack_chunks(cfg.stacks):
         if p != pp_rank:
             continue
-        keys += [chunk_key(f"{stack}.layers.{i}.{m}._extra_state", vp, layout)
-                 for i in range(count) for m in extra_state_modules(cfg, stack, spec)]
+        for i in range(count):
+            mods = extra_state_modules(cfg, stack, spec, off + i)
+            if stack == "decoder" and cfg.is_moe_layer(off + i):
+                mods += experts
+            keys += [chunk_key(f"{stack}.layers.{i}.{m}._extra_state", vp, layout) for m in mods]
         if pp_rank == layout.pp - 1 and vp == layout.chunks_per_rank - 1:
             keys += [chunk_key(f"{m}._extra_state", vp, layout) for m in OUTPUT_MODULES[cfg.family]]
     return keys
 
 
-def rank_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name: Callable[[int, int], str],
+def rank_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name: Callable[[int, int, int], str],
                       prefix: str = "") -> list[TargetFile]:
-    """Pure: one file per (tp, pp) rank holding its state-dict tensors (keys after ``prefix``)."""
+    """Pure: one file per (tp, pp, ep) rank holding its state-dict tensors (keys after ``prefix``)."""
     cfg, layout = target.cfg, target.layout
     names = {a: n for n, t in logical_tensors(cfg).items() for a in (n,) + t.aliases}
     files = []
-    for t, p in layout.ranks():
+    for t, p, e in [(t, p, e) for e in range(layout.ep) for t, p in layout.ranks()]:
         tensors = []
-        for key, (shape, pieces) in rank_entries(cfg, layout, t, p, cfg.spec).items():
+        for key, (shape, pieces) in rank_entries(cfg, layout, t, p, cfg.spec, e).items():
             # a rank holding only vocabulary padding rows has no pieces: its dtype is its tensor's (a tied
             # copy's is the embedding's)
             logical = pieces[0].logical if pieces else names.get(split_chunk_key(key)[1], EMBEDDING)
             tensors.append(TargetTensor(prefix + key, shape, target.dtype or dtypes[logical], pieces))
         objects = {prefix + k: None for k in extra_state_keys(cfg, layout, p, cfg.spec)}
-        files.append(TargetFile(len(files), file_name(t, p), tensors, objects))
+        files.append(TargetFile(len(files), file_name(t, p, e), tensors, objects))
     return files
 
 
@@ -178,53 +185,66 @@ class MegatronFormat(IterDirFormat):
         if found is None:
             raise ConvertError(f"{path} holds no mp_rank_* directories", "pass --src-format matching the checkpoint")
         iter_dir, iteration = found
-        coords: dict[tuple[int, int], str] = {}
-        for d in sorted(p for p in iter_dir.iterdir() if p.is_dir()):
-            m = _RANK_RE.match(d.name)
-            if not m:
-                continue
-            if m.group(3) is not None:
-                raise ConvertError(f"{d.name} is an expert-parallel rank directory",
-                                   "MoE / expert-parallel checkpoints are not supported yet")
-            coords[(int(m.group(1)), int(m.group(2) or 0))] = f"{d.name}/{MODEL_FILE}"
-        tp = 1 + max(t for t, _ in coords)
-        pp = 1 + max(p for _, p in coords)
-        for t in range(tp):
-            for p in range(pp):
-                if (t, p) not in coords:
-                    raise ConvertError(f"rank directory {rank_dir_name(t, p, pp)} is missing in {iter_dir}",
-                                       "copy the complete checkpoint (every mp_rank_* directory)")
-                if not (iter_dir / coords[(t, p)]).is_file():
-                    raise ConvertError(f"{iter_dir / coords[(t, p)]} is missing",
-                                       "copy the complete checkpoint (each rank directory needs its model file)")
-        order = sorted(coords, key=lambda c: (c[1], c[0]))
-        mine = {c: _index_file(iter_dir / coords[c], self.trust_pickle) for c in order[rt.rank::rt.world]}
-        files: dict[tuple[int, int], dict[str, Any]] = {}
+        names = sorted(p.name for p in iter_dir.iterdir() if p.is_dir() and _RANK_RE.match(p.name))
+        for n in names:
+            if not (iter_dir / n / MODEL_FILE).is_file():
+                raise ConvertError(f"{iter_dir / n / MODEL_FILE} is missing",
+                                   "copy the complete checkpoint (each rank directory needs its model file)")
+        mine = {n: _index_file(iter_dir / n / MODEL_FILE, self.trust_pickle) for n in names[rt.rank::rt.world]}
+        indexed: dict[str, dict[str, Any]] = {}
         for part in rt.all_gather_object(mine):
-            files.update(part)
-        for c in order:
-            if "error" in files[c]:
-                raise ConvertError(files[c]["error"])
-        args = files[(0, 0)]["args"]
+            indexed.update(part)
+        for n in names:
+            if "error" in indexed[n]:
+                raise ConvertError(indexed[n]["error"])
+        args = indexed[names[0]]["args"]
         if args is None:
-            raise ConvertError(f"{iter_dir / coords[(0, 0)]} has no args",
+            raise ConvertError(f"{iter_dir / names[0] / MODEL_FILE} has no args",
                                "the checkpoint must be saved by Megatron-LM")
-        keys0 = [split_chunk_key(k)[1] for k in files[(0, 0)]["tensors"]]
+        files = self._rank_files(iter_dir, names, indexed, args)
+        tp = 1 + max(t for t, _, _ in files)
+        pp = 1 + max(p for _, p, _ in files)
+        keys0 = [split_chunk_key(k)[1] for k in files[(0, 0, 0)]["tensors"]]
         spec = "te" if any("layer_norm_weight" in k for k in keys0) else "local"
         cfg = config_from_args(args, vocab_size, spec, tp, model_family(keys0))
+        cfg = cfg.replace(moe_grouped=any(is_grouped_expert_key(k) for k in keys0))
         layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5")
-        if files[(0, 0)]["chunks"] != (layout.vpp or 0):
-            raise ConvertError(f"rank files hold {files[(0, 0)]['chunks'] or 'no'} virtual pipeline chunks but the args "
+        if files[(0, 0, 0)]["chunks"] != (layout.vpp or 0):
+            raise ConvertError(f"rank files hold {files[(0, 0, 0)]['chunks'] or 'no'} virtual pipeline chunks but the "
+                               "args "
                                f"say virtual_pipeline_model_parallel_size={layout.vpp}",
                                "the args do not match the rank files; check the source checkpoint")
         cfg.check_layout(layout, "source")
         chunks: list[SourceChunk] = []
         policy = KeyPolicy.of(self.options)
-        for c in order:
-            rel = coords[c]
-            add_rank_file_chunks(chunks, rel, rank_entries(cfg, layout, c[0], c[1], spec), files[c]["tensors"],
+        for (t, p, e), f in files.items():  # expert rank 0 first: the other files' copies are replicas
+            add_rank_file_chunks(chunks, f["rel"], rank_entries(cfg, layout, t, p, spec, e), f["tensors"],
                                  "the checkpoint's args", policy)
         return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks))
+
+    @staticmethod
+    def _rank_files(iter_dir: Path, names: list[str], indexed: dict[str, dict[str, Any]],
+                    args: Any) -> dict[tuple[int, int, int], dict[str, Any]]:
+        """The indexed rank files by (tp, pp, ep) rank, ordered expert rank, pipeline rank, tensor rank;
+        the args' PP and EP sizes resolve the names (``mp_rank_00_001``: PP rank 1, or EP rank 1)."""
+        ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
+        pp = int(getattr(args, "pipeline_model_parallel_size", None) or 0) or \
+            (2 if any(n.count("_") == 3 + (ep > 1) for n in names) else 1)
+        coords: dict[tuple[int, int, int], dict[str, Any]] = {}
+        for n in names:
+            c = parse_rank_dir(n, pp, ep)
+            if c is None:
+                raise ConvertError(f"rank directory {n} does not fit PP={pp} EP={ep} from the args",
+                                   "remove stray mp_rank_* directories, or check the checkpoint's args")
+            coords[c] = {**indexed[n], "rel": f"{n}/{MODEL_FILE}"}
+        tp = 1 + max(t for t, _, _ in coords)
+        for e in range(ep):
+            for p in range(pp):
+                for t in range(tp):
+                    if (t, p, e) not in coords:
+                        raise ConvertError(f"rank directory {rank_dir_name(t, p, pp, e, ep)} is missing in {iter_dir}",
+                                           "copy the complete checkpoint (every mp_rank_* directory)")
+        return dict(sorted(coords.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])))
 
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
@@ -239,7 +259,8 @@ class MegatronFormat(IterDirFormat):
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
-        return rank_target_files(target, dtypes, lambda t, p: f"{rank_dir_name(t, p, target.layout.pp)}/{MODEL_FILE}")
+        lay = target.layout
+        return rank_target_files(target, dtypes, lambda t, p, e: f"{rank_dir_name(t, p, lay.pp, e, lay.ep)}/{MODEL_FILE}")
 
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
         def write_file(f: TargetFile, tensors: list[torch.Tensor]) -> None:

@@ -223,7 +223,11 @@ class NemoFormat:
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         if target.layout.vpp:
             raise ConvertError("virtual pipeline .nemo targets are not supported yet", "drop --target-vpp")
-        return nemo_target_files(target, dtypes, lambda t, p: rank_file(t, p, target.layout), self.options.nemo_style)
+        if target.cfg.num_experts:
+            raise ConvertError("Mixture-of-Experts .nemo targets are not supported yet",
+                               "write --dst-format torch_dist (megatron-core) or megatron instead")
+        return nemo_target_files(target, dtypes, lambda t, p, e: rank_file(t, p, target.layout),
+                                 self.options.nemo_style)
 
     def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
         return FileAtATime(files, lambda f, tensors: save_durable(

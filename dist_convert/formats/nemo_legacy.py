@@ -257,7 +257,7 @@ def target_style(option: str | None, args: argparse.Namespace, family: str = "gp
                      float(getattr(args, "rotary_percent", None) or 1.0), is_target=True)
 
 
-def nemo_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name: Callable[[int, int], str],
+def nemo_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name: Callable[[int, int, int], str],
                       option: str | None) -> list[TargetFile]:
     """Pure: the rank files of a .nemo target in its style (``option``: ``--nemo-style``)."""
     style = target_style(option, target.args, target.cfg.family)
@@ -274,5 +274,5 @@ def nemo_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name:
             # a rank holding only vocabulary padding rows has no pieces: its dtype is the embedding's
             logical = pieces[0].logical if pieces else (OUTPUT if key.endswith("output_layer.weight") else EMBEDDING)
             tensors.append(TargetTensor(key, shape, target.dtype or dtypes[logical], pieces))
-        files.append(TargetFile(len(files), file_name(t, p), tensors, dict(style.buffers(cfg))))
+        files.append(TargetFile(len(files), file_name(t, p, 0), tensors, dict(style.buffers(cfg))))
     return files

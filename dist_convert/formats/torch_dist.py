@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +19,11 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..config import config_from_args
+from ..config import ModelConfig, config_from_args
 from ..errors import ConvertError
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
 from ..layout.rules import (OUTPUT_MODULES, LogicalTensor, extra_state_modules, holders, logical_tensors,
-                            model_family, torch_dist_key)
+                            model_family, per_layer_keys, torch_dist_key)
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
@@ -40,27 +42,64 @@ def _looks_like(path: Path) -> bool:
     return (path / ".metadata").is_file() and ((path / CONFIG).is_file() or (path / COMMON).is_file())
 
 
-def _stacked_groups(cfg) -> dict[str, list[LogicalTensor]]:
-    """torch_dist key -> the logical tensors it stacks (one per layer; one for top-level keys and aliases)."""
-    groups: dict[str, list[LogicalTensor]] = {}
+@dataclass
+class DistGroup:
+    """One torch_dist key: the sizes of its leading placement axes (the layer axis of stacked keys,
+    the expert axis of routed experts; none for top-level and per-layer dense keys) and the logical
+    tensor at each coordinate of them."""
+
+    lead: tuple[int, ...]
+    members: dict[tuple[int, ...], LogicalTensor]
+
+
+def placement(t: LogicalTensor, cfg: ModelConfig, per_layer: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(leading axis sizes, coordinates of ``t`` on them) in its torch_dist key: megatron-core puts the
+    global layer first (stacked keys) and a routed expert's global index after it."""
+    lead: tuple[int, ...] = ()
+    at: tuple[int, ...] = ()
+    if t.layer is not None and not per_layer:
+        lead, at = (dict(cfg.stacks)[t.stack],), (t.layer,)
+    if t.expert is not None:
+        lead, at = lead + (cfg.num_experts,), at + (t.expert,)
+    return lead, at
+
+
+def dist_groups(cfg: ModelConfig) -> dict[str, DistGroup]:
+    """torch_dist key -> its group (aliases: a group of their own with the same tensor)."""
+    per_layer = per_layer_keys(cfg)
+    groups: dict[str, DistGroup] = {}
     for t in logical_tensors(cfg).values():
-        groups.setdefault(torch_dist_key(t), []).append(t)
+        lead, at = placement(t, cfg, per_layer)
+        groups.setdefault(torch_dist_key(t, per_layer), DistGroup(lead, {})).members[at] = t
         for alias in t.aliases:
-            groups[alias] = [t]
+            groups[alias] = DistGroup((), {(): t})
     return groups
 
 
-def block_pieces(ts: list[LogicalTensor], box: Box) -> list[Piece]:
-    """Pieces of a stored block holding ``box`` of the key's global tensor (stacked or not)."""
-    t0 = ts[0]
-    if t0.layer is None:
-        return chunk_pieces(t0.name, t0.kind, box, t0.shape[0], (0,) * len(box.sizes))
-    inner = Box(box.offsets[1:], box.sizes[1:])
+def block_pieces(g: DistGroup, box: Box) -> list[Piece]:
+    """Pieces of a stored block holding ``box`` of the key's global tensor (one per leading coordinate)."""
+    n = len(g.lead)
+    inner = Box(box.offsets[n:], box.sizes[n:])
     pieces = []
-    for i in range(box.sizes[0]):
-        t = ts[box.offsets[0] + i]
-        pieces += chunk_pieces(t.name, t.kind, inner, t.shape[0], (0,) * len(inner.sizes), lead=(i,))
+    for idx in itertools.product(*(range(k) for k in box.sizes[:n])):
+        t = g.members[tuple(o + i for o, i in zip(box.offsets[:n], idx))]
+        pieces += chunk_pieces(t.name, t.kind, inner, t.shape[0], (0,) * len(inner.sizes), lead=idx)
     return pieces
+
+
+def layer_objects(cfg: ModelConfig, stack: str, layer: int, layers: int, per_layer: bool) -> dict[str, list]:
+    """The ShardedObjects (``_extra_state``) megatron-core saves for one layer, except its experts'."""
+    prefix, shard = (f"{stack}.layers.{layer}.", "shard_0_1") if per_layer else \
+        (f"{stack}.layers.", f"shard_{layer}_{layers}")
+    return {f"{prefix}{m}._extra_state/{shard}": [None] for m in extra_state_modules(cfg, stack, cfg.spec, layer)}
+
+
+def expert_objects(cfg: ModelConfig, layer: int, layers: int, expert: int, per_layer: bool) -> dict[str, list]:
+    """The ShardedObjects of one routed expert (SequentialMLP's; GroupedMLP saves the same ones)."""
+    e = cfg.num_experts
+    prefix, shard = (f"decoder.layers.{layer}.", f"shard_{expert}_{e}") if per_layer else \
+        ("decoder.layers.", f"shard_{layer}.{expert}_{layers}.{e}")
+    return {f"{prefix}mlp.experts.experts.linear_fc{j}._extra_state/{shard}": [None] for j in (1, 2)}
 
 
 class _BoxLoadPlanner(LoadPlanner):
@@ -178,28 +217,30 @@ class TorchDistFormat(IterDirFormat):
         stored = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         cfg = config_from_args(args, vocab_size, None, tp, model_family(set(stored)))
         layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5")
-        groups = _stacked_groups(cfg)
+        cfg.check_layout(layout, "source")
+        groups = dist_groups(cfg)
         model_keys = {k for k in stored if not k.startswith(SKIPPED_PREFIXES)}
         policy = KeyPolicy.of(self.options)
         fix = "the args do not describe this model (or it is not a GPT model); check the source"
         policy.unexpected(str(iter_dir), model_keys - set(groups), fix)
-        policy.missing(str(iter_dir), {k: {t.name for t in ts} for k, ts in groups.items() if k not in model_keys}, fix)
+        policy.missing(str(iter_dir), {k: {t.name for t in g.members.values()} for k, g in groups.items()
+                                       if k not in model_keys}, fix)
         chunks: list[SourceChunk] = []
-        for key, ts in groups.items():
+        for key, g in groups.items():
             if key not in model_keys:
                 continue
             meta = stored[key]
-            t0 = ts[0]
-            lead = (len(ts),) if t0.layer is not None else ()
-            expect = lead + mcore_global_shape(t0.kind, t0.shape, int(meta.size[len(lead)]))
-            if tuple(meta.size) != expect or (t0.kind is Kind.VOCAB and meta.size[len(lead)] < t0.shape[0]):
+            t0 = next(iter(g.members.values()))
+            n = len(g.lead)
+            expect = g.lead + mcore_global_shape(t0.kind, t0.shape, int(meta.size[n]))
+            if tuple(meta.size) != expect or (t0.kind is Kind.VOCAB and meta.size[n] < t0.shape[0]):
                 raise ConvertError(f"{key} has global shape {tuple(meta.size)}, expected {expect} from the args",
                                    "the args disagree with the stored tensors; pass --vocab-size if the vocabulary "
                                    "is the difference, else check the checkpoint")
             for c in meta.chunks:
                 box = Box(tuple(c.offsets), tuple(c.sizes))
                 chunks.append(SourceChunk(len(chunks), key, key, tuple(c.sizes), meta.properties.dtype,
-                                          block_pieces(ts, box), offsets=tuple(c.offsets), sliceable=True,
+                                          block_pieces(g, box), offsets=tuple(c.offsets), sliceable=True,
                                           contiguous_cuts=True, origin=tuple(c.offsets), origin_shape=tuple(c.sizes)))
         notes = [f"skipped {n} training-state tensors (optimizer/rng)"] if (n := len(stored) - len(model_keys)) else []
         return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks, notes))
@@ -254,39 +295,38 @@ class TorchDistFormat(IterDirFormat):
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
-        """One file per target (tp, pp) rank with its main-replica chunks, as megatron-core saves them."""
+        """One file per target (tp, pp, ep) rank with its main-replica chunks, as megatron-core saves
+        them (a routed expert's chunks per expert-TP rank, in the file of its expert rank)."""
         cfg, layout = target.cfg, target.layout
-        groups = _stacked_groups(cfg)
+        per_layer = per_layer_keys(cfg)
         stage = {(stack, off + i): p for p, _, stack, off, n in layout.stack_chunks(cfg.stacks) for i in range(n)}
         layers = dict(cfg.stacks)
-        files = []
-        for tp_rank, pp_rank in layout.ranks():
-            tensors: list[TargetTensor] = []
-            for key, ts in groups.items():
-                for t in ts:
-                    holder = stage[(t.stack, t.layer)] if t.layer is not None else holders(t.stage, layout)[0][0]
-                    if holder != pp_rank or (t.kind is Kind.REP and tp_rank != 0):
-                        continue
-                    gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
-                    dtype = target.dtype or dtypes[t.name]
-                    for c in tp_chunks(t.kind, gshape, tp_rank, layout.tp):
-                        if t.layer is None:
-                            tensors.append(TargetTensor(key, c.sizes, dtype, block_pieces(ts, c), c.offsets, gshape))
-                        else:
-                            box = Box((t.layer,) + c.offsets, (1,) + c.sizes)
-                            tensors.append(TargetTensor(key, box.sizes, dtype, block_pieces(ts, box), box.offsets,
-                                                        (layers[t.stack],) + gshape))
-            objects: dict[str, Any] = {}
-            if tp_rank == 0:
-                for (stack, layer), p in stage.items():
-                    if p == pp_rank:
-                        for m in extra_state_modules(cfg, stack, cfg.spec):
-                            objects[f"{stack}.layers.{m}._extra_state/shard_{layer}_{layers[stack]}"] = [None]
-                if cfg.family == "t5" and pp_rank == layout.pp - 1:  # GPTModel drops its output layer's
-                    for m in OUTPUT_MODULES[cfg.family]:
-                        objects[f"{m}._extra_state/shard_0_1"] = [None]
-            files.append(TargetFile(len(files), f"tp{tp_rank}_pp{pp_rank}", tensors, objects))
-        return files
+        ranks = [(t, p, e) for e in range(layout.ep) for p in range(layout.pp) for t in range(layout.tp)]
+        tensors: dict[tuple[int, int, int], list[TargetTensor]] = {r: [] for r in ranks}
+        objects: dict[tuple[int, int, int], dict[str, Any]] = {r: {} for r in ranks}
+        for key, g in dist_groups(cfg).items():
+            for at, t in g.members.items():
+                holder = stage[(t.stack, t.layer)] if t.layer is not None else holders(t.stage, layout)[0][0]
+                gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
+                dtype = target.dtype or dtypes[t.name]
+                degree, ep_rank = (layout.tp, 0) if t.expert is None else \
+                    (layout.expert_tp, layout.expert_rank(t.expert, cfg.num_experts))
+                for r in range(1 if t.kind is Kind.REP else degree):
+                    for c in tp_chunks(t.kind, gshape, r, degree):
+                        box = Box(at + c.offsets, (1,) * len(at) + c.sizes)
+                        tensors[(r % layout.tp, holder, ep_rank)].append(
+                            TargetTensor(key, box.sizes, dtype, block_pieces(g, box), box.offsets, g.lead + gshape))
+        for (stack, layer), p in stage.items():
+            objects[(0, p, 0)].update(layer_objects(cfg, stack, layer, layers[stack], per_layer))
+            if stack == "decoder" and cfg.is_moe_layer(layer):
+                for e in range(cfg.num_experts):
+                    objects[(0, p, layout.expert_rank(e, cfg.num_experts))].update(
+                        expert_objects(cfg, layer, layers[stack], e, per_layer))
+        if cfg.family == "t5":  # GPTModel drops its output layer's
+            for m in OUTPUT_MODULES[cfg.family]:
+                objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
+        return [TargetFile(i, f"tp{t}_pp{p}" + (f"_ep{e}" if layout.ep > 1 else ""), tensors[(t, p, e)],
+                           objects[(t, p, e)]) for i, (t, p, e) in enumerate(ranks)]
 
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> "_StreamWriter":
         return _StreamWriter(iter_dir, files)

@@ -189,7 +189,9 @@ def _layer_rule_applies(rule: Rule, cfg: ModelConfig, stack: str, layer: int) ->
 def _layer_tensors(rule: Rule, cfg: ModelConfig, stack: str, layer: int) -> list[LogicalTensor]:
     te_name, dist = rule.te_name, rule.dist_name
     if rule.name.startswith("pre_mlp_layernorm") and stack == "decoder" and cfg.is_moe_layer(layer):
-        te_name, dist = None, rule.te_name  # TE fuses it into linear_fc1 only in dense layers
+        # TE fuses it into linear_fc1 only in dense layers (an MoE layer keeps a TENorm of its own);
+        # the local spec still maps it to the fused name in sharded_state_dict
+        te_name, dist = None, (None if cfg.spec == "te" else rule.te_name)
     out = []
     for e in range(cfg.num_experts) if rule.per_expert else [None]:
         suffix = rule.name.format(e=e) if e is not None else rule.name
@@ -237,9 +239,42 @@ def holders(stage: str, layout: Layout) -> list[tuple[int, int]]:
     return [(p, 0) for p in ranks]
 
 
-def extra_state_modules(cfg: ModelConfig, stack: str, spec: str) -> tuple[str, ...]:
+def extra_state_modules(cfg: ModelConfig, stack: str, spec: str, layer: int | None = None) -> tuple[str, ...]:
+    """Modules of a layer with an ``_extra_state`` entry. An MoE layer (``layer`` given) has no dense
+    MLP but its shared experts' linears; its routed experts' entries are named by ``expert_modules``."""
     cross = CROSS_EXTRA_STATE_MODULES[spec] if cfg.family == "t5" and stack == "decoder" else ()
-    return EXTRA_STATE_MODULES[spec] + cross
+    base = EXTRA_STATE_MODULES[spec]
+    if layer is not None and stack == "decoder" and cfg.is_moe_layer(layer):
+        shared = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2") \
+            if cfg.moe_shared_expert_intermediate_size else ()
+        base = tuple(m for m in base if not m.startswith("mlp.")) + shared
+    return base + cross
+
+
+def expert_modules(cfg: ModelConfig, local_experts: int) -> tuple[str, ...]:
+    """Legacy ``state_dict`` modules of an MoE layer's routed experts with an ``_extra_state``:
+    SequentialMLP has one per local expert and linear, TEGroupedMLP one per grouped linear."""
+    if cfg.moe_grouped:
+        return ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2")
+    return tuple(f"mlp.experts.local_experts.{i}.linear_fc{j}" for i in range(local_experts) for j in (1, 2))
+
+
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+_GROUPED_RE = re.compile(r"\.mlp\.experts\.linear_fc[12]\.(weight|bias)\d+$")
+
+
+def expert_key(suffix: str, local: int, grouped: bool) -> str:
+    """Legacy key suffix of a routed expert's tensor under its local index: SequentialMLP's
+    ``mlp.experts.local_experts.{i}.linear_fc1.weight`` or TEGroupedMLP's ``mlp.experts.linear_fc1.weight{i}``."""
+    m = _EXPERT_RE.match(suffix)
+    assert m, suffix
+    return f"mlp.experts.{m.group(2)}.{m.group(3)}{local}" if grouped else \
+        f"mlp.experts.local_experts.{local}.{m.group(2)}.{m.group(3)}"
+
+
+def is_grouped_expert_key(key: str) -> bool:
+    """Whether a legacy state-dict key is a TEGroupedMLP expert weight (``...mlp.experts.linear_fc1.weight3``)."""
+    return bool(_GROUPED_RE.search(key))
 
 
 def split_layer_name(name: str) -> tuple[int, str] | None:
@@ -251,15 +286,23 @@ def spec_suffix(t: LogicalTensor, spec: str) -> str:
     return t.te_name if (spec == "te" and t.te_name) else t.suffix
 
 
-def torch_dist_key(t: LogicalTensor) -> str:
-    """Key of the (stacked, layer-axis-first) ShardedTensor megatron-core writes for ``t``.
+def torch_dist_key(t: LogicalTensor, per_layer: bool = False) -> str:
+    """Key of the ShardedTensor megatron-core writes for ``t``: stacked (one key per module, a
+    leading global layer axis) or, with ``per_layer`` (see ``per_layer_keys``), one key per layer.
 
     megatron-core maps local-spec layernorm names to the TE names in ``sharded_state_dict``,
     so torch_dist keys are the same for both specs.
     """
     if t.layer is None:
         return t.name
-    return f"{t.layer_prefix}{t.dist_suffix or t.te_name or t.suffix}"
+    suffix = t.dist_suffix or t.te_name or t.suffix
+    return f"{t.layer_prefix}{t.layer}.{suffix}" if per_layer else f"{t.layer_prefix}{suffix}"
+
+
+def per_layer_keys(cfg: ModelConfig) -> bool:
+    """megatron-core (TransformerBlock.sharded_state_dict) keys every layer on its own, without a
+    layer axis, when ``moe_layer_freq`` is a list or an int > 1 (``moe_layer_pattern`` set)."""
+    return bool(cfg.num_experts) and cfg.moe_layer_pattern is not None
 
 
 def model_family(keys: list[str] | set[str]) -> str:

@@ -21,7 +21,18 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"tie_word_embeddings": False, "num_key_value_heads": 1}),  # MQA
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "num_key_value_heads": 4}),  # qkv bias, MHA
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),  # q/k norm, head_dim != h/heads
+    # Mixture of Experts: 4 experts, top-2, expert FFN 32
+    "mixtral": ("MixtralConfig", {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "intermediate_size": 32}),  # every layer MoE, top-k renormalised
+    "qwen2_moe": ("Qwen2MoeConfig", {"tie_word_embeddings": False, "num_hidden_layers": 3, "num_experts": 4,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48, "mlp_only_layers": [0],
+                                     "decoder_sparse_step": 1, "norm_topk_prob": False}),  # dense layer 0, gated shared
+    "qwen3_moe": ("Qwen3MoeConfig", {"tie_word_embeddings": True, "num_hidden_layers": 3, "num_experts": 4,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 2,
+                                     "norm_topk_prob": True, "head_dim": 32}),  # layers 0, 2 dense; q/k norm
 }
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def make_hf_model(root: Path, name: str, seed: int = 7, dtype: torch.dtype = torch.float32, **save_kw) -> Path:
@@ -61,11 +72,34 @@ def oracle_config(path: Path) -> dict:
            "num_query_groups": hf["num_key_value_heads"],
            "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads, "swiglu": True,
            "normalization": "RMSNorm", "norm_epsilon": hf["rms_norm_eps"], "add_bias_linear": False,
-           "add_qkv_bias": hf["model_type"] == "qwen2", "qk_layernorm": hf["model_type"] == "qwen3",
+           "add_qkv_bias": hf["model_type"] == "qwen2" or (hf["model_type"] == "qwen2_moe"
+                                                              and hf.get("qkv_bias", True)),
+           "qk_layernorm": hf["model_type"] in ("qwen3", "qwen3_moe"),
            "untie_embeddings_and_output_weights": not hf["tie_word_embeddings"], "vocab_size": hf["vocab_size"],
            "make_vocab_size_divisible_by": 128, "position_embedding_type": "rope",
            "rotary_base": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
            "max_position_embeddings": hf["max_position_embeddings"], "seq_length": 16}
     if rope.get("rope_type") == "llama3":
         cfg.update(use_rope_scaling=True, rope_scaling_factor=rope["factor"])
+    if hf["model_type"] in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        cfg.update(moe_oracle_keys(hf))
     return cfg
+
+
+def moe_oracle_keys(hf: dict) -> dict:
+    """The oracle's MoE keys (Megatron-LM names) for an HF MoE config, by the transformers rules:
+    Mixtral: every layer MoE, experts of intermediate_size, softmax -> top-k -> renormalise (topk on
+    logits then softmax: pre_softmax False). Qwen-MoE: layer l is MoE iff l is not in mlp_only_layers and
+    (l + 1) % decoder_sparse_step == 0; norm_topk_prob False is softmax before top-k (pre_softmax True)."""
+    experts = hf.get("num_local_experts") or hf["num_experts"]
+    if hf["model_type"] == "mixtral":
+        return {"num_experts": experts, "moe_ffn_hidden_size": hf["intermediate_size"], "moe_layer_freq": 1,
+                "moe_router_topk": hf["num_experts_per_tok"], "moe_router_pre_softmax": False,
+                "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False}
+    step, only = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    pattern = [int(layer not in only and (layer + 1) % step == 0) for layer in range(hf["num_hidden_layers"])]
+    shared = hf.get("shared_expert_intermediate_size") if hf["model_type"] == "qwen2_moe" else None
+    return {"num_experts": experts, "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+            "moe_layer_freq": 1 if all(pattern) else pattern, "moe_router_topk": hf["num_experts_per_tok"],
+            "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
+            "moe_shared_expert_intermediate_size": shared or None, "moe_shared_expert_gate": bool(shared)}

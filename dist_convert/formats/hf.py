@@ -1,4 +1,5 @@
-"""Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2, Qwen3): ``config.json`` plus
+"""Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2, Qwen3, and the MoE families Mixtral,
+Qwen2-MoE, Qwen3-MoE): ``config.json`` plus
 ``model.safetensors`` or ``model-00001-of-00004.safetensors`` style shards with
 ``model.safetensors.index.json``.
 
@@ -9,8 +10,10 @@ through the same box algebra as every other reshard.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,7 @@ from ..runtime import Runtime
 from ..topology import Layout
 from .base import (FileAtATime, FormatOptions, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
                    TargetTensor, WrittenFile, on_rank0)
-from .hf_config import config_from_hf, hf_from_config
+from .hf_config import Family, config_from_hf, export_family, family_of, hf_from_config
 from .safetensors_io import read_boxes, read_header, write_file
 
 CONFIG = "config.json"
@@ -50,6 +53,17 @@ LAYER_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("mlp.up_proj.weight", "mlp.linear_fc1.weight", "up"),
     ("mlp.down_proj.weight", "mlp.linear_fc2.weight", None),
 )
+# MoE layers (Qwen2-MoE's shared expert; the router and routed experts are named per family, see moe_names)
+SHARED_NAMES: tuple[tuple[str, str, str | None], ...] = (
+    ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.linear_fc1.weight", "gate"),
+    ("mlp.shared_expert.up_proj.weight", "mlp.shared_experts.linear_fc1.weight", "up"),
+    ("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.linear_fc2.weight", None),
+    ("mlp.shared_expert_gate.weight", "mlp.shared_experts.gate_weight", None),
+)
+EXPERT_FC1 = "mlp.experts.local_experts.{e}.linear_fc1.weight"
+EXPERT_FC2 = "mlp.experts.local_experts.{e}.linear_fc2.weight"
+# transformers >= 5 with save_original_format=False: all experts of a layer in one tensor, leading axis = expert
+FUSED_FC1, FUSED_FC2, FUSED_ROUTER = "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"
 TOP_NAMES: tuple[tuple[str, str], ...] = (
     ("model.embed_tokens.weight", EMBEDDING),
     ("model.norm.weight", "decoder.final_layernorm.weight"),
@@ -67,7 +81,7 @@ def part_pieces(logical: str, lshape: tuple[int, ...], part: str | None, cfg) ->
         full = Box.full(lshape)
         return lshape, [Piece(logical, full, full)]
     if part in ("gate", "up"):
-        f = cfg.ffn_hidden_size
+        f = lshape[0] // 2  # [gate; up] of a dense MLP, a routed or a shared expert
         shape = (f,) + lshape[1:]
         return shape, [Piece(logical, _rows(lshape, 0 if part == "gate" else f, f), Box.full(shape))]
     d, groups = cfg.kv_channels, cfg.num_query_groups
@@ -79,14 +93,30 @@ def part_pieces(logical: str, lshape: tuple[int, ...], part: str | None, cfg) ->
                    for g in range(groups)]
 
 
-def hf_tensors(cfg) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
-    """Pure: every tensor of the HF checkpoint of ``cfg``: name -> (shape, pieces), in HF order."""
+def moe_names(fam: Family, num_experts: int) -> tuple[tuple[str, str, str | None], ...]:
+    """Per-layer (HF suffix, logical suffix, part) of an MoE layer of family ``fam``, in HF order."""
+    block, (gate, up, down) = fam.moe_block, fam.expert_proj
+    out = [(f"{block}.gate.weight", "mlp.router.weight", None)]
+    for e in range(num_experts):
+        out += [(f"{block}.experts.{e}.{gate}.weight", EXPERT_FC1.format(e=e), "gate"),
+                (f"{block}.experts.{e}.{up}.weight", EXPERT_FC1.format(e=e), "up"),
+                (f"{block}.experts.{e}.{down}.weight", EXPERT_FC2.format(e=e), None)]
+    return tuple(out) + (SHARED_NAMES if fam.shared_expert else ())
+
+
+def hf_tensors(cfg, fam: Family | None = None) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
+    """Pure: every tensor of the HF checkpoint of ``cfg``: name -> (shape, pieces), in HF order.
+    ``fam`` names MoE layers (default: the family ``cfg`` exports as)."""
     logical = logical_tensors(cfg)
     out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
     top = dict(TOP_NAMES)
     out["model.embed_tokens.weight"] = part_pieces(EMBEDDING, logical[EMBEDDING].shape, None, cfg)
+    moe: tuple[tuple[str, str, str | None], ...] = ()
+    if cfg.num_experts:
+        moe = moe_names(fam or export_family(cfg, argparse.Namespace()), cfg.num_experts)
     for layer in range(cfg.num_layers):
-        for hf_suffix, suffix, part in LAYER_NAMES:
+        names = LAYER_NAMES + (moe if cfg.is_moe_layer(layer) else ())
+        for hf_suffix, suffix, part in names:
             name = f"{LAYER_PREFIX}{layer}.{suffix}"
             if name in logical:
                 out[f"model.layers.{layer}.{hf_suffix}"] = part_pieces(name, logical[name].shape, part, cfg)
@@ -94,6 +124,42 @@ def hf_tensors(cfg) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
         if top[hf_name] in logical:
             out[hf_name] = part_pieces(top[hf_name], logical[top[hf_name]].shape, None, cfg)
     return out
+
+
+def fused_alternatives(cfg, fam: Family, found: Collection[str]) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
+    """Pure: the fused expert tensors transformers >= 5 writes with ``save_original_format=False``
+    (``mlp.experts.gate_up_proj`` (E, 2F, H), ``mlp.experts.down_proj`` (E, H, F), router ``mlp.gate``)
+    that are in ``found``, for the per-expert names they replace: {fused name: (shape, pieces)}.
+    Expert e of a fused tensor is its box (e, :, :), the whole fc1 / fc2 of that expert."""
+    out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
+    logical = logical_tensors(cfg)
+    for layer in range(cfg.num_layers):
+        if not cfg.is_moe_layer(layer):
+            continue
+        hf, mc = f"model.layers.{layer}.", f"{LAYER_PREFIX}{layer}."
+        for fused, per_expert in ((FUSED_FC1, EXPERT_FC1), (FUSED_FC2, EXPERT_FC2)):
+            if hf + fused in found:
+                lshape = logical[mc + per_expert.format(e=0)].shape
+                shape = (cfg.num_experts,) + tuple(lshape)
+                out[hf + fused] = (shape, [Piece(mc + per_expert.format(e=e), Box.full(lshape),
+                                                 Box((e,) + (0,) * len(lshape), (1,) + tuple(lshape)))
+                                           for e in range(cfg.num_experts)])
+        if fam.moe_block != "mlp" and hf + FUSED_ROUTER in found:
+            out[hf + FUSED_ROUTER] = part_pieces(mc + "mlp.router.weight", logical[mc + "mlp.router.weight"].shape,
+                                                 None, cfg)
+    return out
+
+
+def source_tensors(cfg, fam: Family, found: Collection[str]) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
+    """Pure: the tensors expected in an HF source whose stored names are ``found``: per-expert names,
+    or the fused ones where the checkpoint has them (then the per-expert names are not expected)."""
+    expected = hf_tensors(cfg, fam)
+    fused = fused_alternatives(cfg, fam, found)
+    if fused:
+        replaced = {p.logical for _, pieces in fused.values() for p in pieces}
+        expected = {k: v for k, v in expected.items() if not {p.logical for p in v[1]} <= replaced}
+        expected.update(fused)
+    return expected
 
 
 def _looks_like(path: Path) -> bool:
@@ -168,7 +234,7 @@ class HFFormat:
                     raise ConvertError(f"tensor {key} is stored in both {found[key][0]} and {f}",
                                        "remove stray *.safetensors files from the model directory")
                 found[key] = (f, dtype, shape)
-        expected = hf_tensors(cfg)
+        expected = source_tensors(cfg, family_of(hf), found)
         ignored = sorted(k for k in found if k.endswith(IGNORED_SUFFIXES))
         if ignored:
             notes.append(f"skipped {len(ignored)} rotary inv_freq buffers (recomputed by every loader)")
@@ -204,8 +270,9 @@ class HFFormat:
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         hf_from_config(target.cfg, target.args, target.dtype or torch.float32)  # refuses inexpressible models
+        fam = export_family(target.cfg, target.args)
         tensors = {name: TargetTensor(name, shape, target.dtype or dtypes[pieces[0].logical], pieces)
-                   for name, (shape, pieces) in hf_tensors(target.cfg).items()}
+                   for name, (shape, pieces) in hf_tensors(target.cfg, fam).items()}
         shards = pack_shards([(n, t.nbytes) for n, t in tensors.items()], self.options.max_shard_size)
         names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                    for i in range(len(shards))]

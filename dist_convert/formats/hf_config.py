@@ -24,6 +24,12 @@ class Family:
     model_type: str
     qkv_bias: bool  # q/k/v projections carry biases (Qwen2)
     qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3)
+    moe: bool = False  # Mixture-of-Experts layers (router + routed experts)
+    moe_block: str = "mlp"  # module of an MoE layer on disk (Mixtral: block_sparse_moe)
+    expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per expert: gate, up, down
+    shared_expert: bool = False  # every MoE layer has a sigmoid-gated shared expert (Qwen2-MoE)
+    dense_layers: bool = True  # MoE families: dense MLP layers may sit between MoE layers
+    qkv_bias_flag: bool = False  # config.json's "qkv_bias" switches the q/k/v biases (Qwen2-MoE)
 
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
@@ -31,7 +37,12 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     Family("MistralForCausalLM", "mistral", False, False),
     Family("Qwen2ForCausalLM", "qwen2", True, False),
     Family("Qwen3ForCausalLM", "qwen3", False, True),
+    Family("MixtralForCausalLM", "mixtral", False, False, moe=True, moe_block="block_sparse_moe",
+           expert_proj=("w1", "w3", "w2"), dense_layers=False),
+    Family("Qwen2MoeForCausalLM", "qwen2_moe", True, False, moe=True, shared_expert=True, qkv_bias_flag=True),
+    Family("Qwen3MoeForCausalLM", "qwen3_moe", False, True, moe=True),
 )}
+MOE_FAMILIES = tuple(f.architecture for f in FAMILIES.values() if f.moe)
 
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Megatron-core's Llama-3 RoPE scaling implements only these frequency parameters.
@@ -83,22 +94,24 @@ def config_from_hf(hf: dict[str, Any], vocab_divisible_by: int | None) -> tuple[
             rope_args = {"use_rope_scaling": True, "rope_scaling_factor": float(scaling.get("factor", 8.0))}
         else:
             notes.append(f"RoPE scaling {scaling} has no Megatron-LM argument; it is kept only in args.hf_config")
-    if hf.get("sliding_window") and hf.get("use_sliding_window", fam.model_type == "mistral"):
+    if hf.get("sliding_window") and hf.get("use_sliding_window", fam.model_type in ("mistral", "mixtral")):
         notes.append(f"sliding_window={hf['sliding_window']} is kept only in args.hf_config (set "
                      "--window-size in Megatron-LM to train with it)")
+    qkv_bias = bool(hf.get("qkv_bias", fam.qkv_bias)) if fam.qkv_bias_flag else fam.qkv_bias
+    moe_cfg, moe_args = _moe_from_hf(hf, fam, layers, notes) if fam.moe else ({}, {})
     cfg = ModelConfig(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         num_query_groups=groups, kv_channels=kv, swiglu=True, normalization="RMSNorm", add_bias_linear=False,
-        add_qkv_bias=fam.qkv_bias, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        add_qkv_bias=qkv_bias, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         vocab_size=vocab, make_vocab_size_divisible_by=vocab_divisible_by or DEFAULT_DIVISIBLE_BY,
         position_embedding_type="rope", max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        qk_layernorm=fam.qk_norm, spec="te")
+        qk_layernorm=fam.qk_norm, spec="te", **moe_cfg)
     dtype = HF_DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), torch.float32)
     args = argparse.Namespace(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         group_query_attention=groups != heads, num_query_groups=groups, kv_channels=kv, swiglu=True,
         normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), add_bias_linear=False,
-        add_qkv_bias=fam.qkv_bias, qk_layernorm=fam.qk_norm,
+        add_qkv_bias=qkv_bias, qk_layernorm=fam.qk_norm,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         vocab_size=vocab, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
         padded_vocab_size=padded_vocab_size(vocab, cfg.make_vocab_size_divisible_by, 1),
@@ -107,8 +120,55 @@ def config_from_hf(hf: dict[str, Any], vocab_divisible_by: int | None) -> tuple[
         seq_length=cfg.max_position_embeddings, hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, transformer_impl="transformer_engine",
-        tokenizer_type="HuggingFaceTokenizer", hf_config=copy.deepcopy(hf), **rope_args)
+        tokenizer_type="HuggingFaceTokenizer", hf_config=copy.deepcopy(hf), **rope_args, **moe_args)
     return cfg, args, notes
+
+
+def _int(hf: dict[str, Any], *keys: str, default: int | None = None) -> int:
+    for k in keys:
+        if hf.get(k) is not None:
+            return int(hf[k])
+    if default is None:
+        raise ConvertError(f"config.json lacks {keys[0]}", "use the config.json saved with the model")
+    return default
+
+
+def hf_moe_pattern(layers: int, sparse_step: int, mlp_only: list[int]) -> tuple[int, ...]:
+    """Pure: Qwen-MoE's rule, 1 per MoE layer: ``l not in mlp_only_layers and (l + 1) % decoder_sparse_step == 0``."""
+    if sparse_step < 1:
+        raise ConvertError(f"decoder_sparse_step={sparse_step} is not a positive layer step",
+                           "fix decoder_sparse_step in config.json (1: every layer is MoE)")
+    skip = set(mlp_only)
+    return tuple(int(l not in skip and (l + 1) % sparse_step == 0) for l in range(layers))
+
+
+def _moe_from_hf(hf: dict[str, Any], fam: Family, layers: int,
+                 notes: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """ModelConfig fields and Megatron-LM args of an HF MoE config (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    experts = _int(hf, "num_local_experts", "num_experts")
+    topk = _int(hf, "num_experts_per_tok", default=2)
+    if fam.dense_layers:  # Qwen-MoE: experts of moe_intermediate_size, dense layers of intermediate_size
+        expert_ffn = _int(hf, "moe_intermediate_size")
+        pattern: tuple[int, ...] | None = hf_moe_pattern(layers, _int(hf, "decoder_sparse_step", default=1),
+                                                         list(hf.get("mlp_only_layers") or []))
+        if all(pattern):
+            pattern = None
+        pre_softmax = not bool(hf.get("norm_topk_prob", False))
+    else:  # Mixtral: every layer MoE, experts of intermediate_size, top-k renormalised
+        expert_ffn, pattern, pre_softmax = int(hf["intermediate_size"]), None, False
+        if float(hf.get("router_jitter_noise") or 0.0):
+            notes.append(f"router_jitter_noise={hf['router_jitter_noise']} (training-time noise) has no "
+                         "Megatron-LM argument; it is kept only in args.hf_config")
+    shared = _int(hf, "shared_expert_intermediate_size", default=0) if fam.shared_expert else 0
+    cfg = {"num_experts": experts, "moe_ffn_hidden_size": expert_ffn, "moe_layer_pattern": pattern,
+           "moe_shared_expert_intermediate_size": shared or None, "moe_shared_expert_gate": bool(shared)}
+    args = {"num_experts": experts, "moe_ffn_hidden_size": expert_ffn,
+            "moe_shared_expert_intermediate_size": shared or None, "moe_shared_expert_gate": bool(shared),
+            "moe_layer_freq": 1 if pattern is None else list(pattern), "moe_router_topk": topk,
+            "moe_router_pre_softmax": pre_softmax, "moe_router_score_function": "softmax",
+            "moe_router_enable_expert_bias": False, "moe_grouped_gemm": False,
+            "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1}
+    return cfg, args
 
 
 def export_family(cfg: ModelConfig, args: argparse.Namespace) -> Family:
@@ -134,11 +194,52 @@ def export_family(cfg: ModelConfig, args: argparse.Namespace) -> Family:
     if isinstance(hf, dict):
         for a in hf.get("architectures") or []:
             fam = FAMILIES.get(a)
-            if fam and (fam.qkv_bias, fam.qk_norm) == (cfg.add_qkv_bias, cfg.qk_layernorm):
+            if fam and why_not(fam, cfg) is None:
                 return fam
+    if cfg.num_experts:
+        return _moe_family(cfg)
     key = (cfg.add_qkv_bias, cfg.qk_layernorm)
     return {(True, False): FAMILIES["Qwen2ForCausalLM"], (False, True): FAMILIES["Qwen3ForCausalLM"]}.get(
         key, FAMILIES["LlamaForCausalLM"])
+
+
+def why_not(fam: Family, cfg: ModelConfig) -> str | None:
+    """Pure: what of the model ``fam`` cannot express (None: it expresses it)."""
+    if fam.moe != bool(cfg.num_experts):
+        return "Mixture-of-Experts layers" if cfg.num_experts else "no Mixture-of-Experts layers"
+    if cfg.qk_layernorm != fam.qk_norm:
+        return "q/k layernorm" if cfg.qk_layernorm else "no q/k layernorm"
+    if cfg.add_qkv_bias != fam.qkv_bias and not fam.qkv_bias_flag:
+        return "qkv biases" if cfg.add_qkv_bias else "no qkv biases"
+    if not fam.moe:
+        return None
+    shared = bool(cfg.moe_shared_expert_intermediate_size)
+    if cfg.moe_router_expert_bias:
+        return "a router expert bias (moe_router_enable_expert_bias)"
+    if shared and not cfg.moe_shared_expert_gate:
+        return "shared experts without a gate (moe_shared_expert_gate)"
+    if shared != fam.shared_expert:
+        return "shared experts" if shared else "no shared experts"
+    if cfg.moe_layer_pattern is not None and not fam.dense_layers:
+        return f"dense layers between the MoE layers (moe_layer_freq={list(cfg.moe_layer_pattern)})"
+    return None
+
+
+def _moe_family(cfg: ModelConfig) -> Family:
+    """Shared experts: Qwen2-MoE; q/k layernorm: Qwen3-MoE; else Mixtral, or a refusal saying why."""
+    name = ("Qwen2MoeForCausalLM" if cfg.moe_shared_expert_intermediate_size else
+            "Qwen3MoeForCausalLM" if cfg.qk_layernorm else "MixtralForCausalLM")
+    fam = FAMILIES[name]
+    problem = why_not(fam, cfg)
+    if problem is None:
+        return fam
+    if name != "MixtralForCausalLM" or not problem.startswith("dense layers"):
+        where = "none of the supported Hugging Face MoE families (" + ", ".join(MOE_FAMILIES) + ")"
+    else:
+        where = (f"{name} (no dense layers; Qwen2-MoE needs gated shared experts and Qwen3-MoE q/k layernorm, "
+                 "which the model lacks)")
+    raise ConvertError(f"the MoE model has {problem}, which {where} can express",
+                       "export it with --dst-format torch_dist or megatron instead of hf")
 
 
 def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
@@ -154,6 +255,8 @@ def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtyp
         "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.kv_channels, "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": cfg.tied, "max_position_embeddings": int(cfg.max_position_embeddings or 4096),
     })
+    if fam.moe:
+        hf.update(_moe_to_hf(fam, cfg, args, hf))
     hf.setdefault("rms_norm_eps", float(getattr(args, "norm_epsilon", 1e-5) or 1e-5))
     if not same_family:
         hf["rope_theta"] = float(getattr(args, "rotary_base", 10000.0) or 10000.0)
@@ -171,3 +274,35 @@ def family_of_or_none(hf: dict[str, Any]) -> Family | None:
         return family_of(hf)
     except ConvertError:
         return None
+
+
+def _moe_to_hf(fam: Family, cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any]) -> dict[str, Any]:
+    """The MoE keys of ``config.json`` (``base``: the same family's original config, or empty)."""
+    topk = int(getattr(args, "moe_router_topk", None) or base.get("num_experts_per_tok") or 2)
+    # the router maths is not in the tensors: refuse what the family would compute differently
+    if (getattr(args, "moe_router_score_function", None) or "softmax") != "softmax":
+        raise ConvertError(f"the MoE router scores with {args.moe_router_score_function}; {fam.architecture} uses "
+                           "softmax", "export it with --dst-format torch_dist or megatron instead of hf")
+    if not fam.dense_layers and getattr(args, "moe_router_pre_softmax", False):
+        raise ConvertError(f"the MoE router takes the softmax before top-k without renormalising "
+                           f"(moe_router_pre_softmax); {fam.architecture} renormalises the top-k",
+                           "export it with --dst-format torch_dist or megatron instead of hf")
+    if not fam.dense_layers:  # Mixtral: experts of intermediate_size
+        return {"num_local_experts": cfg.num_experts, "num_experts_per_tok": topk,
+                "intermediate_size": cfg.expert_ffn}
+    pattern = cfg.moe_layer_pattern or (1,) * cfg.num_layers
+    step, only = base.get("decoder_sparse_step", 1), base.get("mlp_only_layers") or []
+    if not (isinstance(step, int) and step >= 1 and hf_moe_pattern(cfg.num_layers, step, list(only)) == pattern):
+        step, only = 1, [layer for layer, moe in enumerate(pattern) if not moe]
+    pre_softmax = getattr(args, "moe_router_pre_softmax", None)
+    out: dict[str, Any] = {
+        "num_local_experts" if "num_local_experts" in base else "num_experts": cfg.num_experts,
+        "num_experts_per_tok": topk, "moe_intermediate_size": cfg.expert_ffn, "decoder_sparse_step": step,
+        "mlp_only_layers": list(only),
+        "norm_topk_prob": bool(base.get("norm_topk_prob", False)) if pre_softmax is None else not pre_softmax}
+    if fam.shared_expert:
+        out["shared_expert_intermediate_size"] = cfg.moe_shared_expert_intermediate_size
+    if fam.qkv_bias_flag:
+        out["qkv_bias"] = cfg.add_qkv_bias
+    return out
+

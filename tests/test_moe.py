@@ -208,3 +208,18 @@ def test_moe_layout_refusals(moe_m, tmp_path, flags, needles):
 def test_expert_parallelism_needs_experts(gpt_a, tmp_path):
     assert_refused(run_cli("reshard", str(gpt_a.torch_dist), str(tmp_path / "dst"), "--target-ep", "2"), tmp_path,
                    "the model has no experts", "--target-ep")
+
+
+def test_legacy_grouped_mlp_is_refused(moe_s, tmp_path):
+    """The legacy GroupedMLP keeps a rank's experts in one view-reinterpreted matrix (weight1/weight2): no
+    box of it is one expert's weight, so it is refused with the way out rather than misread."""
+    src = tmp_path / "src"
+    shutil.copytree(moe_s.megatron, src)
+    for f in src.glob("iter_*/mp_rank_*/model_optim_rng.pt"):
+        ckpt = torch.load(f, weights_only=False)
+        ckpt["model"] = {k: v for k, v in ckpt["model"].items() if ".local_experts." not in k}
+        ckpt["model"]["decoder.layers.0.mlp.experts.weight1"] = torch.zeros(32, 4 * 32)
+        ckpt["model"]["decoder.layers.0.mlp.experts.weight2"] = torch.zeros(4 * 32, 32)
+        torch.save(ckpt, f)
+    assert_refused(run_cli("reshard", str(src), str(tmp_path / "dst")), tmp_path, "legacy GroupedMLP",
+                   "--ckpt-format torch_dist")

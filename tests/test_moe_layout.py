@@ -1,4 +1,4 @@
-"""MoE groundwork (branch wip/moe, issue 9): the layout table's MoE rows, pure. Expected names and
+"""The layout table's MoE rows and expert placement, pure (issue 9). Expected names and
 shapes are what megatron-core 0.16.1's GPTModel (local spec, SequentialMLP) stores for this tiny
 model: 2 layers, hidden 32, 4 experts of FFN 16, a gated shared expert of 24, moe_layer_freq [0, 1]."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dist_convert.config import ModelConfig, config_from_args, moe_layer_pattern
 from dist_convert.errors import ConvertError
 from dist_convert.layout.boxes import Kind
 from dist_convert.layout.rules import logical_tensors, torch_dist_key
+from dist_convert.topology import Layout
 
 MOE = dict(num_experts=4, moe_ffn_hidden_size=16, moe_layer_pattern=(0, 1), moe_shared_expert_intermediate_size=24,
            moe_shared_expert_gate=True)
@@ -82,7 +83,6 @@ def test_config_from_megatron_args():
 
 
 def test_expert_placement_and_layout_checks():
-    from dist_convert.topology import Layout
     lay = Layout(tp=2, pp=1, ep=2)
     assert lay.expert_tp == 2 and str(lay) == "TP=2 PP=1 EP=2 ETP=2"
     assert [list(lay.experts_of(r, 8)) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -110,7 +110,6 @@ def test_legacy_rank_dirs_with_expert_rank():
 
 def test_legacy_rank_file_of_an_expert_rank():
     from dist_convert.formats.megatron import rank_entries
-    from dist_convert.topology import Layout
     cfg = _cfg()
     lay = Layout(tp=1, pp=1, ep=2)
     files = [rank_entries(cfg, lay, 0, 0, "local", ep_rank=e) for e in range(2)]
@@ -124,3 +123,21 @@ def test_legacy_rank_file_of_an_expert_rank():
     tp2 = rank_entries(cfg, Layout(tp=2, pp=1, ep=2), 1, 0, "local", ep_rank=1)
     shape, pieces = tp2["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"]
     assert shape == (16, 32) and [p.lbox.offsets[0] for p in pieces] == [8, 24]  # gate and up halves of rank 1
+
+
+def test_router_expert_bias_is_never_cast():
+    """megatron-core keeps router.expert_bias in fp32 whatever the params dtype: --dtype leaves it alone."""
+    import torch
+
+    from dist_convert.formats.base import Target
+    from dist_convert.formats.megatron import MegatronFormat
+    from dist_convert.formats.torch_dist import TorchDistFormat
+
+    cfg = _cfg(moe_router_expert_bias=True)
+    dtypes = {n: torch.float32 for n in logical_tensors(cfg)}
+    target = Target(cfg, Layout(tp=2, ep=2), torch.bfloat16, None, 1)
+    for fmt in (TorchDistFormat(), MegatronFormat()):
+        got = {t.key: t.dtype for f in fmt.target_files(target, dtypes) for t in f.tensors}
+        bias = {k: d for k, d in got.items() if k.endswith("router.expert_bias")}
+        assert bias and set(bias.values()) == {torch.float32}, fmt.name
+        assert {d for k, d in got.items() if k not in bias} == {torch.bfloat16}, fmt.name

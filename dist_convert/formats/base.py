@@ -140,6 +140,16 @@ class Target:
     iteration: int | str
 
 
+# Tensors megatron-core keeps in their own dtype whatever the params dtype (MoE router.expert_bias: fp32)
+KEEP_DTYPE = (".mlp.router.expert_bias",)
+
+
+def target_dtype(target: Target, dtypes: dict[str, torch.dtype], logical: str) -> torch.dtype:
+    """The dtype a target tensor holding ``logical`` is written in: ``--dtype``'s, else the source's;
+    tensors megatron-core keeps in their own dtype are never cast."""
+    return dtypes[logical] if target.dtype is None or logical.endswith(KEEP_DTYPE) else target.dtype
+
+
 class Format(Protocol):
     name: str
     iteration_dirs: bool  # Megatron-LM layout: files under iter_NNNNNNN/ plus a tracker file

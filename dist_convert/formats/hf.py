@@ -25,7 +25,7 @@ from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
 from ..runtime import Runtime
 from ..topology import Layout
 from .base import (FileAtATime, FormatOptions, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
-                   TargetTensor, WrittenFile, on_rank0)
+                   TargetTensor, WrittenFile, on_rank0, target_dtype)
 from .hf_config import Family, config_from_hf, export_family, family_of, hf_from_config
 from .safetensors_io import read_boxes, read_header, write_file
 
@@ -271,7 +271,7 @@ class HFFormat:
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         hf_from_config(target.cfg, target.args, target.dtype or torch.float32)  # refuses inexpressible models
         fam = export_family(target.cfg, target.args)
-        tensors = {name: TargetTensor(name, shape, target.dtype or dtypes[pieces[0].logical], pieces)
+        tensors = {name: TargetTensor(name, shape, target_dtype(target, dtypes, pieces[0].logical), pieces)
                    for name, (shape, pieces) in hf_tensors(target.cfg, fam).items()}
         shards = pack_shards([(n, t.nbytes) for n, t in tensors.items()], self.options.max_shard_size)
         names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"

@@ -21,7 +21,7 @@ from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
 from .base import (FileAtATime, IterDirFormat, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
-                   TargetTensor, WrittenFile, add_rank_file_chunks)
+                   TargetTensor, WrittenFile, add_rank_file_chunks, target_dtype)
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model_optim_rng.pt"
@@ -137,7 +137,7 @@ def rank_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name:
             # a rank holding only vocabulary padding rows has no pieces: its dtype is its tensor's (a tied
             # copy's is the embedding's)
             logical = pieces[0].logical if pieces else names.get(split_chunk_key(key)[1], EMBEDDING)
-            tensors.append(TargetTensor(prefix + key, shape, target.dtype or dtypes[logical], pieces))
+            tensors.append(TargetTensor(prefix + key, shape, target_dtype(target, dtypes, logical), pieces))
         objects = {prefix + k: None for k in extra_state_keys(cfg, layout, p, cfg.spec)}
         files.append(TargetFile(len(files), file_name(t, p, e), tensors, objects))
     return files
@@ -205,14 +205,20 @@ class MegatronFormat(IterDirFormat):
         tp = 1 + max(t for t, _, _ in files)
         pp = 1 + max(p for _, p, _ in files)
         keys0 = [split_chunk_key(k)[1] for k in files[(0, 0, 0)]["tensors"]]
+        legacy_grouped = [k for k in keys0 if k.endswith((".mlp.experts.weight1", ".mlp.experts.weight2"))]
+        if legacy_grouped:
+            raise ConvertError(f"{files[(0, 0, 0)]['rel']} stores experts as the legacy GroupedMLP "
+                               f"({legacy_grouped[0]}: all local experts in one view-reinterpreted matrix), which is "
+                               "not supported",
+                               "load it in Megatron-LM (--moe-use-legacy-grouped-gemm) and save --ckpt-format "
+                               "torch_dist, then convert that")
         spec = "te" if any("layer_norm_weight" in k for k in keys0) else "local"
         cfg = config_from_args(args, vocab_size, spec, tp, model_family(keys0))
         cfg = cfg.replace(moe_grouped=any(is_grouped_expert_key(k) for k in keys0))
         layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5")
         if files[(0, 0, 0)]["chunks"] != (layout.vpp or 0):
-            raise ConvertError(f"rank files hold {files[(0, 0, 0)]['chunks'] or 'no'} virtual pipeline chunks but the "
-                               "args "
-                               f"say virtual_pipeline_model_parallel_size={layout.vpp}",
+            raise ConvertError(f"rank files hold {files[(0, 0, 0)]['chunks'] or 'no'} virtual pipeline chunks but "
+                               f"the args say virtual_pipeline_model_parallel_size={layout.vpp}",
                                "the args do not match the rank files; check the source checkpoint")
         cfg.check_layout(layout, "source")
         chunks: list[SourceChunk] = []
@@ -260,7 +266,8 @@ class MegatronFormat(IterDirFormat):
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         lay = target.layout
-        return rank_target_files(target, dtypes, lambda t, p, e: f"{rank_dir_name(t, p, lay.pp, e, lay.ep)}/{MODEL_FILE}")
+        return rank_target_files(target, dtypes,
+                                 lambda t, p, e: f"{rank_dir_name(t, p, lay.pp, e, lay.ep)}/{MODEL_FILE}")
 
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
         def write_file(f: TargetFile, tensors: list[torch.Tensor]) -> None:

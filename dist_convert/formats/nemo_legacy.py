@@ -38,7 +38,7 @@ from ..errors import ConvertError
 from ..layout.boxes import Box, Piece
 from ..layout.rules import EMBEDDING, OUTPUT
 from ..topology import Layout
-from .base import Target, TargetFile, TargetTensor
+from .base import Target, TargetFile, TargetTensor, target_dtype
 from .megatron import rank_entries, rank_target_files
 
 Entry = tuple[tuple[int, ...], list[Piece]]
@@ -273,6 +273,6 @@ def nemo_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name:
         for key, (shape, pieces) in legacy_entries(cfg, layout, t, p, style).items():
             # a rank holding only vocabulary padding rows has no pieces: its dtype is the embedding's
             logical = pieces[0].logical if pieces else (OUTPUT if key.endswith("output_layer.weight") else EMBEDDING)
-            tensors.append(TargetTensor(key, shape, target.dtype or dtypes[logical], pieces))
+            tensors.append(TargetTensor(key, shape, target_dtype(target, dtypes, logical), pieces))
         files.append(TargetFile(len(files), file_name(t, p, 0), tensors, dict(style.buffers(cfg))))
     return files

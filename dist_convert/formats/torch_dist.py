@@ -28,7 +28,7 @@ from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
 from .base import (IterDirFormat, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor,
-                   WrittenFile, on_rank0)
+                   WrittenFile, on_rank0, target_dtype)
 from .distcp import (ItemFileWriter, SafeFileSystemReader, StoredTensor, check_storage, load_metadata, locate,
                      write_metadata)
 
@@ -308,7 +308,7 @@ class TorchDistFormat(IterDirFormat):
             for at, t in g.members.items():
                 holder = stage[(t.stack, t.layer)] if t.layer is not None else holders(t.stage, layout)[0][0]
                 gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
-                dtype = target.dtype or dtypes[t.name]
+                dtype = target_dtype(target, dtypes, t.name)
                 degree, ep_rank = (layout.tp, 0) if t.expert is None else \
                     (layout.expert_tp, layout.expert_rank(t.expert, cfg.num_experts))
                 for r in range(1 if t.kind is Kind.REP else degree):

@@ -3,6 +3,7 @@ layouts) resharded over TP, PP, EP and expert-TP by the real CLI under torchrun;
 output strictly at the target layout and finds it equal to the source."""
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -11,10 +12,10 @@ import pytest
 import torch
 
 from conftest import Source, assert_refused, make_gpt, ok, oracle, run_cli
-from dist_convert.formats.base import Target
+from dist_convert.config import _moe_from_args
 from dist_convert.formats.megatron import extra_state_keys, rank_entries
-from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.topology import Layout
+from test_rules_vs_mcore import assert_torch_dist_matches, model_config
 
 # M: mixed dense/MoE layers (a list moe_layer_freq: per-layer torch_dist keys), SwiGLU experts, shared
 # experts with a gate, router expert bias (fp32), tied embeddings.
@@ -72,29 +73,16 @@ LAYOUTS = [("M", 1, 1, 2, None), ("M", 2, 1, 2, 1), ("S", 1, 2, 2, None)]
 def test_moe_table_matches_megatron_core(tmp_path, name, tp, pp, ep, etp):
     """What megatron-core's MoE model asks a checkpoint to hold at (TP, PP, EP, ETP): the torch_dist chunks
     and objects (per-layer or stacked keys, expert axis) and each legacy rank file's state_dict."""
-    from test_rules_vs_mcore import model_config
-
     cfg_dict = {"num_query_groups": MOE[name]["num_attention_heads"], "add_qkv_bias": False, **MOE[name]}
     config = tmp_path / "c.json"
     config.write_text(json.dumps(cfg_dict))
     out = tmp_path / "layout.json"
     oracle("layout", world(tp, pp, ep, etp), "--config", str(config), *layout_flags(tp, pp, ep, etp), "--out", str(out))
     ranks = json.loads(out.read_text())
-    from dist_convert.config import _moe_from_args
-    import argparse
     cfg = model_config({"untie_embeddings_and_output_weights": False, "max_position_embeddings": 32,
                         **cfg_dict}).replace(**_moe_from_args(argparse.Namespace(**cfg_dict), cfg_dict["num_layers"]))
     layout = Layout(tp, pp, ep=ep, etp=etp)
-    want_tensors, want_objects = set(), set()
-    for r in ranks:
-        for key, gshape, offs, local in r["tensors"]:
-            sizes = [1] * (len(gshape) - len(local)) + local
-            want_tensors.add((key, tuple(gshape), tuple(offs), tuple(sizes)))
-        want_objects.update(r["objects"])
-    files = TorchDistFormat().target_files(Target(cfg, layout, torch.float32, None, 1), {})
-    assert {(t.key, tuple(t.global_shape), tuple(t.offsets), tuple(t.shape)) for f in files for t in f.tensors} \
-        == want_tensors
-    assert {k for f in files for k in f.objects} == want_objects
+    assert_torch_dist_matches(ranks, cfg, layout)
     if etp is None:  # legacy files exist only with ETP = TP
         for r in ranks:
             entries = rank_entries(cfg, layout, r["tp_rank"], r["pp_rank"], "local", r["ep_rank"])

@@ -326,10 +326,10 @@ def test_legacy_target_refuses_models_legacy_nemo_cannot_hold(change, needle):
                       position_embedding_type="learned_absolute", max_position_embeddings=16, qk_layernorm=False,
                       spec="local")
     fine = nemo_target_files(Target(cfg, Layout(2, 1), torch.float32, argparse.Namespace(), "release"), {},
-                             lambda t, p: f"{t}_{p}", "megatron_legacy")
+                             lambda t, p, e: f"{t}_{p}", "megatron_legacy")
     assert len(fine) == 2 and "model.language_model.output_layer.weight" in [t.key for t in fine[0].tensors]
     target = Target(cfg.replace(**change), Layout(2, 1), torch.float32, argparse.Namespace(), "release")
     for style in ("legacy", "megatron_legacy"):
         with pytest.raises(ConvertError) as e:
-            nemo_target_files(target, {}, lambda t, p: f"{t}_{p}", style)
+            nemo_target_files(target, {}, lambda t, p, e: f"{t}_{p}", style)
         assert needle in str(e.value) and "--nemo-style mcore" in str(e.value)

@@ -13,6 +13,7 @@ from dist_convert.config import ModelConfig
 from dist_convert.formats.base import Target
 from dist_convert.formats.megatron import extra_state_keys, rank_entries
 from dist_convert.formats.torch_dist import TorchDistFormat
+from dist_convert.layout.rules import logical_tensors
 from dist_convert.topology import Layout
 
 
@@ -27,6 +28,22 @@ def model_config(cfg: dict) -> ModelConfig:
         make_vocab_size_divisible_by=cfg["make_vocab_size_divisible_by"],
         position_embedding_type=cfg["position_embedding_type"], max_position_embeddings=cfg["max_position_embeddings"],
         qk_layernorm=cfg.get("qk_layernorm", False), spec="local")
+
+
+def assert_torch_dist_matches(ranks: list[dict], cfg: ModelConfig, layout: Layout) -> None:
+    """The torch_dist chunks and objects dist_convert writes at ``layout`` are the union of megatron-core's
+    main-replica ShardedTensors (key, global shape, offsets, sizes with leading axes) and ShardedObjects."""
+    want_tensors, want_objects = set(), set()
+    for r in ranks:
+        for key, gshape, offs, local in r["tensors"]:
+            sizes = [1] * (len(gshape) - len(local)) + local
+            want_tensors.add((key, tuple(gshape), tuple(offs), tuple(sizes)))
+        want_objects.update(r["objects"])
+    dtypes = dict.fromkeys(logical_tensors(cfg), torch.float32)
+    files = TorchDistFormat().target_files(Target(cfg, layout, torch.float32, None, 1), dtypes)
+    got_tensors = {(t.key, tuple(t.global_shape), tuple(t.offsets), tuple(t.shape)) for f in files for t in f.tensors}
+    assert got_tensors == want_tensors
+    assert {k for f in files for k in f.objects} == want_objects
 
 
 LAYOUTS = [("A", Layout(2, 2)), ("B", Layout(2, 2, first=2)), ("B", Layout(4, 1))]
@@ -44,18 +61,7 @@ def test_table_matches_megatron_core(tmp_path, name, layout):
     ranks = json.loads(out.read_text())
     cfg = model_config(cfg_dict)
 
-    # torch_dist: the union of main-replica chunks over all ranks
-    want_tensors, want_objects = set(), set()
-    for r in ranks:
-        for key, gshape, offs, local in r["tensors"]:
-            sizes = [1] * (len(gshape) - len(local)) + local
-            want_tensors.add((key, tuple(gshape), tuple(offs), tuple(sizes)))
-        want_objects.update(r["objects"])
-    files = TorchDistFormat().target_files(Target(cfg, layout, torch.float32, None, 1), {})
-    got_tensors = {(t.key, tuple(t.global_shape), tuple(t.offsets), tuple(t.shape)) for f in files for t in f.tensors}
-    got_objects = {k for f in files for k in f.objects}
-    assert got_tensors == want_tensors
-    assert got_objects == want_objects
+    assert_torch_dist_matches(ranks, cfg, layout)
 
     # legacy: each rank file holds exactly model.state_dict() of that rank, with the same shapes
     for r in ranks:

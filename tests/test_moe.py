@@ -193,6 +193,11 @@ def test_moe_layout_refusals(moe_m, tmp_path, flags, needles):
     assert_refused(run_cli("reshard", str(moe_m.torch_dist), str(tmp_path / "dst"), *flags), tmp_path, *needles)
 
 
+def test_speculate_refuses_an_moe_base(moe_m, tmp_path):
+    assert_refused(run_cli("speculate", str(moe_m.torch_dist), str(tmp_path / "dst"), "--eagle-layers", "1"),
+                   tmp_path, "Mixture-of-Experts", "Megatron-LM")
+
+
 def test_expert_parallelism_needs_experts(gpt_a, tmp_path):
     assert_refused(run_cli("reshard", str(gpt_a.torch_dist), str(tmp_path / "dst"), "--target-ep", "2"), tmp_path,
                    "the model has no experts", "--target-ep")

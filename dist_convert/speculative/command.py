@@ -84,6 +84,9 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     if index.cfg.family != "gpt":
         raise ConvertError(f"{opts.src} is an encoder-decoder ({index.cfg.family.upper()}) model; EAGLE and Medusa "
                            "drafts attach to decoder-only GPT models", "pass a GPT checkpoint to speculate")
+    if index.cfg.num_experts:
+        raise ConvertError(f"{opts.src} is a Mixture-of-Experts model; speculate builds dense GPT bases only",
+                           "add the draft in Megatron-LM with ModelOpt; dist_convert reshard converts the result")
     layout = target_layout(reshard_opts, index, get_format("torch_dist"))
     cfg = index.cfg.replace(spec="local", make_vocab_size_divisible_by=opts.vocab_divisible_by
                             or index.cfg.make_vocab_size_divisible_by)

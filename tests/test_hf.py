@@ -165,7 +165,7 @@ def test_hf_target_refusals(gpt_b, hf_dir, tmp_path):
     assert_refused(run_cli("reshard", str(gpt_b.torch_dist), str(tmp_path / "dst"), "--dst-format", "hf"), tmp_path,
                    "LayerNorm", "none of the supported Hugging Face families")
     assert_refused(run_cli("reshard", str(hf_dir / "llama"), str(tmp_path / "dst"), "--dst-format", "hf",
-                           "--target-tp", "2"), tmp_path, "TP/PP do not apply", "--target-tp")
+                           "--target-tp", "2"), tmp_path, "TP/PP/EP do not apply", "--target-tp")
 
 
 def test_hf_to_hf_recast_and_reshard_and_a_stored_tied_head(hf_dir, tmp_path):

@@ -75,7 +75,7 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
         raise ConvertError(f"legacy rank files (mp_rank_*) split routed experts over TP; {layout} has no file naming "
                            "in Megatron-LM's legacy format",
                            "pass --target-etp equal to --target-tp, or write --dst-format torch_dist")
-    mine = set(layout.experts_of(ep_rank, cfg.num_experts)) if cfg.num_experts else set()
+    mine = layout.experts_of(ep_rank, cfg.num_experts) if cfg.num_experts else range(0)
     tensors = logical_tensors(cfg)
     chunks = [c for c in layout.stack_chunks(cfg.stacks) if c[0] == pp_rank]
     out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
@@ -92,7 +92,7 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
                 if t.expert is not None:
                     if t.expert not in mine:
                         continue
-                    suffix = expert_key(suffix, t.expert - min(mine), cfg.moe_grouped)
+                    suffix = expert_key(suffix, t.expert - mine.start, cfg.moe_grouped)
                 add(f"{t.layer_prefix}{t.layer - offset}.{suffix}", name, vp)
     vps = {vp for _, vp, *_ in chunks}
     for name, t in tensors.items():

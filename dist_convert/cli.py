@@ -200,16 +200,21 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, runtime: Runtime | None = None) -> int:
+    """Parse ``argv`` and run the subcommand; errors become one ``dist_convert: error:`` line and exit 2.
+    ``runtime``: an already joined process group to run in (kept open afterwards), instead of joining
+    the torchrun job here and leaving it at the end."""
     ns = build_parser().parse_args(argv)
     if ns.cmd == "bench":  # one process that launches its own torchrun jobs
         from .bench.run import bench_main
         return bench_main(ns)
-    try:
-        rt = init_runtime(ns.backend, ns.timeout)
-    except (RuntimeError, ValueError) as e:
-        print(f"dist_convert: error: cannot start the process group ({e}); launch with torchrun", file=sys.stderr)
-        return 2
+    rt = runtime
+    if rt is None:
+        try:
+            rt = init_runtime(ns.backend, ns.timeout)
+        except (RuntimeError, ValueError) as e:
+            print(f"dist_convert: error: cannot start the process group ({e}); launch with torchrun", file=sys.stderr)
+            return 2
     broken = False
     try:
         return run(ns, rt)
@@ -223,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dist_convert: error: {err}", file=sys.stderr)
         return 2
     finally:
-        if not broken:  # a failed collective leaves nothing to tear down together
+        if not broken and runtime is None:  # a failed collective leaves nothing to tear down together
             rt.close()
 
 

@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from workers import Workers
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 ORACLE = ROOT / "tests" / "mcore_oracle.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCHELASTIC_ERROR_FILE": ""}
+WORKERS = Workers(ENV)
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
@@ -23,10 +26,15 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 
 
 def run_cli(*args: str, nproc: int | None = None, timeout: int = 300, env: dict[str, str] | None = None,
-            max_file_size: int | None = None) -> subprocess.CompletedProcess:
+            max_file_size: int | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=N dist_convert ...`` from the repo root; ``python -m dist_convert``
-    when ``nproc`` is None (no torchrun). ``env`` adds variables; ``max_file_size`` sets RLIMIT_FSIZE
-    (bytes any process may write to one file: a full disk as the kernel reports it, EFBIG)."""
+    when ``nproc`` is None (no torchrun). The command runs in the session's long-lived CLI worker for
+    that world size (tests/job_worker.py), unless ``fresh`` asks for a launch of its own, as a user's
+    (what torchrun itself does on failures, the process group's own start-up and end). ``env`` adds
+    variables and ``max_file_size`` sets RLIMIT_FSIZE (bytes any process may write to one file: a full
+    disk as the kernel reports it, EFBIG); both need, and get, a launch of their own."""
+    if not (fresh or env or max_file_size is not None):
+        return WORKERS.run("cli", nproc, list(args), timeout)
     cmd = torchrun(nproc, "dist_convert", *args) if nproc else [PY, "-m", "dist_convert", *args]
 
     def limit() -> None:
@@ -52,10 +60,15 @@ def assert_refused(proc: subprocess.CompletedProcess, tmp_path: Path, *needles: 
     assert not list(tmp_path.glob("*.dist_convert_tmp"))
 
 
-def oracle(cmd: str, nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(torchrun(nproc, str(ORACLE), cmd, *args), cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=600)
+def oracle(cmd: str, nproc: int, *args: str, check: bool = True, program: str = "mcore") -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=N tests/mcore_oracle.py CMD ...`` (or ``tests/t5_oracle.py`` with
+    ``program="t5"``), run in the session's oracle worker for that world size."""
+    proc = WORKERS.run("oracle", nproc, [program, cmd, *args], 600)
     return ok(proc) if check else proc
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    WORKERS.stop()
 
 
 @dataclass

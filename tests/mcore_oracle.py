@@ -18,6 +18,7 @@ it is tp * pp * dp for some dp >= 1, and megatron-core requires ep * etp to divi
       --ckpt X --out FILE.pt [--seed S] [--ckpt-format ...]
   torchrun --nproc_per_node=N tests/mcore_oracle.py layout --config C.json --tp T --pp P \
       [--vpp V] [--first N] [--last M] --out FILE.json
+  torchrun --nproc_per_node=T*P tests/mcore_oracle.py dump --config C.json --tp T --pp P --ckpt X --out DIR
 
 All commands also take --ep E (expert_model_parallel_size, default 1) and --etp T
 (expert_tensor_parallel_size, default: the same as --tp); E > 1 or T != tp need an MoE config.
@@ -749,6 +750,18 @@ def cmd_logits(a, cfg):
     return 0
 
 
+def cmd_dump(a, cfg):
+    """megatron-core's own state dict of CKPT at (tp, pp), per rank: OUT/ref_{tp_rank}_{pp_rank}.pt."""
+    import torch
+    from megatron.core import parallel_state
+
+    model = build_model(cfg, a.tp, a.pp)
+    load_into(model, a.ckpt, a.ckpt_format, a.pp)
+    t, p = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    torch.save(model.state_dict(), os.path.join(a.out, f"ref_{t}_{p}.pt"))
+    return 0
+
+
 def cmd_layout(a, cfg):
     """Dump what megatron-core itself asks a checkpoint to hold at (tp, pp): the main-replica
     ShardedTensors / ShardedObjects of ``sharded_state_dict()`` and the legacy ``state_dict()`` keys.
@@ -794,7 +807,7 @@ def cmd_layout(a, cfg):
     return 0
 
 
-def main(argv=None):
+def main(argv=None, serving=False):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -835,6 +848,11 @@ def main(argv=None):
     sp = sub.add_parser("layout")
     common(sp)
     sp.add_argument("--out", required=True)
+    sp = sub.add_parser("dump")
+    common(sp)
+    sp.add_argument("--ckpt", required=True)
+    sp.add_argument("--ckpt-format", choices=fmts, default="auto")
+    sp.add_argument("--out", required=True)
     a = p.parse_args(argv)
 
     apply_cpu_shims()
@@ -842,10 +860,29 @@ def main(argv=None):
 
     cfg = load_config(a.config)
     init_parallel(a.tp, a.pp, a.vpp, a.ep, a.etp, cfg)
-    rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits, "layout": cmd_layout}[a.cmd](a, cfg)
-    dist.barrier()
-    dist.destroy_process_group()
+    try:
+        rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits, "layout": cmd_layout,
+              "dump": cmd_dump}[a.cmd](a, cfg)
+        dist.barrier()
+    finally:
+        end_parallel(serving)
     return rc
+
+
+def end_parallel(serving):
+    """Leave the process group; or, serving more commands in this process (tests/job_worker.py), only
+    megatron-core's model-parallel state and groups, so the next command can set up another layout."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d as c10d
+
+    if not serving:
+        dist.destroy_process_group()
+        return
+    parallel_state.destroy_model_parallel()
+    for group in list(c10d._world.pg_map):
+        if group is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
 if __name__ == "__main__":

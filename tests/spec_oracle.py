@@ -3,7 +3,8 @@
   torchrun --nproc_per_node=TP*PP tests/spec_oracle.py check --config C.json --tp T --pp P \
       --algo eagle|medusa --ckpt SPECULATIVE_DIR --ref BASE_TORCH_DIST_DIR
 
-In a fresh process group: builds the base GPTModel (megatron-core local spec), restores the ModelOpt
+In a process of its own (never the one that wrote CKPT), with megatron-core's model-parallel groups set up
+for this check alone: builds the base GPTModel (megatron-core local spec), restores the ModelOpt
 state saved in CKPT, loads CKPT strictly (every key of the speculative model, no unexpected ones),
 and checks that
   * every base weight equals the base checkpoint REF loaded by megatron-core at the same layout;
@@ -86,12 +87,16 @@ def modelopt_export(model, cfg, out_dir):
         num_key_value_heads=cfg["num_query_groups"], head_dim=cfg["kv_channels"],
         max_position_embeddings=cfg["max_position_embeddings"], rms_norm_eps=cfg["norm_epsilon"],
         rope_theta=cfg["rotary_base"], architectures=["LlamaForCausalLM"]).save_pretrained(base)
-    original = transformers.AutoConfig.from_pretrained.__func__
+    saved = transformers.AutoConfig.from_pretrained
+    original = saved.__func__
     transformers.AutoConfig.from_pretrained = classmethod(
         lambda cls, name, *a, **k: original(cls, base if name == "nvidia/Llama-3.1-8B-Instruct-FP8" else name, *a, **k))
-    export = importlib.import_module("modelopt.torch.export.unified_export_megatron")
-    export.export_mcore_gpt_to_hf(model, base, export_extra_modules=True, dtype=torch.float32,
-                                  export_dir=os.path.join(out_dir, "draft"))
+    try:
+        export = importlib.import_module("modelopt.torch.export.unified_export_megatron")
+        export.export_mcore_gpt_to_hf(model, base, export_extra_modules=True, dtype=torch.float32,
+                                      export_dir=os.path.join(out_dir, "draft"))
+    finally:
+        transformers.AutoConfig.from_pretrained = saved
     return os.path.join(out_dir, "draft")
 
 
@@ -215,7 +220,7 @@ def cmd_check(a, cfg):
     return 1 if any(g[0] for g in gathered) or not any(g[2] for g in gathered) else 0
 
 
-def main():
+def main(argv=None, serving=False):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cmd", choices=["check"])
     p.add_argument("--config", required=True)
@@ -225,17 +230,19 @@ def main():
     p.add_argument("--ckpt", required=True)
     p.add_argument("--ref", required=True)
     p.add_argument("--draft", default=None, help="an exported draft directory to check (TP=1, PP=1)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     mo.apply_cpu_shims()
     hybrid_alias()
     import torch.distributed as dist
 
     cfg = mo.load_config(a.config)
     mo.init_parallel(a.tp, a.pp)
-    local_layers_without_te()
-    rc = cmd_check(a, cfg)
-    dist.barrier()
-    dist.destroy_process_group()
+    try:
+        local_layers_without_te()
+        rc = cmd_check(a, cfg)
+        dist.barrier()
+    finally:
+        mo.end_parallel(serving)
     return rc
 
 

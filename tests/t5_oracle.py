@@ -183,7 +183,7 @@ def cmd_logits(a, cfg):
     return 0
 
 
-def main(argv=None):
+def main(argv=None, serving=False):
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,9 +210,11 @@ def main(argv=None):
 
     cfg = load_config(a.config)
     mo.init_parallel(a.tp, 1)
-    rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits}[a.cmd](a, cfg)
-    dist.barrier()
-    dist.destroy_process_group()
+    try:
+        rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits}[a.cmd](a, cfg)
+        dist.barrier()
+    finally:
+        mo.end_parallel(serving)
     return rc
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from conftest import ok, run_cli
 from dist_convert.bench import report
 from dist_convert.bench.baselines import whole_model
-from dist_convert.bench.measure import Outcome, Run
+from dist_convert.bench.measure import TORCHRUN, MethodFailed, Outcome, Run, run_command
 from dist_convert.bench.shape import LlamaShape, choose_shape, make_args
 from dist_convert.bench.synth import Values, write_synthetic
 from dist_convert.cli import main as cli_main
@@ -158,3 +159,17 @@ def test_megatron_core_loads_the_synthetic_checkpoint_and_agrees(bench):
 def test_whole_model_baseline_equals_dist_convert(bench):
     assert cli_main(["verify", _output(bench, "whole_model", 1), _output(bench, "dist_convert", 2)]) == 0
     assert cli_main(["verify", _output(bench, "dist_convert", 1), _output(bench, "dist_convert", 2)]) == 0
+
+
+def test_a_failed_job_names_its_rank_and_what_it_printed(tmp_path):
+    """A failing torchrun job is reported by the rank torchrun found failing first and that rank's own
+    last stderr lines, not by torchrun's summary (``error_file: <N/A>``)."""
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    print('dist_convert: error: rank one broke (the cause)', file=sys.stderr)\n"
+                      "    sys.exit(3)\n"
+                      "time.sleep(5)\n")
+    with pytest.raises(MethodFailed) as failed:
+        run_command([sys.executable, "-m", TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], 120)
+    assert str(failed.value) == "exit 1: rank 1 exit 3: dist_convert: error: rank one broke (the cause)"

@@ -22,7 +22,7 @@ def one_error(proc) -> str:
 def test_checksums_are_recorded_and_checked(gpt_a, tmp_path):
     dst = tmp_path / "dst"
     ok(run_cli("reshard", str(gpt_a.torch_dist), str(dst), "--target-tp", "1", "--target-pp", "2",
-               "--dst-format", "megatron", nproc=2))
+               "--dst-format", "megatron", nproc=2, fresh=True))  # a launch of its own, as a user's
     manifest = json.loads((dst / MANIFEST).read_text())["files"]
     on_disk = {p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file()} - {MANIFEST}
     assert set(manifest) == on_disk  # every file, the tracker included

@@ -6,7 +6,6 @@ state dict at the target layout (megatron-core reshards the reference on load)."
 from __future__ import annotations
 
 import argparse
-import subprocess
 import tarfile
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ENV, ROOT, Source, assert_refused, make_gpt, ok, oracle, run_cli, torchrun
+from conftest import Source, assert_refused, make_gpt, ok, oracle, run_cli
 from dist_convert.config import ModelConfig
 from dist_convert.errors import ConvertError
 from dist_convert.formats.base import Target
@@ -140,30 +139,11 @@ def make_legacy_nemo(src: Source, root: Path, megatron_legacy: bool, activation:
     return path
 
 
-REF_DUMP = """
-import sys
-sys.path.insert(0, "tests")
-import torch
-import mcore_oracle as o
-from megatron.core import parallel_state as ps
-config, tp, pp, ckpt, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-o.apply_cpu_shims()
-cfg = o.load_config(config)
-o.init_parallel(tp, pp)
-model = o.build_model(cfg, tp, pp)
-o.load_into(model, ckpt, "torch_dist", pp)
-t, p = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-torch.save(model.state_dict(), f"{out}/ref_{t}_{p}.pt")
-"""
-
-
 def mcore_reference(src: Source, tmp: Path, tp: int, pp: int) -> dict[tuple[int, int], dict]:
     """megatron-core's own state dicts of ``src`` at (tp, pp): built there, torch_dist loaded (megatron-core
     reshards it), per rank."""
-    script = tmp / "ref_dump.py"
-    script.write_text(REF_DUMP)
-    ok(subprocess.run(torchrun(tp * pp, str(script), str(src.config), str(tp), str(pp), str(src.torch_dist),
-                               str(tmp)), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300))
+    oracle("dump", tp * pp, "--config", str(src.config), "--tp", str(tp), "--pp", str(pp), "--ckpt",
+           str(src.torch_dist), "--ckpt-format", "torch_dist", "--out", str(tmp))
     return {(t, p): torch.load(tmp / f"ref_{t}_{p}.pt", weights_only=False) for t in range(tp) for p in range(pp)}
 
 

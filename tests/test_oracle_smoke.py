@@ -6,18 +6,14 @@ element in a layer weight or in a true-vocab embedding row must be reported.
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
+from conftest import oracle
 
-ORACLE = Path(__file__).with_name("mcore_oracle.py")
 CONFIG = {
     "num_layers": 2,
     "hidden_size": 32,
@@ -38,12 +34,9 @@ CONFIG = {
 SHARD = Path("iter_0000005") / "mp_rank_00" / "model_optim_rng.pt"
 
 
-def _torchrun(nproc, *args):
-    exe = Path(sys.executable).with_name("torchrun")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    cmd += ["--standalone", f"--nproc_per_node={nproc}", str(ORACLE), *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+def _torchrun(nproc, cmd, *args):
+    """The oracle as every test runs it (the session's oracle worker for ``nproc`` ranks)."""
+    return oracle(cmd, nproc, *map(str, args), check=False)
 
 
 @pytest.fixture(scope="module")

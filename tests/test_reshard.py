@@ -33,7 +33,7 @@ def test_reshard_loads_in_megatron_core(request, tmp_path, name, src_fmt, dst_fm
             "--dst-format", dst_fmt, *extra]
     if first:
         args += ["--target-num-layers-in-first-stage", str(first)]
-    proc = ok(run_cli(*args, nproc=world))
+    proc = ok(run_cli(*args, nproc=world, fresh=world is None))  # one launch as a user's: python -m dist_convert
     assert "wrote" in proc.stderr and "peak RSS" in proc.stderr  # the summary table
     if "--memory-budget" in extra:  # a small budget really splits the exchange into waves
         assert int(re.search(r"(\d+) waves", proc.stderr).group(1)) > 4

@@ -1,25 +1,20 @@
 """``speculate`` under torchrun (gloo, no Transformer Engine): EAGLE-1, EAGLE-3 and Medusa added by
-ModelOpt at the target layout, judged by megatron-core + ModelOpt restoring the checkpoint in a fresh
-process group (tests/spec_oracle.py): base weights equal to the source, real draft weights, a forward
+ModelOpt at the target layout, judged by megatron-core + ModelOpt restoring the checkpoint in another
+process (tests/spec_oracle.py): base weights equal to the source, real draft weights, a forward
 pass with draft outputs."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from conftest import ENV, ROOT, assert_refused, ok, run_cli, torchrun
-
-SPEC_ORACLE = ROOT / "tests" / "spec_oracle.py"
+from conftest import assert_refused, ok, oracle, run_cli
 
 
 def spec_oracle(src, dst, tp: int, pp: int, algo: str, draft=None, config=None) -> str:
     extra = ["--draft", str(draft)] if draft else []
-    proc = subprocess.run(torchrun(tp * pp, str(SPEC_ORACLE), "check", "--config", str(config or src.config),
-                                   "--tp", str(tp),
-                                   "--pp", str(pp), "--algo", algo, "--ckpt", str(dst), "--ref", str(src.torch_dist),
-                                   *extra), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = oracle("check", tp * pp, "--config", str(config or src.config), "--tp", str(tp), "--pp", str(pp),
+                  "--algo", algo, "--ckpt", str(dst), "--ref", str(src.torch_dist), *extra, program="spec", check=False)
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0 and "SPEC ORACLE OK" in proc.stdout, out
     return proc.stdout

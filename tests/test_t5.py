@@ -14,9 +14,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import ENV, ROOT, assert_refused, ok, run_cli, torchrun
-
-T5_ORACLE = ROOT / "tests" / "t5_oracle.py"
+from conftest import assert_refused, ok, oracle, run_cli
 
 # a: tied embeddings (head bias), learned positions, LayerNorm + biases, 2 encoder / 4 decoder layers.
 # b: untied head, relative position biases, RMSNorm, SwiGLU, no biases.
@@ -34,8 +32,7 @@ T5_CONFIGS = {
 
 
 def t5_oracle(cmd: str, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    return ok(subprocess.run(torchrun(nproc, str(T5_ORACLE), cmd, *args), cwd=ROOT, env=ENV, capture_output=True,
-                             text=True, timeout=600))
+    return oracle(cmd, nproc, *args, program="t5")
 
 
 @dataclass

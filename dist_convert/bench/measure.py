@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,8 +84,11 @@ def child_env() -> dict[str, str]:
             "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
 
 
+TORCHRUN = "torch.distributed.run"
+
+
 def torchrun(nproc: int, module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    return [sys.executable, "-m", TORCHRUN, "--standalone", f"--nproc_per_node={nproc}",
             "-m", module, *args]
 
 
@@ -107,20 +112,43 @@ def remove(path: Path) -> None:
 
 
 def run_command(cmd: list[str], timeout: float) -> float:
-    """Run ``cmd`` from the repository root; wall seconds including the sync after it."""
-    os.sync()
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise MethodFailed(f"timed out after {timeout:.0f} s (raise --timeout)") from None
-    os.sync()
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip() and "Warning" not in ln]
-        errors = [ln for ln in lines if "error" in ln.lower()]
-        raise MethodFailed(f"exit {proc.returncode}: {(errors or lines or ['no output'])[-1].strip()[:300]}")
+    """Run ``cmd`` from the repository root; wall seconds including the sync after it. A torchrun job
+    keeps each rank's output in a log directory of its own, so that a failure names the rank that
+    failed first and what that rank printed (not torchrun's summary of it)."""
+    with tempfile.TemporaryDirectory(prefix="dist_convert_bench_logs_") as logs:
+        if TORCHRUN in cmd:
+            at = cmd.index(TORCHRUN) + 1
+            cmd = [*cmd[:at], "--log-dir", logs, "--redirects", "3", *cmd[at:]]
+        os.sync()
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(), capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise MethodFailed(f"timed out after {timeout:.0f} s (raise --timeout)") from None
+        os.sync()
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise MethodFailed(failure_reason(proc, Path(logs)))
     return wall
+
+
+_ROOT_RANK = re.compile(r"Root Cause.*?local_rank: (\d+)\).*?exitcode\s*:\s*(-?\d+)[^\n]*?(\((SIG\w+)\))?\n", re.S)
+
+
+def failure_reason(proc: subprocess.CompletedProcess, logs: Path) -> str:
+    """One line: the exit code, the rank torchrun found failing first (with its signal), and the last
+    lines that rank (or the one process) wrote to stderr, warnings left out."""
+    where, text = "", proc.stderr or proc.stdout or ""
+    m = _ROOT_RANK.search(proc.stderr or "")
+    if m:
+        local, code, sig = m.group(1), m.group(2), m.group(4)
+        where = f"rank {local} exit {code}{f' ({sig})' if sig else ''}: "
+        rank_err = [f for f in logs.rglob("stderr.log") if f.parent.name == local]
+        text = rank_err[0].read_text(errors="replace") if rank_err else ""
+    lines = [ln.strip() for ln in text.splitlines()
+             if ln.strip() and "Warning" not in ln and "warnings.warn" not in ln]
+    return f"exit {proc.returncode}: {where}{' | '.join(lines[-3:])[:400] or 'no output'}"
 
 
 def time_floor(files: list[Path], out: Path) -> Run:

@@ -1,5 +1,5 @@
 """The fixed cost of a dist_convert launch, timed by ``bench`` as its own method: start the
-interpreter, import the CLI with every format, join the process group, and leave.
+interpreter, import the CLI with every format, join the process group, and leave it.
 
   torchrun --nproc_per_node=N -m dist_convert.bench.startup --stats-json FILE
 """
@@ -21,10 +21,16 @@ def main(argv: list[str] | None = None) -> int:
     from ..runtime import init_runtime, peak_rss_bytes
 
     rt = init_runtime()
-    rt.barrier()
-    stats = rt.all_gather_object({"wall_s": time.perf_counter() - t0, "peak_rss": peak_rss_bytes()})
-    if rt.rank == 0:
-        a.stats_json.write_text(json.dumps(stats))
+    try:
+        rt.barrier()
+        stats = rt.all_gather_object({"wall_s": time.perf_counter() - t0, "peak_rss": peak_rss_bytes()})
+        if rt.rank == 0:
+            a.stats_json.write_text(json.dumps(stats))
+    finally:
+        # leave the group together, as every dist_convert command does: a process that exits with its
+        # gloo group alive aborts in the group's destructor ("terminate called without an active
+        # exception", SIGABRT) when a peer's connection is still being torn down, as happens under load
+        rt.close()
     return 0
 
 

@@ -1,0 +1,153 @@
+"""The test session's side of tests/job_worker.py: one long-lived worker per (program, world size),
+started on first use, restarted when a job ended it, stopped at the end of the session."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "job_worker.py"
+START_TIMEOUT = 180.0  # seconds for a worker's ranks to import and connect (a loaded 2-core machine)
+
+
+class Worker:
+    """``program`` run by ``world`` ranks under torchrun, or by one plain process when ``world`` is None."""
+
+    def __init__(self, program: str, world: int | None, env: dict[str, str]) -> None:
+        self.program, self.world, self.env = program, world, env
+        self.proc: subprocess.Popen | None = None
+        self.jobs = 0
+
+    @property
+    def nranks(self) -> int:
+        return self.world or 1
+
+    def _start(self) -> None:
+        self.spool = Path(tempfile.mkdtemp(prefix=f"dcw-{self.program}{self.world or 0}-"))
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(str(self.spool / "sock"))
+        server.listen(self.nranks)
+        server.settimeout(1.0)
+        args = [str(WORKER), "--program", self.program, "--socket", str(self.spool / "sock"), "--spool",
+                str(self.spool)]
+        cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}", *args]
+               if self.world else [sys.executable, *args])
+        self.log = self.spool / "worker.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        conns: dict[int, socket.socket] = {}
+        deadline = time.monotonic() + START_TIMEOUT
+        try:
+            while len(conns) < self.nranks:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {self.program} w={self.world} did not start:\n{self._log_tail()}")
+                try:
+                    conn, _ = server.accept()
+                except socket.timeout:
+                    continue
+                conn.settimeout(None)
+                rank = json.loads(conn.makefile("r").readline())["rank"]
+                conns[rank] = conn
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            server.close()
+        self.conns = [conns[r] for r in range(self.nranks)]
+        self.replies = [c.makefile("r") for c in self.conns]
+
+    def _log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+
+    def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """Run one job on every rank: rank 0's output first, then the others', as torchrun merges them.
+        The exit code is the first non-zero one of any rank (0 if none), as torchrun reports it."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        n = self.jobs
+        self.jobs += 1
+        line = (json.dumps({"id": n, "argv": argv}) + "\n").encode()
+        for c in self.conns:
+            c.sendall(line)
+        rcs: dict[int, int] = {}
+        deadline = time.monotonic() + timeout
+        by_fd = {f.fileno(): (r, f) for r, f in enumerate(self.replies)}
+        while len(rcs) < self.nranks:
+            ready, _, _ = select.select([fd for fd, (r, _) in by_fd.items() if r not in rcs], [], [], 1.0)
+            for fd in ready:
+                r, f = by_fd[fd]
+                text = f.readline()
+                if text:
+                    rcs[r] = json.loads(text)["rc"]
+            if len(rcs) < self.nranks and self.proc.poll() is not None:
+                break  # a rank died (killed, crashed): what it wrote is the job's output
+            if time.monotonic() > deadline:
+                out, err = self._read(n, "out"), self._read(n, "err") + self._log_tail()
+                self.stop(kill=True)
+                raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err)
+        stderr = self._read(n, "err")
+        if len(rcs) < self.nranks:  # the worker ended mid-job
+            stderr += f"\n[worker ended: exit {self.proc.poll()}]\n{self._log_tail()}"
+            self.stop(kill=True)
+            rc = 1
+        else:
+            rc = next((x for x in rcs.values() if x != 0), 0)
+        return subprocess.CompletedProcess(argv, rc, self._read(n, "out"), stderr)
+
+    def _read(self, n: int, what: str) -> str:
+        parts = []
+        for r in range(self.nranks):
+            f = self.spool / f"job{n}.rank{r}.{what}"
+            if f.exists():
+                parts.append(f.read_text(errors="replace"))
+                f.unlink()
+        return "".join(parts)
+
+    def stop(self, kill: bool = False) -> None:
+        """End the worker: EOF on its sockets (it exits between jobs), or SIGKILL to all its processes."""
+        if self.proc is not None:
+            for f in getattr(self, "replies", []):  # a socket closes when its file objects do too
+                f.close()
+            for c in getattr(self, "conns", []):
+                c.close()
+            try:
+                if kill:
+                    raise subprocess.TimeoutExpired(self.proc.args, 0)
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            self.proc = None
+            self.conns, self.replies = [], []
+        shutil.rmtree(getattr(self, "spool", ""), ignore_errors=True)
+
+
+class Workers:
+    """The session's workers, by (program, world)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.pool: dict[tuple[str, int | None], Worker] = {}
+
+    def run(self, program: str, world: int | None, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        key = (program, world)
+        if key not in self.pool:
+            self.pool[key] = Worker(program, world, self.env)
+        return self.pool[key].run(argv, timeout)
+
+    def stop(self) -> None:
+        for w in self.pool.values():
+            w.stop()
+        self.pool.clear()

@@ -5,7 +5,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 set +e
-.venv/bin/python -m pytest tests "$@"
+.venv/bin/python -m pytest tests --durations=15 "$@"  # the 15 slowest tests, every run
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi

@@ -32,6 +32,10 @@ class Worker:
     def nranks(self) -> int:
         return self.world or 1
 
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def _start(self) -> None:
         self.spool = Path(tempfile.mkdtemp(prefix=f"dcw-{self.program}{self.world or 0}-"))
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -73,7 +77,9 @@ class Worker:
     def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
         """Run one job on every rank: rank 0's output first, then the others', as torchrun merges them.
         The exit code is the first non-zero one of any rank (0 if none), as torchrun reports it."""
-        if self.proc is None or self.proc.poll() is not None:
+        if not self.alive:
+            if self.proc is not None:
+                self.stop()
             self._start()
         n = self.jobs
         self.jobs += 1
@@ -135,17 +141,24 @@ class Worker:
 
 
 class Workers:
-    """The session's workers, by (program, world)."""
+    """The session's workers, by (program, world). At most ``max_ranks`` worker processes stay alive
+    (each holds torch, and the oracle's megatron-core, in memory: about 300-450 MB): starting one more
+    first stops the least recently used, so that two suites can run side by side on a 24 GB machine."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
-        self.pool: dict[tuple[str, int | None], Worker] = {}
+    def __init__(self, env: dict[str, str], max_ranks: int = 14) -> None:
+        self.env, self.max_ranks = env, max_ranks
+        self.pool: dict[tuple[str, int | None], Worker] = {}  # least recently used first
 
     def run(self, program: str, world: int | None, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
         key = (program, world)
-        if key not in self.pool:
-            self.pool[key] = Worker(program, world, self.env)
-        return self.pool[key].run(argv, timeout)
+        worker = self.pool.pop(key, None) or Worker(program, world, self.env)
+        if not worker.alive:
+            for other in list(self.pool.values()):
+                if sum(w.nranks for w in self.pool.values() if w.alive) + worker.nranks <= self.max_ranks:
+                    break
+                other.stop()
+        self.pool[key] = worker
+        return worker.run(argv, timeout)
 
     def stop(self) -> None:
         for w in self.pool.values():

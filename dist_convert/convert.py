@@ -18,8 +18,8 @@ from .exchange import Assembly, execute
 from .formats import detect_format, get_format
 from . import faults
 from .exchange import stop_on_error
-from .formats.base import (Format, FormatOptions, SourceIndex, Target, TargetFile, WrittenFile, iter_dir_name, numel,
-                           omit_absent, on_rank0, write_tracker)
+from .datamodel import SourceIndex, Target, TargetFile, WrittenFile, numel, omit_absent
+from .formats.base import Format, FormatOptions, iter_dir_name, on_rank0, write_tracker
 from .integrity import (INCOMPLETE_SUFFIX, Entry, Journal, file_sha256, fingerprint, read_journal, read_marker,
                         refuse_incomplete, remove_run_state, restart_journal, write_manifest, write_marker)
 from .layout.rules import logical_tensors

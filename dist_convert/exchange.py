@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from . import faults
 from .errors import ConvertError
-from .formats.base import SourceChunk, TargetFile
+from .datamodel import SourceChunk, TargetFile
 from .plan import Plan, Transfer, aligned
 from .runtime import Runtime
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .errors import ConvertError
-from .formats.base import TargetFile, WrittenFile
+from .datamodel import TargetFile, WrittenFile
 from .plan import balance
 from .runtime import Runtime
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .errors import ConvertError
-from .formats.base import SourceChunk, TargetFile
+from .datamodel import SourceChunk, TargetFile
 from .layout.boxes import Box, Piece, piece_box
 
 ALIGN = 16  # bytes: every segment of an exchange buffer starts aligned for any dtype

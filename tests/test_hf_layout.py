@@ -7,7 +7,7 @@ import torch
 
 from dist_convert.config import ModelConfig
 from dist_convert.errors import ConvertError
-from dist_convert.formats.base import SourceChunk, Target
+from dist_convert.datamodel import SourceChunk, Target
 from dist_convert.formats.hf import hf_tensors, pack_shards
 from dist_convert.formats.hf_config import config_from_hf, hf_from_config
 from dist_convert.formats.megatron import MegatronFormat

@@ -129,7 +129,7 @@ def test_router_expert_bias_is_never_cast():
     """megatron-core keeps router.expert_bias in fp32 whatever the params dtype: --dtype leaves it alone."""
     import torch
 
-    from dist_convert.formats.base import Target
+    from dist_convert.datamodel import Target
     from dist_convert.formats.megatron import MegatronFormat
     from dist_convert.formats.torch_dist import TorchDistFormat
 

@@ -17,7 +17,7 @@ import yaml
 from conftest import ENV, ROOT, Source, assert_refused, make_gpt, ok, oracle, run_cli, torchrun
 from dist_convert.config import ModelConfig
 from dist_convert.errors import ConvertError
-from dist_convert.formats.base import Target
+from dist_convert.datamodel import Target
 from dist_convert.formats.nemo_legacy import nemo_target_files, source_style
 from dist_convert.topology import Layout
 

@@ -6,7 +6,7 @@ import torch
 
 from dist_convert.config import ModelConfig
 from dist_convert.errors import ConvertError
-from dist_convert.formats.base import Target
+from dist_convert.datamodel import Target
 from dist_convert.formats.megatron import MegatronFormat, rank_entries
 from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from ..convert import ReshardOptions, check_vocab, load_index, source_dtypes, target_layout
 from ..config import args_for_target
 from ..errors import ConvertError
-from ..formats.base import FormatOptions, SourceIndex, Target, TargetFile, WrittenFile, iter_dir_name, write_tracker
+from ..datamodel import SourceIndex, Target, TargetFile, WrittenFile
+from ..formats.base import FormatOptions, iter_dir_name, write_tracker
 from ..formats.megatron import split_chunk_key
 from ..layout.boxes import Box
 from ..layout.rules import logical_tensors

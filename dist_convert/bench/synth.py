@@ -21,7 +21,8 @@ import torch
 
 from ..config import args_for_target, config_from_args
 from ..formats import get_format
-from ..formats.base import Target, TargetTensor, write_tracker
+from ..datamodel import Target, TargetTensor
+from ..formats.base import write_tracker
 from ..layout.boxes import Box
 from ..layout.rules import logical_tensors
 from ..runtime import Runtime, init_runtime

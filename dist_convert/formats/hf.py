@@ -24,8 +24,8 @@ from ..layout.boxes import Box, Piece
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
 from ..runtime import Runtime
 from ..topology import Layout
-from .base import (FileAtATime, FormatOptions, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
-                   TargetTensor, WrittenFile, on_rank0, target_dtype)
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from .base import FileAtATime, FormatOptions, KeyPolicy, on_rank0
 from .hf_config import Family, config_from_hf, export_family, family_of, hf_from_config
 from .safetensors_io import read_boxes, read_header, write_file
 

@@ -20,8 +20,8 @@ from ..layout.rules import (EMBEDDING, OUTPUT_MODULES, TIED_COPIES, expert_key, 
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import (FileAtATime, IterDirFormat, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
-                   TargetTensor, WrittenFile, add_rank_file_chunks, target_dtype)
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from .base import FileAtATime, IterDirFormat, KeyPolicy, add_rank_file_chunks
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model_optim_rng.pt"

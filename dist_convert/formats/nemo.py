@@ -21,12 +21,13 @@ import torch
 import yaml
 
 from ..config import ModelConfig
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
 from ..errors import ConvertError
+from ..integrity import is_run_state
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import (FileAtATime, FormatOptions, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
-                   WrittenFile, add_rank_file_chunks)
+from .base import FileAtATime, FormatOptions, KeyPolicy, add_rank_file_chunks
 from .megatron import save_durable
 from .nemo_legacy import nemo_target_files, source_style, target_style
 
@@ -275,8 +276,6 @@ class NemoFormat:
 
     def package(self, tmp: Path, dst: Path) -> Path:
         """Rank 0: a ``.nemo`` target is streamed into one tar (members added file by file)."""
-        from ..integrity import is_run_state  # (integrity imports the formats)
-
         if dst.suffix != ".nemo":
             return tmp
         packed = tmp.parent / (tmp.name + ".nemo")

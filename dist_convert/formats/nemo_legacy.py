@@ -38,7 +38,7 @@ from ..errors import ConvertError
 from ..layout.boxes import Box, Piece
 from ..layout.rules import EMBEDDING, OUTPUT
 from ..topology import Layout
-from .base import Target, TargetFile, TargetTensor, target_dtype
+from ..datamodel import Target, TargetFile, TargetTensor, target_dtype
 from .megatron import rank_entries, rank_target_files
 
 Entry = tuple[tuple[int, ...], list[Piece]]

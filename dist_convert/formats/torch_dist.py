@@ -27,8 +27,8 @@ from ..layout.rules import (OUTPUT_MODULES, LogicalTensor, extra_state_modules, 
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from ..topology import Layout
-from .base import (IterDirFormat, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor,
-                   WrittenFile, on_rank0, target_dtype)
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from .base import IterDirFormat, KeyPolicy, on_rank0
 from .distcp import (ItemFileWriter, SafeFileSystemReader, StoredTensor, check_storage, load_metadata, locate,
                      write_metadata)
 

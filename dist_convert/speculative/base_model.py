@@ -11,7 +11,8 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConvertError
 from ..exchange import Assembly, execute
-from ..formats.base import Format, SourceIndex, TargetFile, TargetTensor
+from ..datamodel import SourceIndex, TargetFile, TargetTensor
+from ..formats.base import Format
 from ..formats.megatron import rank_entries
 from ..layout.boxes import Kind
 from ..layout.rules import logical_tensors

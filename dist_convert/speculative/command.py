@@ -16,7 +16,8 @@ from ..convert import (DTYPES, ReshardOptions, check_vocab, commit_dst, load_ind
                        logical_numel, prepare_dst, source_dtypes, target_layout)
 from ..errors import ConvertError
 from ..formats import get_format
-from ..formats.base import Format, FormatOptions, SourceIndex, iter_dir_name, resolve_iter_dir, write_tracker
+from ..datamodel import SourceIndex
+from ..formats.base import Format, FormatOptions, iter_dir_name, resolve_iter_dir, write_tracker
 from ..integrity import write_manifest
 from ..plan import DEFAULT_BUDGET
 from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes

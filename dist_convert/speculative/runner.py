@@ -10,7 +10,8 @@ import torch
 
 from ..config import ModelConfig
 from ..convert import sliced
-from ..formats.base import Format, SourceIndex
+from ..datamodel import SourceIndex
+from ..formats.base import Format
 from ..plan import Plan
 from ..runtime import Runtime
 from ..topology import Layout

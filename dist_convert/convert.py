@@ -12,21 +12,20 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig, args_for_target
-from .errors import ConvertError
-from .exchange import Assembly, execute
-from .formats import detect_format, get_format
 from . import faults
-from .exchange import stop_on_error
+from .config import ModelConfig, args_for_target
 from .datamodel import SourceIndex, Target, TargetFile, WrittenFile, numel, omit_absent
+from .errors import ConvertError
+from .exchange import Assembly, execute, stop_on_error
+from .formats import detect_format, get_format
 from .formats.base import Format, FormatOptions, iter_dir_name, on_rank0, write_tracker
 from .integrity import (INCOMPLETE_SUFFIX, Entry, Journal, file_sha256, fingerprint, read_journal, read_marker,
                         refuse_incomplete, remove_run_state, restart_journal, write_manifest, write_marker)
 from .layout.rules import logical_tensors
+from .layout.topology import Layout
 from .plan import DEFAULT_BUDGET, Plan, balance, make_plan, split_chunks, split_files
 from .runtime import Runtime, collective_failure, human_bytes, peak_rss_bytes
 from .summary import RankStats, print_summary
-from .topology import Layout
 
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

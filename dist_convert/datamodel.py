@@ -16,7 +16,7 @@ import torch
 from .config import ModelConfig
 from .errors import ConvertError
 from .layout.boxes import Piece
-from .topology import Layout
+from .layout.topology import Layout
 
 
 def numel(shape: tuple[int, ...]) -> int:

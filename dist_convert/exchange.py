@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from . import faults
-from .errors import ConvertError
 from .datamodel import SourceChunk, TargetFile
+from .errors import ConvertError
 from .plan import Plan, Transfer, aligned
 from .runtime import Runtime
 

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import ConvertError
 from .datamodel import TargetFile, WrittenFile
+from .errors import ConvertError
 from .plan import balance
 from .runtime import Runtime
 

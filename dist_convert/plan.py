@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .errors import ConvertError
 from .datamodel import SourceChunk, TargetFile
+from .errors import ConvertError
 from .layout.boxes import Box, Piece, piece_box
 
 ALIGN = 16  # bytes: every segment of an exchange buffer starts aligned for any dtype

@@ -22,7 +22,7 @@ from dist_convert.datamodel import numel
 from dist_convert.layout.boxes import Box
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.runtime import Runtime
-from dist_convert.topology import Layout
+from dist_convert.layout.topology import Layout
 
 MB, GB = 1 << 20, 1 << 30
 

@@ -14,7 +14,7 @@ from dist_convert.formats.megatron import MegatronFormat
 from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.plan import make_plan, select_source, split_chunks
-from dist_convert.topology import Layout
+from dist_convert.layout.topology import Layout
 
 
 def hf_config(**over) -> dict:

@@ -13,7 +13,7 @@ from dist_convert.layout.rules import logical_tensors
 from dist_convert.exchange import Assembly, execute
 from dist_convert.plan import Plan, aligned, make_plan, split_files
 from dist_convert.runtime import Runtime
-from dist_convert.topology import Layout
+from dist_convert.layout.topology import Layout
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
                   kv_channels=8, swiglu=True, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True,

@@ -21,10 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from ..convert import ReshardOptions, check_vocab, load_index, source_dtypes, target_layout
 from ..config import args_for_target
-from ..errors import ConvertError
+from ..convert import ReshardOptions, check_vocab, load_index, source_dtypes, target_layout
 from ..datamodel import SourceIndex, Target, TargetFile, WrittenFile
+from ..errors import ConvertError
 from ..formats.base import FormatOptions, iter_dir_name, write_tracker
 from ..formats.megatron import split_chunk_key
 from ..layout.boxes import Box

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
 from ..errors import ConvertError
 from ..layout.boxes import Box, Piece
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
+from ..layout.topology import Layout
 from ..runtime import Runtime
-from ..topology import Layout
-from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
 from .base import FileAtATime, FormatOptions, KeyPolicy, on_rank0
 from .hf_config import Family, config_from_hf, export_family, family_of, hf_from_config
 from .safetensors_io import read_boxes, read_header, write_file

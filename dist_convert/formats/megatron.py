@@ -13,14 +13,14 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig, config_from_args
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
 from ..errors import ConvertError
 from ..layout.boxes import Piece, local_pieces, mcore_global_shape
 from ..layout.rules import (EMBEDDING, OUTPUT_MODULES, TIED_COPIES, expert_key, expert_modules, extra_state_modules,
                             holders, is_grouped_expert_key, logical_tensors, model_family, spec_suffix)
+from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from ..topology import Layout
-from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
 from .base import FileAtATime, IterDirFormat, KeyPolicy, add_rank_file_chunks
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")

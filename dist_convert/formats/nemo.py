@@ -24,9 +24,9 @@ from ..config import ModelConfig
 from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
 from ..errors import ConvertError
 from ..integrity import is_run_state
+from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from ..topology import Layout
 from .base import FileAtATime, FormatOptions, KeyPolicy, add_rank_file_chunks
 from .megatron import save_durable
 from .nemo_legacy import nemo_target_files, source_style, target_style

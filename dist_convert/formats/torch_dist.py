@@ -20,14 +20,14 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..config import ModelConfig, config_from_args
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
 from ..errors import ConvertError
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
 from ..layout.rules import (OUTPUT_MODULES, LogicalTensor, extra_state_modules, holders, logical_tensors,
                             model_family, per_layer_keys, torch_dist_key)
+from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from ..topology import Layout
-from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
 from .base import IterDirFormat, KeyPolicy, on_rank0
 from .distcp import (ItemFileWriter, SafeFileSystemReader, StoredTensor, check_storage, load_metadata, locate,
                      write_metadata)

@@ -14,15 +14,15 @@ import torch
 from ..config import ModelConfig, args_for_target
 from ..convert import (DTYPES, ReshardOptions, check_vocab, commit_dst, load_index,
                        logical_numel, prepare_dst, source_dtypes, target_layout)
+from ..datamodel import SourceIndex
 from ..errors import ConvertError
 from ..formats import get_format
-from ..datamodel import SourceIndex
 from ..formats.base import Format, FormatOptions, iter_dir_name, resolve_iter_dir, write_tracker
 from ..integrity import write_manifest
+from ..layout.topology import Layout
 from ..plan import DEFAULT_BUDGET
 from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes
 from ..summary import RankStats, print_summary
-from ..topology import Layout
 from .draft_config import DraftRequest, speculative_config
 from .draft_export import draft_base_config
 from .modelopt_compat import alias_renamed_megatron_modules

@@ -4,9 +4,9 @@ While a conversion runs, its output lives in ``DST.dist_convert_tmp/`` with a ma
 (``MARKER``) that says it is incomplete and which conversion made it (a fingerprint of the target
 files). Each rank journals every target file it finished (fsynced first) with its size and SHA-256;
 ``--resume`` keeps the journaled files whose checksums still match and converts only the rest. At the
-end rank 0 writes the format's metadata, the checksum manifest (``MANIFEST``: every file of the
-target), the tracker, removes journal and marker and renames the directory into place.
-``verify --checksums`` checks a target against its manifest without a source.
+end rank 0 writes the format's metadata, the tracker and the checksum manifest (``MANIFEST``: every
+file of the target), removes journal and marker and renames the directory into place (the order is
+staging.py's). ``verify --checksums`` checks a target against its manifest without a source.
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def refuse_incomplete(path: Path) -> None:
 
 
 def write_manifest(root: Path, known: dict[str, Entry] | None = None) -> None:
-    """Rank 0, last but the tracker: size and SHA-256 of every file under ``root`` (journaled files
+    """Rank 0, last: size and SHA-256 of every file under ``root`` (journaled files
     take their journaled checksum: they were hashed once, as they were finished)."""
     known = known or {}
     files: dict[str, dict[str, Any]] = {}

@@ -4,7 +4,6 @@ checkpoint plus ``modelopt_state`` from which megatron-core + ModelOpt resume tr
 from __future__ import annotations
 
 import argparse
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,16 +11,15 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, args_for_target
-from ..convert import (DTYPES, ReshardOptions, check_vocab, commit_dst, load_index,
-                       logical_numel, prepare_dst, source_dtypes, target_layout)
+from ..convert import DTYPES, ReshardOptions, check_vocab, load_index, logical_numel, source_dtypes, target_layout
 from ..datamodel import SourceIndex
 from ..errors import ConvertError
 from ..formats import get_format
-from ..formats.base import Format, FormatOptions, iter_dir_name, resolve_iter_dir, write_tracker
-from ..integrity import write_manifest
+from ..formats.base import Format, FormatOptions, iter_dir_name, resolve_iter_dir
 from ..layout.topology import Layout
 from ..plan import DEFAULT_BUDGET
 from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes
+from ..staging import refuse_existing, stage
 from ..summary import RankStats, print_summary
 from .draft_config import DraftRequest, speculative_config
 from .draft_export import draft_base_config
@@ -68,8 +66,8 @@ def _dominant_dtype(dtypes: dict[str, torch.dtype]) -> torch.dtype:
 def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     t0 = time.perf_counter()
     for path, flag in ((opts.dst, "DST"), (opts.export_draft, "--export-draft")):
-        if path is not None and path.exists() and not opts.overwrite:
-            raise ConvertError(f"{flag} {path} already exists", "pass --overwrite to replace it or choose another path")
+        if path is not None:
+            refuse_existing(path, opts.overwrite, flag, "another path")
     if opts.dtype not in DTYPES:
         raise ConvertError(f"unknown --dtype {opts.dtype}", f"use one of {', '.join(DTYPES)}")
     alias_renamed_megatron_modules()  # before anything imports ModelOpt
@@ -126,22 +124,15 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
 
     model, plan, counters = build_and_convert(index, src_fmt, cfg, args, layout, dtype, algo, spec_cfg, rt,
                                               opts.memory_budget, logical_numel(index))
-    tmp = prepare_dst(opts.dst, rt)
+    staging = stage(opts.dst, rt, overwrite=opts.overwrite)
     tw = time.perf_counter()
-    try:
-        save_speculative(model, tmp / iter_dir_name(index.iteration), args, index.iteration, rt)
+    with staging.guard():
+        save_speculative(model, staging.tmp / iter_dir_name(index.iteration), args, index.iteration, rt)
         rt.barrier()
-        if rt.rank == 0:
-            write_tracker(tmp, index.iteration)
-            write_manifest(tmp)
-        rt.barrier()
-    except BaseException:
-        if rt.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit_dst(tmp, opts.dst, rt)
+        staging.complete(tracker=index.iteration)
+    staging.commit()
     if opts.export_draft is not None:
-        export_draft(model, algo, spec_cfg, cfg, args, dtype, opts.export_draft, rt)
+        export_draft(model, algo, spec_cfg, cfg, args, dtype, opts.export_draft, rt, overwrite=opts.overwrite)
     write_s = time.perf_counter() - tw
     written = sum(f.stat().st_size for f in (opts.dst / iter_dir_name(index.iteration)).glob(f"__{rt.rank}_*.distcp"))
     mine = RankStats(rt.rank, 1, counters["tensors"], counters["read"], written, counters["sent"],

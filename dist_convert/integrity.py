@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .datamodel import TargetFile, WrittenFile
+from .durable import write_durable
 from .errors import ConvertError
 from .plan import balance
 from .runtime import Runtime
@@ -107,11 +108,11 @@ def restart_journal(root: Path, entries: list[Entry]) -> None:
     """Rank 0 (``--resume``): the journal holds just ``entries`` (the files kept) before ranks add theirs."""
     shutil.rmtree(root / JOURNAL, ignore_errors=True)
     (root / JOURNAL).mkdir()
-    _write_durable(root / JOURNAL / "resumed.jsonl", "".join(json.dumps(asdict(e)) + "\n" for e in entries))
+    write_durable(root / JOURNAL / "resumed.jsonl", "".join(json.dumps(asdict(e)) + "\n" for e in entries))
 
 
 def write_marker(root: Path, info: dict[str, Any]) -> None:
-    _write_durable(root / MARKER, json.dumps({**info, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
+    write_durable(root / MARKER, json.dumps({**info, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
 
 
 def read_marker(path: Path) -> dict[str, Any] | None:
@@ -156,14 +157,7 @@ def write_manifest(root: Path, known: dict[str, Entry] | None = None) -> None:
         e = known.get(rel)
         files[rel] = {"bytes": e.bytes, "sha256": e.sha256} if e else {"bytes": p.stat().st_size,
                                                                         "sha256": file_sha256(p)}
-    _write_durable(root / MANIFEST, json.dumps({"algorithm": "sha256", "files": files}, indent=1))
-
-
-def _write_durable(path: Path, text: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
+    write_durable(root / MANIFEST, json.dumps({"algorithm": "sha256", "files": files}, indent=1))
 
 
 def remove_run_state(root: Path) -> None:

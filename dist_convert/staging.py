@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .datamodel import TargetFile
+from .durable import fsync_dir, fsync_tree
 from .errors import ConvertError
 from .formats.base import on_rank0, write_tracker
 from .integrity import (INCOMPLETE_SUFFIX, Entry, file_sha256, read_journal, read_marker, remove_run_state,
@@ -112,6 +113,8 @@ class Staging:
             src = self.tmp if artifact is None else artifact
             if self.tmp.is_dir():
                 remove_run_state(self.tmp)
+            if src.is_dir():
+                fsync_tree(src)  # every file's directory entry, before the rename makes them visible
             if self.dst.exists():
                 old = self.dst.parent / (self.dst.name + OLD_SUFFIX)
                 _remove(old)
@@ -120,6 +123,7 @@ class Staging:
                 _remove(old)
             else:
                 src.rename(self.dst)
+            fsync_dir(self.dst.parent)
         self.rt.barrier()
 
     def abort(self, e: BaseException) -> BaseException:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
+from ..durable import write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Piece
 from ..runtime import Runtime
@@ -250,7 +251,7 @@ def add_rank_file_chunks(chunks: list[SourceChunk], rel: str, expected: dict[str
 
 
 def write_tracker(root: Path, iteration: int | str) -> None:
-    (root / TRACKER).write_text(str(iteration))
+    write_durable(root / TRACKER, str(iteration))
 
 
 def check_piece_shapes(chunk_key: str, where: str, expected: tuple[int, ...], found: tuple[int, ...]) -> None:

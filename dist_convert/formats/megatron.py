@@ -4,7 +4,6 @@ Layer numbers are local to each pipeline stage; ``args`` (an argparse Namespace)
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from collections.abc import Callable
@@ -14,6 +13,7 @@ import torch
 
 from ..config import ModelConfig, config_from_args
 from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from ..durable import save_durable
 from ..errors import ConvertError
 from ..layout.boxes import Piece, local_pieces, mcore_global_shape
 from ..layout.rules import (EMBEDDING, OUTPUT_MODULES, TIED_COPIES, expert_key, expert_modules, extra_state_modules,
@@ -141,15 +141,6 @@ def rank_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name:
         objects = {prefix + k: None for k in extra_state_keys(cfg, layout, p, cfg.spec)}
         files.append(TargetFile(len(files), file_name(t, p, e), tensors, objects))
     return files
-
-
-def save_durable(obj: Any, path: Path) -> None:
-    """``torch.save`` fsynced: durable before the metadata and the rename make the target visible."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:

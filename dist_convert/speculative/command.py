@@ -13,6 +13,7 @@ import torch
 from ..config import ModelConfig, args_for_target
 from ..convert import DTYPES, ReshardOptions, check_vocab, load_index, logical_numel, source_dtypes, target_layout
 from ..datamodel import SourceIndex
+from ..durable import fsync_file
 from ..errors import ConvertError
 from ..formats import get_format
 from ..formats.base import Format, FormatOptions, iter_dir_name, resolve_iter_dir
@@ -117,6 +118,14 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
         parallel_state.destroy_model_parallel()
 
 
+def _fsync_small_files(root: Path) -> None:
+    """megatron-core fsyncs the ``.distcp`` files and ``.metadata`` it saves, not ``common.pt`` or
+    ``metadata.json``: every file but the ``.distcp`` ones, fsynced."""
+    for f in root.rglob("*"):
+        if f.is_file() and f.suffix != ".distcp":
+            fsync_file(f)
+
+
 def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Format, cfg: ModelConfig,
          args: argparse.Namespace, layout: Layout, dtype: torch.dtype, algo: str, spec_cfg: dict, t0: float) -> dict:
     from .draft_export import export_draft
@@ -129,7 +138,7 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
     with staging.guard():
         save_speculative(model, staging.tmp / iter_dir_name(index.iteration), args, index.iteration, rt)
         rt.barrier()
-        staging.complete(tracker=index.iteration)
+        staging.complete(lambda _: _fsync_small_files(staging.tmp), tracker=index.iteration)
     staging.commit()
     if opts.export_draft is not None:
         export_draft(model, algo, spec_cfg, cfg, args, dtype, opts.export_draft, rt, overwrite=opts.overwrite)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ModelConfig
+from ..durable import write_durable
 from ..errors import ConvertError
 from ..formats.hf import LAYER_NAMES, part_pieces
 from ..formats.hf_config import hf_from_config
@@ -181,7 +182,7 @@ def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConf
                                                 num_attention_heads=ec.num_attention_heads,
                                                 ffn_hidden_size=ec.ffn_hidden_size)
                 write_file(tmp / "model.safetensors", draft_tensors(full, draft_cfg, eagle3, layers, cfg.vocab_size))
-                (tmp / "config.json").write_text(json.dumps(draft_config(base, algo, spec_cfg, model), indent=2))
+                write_durable(tmp / "config.json", json.dumps(draft_config(base, algo, spec_cfg, model), indent=2))
         rt.barrier()
         staging.complete()
     staging.commit()

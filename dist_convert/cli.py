@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .bench.args import add_bench_parser
 from .errors import ConvertError
 from .formats.base import FormatOptions
 from .plan import DEFAULT_BUDGET
@@ -144,8 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--atol", type=float, default=0.0)
     v.add_argument("--rtol", type=float, default=0.0)
     _common(v)
-    from .bench.run import add_bench_parser
-    add_bench_parser(sub)
+    add_bench_parser(sub, parse_size, DEFAULT_BUDGET)
     return parser
 
 

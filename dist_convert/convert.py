@@ -28,7 +28,7 @@ from .summary import RankStats, print_summary
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ReshardOptions:
     src: Path
     dst: Path
@@ -159,9 +159,10 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         counters, write_s, my_files = _convert_into(staging, target, index, src_fmt, dst_fmt, files, plan, rt)
         artifact = dst_fmt.package(staging.tmp, opts.dst) if rt.rank == 0 else staging.tmp
     staging.commit(artifact)
-    mine = RankStats(rt.rank, len(my_files), sum(len(f.tensors) for f in my_files), counters["read"],
-                     plan.write_bytes[rt.rank], counters["sent"], counters["received"], write_s,
-                     time.perf_counter() - t0, peak_rss_bytes())
+    mine = RankStats(rank=rt.rank, files=len(my_files), tensors=sum(len(f.tensors) for f in my_files),
+                     read_bytes=counters["read"], written_bytes=plan.write_bytes[rt.rank], sent_bytes=counters["sent"],
+                     received_bytes=counters["received"], write_s=write_s, wall_s=time.perf_counter() - t0,
+                     peak_rss=peak_rss_bytes())
     stats = rt.all_gather_object(mine)
     print_summary(rt, stats, f"wrote {opts.dst} ({dst_fmt.name}, {layout})")
     if opts.stats_json is not None and rt.rank == 0:

@@ -82,7 +82,7 @@ def whole_model(src: Path, dst: Path, target_tp: int, target_pp: int, trust_pick
     rt = Runtime()
     options = FormatOptions(trust_pickle=trust_pickle)
     fmt, index = load_index(src, "auto", rt, None, options)
-    opts = ReshardOptions(src, dst, target_tp=target_tp, target_pp=target_pp, formats=options)
+    opts = ReshardOptions(src=src, dst=dst, target_tp=target_tp, target_pp=target_pp, formats=options)
     layout = target_layout(opts, index, fmt)
     check_vocab(opts, index, index.cfg, layout)
     target = Target(index.cfg, layout, None, args_for_target(index.args, index.cfg, layout, None), index.iteration)

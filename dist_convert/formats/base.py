@@ -22,7 +22,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FormatOptions:
     """Reader/writer options from the command line (each format uses the ones it knows)."""
 
@@ -167,7 +167,7 @@ def _few(names: list[str]) -> str:
     return f"{names[:3]}{' ...' if len(names) > 3 else ''}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class KeyPolicy:
     """Strict by default: a source tensor the model does not have, or one the model needs but the
     source lacks, is refused. ``--ignore-unexpected`` / ``--allow-missing`` globs opt in to skipping
@@ -181,7 +181,7 @@ class KeyPolicy:
 
     @classmethod
     def of(cls, options: FormatOptions) -> "KeyPolicy":
-        return cls(tuple(options.allow_missing), tuple(options.ignore_unexpected))
+        return cls(allow_missing=tuple(options.allow_missing), ignore_unexpected=tuple(options.ignore_unexpected))
 
     def unexpected(self, where: str, keys: Iterable[str], fix: str, what: str = "unexpected tensors") -> None:
         """Skip the unknown stored ``keys`` of ``where`` that ``--ignore-unexpected`` matches; refuse the rest."""

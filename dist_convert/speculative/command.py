@@ -27,7 +27,7 @@ from .draft_export import draft_base_config
 from .modelopt_compat import alias_renamed_megatron_modules
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class SpeculateOptions:
     src: Path
     dst: Path
@@ -77,9 +77,12 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     if present:
         raise ConvertError(f"{opts.src} is already a speculative model ({', '.join(present)} applied by ModelOpt)",
                            "start from the base checkpoint (speculate adds one draft to a base model)")
-    reshard_opts = ReshardOptions(opts.src, opts.dst, opts.src_format, "torch_dist", opts.target_tp, opts.target_pp,
-                                  opts.target_first, opts.target_last, "local", 1, opts.vocab_size, opts.dtype,
-                                  opts.memory_budget, opts.overwrite, opts.vocab_divisible_by, opts.formats)
+    reshard_opts = ReshardOptions(src=opts.src, dst=opts.dst, src_format=opts.src_format, dst_format="torch_dist",
+                                  target_tp=opts.target_tp, target_pp=opts.target_pp, target_first=opts.target_first,
+                                  target_last=opts.target_last, target_spec="local", target_vpp=1,
+                                  vocab_size=opts.vocab_size, dtype=opts.dtype, memory_budget=opts.memory_budget,
+                                  overwrite=opts.overwrite, vocab_divisible_by=opts.vocab_divisible_by,
+                                  formats=opts.formats)
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
     if index.cfg.family != "gpt":
         raise ConvertError(f"{opts.src} is an encoder-decoder ({index.cfg.family.upper()}) model; EAGLE and Medusa "
@@ -144,8 +147,9 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
         export_draft(model, algo, spec_cfg, cfg, args, dtype, opts.export_draft, rt, overwrite=opts.overwrite)
     write_s = time.perf_counter() - tw
     written = sum(f.stat().st_size for f in (opts.dst / iter_dir_name(index.iteration)).glob(f"__{rt.rank}_*.distcp"))
-    mine = RankStats(rt.rank, 1, counters["tensors"], counters["read"], written, counters["sent"],
-                     counters["received"], write_s, time.perf_counter() - t0, peak_rss_bytes())
+    mine = RankStats(rank=rt.rank, files=1, tensors=counters["tensors"], read_bytes=counters["read"],
+                     written_bytes=written, sent_bytes=counters["sent"], received_bytes=counters["received"],
+                     write_s=write_s, wall_s=time.perf_counter() - t0, peak_rss=peak_rss_bytes())
     print_summary(rt, rt.all_gather_object(mine), f"wrote {opts.dst} (torch_dist + modelopt_state {algo}, {layout})")
     return {"algorithm": algo, "config": spec_cfg, "plan": plan}
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .bench.args import add_bench_parser
 from .errors import ConvertError
 from .formats.base import FormatOptions
 from .plan import DEFAULT_BUDGET
@@ -49,10 +50,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 def format_options(ns: argparse.Namespace) -> FormatOptions:
     """Reader/writer options from the flags of any subcommand (flags it lacks keep their defaults)."""
     d = FormatOptions()
-    return FormatOptions(ns.trust_pickle, getattr(ns, "max_shard_size", d.max_shard_size),
-                         getattr(ns, "tokenizer_dir", None), getattr(ns, "tokenizer_model", None),
-                         getattr(ns, "tokenizer_vocab_file", None), getattr(ns, "nemo_style", None),
-                         tuple(ns.allow_missing), tuple(ns.ignore_unexpected))
+    return FormatOptions(trust_pickle=ns.trust_pickle, max_shard_size=getattr(ns, "max_shard_size", d.max_shard_size),
+                         tokenizer_dir=getattr(ns, "tokenizer_dir", None),
+                         tokenizer_model=getattr(ns, "tokenizer_model", None),
+                         tokenizer_vocab_file=getattr(ns, "tokenizer_vocab_file", None),
+                         nemo_style=getattr(ns, "nemo_style", None), allow_missing=tuple(ns.allow_missing),
+                         ignore_unexpected=tuple(ns.ignore_unexpected))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,8 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--atol", type=float, default=0.0)
     v.add_argument("--rtol", type=float, default=0.0)
     _common(v)
-    from .bench.run import add_bench_parser
-    add_bench_parser(sub)
+    add_bench_parser(sub, parse_size, DEFAULT_BUDGET)
     return parser
 
 
@@ -153,9 +155,11 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
     if ns.cmd == "reshard":
         from .convert import ReshardOptions, reshard
         formats = format_options(ns)
-        opts = ReshardOptions(ns.src, ns.dst, ns.src_format, ns.dst_format, ns.target_tp, ns.target_pp,
-                              ns.target_first, ns.target_last, ns.target_spec, ns.target_vpp, ns.vocab_size, ns.dtype,
-                              ns.memory_budget, ns.overwrite, ns.vocab_divisible_by, formats,
+        opts = ReshardOptions(src=ns.src, dst=ns.dst, src_format=ns.src_format, dst_format=ns.dst_format,
+                              target_tp=ns.target_tp, target_pp=ns.target_pp, target_first=ns.target_first,
+                              target_last=ns.target_last, target_spec=ns.target_spec, target_vpp=ns.target_vpp,
+                              vocab_size=ns.vocab_size, dtype=ns.dtype, memory_budget=ns.memory_budget,
+                              overwrite=ns.overwrite, vocab_divisible_by=ns.vocab_divisible_by, formats=formats,
                               target_split=ns.target_split, stats_json=ns.stats_json, resume=ns.resume,
                               target_ep=ns.target_ep, target_etp=ns.target_etp)
         reshard(opts, rt)
@@ -163,10 +167,13 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
     if ns.cmd == "speculate":
         from .speculative.command import SpeculateOptions, speculate
         from .speculative.draft_config import DraftRequest
-        draft = DraftRequest(ns.eagle_layers, ns.eagle_version, ns.medusa_heads, ns.medusa_layers, ns.spec_config)
-        speculate(SpeculateOptions(ns.src, ns.dst, draft, ns.src_format, ns.target_tp, ns.target_pp, ns.target_first,
-                                   ns.target_last, ns.export_draft, ns.dtype, ns.vocab_size, ns.memory_budget,
-                                   ns.overwrite, ns.vocab_divisible_by, format_options(ns)), rt)
+        draft = DraftRequest(eagle_layers=ns.eagle_layers, eagle_version=ns.eagle_version,
+                             medusa_heads=ns.medusa_heads, medusa_layers=ns.medusa_layers, spec_config=ns.spec_config)
+        speculate(SpeculateOptions(src=ns.src, dst=ns.dst, draft=draft, src_format=ns.src_format,
+                                   target_tp=ns.target_tp, target_pp=ns.target_pp, target_first=ns.target_first,
+                                   target_last=ns.target_last, export_draft=ns.export_draft, dtype=ns.dtype,
+                                   vocab_size=ns.vocab_size, memory_budget=ns.memory_budget, overwrite=ns.overwrite,
+                                   vocab_divisible_by=ns.vocab_divisible_by, formats=format_options(ns)), rt)
         return 0
     if ns.cmd == "inspect":
         from .inspect_ckpt import describe, print_description

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .errors import ConvertError
-from .topology import Layout
+from .layout.topology import Layout
 
 
 @dataclass(frozen=True)

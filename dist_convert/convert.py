@@ -3,35 +3,32 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from .config import ModelConfig, args_for_target
-from .errors import ConvertError
-from .exchange import Assembly, execute
-from .formats import detect_format, get_format
 from . import faults
-from .exchange import stop_on_error
-from .formats.base import (Format, FormatOptions, SourceIndex, Target, TargetFile, WrittenFile, iter_dir_name, numel,
-                           omit_absent, on_rank0, write_tracker)
-from .integrity import (INCOMPLETE_SUFFIX, Entry, Journal, file_sha256, fingerprint, read_journal, read_marker,
-                        refuse_incomplete, remove_run_state, restart_journal, write_manifest, write_marker)
+from .config import ModelConfig, args_for_target
+from .datamodel import SourceIndex, Target, TargetFile, WrittenFile, numel, omit_absent
+from .errors import ConvertError
+from .exchange import Assembly, execute, stop_on_error
+from .formats import detect_format, get_format
+from .formats.base import Format, FormatOptions, iter_dir_name
+from .integrity import Entry, Journal, fingerprint, refuse_incomplete
 from .layout.rules import logical_tensors
-from .plan import DEFAULT_BUDGET, Plan, balance, make_plan, split_chunks, split_files
-from .runtime import Runtime, collective_failure, human_bytes, peak_rss_bytes
+from .layout.topology import Layout
+from .plan import DEFAULT_BUDGET, Plan, make_plan, split_chunks, split_files
+from .runtime import Runtime, human_bytes, peak_rss_bytes
+from .staging import Staging, refuse_existing, stage, write_error
 from .summary import RankStats, print_summary
-from .topology import Layout
 
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ReshardOptions:
     src: Path
     dst: Path
@@ -114,84 +111,9 @@ def check_vocab(opts: ReshardOptions, index: SourceIndex, cfg: ModelConfig, layo
             "pass --vocab-size with the tokenizer's vocabulary size")
 
 
-def prepare_dst(dst: Path, rt: Runtime, marker: dict[str, Any] | None = None, resume: bool = False,
-                overwrite: bool = False) -> Path:
-    """Collective: the temporary directory beside ``dst`` that is renamed into place at the end,
-    marked incomplete (``marker``: what the run is). Fresh unless ``resume``, which needs the
-    interrupted run's directory with the same fingerprint."""
-    tmp = dst.parent / (dst.name + INCOMPLETE_SUFFIX)
-    marker = marker or {}
-
-    def make() -> None:
-        before = read_marker(tmp)
-        if resume:
-            if before is None:
-                raise ConvertError(f"--resume: there is no interrupted conversion to {dst} ({tmp} "
-                                   f"{'is not one' if tmp.exists() else 'does not exist'})", "run without --resume")
-            if before.get("fingerprint") != marker.get("fingerprint"):
-                raise ConvertError(f"--resume: {tmp} was started by a different conversion (source, target layout, "
-                                   f"format or world size differ: it had {before.get('world', '?')} ranks)",
-                                   "rerun with the interrupted run's arguments and world size, or drop --resume "
-                                   "and pass --overwrite to start over")
-            return
-        if tmp.exists():
-            finished = len(read_journal(tmp)) if before is not None else 0
-            if finished and not overwrite:
-                raise ConvertError(f"an interrupted conversion to {dst} left {finished} finished target files in "
-                                   f"{tmp}", "pass --resume to continue it, or --overwrite to start over")
-            _remove(tmp)
-        tmp.mkdir(parents=True)
-        write_marker(tmp, marker)
-
-    on_rank0(rt, make)
-    return tmp
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
-def commit_dst(tmp: Path, dst: Path, rt: Runtime) -> None:
-    """Rank 0: swap the finished directory (or archive) into place; an old target is removed only now."""
-    if rt.rank == 0:
-        if tmp.is_dir():
-            remove_run_state(tmp)
-        if dst.exists():
-            old = dst.parent / (dst.name + ".dist_convert_old")
-            _remove(old)
-            dst.rename(old)
-            tmp.rename(dst)
-            _remove(old)
-        else:
-            tmp.rename(dst)
-    rt.barrier()
-
-
-def resumed_files(tmp: Path, files: list[TargetFile], rt: Runtime) -> dict[int, Entry]:
-    """Collective (``--resume``): the journaled target files whose size and SHA-256 still match,
-    checked in parallel; the journal is rewritten to hold just those."""
-    names = {f.id: f for f in files}
-    journal = {fid: e for fid, e in read_journal(tmp).items() if fid in names}
-    owner = balance({fid: e.bytes for fid, e in journal.items()}, rt.world)
-    good = []
-    for fid, e in journal.items():
-        path = tmp / e.name
-        if owner[fid] == rt.rank and path.is_file() and path.stat().st_size == e.bytes and file_sha256(path) == e.sha256:
-            good.append(fid)
-    kept = {fid: journal[fid] for part in rt.all_gather_object(good) for fid in part}
-    if rt.rank == 0:
-        restart_journal(tmp, list(kept.values()))
-    rt.barrier()
-    return kept
-
-
 def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     t0 = time.perf_counter()
-    if opts.dst.exists() and not opts.overwrite:
-        raise ConvertError(f"target {opts.dst} already exists", "pass --overwrite to replace it or choose another DST")
+    refuse_existing(opts.dst, opts.overwrite)
     if opts.dtype not in DTYPES:
         raise ConvertError(f"unknown --dtype {opts.dtype}", f"use one of {', '.join(DTYPES)}")
     f = opts.formats
@@ -222,9 +144,9 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     run = {"dst_format": dst_fmt.name, "src": str(opts.src.resolve()), "src_format": index.format,
            "iteration": index.iteration, "files": len(files)}
     marker = {**run, "world": rt.world, "fingerprint": fingerprint(files, run)}
-    tmp = prepare_dst(opts.dst, rt, marker, opts.resume, opts.overwrite)
-    try:
-        finished = resumed_files(tmp, files, rt) if opts.resume else {}
+    staging = stage(opts.dst, rt, marker=marker, resume=opts.resume, overwrite=opts.overwrite)
+    with staging.guard():
+        finished = staging.resumed(files) if opts.resume else {}
         todo = [f for f in files if f.id not in finished]
         index = sliced(index, todo, opts.memory_budget)
         plan = make_plan(index.chunks, todo, rt.world, opts.memory_budget, logical_numel(index), absent=index.absent)
@@ -234,14 +156,13 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
                f"{len(plan.waves)} waves)")
         for note in index.notes:
             rt.log(f"note: {note}")
-        counters, write_s, my_files = _convert_into(tmp, target, index, src_fmt, dst_fmt, files, plan, rt)
-        artifact = dst_fmt.package(tmp, opts.dst) if rt.rank == 0 else tmp
-    except Exception as e:
-        raise _failed(e, tmp, rt) from None
-    commit_dst(artifact, opts.dst, rt)
-    mine = RankStats(rt.rank, len(my_files), sum(len(f.tensors) for f in my_files), counters["read"],
-                     plan.write_bytes[rt.rank], counters["sent"], counters["received"], write_s,
-                     time.perf_counter() - t0, peak_rss_bytes())
+        counters, write_s, my_files = _convert_into(staging, target, index, src_fmt, dst_fmt, files, plan, rt)
+        artifact = dst_fmt.package(staging.tmp, opts.dst) if rt.rank == 0 else staging.tmp
+    staging.commit(artifact)
+    mine = RankStats(rank=rt.rank, files=len(my_files), tensors=sum(len(f.tensors) for f in my_files),
+                     read_bytes=counters["read"], written_bytes=plan.write_bytes[rt.rank], sent_bytes=counters["sent"],
+                     received_bytes=counters["received"], write_s=write_s, wall_s=time.perf_counter() - t0,
+                     peak_rss=peak_rss_bytes())
     stats = rt.all_gather_object(mine)
     print_summary(rt, stats, f"wrote {opts.dst} ({dst_fmt.name}, {layout})")
     if opts.stats_json is not None and rt.rank == 0:
@@ -249,40 +170,12 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     return {"plan": plan, "stats": stats}
 
 
-def _failed(e: Exception, tmp: Path, rt: Runtime) -> Exception:
-    """A failed run leaves nothing that looks like a checkpoint: rank 0 keeps the marked temporary
-    directory when it holds finished files (for ``--resume``), else removes it. Returns the error
-    to raise (a collective failure becomes a one-line ConvertError)."""
-    err = e if isinstance(e, ConvertError) else collective_failure(e, rt)
-    finished = len(read_journal(tmp)) if tmp.is_dir() else 0
-    if not finished:
-        if rt.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-    elif err is not None:
-        err.add_fix(f"{finished} finished target files are kept in {tmp}: rerun the same command with --resume "
-                    "to convert only the rest")
-    return e if err is None else err
-
-
-def _write_error(e: Exception, where: Path) -> ConvertError:
-    """Any failure of a writer (OSError, or torch.save's RuntimeError around one) as one line."""
-    inner: BaseException | None = e
-    while inner is not None and not isinstance(inner, OSError):
-        inner = inner.__cause__ or inner.__context__
-    e = inner if isinstance(inner, OSError) else e
-    if isinstance(e, OSError):
-        what, why = e.filename or where, e.strerror or str(e)
-    else:
-        what, why = where, (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    return ConvertError(f"writing {what} failed: {why}",
-                        "free space or raise the file size limit where DST lives (df -h, ulimit -f)")
-
-
-def _convert_into(tmp: Path, target: Target, index: SourceIndex, src_fmt: Format, dst_fmt: Format,
+def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt: Format, dst_fmt: Format,
                   files: list[TargetFile], plan: Plan, rt: Runtime) -> tuple[dict[str, int], float, list[TargetFile]]:
     """Collective: exchange this rank's tensors and write each as soon as it is complete (the writer
     streams tensors or whole files; each finished file is journaled with its checksum), then rank 0
     writes metadata, tracker and checksum manifest last."""
+    tmp = staging.tmp
     tmp_iter = tmp / iter_dir_name(index.iteration) if dst_fmt.iteration_dirs else tmp
     prefix = tmp_iter.relative_to(tmp).as_posix() if dst_fmt.iteration_dirs else ""
     if rt.rank == 0:
@@ -305,7 +198,7 @@ def _convert_into(tmp: Path, target: Target, index: SourceIndex, src_fmt: Format
         try:
             finished(writer.put(by_id[fid], j, tensor))
         except Exception as e:  # noqa: BLE001 - a failed write stops every rank at the next wave
-            raise _write_error(e, tmp_iter / by_id[fid].name) from e
+            raise write_error(e, tmp_iter / by_id[fid].name) from e
         write_s += time.perf_counter() - tw
 
     out = Assembly(my_files, plan, rt.rank, done)
@@ -318,24 +211,17 @@ def _convert_into(tmp: Path, target: Target, index: SourceIndex, src_fmt: Format
             try:
                 finished(writer.close())
             except Exception as e:  # noqa: BLE001 - as in done()
-                error = _write_error(e, tmp_iter)
+                error = write_error(e, tmp_iter)
         stop_on_error(rt, error)
         write_s += time.perf_counter() - tw
     finally:
         journal.close()
     rt.barrier()
 
-    def metadata_last() -> None:
-        entries = read_journal(tmp)
+    def metadata(entries: dict[int, Entry]) -> None:
         lost = [f.name for f in files if f.id not in entries]
         assert not lost, f"target files never written: {lost[:3]}"
-        try:
-            dst_fmt.finalize(target, tmp_iter, [entries[f.id].written(prefix) for f in files])
-            if dst_fmt.iteration_dirs:
-                write_tracker(tmp, index.iteration)
-            write_manifest(tmp, known={e.name: e for e in entries.values()})
-        except (OSError, RuntimeError) as e:
-            raise _write_error(e, tmp) from None
+        dst_fmt.finalize(target, tmp_iter, [entries[f.id].written(prefix) for f in files])
 
-    on_rank0(rt, metadata_last)
+    staging.complete(metadata, tracker=index.iteration if dst_fmt.iteration_dirs else None)
     return counters, write_s, my_files

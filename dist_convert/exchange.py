@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from . import faults
+from .datamodel import SourceChunk, TargetFile
 from .errors import ConvertError
-from .formats.base import SourceChunk, TargetFile
 from .plan import Plan, Transfer, aligned
 from .runtime import Runtime
 

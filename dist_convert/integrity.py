@@ -4,9 +4,9 @@ While a conversion runs, its output lives in ``DST.dist_convert_tmp/`` with a ma
 (``MARKER``) that says it is incomplete and which conversion made it (a fingerprint of the target
 files). Each rank journals every target file it finished (fsynced first) with its size and SHA-256;
 ``--resume`` keeps the journaled files whose checksums still match and converts only the rest. At the
-end rank 0 writes the format's metadata, the checksum manifest (``MANIFEST``: every file of the
-target), the tracker, removes journal and marker and renames the directory into place.
-``verify --checksums`` checks a target against its manifest without a source.
+end rank 0 writes the format's metadata, the tracker and the checksum manifest (``MANIFEST``: every
+file of the target), removes journal and marker and renames the directory into place (the order is
+staging.py's). ``verify --checksums`` checks a target against its manifest without a source.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from .datamodel import TargetFile, WrittenFile
+from .durable import write_durable
 from .errors import ConvertError
-from .formats.base import TargetFile, WrittenFile
 from .plan import balance
 from .runtime import Runtime
 
@@ -107,11 +108,11 @@ def restart_journal(root: Path, entries: list[Entry]) -> None:
     """Rank 0 (``--resume``): the journal holds just ``entries`` (the files kept) before ranks add theirs."""
     shutil.rmtree(root / JOURNAL, ignore_errors=True)
     (root / JOURNAL).mkdir()
-    _write_durable(root / JOURNAL / "resumed.jsonl", "".join(json.dumps(asdict(e)) + "\n" for e in entries))
+    write_durable(root / JOURNAL / "resumed.jsonl", "".join(json.dumps(asdict(e)) + "\n" for e in entries))
 
 
 def write_marker(root: Path, info: dict[str, Any]) -> None:
-    _write_durable(root / MARKER, json.dumps({**info, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
+    write_durable(root / MARKER, json.dumps({**info, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
 
 
 def read_marker(path: Path) -> dict[str, Any] | None:
@@ -145,7 +146,7 @@ def refuse_incomplete(path: Path) -> None:
 
 
 def write_manifest(root: Path, known: dict[str, Entry] | None = None) -> None:
-    """Rank 0, last but the tracker: size and SHA-256 of every file under ``root`` (journaled files
+    """Rank 0, last: size and SHA-256 of every file under ``root`` (journaled files
     take their journaled checksum: they were hashed once, as they were finished)."""
     known = known or {}
     files: dict[str, dict[str, Any]] = {}
@@ -156,14 +157,7 @@ def write_manifest(root: Path, known: dict[str, Entry] | None = None) -> None:
         e = known.get(rel)
         files[rel] = {"bytes": e.bytes, "sha256": e.sha256} if e else {"bytes": p.stat().st_size,
                                                                         "sha256": file_sha256(p)}
-    _write_durable(root / MANIFEST, json.dumps({"algorithm": "sha256", "files": files}, indent=1))
-
-
-def _write_durable(path: Path, text: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
+    write_durable(root / MANIFEST, json.dumps({"algorithm": "sha256", "files": files}, indent=1))
 
 
 def remove_run_state(root: Path) -> None:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .datamodel import SourceChunk, TargetFile
 from .errors import ConvertError
-from .formats.base import SourceChunk, TargetFile
 from .layout.boxes import Box, Piece, piece_box
 
 ALIGN = 16  # bytes: every segment of an exchange buffer starts aligned for any dtype
@@ -21,7 +21,7 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Transfer:
     chunk: int  # source chunk id
     src_box: Box  # box within the stored source chunk
@@ -34,13 +34,13 @@ class Transfer:
     dtype: torch.dtype  # target dtype
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Wave:
     reads: dict[int, list[int]] = field(default_factory=dict)  # rank -> chunk ids
     transfers: list[Transfer] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     world: int
     reader_of: dict[int, int]  # chunk id -> rank
@@ -235,7 +235,8 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
     for f in files:
         write_bytes[writer_of[f.id]] += f.nbytes
     waves = _waves(raw, reader_of, writer_of, by_id, world, budget)
-    return Plan(world, reader_of, writer_of, waves, read_bytes, write_bytes, len(chunks) - len(kept))
+    return Plan(world=world, reader_of=reader_of, writer_of=writer_of, waves=waves, read_bytes=read_bytes,
+                write_bytes=write_bytes, skipped_chunks=len(chunks) - len(kept))
 
 
 def _chunk_cost(cid: int, raw: dict[int, list], reader: int, writer_of: dict[int, int],
@@ -278,7 +279,8 @@ def _waves(raw: dict[int, list], reader_of: dict[int, int], writer_of: dict[int,
             r = reader_of[cid]
             wave.reads.setdefault(r, []).append(cid)
             for fid, j, sbox, dbox, nbytes, dtype in raw[cid]:
-                wave.transfers.append(Transfer(cid, sbox, r, fid, j, dbox, writer_of[fid], nbytes, dtype))
+                wave.transfers.append(Transfer(chunk=cid, src_box=sbox, reader=r, file=fid, tensor=j, dst_box=dbox,
+                                               writer=writer_of[fid], nbytes=nbytes, dtype=dtype))
             for rank, c in cost.items():
                 used[rank] += c
         waves.append(wave)

@@ -10,7 +10,7 @@ from rich.table import Table
 from .runtime import Runtime, _console, human_bytes
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class RankStats:
     rank: int
     files: int

@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 
 from .convert import load_index, logical_numel, sliced, source_dtypes
+from .datamodel import SourceIndex, TargetFile, TargetTensor, numel
 from .errors import ConvertError
 from .exchange import Assembly, execute
-from .formats.base import FormatOptions, SourceIndex, TargetFile, TargetTensor, numel
+from .formats.base import FormatOptions
 from .layout.boxes import Box, Piece
 from .layout.rules import logical_tensors
 from .plan import DEFAULT_BUDGET, balance, make_plan

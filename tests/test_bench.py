@@ -19,11 +19,11 @@ from dist_convert.bench.shape import LlamaShape, choose_shape, make_args
 from dist_convert.bench.synth import Values, write_synthetic
 from dist_convert.cli import main as cli_main
 from dist_convert.config import config_from_args
-from dist_convert.formats.base import numel
+from dist_convert.datamodel import numel
 from dist_convert.layout.boxes import Box
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.runtime import Runtime
-from dist_convert.topology import Layout
+from dist_convert.layout.topology import Layout
 
 MB, GB = 1 << 20, 1 << 30
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_convert.errors import ConvertError
-from dist_convert.formats.base import TargetFile, TargetTensor, WrittenFile
+from dist_convert.datamodel import TargetFile, TargetTensor, WrittenFile
 from dist_convert.integrity import (JOURNAL, MANIFEST, MARKER, Journal, check_checksums, fingerprint, read_journal,
                                     refuse_incomplete, remove_run_state, restart_journal, write_manifest, write_marker)
 from dist_convert.runtime import Runtime

@@ -6,7 +6,7 @@ from dist_convert.config import ModelConfig, padded_vocab_size
 from dist_convert.errors import ConvertError
 from dist_convert.layout.boxes import Box, Kind, local_pieces, piece_box
 from dist_convert.layout.rules import logical_tensors, torch_dist_key
-from dist_convert.topology import Layout
+from dist_convert.layout.topology import Layout
 
 
 def cfg(**kw) -> ModelConfig:

@@ -11,7 +11,7 @@ from dist_convert.config import ModelConfig, config_from_args, moe_layer_pattern
 from dist_convert.errors import ConvertError
 from dist_convert.layout.boxes import Kind
 from dist_convert.layout.rules import logical_tensors, torch_dist_key
-from dist_convert.topology import Layout
+from dist_convert.layout.topology import Layout
 
 MOE = dict(num_experts=4, moe_ffn_hidden_size=16, moe_layer_pattern=(0, 1), moe_shared_expert_intermediate_size=24,
            moe_shared_expert_gate=True)
@@ -129,7 +129,7 @@ def test_router_expert_bias_is_never_cast():
     """megatron-core keeps router.expert_bias in fp32 whatever the params dtype: --dtype leaves it alone."""
     import torch
 
-    from dist_convert.formats.base import Target
+    from dist_convert.datamodel import Target
     from dist_convert.formats.megatron import MegatronFormat
     from dist_convert.formats.torch_dist import TorchDistFormat
 

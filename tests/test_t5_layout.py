@@ -6,12 +6,12 @@ import torch
 
 from dist_convert.config import ModelConfig
 from dist_convert.errors import ConvertError
-from dist_convert.formats.base import Target
+from dist_convert.datamodel import Target
 from dist_convert.formats.megatron import MegatronFormat, rank_entries
 from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.plan import make_plan
-from dist_convert.topology import Layout
+from dist_convert.layout.topology import Layout
 
 from test_plan import assert_targets_hold, legacy_source, logical_model, numel, simulate
 

@@ -21,10 +21,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from ..convert import ReshardOptions, check_vocab, load_index, source_dtypes, target_layout
 from ..config import args_for_target
+from ..convert import ReshardOptions, check_vocab, load_index, source_dtypes, target_layout
+from ..datamodel import SourceIndex, Target, TargetFile, WrittenFile
 from ..errors import ConvertError
-from ..formats.base import FormatOptions, SourceIndex, Target, TargetFile, WrittenFile, iter_dir_name, write_tracker
+from ..formats.base import FormatOptions, iter_dir_name, write_tracker
 from ..formats.megatron import split_chunk_key
 from ..layout.boxes import Box
 from ..layout.rules import logical_tensors
@@ -81,7 +82,7 @@ def whole_model(src: Path, dst: Path, target_tp: int, target_pp: int, trust_pick
     rt = Runtime()
     options = FormatOptions(trust_pickle=trust_pickle)
     fmt, index = load_index(src, "auto", rt, None, options)
-    opts = ReshardOptions(src, dst, target_tp=target_tp, target_pp=target_pp, formats=options)
+    opts = ReshardOptions(src=src, dst=dst, target_tp=target_tp, target_pp=target_pp, formats=options)
     layout = target_layout(opts, index, fmt)
     check_vocab(opts, index, index.cfg, layout)
     target = Target(index.cfg, layout, None, args_for_target(index.args, index.cfg, layout, None), index.iteration)

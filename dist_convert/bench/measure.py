@@ -22,7 +22,11 @@ from typing import Any, Callable
 
 import dist_convert
 
-REPO_ROOT = Path(dist_convert.__file__).resolve().parents[1]
+PACKAGE_PARENT = Path(dist_convert.__file__).resolve().parents[1]
+FROM_CHECKOUT = (PACKAGE_PARENT / "pyproject.toml").is_file()  # a source checkout (or an editable install of one)
+# Where child jobs (``python -m`` / ``torchrun -m``) run: a checkout's root, whose package they import;
+# an installed package's jobs run where bench was started and import it from the environment.
+REPO_ROOT = PACKAGE_PARENT if FROM_CHECKOUT else Path.cwd()
 COPY_BLOCK = 16 << 20
 
 
@@ -79,9 +83,13 @@ def job_args(prog: str, doc: str | None, argv: list[str] | None) -> argparse.Nam
 
 
 def child_env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONWARNINGS": "ignore", "TORCHELASTIC_ERROR_FILE": "",
-            "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)}
+    """A checkout's root goes first on PYTHONPATH (the jobs import this package, not another
+    installed one); an installed package's site directory is never put there (ahead of the stdlib)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TORCHELASTIC_ERROR_FILE": ""}
+    if FROM_CHECKOUT:
+        path = os.environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)
+    return env
 
 
 TORCHRUN = "torch.distributed.run"

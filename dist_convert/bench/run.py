@@ -20,61 +20,9 @@ import torch
 from ..errors import ConvertError
 from ..runtime import _console, human_bytes
 from . import measure, report
+from .args import DEFAULT_TARGETS, ITEMSIZE, METHODS, parse_targets
 from .measure import MethodFailed, Outcome, Run
 from .shape import LlamaShape, choose_shape, lcm
-
-METHODS = ("floor", "startup", "dist_convert", "whole_model", "mcore")
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-DEFAULT_TARGETS = "1x2,4x1"
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,2,4")
-    return out
-
-
-def _targets(text: str) -> list[tuple[int, int]]:
-    try:
-        return [(int(t), int(p)) for t, p in (x.lower().split("x") for x in text.split(",") if x.strip())]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list of TPxPP layouts like 1x2,4x1") from None
-
-
-def add_bench_parser(sub: Any) -> None:
-    from ..cli import parse_size
-    from ..plan import DEFAULT_BUDGET
-
-    b = sub.add_parser("bench", help="time dist_convert against the I/O floor, a whole-model single-process "
-                                     "converter and megatron-core's own load + save (one process; launches torchrun)")
-    b.add_argument("--size", type=parse_size, default=1 << 30, help="synthetic checkpoint size (default 1GB)")
-    b.add_argument("--sizes", default=None, help="scaling mode, e.g. 256MB,512MB,1GB: dist_convert at 2 ranks "
-                                                 "per size with a fixed --memory-budget (memory flat, cost linear)")
-    b.add_argument("--dtype", choices=tuple(ITEMSIZE), default="bf16")
-    b.add_argument("--format", choices=("torch_dist", "megatron"), default="torch_dist")
-    b.add_argument("--src-tp", type=int, default=2, help="layout of the synthetic checkpoint (default TP=2 PP=1)")
-    b.add_argument("--src-pp", type=int, default=1)
-    b.add_argument("--src", type=Path, default=None, help="time this existing checkpoint instead of a synthetic one")
-    b.add_argument("--target-tp", type=int, default=None, help="one target layout (with --target-pp)")
-    b.add_argument("--target-pp", type=int, default=None)
-    b.add_argument("--targets", type=_targets, default=None, help=f"TPxPP list (default {DEFAULT_TARGETS})")
-    b.add_argument("--ranks", type=_ints, default=None, help="dist_convert world sizes (default 1,2,4; --sizes: 2)")
-    b.add_argument("--reps", type=int, default=3, help="runs per measurement; the median is reported")
-    b.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
-    b.add_argument("--memory-budget", type=parse_size, default=DEFAULT_BUDGET, help="passed to dist_convert")
-    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic values")
-    b.add_argument("--workdir", type=Path, default=None, help="where to write (default: a new directory in $TMPDIR)")
-    b.add_argument("--keep", action="store_true", help="keep the source and each method's last output")
-    b.add_argument("--drop-caches", action="store_true", help="empty the page cache before every run (root)")
-    b.add_argument("--timeout", type=float, default=3600.0, help="seconds per command")
-    b.add_argument("--json", type=Path, default=None, help="write every number here")
-    b.add_argument("--markdown", type=Path, default=None, help="write the tables as Markdown (for the README)")
-    b.add_argument("--plot", type=Path, default=None, help="PNG of throughput and peak RSS against ranks")
-
 
 @dataclass
 class Source:
@@ -97,7 +45,7 @@ def check_options(ns: argparse.Namespace) -> tuple[list[str], list[tuple[int, in
     if ns.targets and (ns.target_tp or ns.target_pp):
         raise ConvertError("--targets and --target-tp/--target-pp both given", "pass one of them")
     targets = ns.targets or ([(ns.target_tp or ns.src_tp, ns.target_pp or ns.src_pp)]
-                             if ns.target_tp or ns.target_pp else _targets(DEFAULT_TARGETS))
+                             if ns.target_tp or ns.target_pp else parse_targets(DEFAULT_TARGETS))
     if min(min(t) for t in targets) < 1 or min(ns.src_tp, ns.src_pp) < 1:
         raise ConvertError("TP and PP must be >= 1", "fix --src-tp/--src-pp/--target-tp/--target-pp/--targets")
     if ns.sizes and ns.src:
@@ -238,7 +186,7 @@ def _bench(ns: argparse.Namespace) -> int:
     methods, targets = check_options(ns)
     if ns.workdir:
         ns.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="dc_bench.", dir=ns.workdir))
+    work = Path(tempfile.mkdtemp(prefix="dc_bench.", dir=ns.workdir)).resolve()  # jobs may run elsewhere
     result: dict[str, Any] = {"machine": machine(), "workdir": str(work), "memory_budget": ns.memory_budget}
     try:
         if ns.sizes:
@@ -268,7 +216,7 @@ def _bench(ns: argparse.Namespace) -> int:
 
 
 def run_targets(ns: argparse.Namespace, methods: list[str], targets: list[tuple[int, int]], work: Path) -> dict:
-    src = existing_source(ns.src) if ns.src else make_source(ns, ns.size, targets, work)
+    src = existing_source(ns.src.resolve()) if ns.src else make_source(ns, ns.size, targets, work)
     _console.print(f"source: {src.format} TP={src.tp} PP={src.pp}, {len(src.files)} files, {human_bytes(src.nbytes)}"
                    + (f" (written in {src.make_s:.1f} s)" if src.make_s else ""))
     out = {"source": {"path": str(src.path), "format": src.format, "tp": src.tp, "pp": src.pp, "bytes": src.nbytes,

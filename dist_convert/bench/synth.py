@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 
 from ..config import args_for_target, config_from_args
+from ..datamodel import Target, TargetTensor
 from ..formats import get_format
-from ..formats.base import Target, TargetTensor, write_tracker
+from ..formats.base import write_tracker
 from ..layout.boxes import Box
 from ..layout.rules import logical_tensors
+from ..layout.topology import Layout
 from ..runtime import Runtime, init_runtime
-from ..topology import Layout
 from .shape import LlamaShape, make_args
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

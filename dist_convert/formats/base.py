@@ -1,12 +1,8 @@
-"""The reader/writer protocol every checkpoint format implements, and the shared data model.
-
-A source is described as *chunks* (each one readable unit: a tensor in a rank file, a DCP chunk),
-a target as *files* of stored tensors. Both carry ``Piece`` lists that say which box of which
-logical tensor sits where, so resharding is box intersection (plan.py).
+"""The reader/writer protocol every checkpoint format implements, its options, and the helpers
+readers share (key policy, iteration directories). The data it works on is in ``datamodel.py``.
 """
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import re
 from collections.abc import Collection, Iterable
@@ -16,108 +12,17 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ..config import ModelConfig
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
+from ..durable import write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Piece
 from ..runtime import Runtime
-from ..topology import Layout
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
-def numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-@dataclass
-class SourceChunk:
-    id: int
-    file: str  # path relative to the iteration directory
-    key: str  # name in the file / DCP key
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    pieces: list[Piece]
-    offsets: tuple[int, ...] | None = None  # DCP: chunk offset in the stored global tensor
-    sliceable: bool = False  # boxes of it can be read on their own: plan.split_chunks cuts it
-    contiguous_cuts: bool = False  # only boxes that are one contiguous byte run (DCP items read by offset)
-    origin: tuple[int, ...] | None = None  # DCP: offsets of the stored item this chunk is (a part of)
-    origin_shape: tuple[int, ...] | None = None  # DCP: that stored item's shape
-
-    @property
-    def nbytes(self) -> int:
-        return numel(self.shape) * self.dtype.itemsize
-
-
-@dataclass
-class SourceIndex:
-    format: str
-    iter_dir: Path
-    iteration: int | str  # "release" for release/ checkpoints
-    args: argparse.Namespace
-    cfg: ModelConfig
-    layout: Layout
-    chunks: list[SourceChunk]
-    notes: list[str] = field(default_factory=list)
-    absent: frozenset[str] = frozenset()  # logical tensors the source lacks, left out (--allow-missing)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
-
-
-@dataclass
-class TargetTensor:
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    pieces: list[Piece]
-    offsets: tuple[int, ...] | None = None  # DCP: chunk offset in the global tensor
-    global_shape: tuple[int, ...] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return numel(self.shape) * self.dtype.itemsize
-
-
-@dataclass
-class TargetFile:
-    id: int
-    name: str  # a rank file (legacy) or a group of DCP chunks written by one rank
-    tensors: list[TargetTensor]
-    objects: dict[str, Any] = field(default_factory=dict)  # non-tensor entries (e.g. _extra_state)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-
-def omit_absent(files: list[TargetFile], absent: Collection[str]) -> list[TargetFile]:
-    """Pure: the target files without the tensors that hold only logical tensors the source lacks
-    (``SourceIndex.absent``, from ``--allow-missing``). File ids, names and objects stay; a tensor
-    without pieces (vocabulary padding only) stays. A tensor mixing absent and present logical
-    tensors is refused: its absent part could only be written as zeros."""
-    if not absent:
-        return files
-    out = []
-    for f in files:
-        tensors = []
-        for t in f.tensors:
-            gone = {p.logical for p in t.pieces if p.logical in absent}
-            if gone and len(gone) < len({p.logical for p in t.pieces}):
-                raise ConvertError(f"target tensor {t.key} of {f.name} holds {sorted(gone)[0]}, which the source "
-                                   "lacks, together with tensors it has",
-                                   "drop the --allow-missing pattern that matches it, or choose another --dst-format")
-            if not gone:
-                tensors.append(t)
-        out.append(replace(f, tensors=tensors))
-    return out
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FormatOptions:
     """Reader/writer options from the command line (each format uses the ones it knows)."""
 
@@ -129,25 +34,6 @@ class FormatOptions:
     nemo_style: str | None = None  # nemo target: "mcore" | "legacy" | "megatron_legacy" (None: the source's)
     allow_missing: tuple[str, ...] = ()  # globs: source tensors that may be missing (left out of the conversion)
     ignore_unexpected: tuple[str, ...] = ()  # globs: unknown source tensors to skip
-
-
-@dataclass(frozen=True)
-class Target:
-    cfg: ModelConfig
-    layout: Layout
-    dtype: torch.dtype | None  # None: keep each tensor's source dtype
-    args: argparse.Namespace
-    iteration: int | str
-
-
-# Tensors megatron-core keeps in their own dtype whatever the params dtype (MoE router.expert_bias: fp32)
-KEEP_DTYPE = (".mlp.router.expert_bias",)
-
-
-def target_dtype(target: Target, dtypes: dict[str, torch.dtype], logical: str) -> torch.dtype:
-    """The dtype a target tensor holding ``logical`` is written in: ``--dtype``'s, else the source's;
-    tensors megatron-core keeps in their own dtype are never cast."""
-    return dtypes[logical] if target.dtype is None or logical.endswith(KEEP_DTYPE) else target.dtype
 
 
 class Format(Protocol):
@@ -167,24 +53,15 @@ class Format(Protocol):
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         """Pure: the files of the target and what each holds."""
 
-    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> "TargetWriter":
+    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> TargetWriter:
         """A writer of this rank's ``files`` into ``iter_dir`` (metadata excluded)."""
 
-    def finalize(self, target: Target, iter_dir: Path, written: list["WrittenFile"]) -> None:
+    def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0, after every rank wrote ``written`` (all target files, this run's and a resumed
         run's): the metadata that marks the iteration complete."""
 
     def package(self, tmp: Path, dst: Path) -> Path:
         """Rank 0, last: what to rename into ``dst`` (``tmp`` itself, or e.g. an archive made from it)."""
-
-
-@dataclass
-class WrittenFile:
-    """A target file on disk, fsynced: what a writer reports when it finished one."""
-
-    file: int  # TargetFile id
-    name: str  # its path relative to the writer's directory
-    record: dict[str, Any] = field(default_factory=dict)  # what ``finalize`` needs of it (JSON; journaled)
 
 
 class TargetWriter(Protocol):
@@ -290,7 +167,7 @@ def _few(names: list[str]) -> str:
     return f"{names[:3]}{' ...' if len(names) > 3 else ''}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class KeyPolicy:
     """Strict by default: a source tensor the model does not have, or one the model needs but the
     source lacks, is refused. ``--ignore-unexpected`` / ``--allow-missing`` globs opt in to skipping
@@ -304,7 +181,7 @@ class KeyPolicy:
 
     @classmethod
     def of(cls, options: FormatOptions) -> "KeyPolicy":
-        return cls(tuple(options.allow_missing), tuple(options.ignore_unexpected))
+        return cls(allow_missing=tuple(options.allow_missing), ignore_unexpected=tuple(options.ignore_unexpected))
 
     def unexpected(self, where: str, keys: Iterable[str], fix: str, what: str = "unexpected tensors") -> None:
         """Skip the unknown stored ``keys`` of ``where`` that ``--ignore-unexpected`` matches; refuse the rest."""
@@ -374,7 +251,7 @@ def add_rank_file_chunks(chunks: list[SourceChunk], rel: str, expected: dict[str
 
 
 def write_tracker(root: Path, iteration: int | str) -> None:
-    (root / TRACKER).write_text(str(iteration))
+    write_durable(root / TRACKER, str(iteration))
 
 
 def check_piece_shapes(chunk_key: str, where: str, expected: tuple[int, ...], found: tuple[int, ...]) -> None:

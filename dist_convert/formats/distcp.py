@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..durable import fsync_dir, fsync_file
 from ..errors import ConvertError
 from ..layout.boxes import Box
 
@@ -295,7 +296,8 @@ class ItemFileWriter:
 
 
 def write_metadata(iter_dir: Path, items: list[dict[str, Any]]) -> None:
-    """Rank 0: ``.metadata`` for every file's items (``ItemFileWriter.items``), through DCP's own writer."""
+    """Rank 0: ``.metadata`` for every file's items (``ItemFileWriter.items``), through DCP's own writer
+    (which fsyncs it and renames it into place), fsynced again with its directory entry."""
     sdm: dict[str, Any] = {}
     results: list[WriteResult] = []
     for it in items:
@@ -312,3 +314,5 @@ def write_metadata(iter_dir: Path, items: list[dict[str, Any]]) -> None:
                                    storage_data=_StorageInfo(it["file"], it["at"], it["length"])))
     writer = FileSystemWriter(str(iter_dir), single_file_per_rank=True)
     writer.finish(Metadata(state_dict_metadata=sdm), [results])
+    fsync_file(iter_dir / METADATA)
+    fsync_dir(iter_dir)

@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from ..durable import copy_durable, write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box, Piece
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
+from ..layout.topology import Layout
 from ..runtime import Runtime
-from ..topology import Layout
-from .base import (FileAtATime, FormatOptions, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
-                   TargetTensor, WrittenFile, on_rank0, target_dtype)
+from .base import FileAtATime, FormatOptions, KeyPolicy, on_rank0
 from .hf_config import Family, config_from_hf, export_family, family_of, hf_from_config
 from .safetensors_io import read_boxes, read_header, write_file
 
@@ -292,14 +292,14 @@ class HFFormat:
         if len(files) > 1:
             weight_map = {t.key: f.name for f in files for t in f.tensors}
             total = sum(f.nbytes for f in files)
-            (out_dir / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                    indent=2))
+            write_durable(out_dir / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                      indent=2))
         tok = self.options.tokenizer_dir or _tokenizer_dir(target.args)
         if tok is not None:
             for name in TOKENIZER_FILES:
                 if (tok / name).is_file():
-                    shutil.copy2(tok / name, out_dir / name)
-        (out_dir / CONFIG).write_text(json.dumps(hf_from_config(target.cfg, target.args, dtype), indent=2))
+                    copy_durable(tok / name, out_dir / name)
+        write_durable(out_dir / CONFIG, json.dumps(hf_from_config(target.cfg, target.args, dtype), indent=2))
 
 
     def package(self, tmp: Path, dst: Path) -> Path:

@@ -4,7 +4,6 @@ Layer numbers are local to each pipeline stage; ``args`` (an argparse Namespace)
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from collections.abc import Callable
@@ -13,15 +12,16 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig, config_from_args
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from ..durable import save_durable
 from ..errors import ConvertError
 from ..layout.boxes import Piece, local_pieces, mcore_global_shape
 from ..layout.rules import (EMBEDDING, OUTPUT_MODULES, TIED_COPIES, expert_key, expert_modules, extra_state_modules,
                             holders, is_grouped_expert_key, logical_tensors, model_family, spec_suffix)
+from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from ..topology import Layout
-from .base import (FileAtATime, IterDirFormat, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
-                   TargetTensor, WrittenFile, add_rank_file_chunks, target_dtype)
+from .base import FileAtATime, IterDirFormat, KeyPolicy, add_rank_file_chunks
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model_optim_rng.pt"
@@ -141,15 +141,6 @@ def rank_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name:
         objects = {prefix + k: None for k in extra_state_keys(cfg, layout, p, cfg.spec)}
         files.append(TargetFile(len(files), file_name(t, p, e), tensors, objects))
     return files
-
-
-def save_durable(obj: Any, path: Path) -> None:
-    """``torch.save`` fsynced: durable before the metadata and the rename make the target visible."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:

@@ -21,13 +21,14 @@ import torch
 import yaml
 
 from ..config import ModelConfig
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
+from ..durable import copy_durable, fsync_file, save_durable, write_durable
 from ..errors import ConvertError
+from ..integrity import is_run_state
+from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from ..topology import Layout
-from .base import (FileAtATime, FormatOptions, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile,
-                   WrittenFile, add_rank_file_chunks)
-from .megatron import save_durable
+from .base import FileAtATime, FormatOptions, KeyPolicy, add_rank_file_chunks
 from .nemo_legacy import nemo_target_files, source_style, target_style
 
 CONFIG = "model_config.yaml"
@@ -260,23 +261,21 @@ class NemoFormat:
         tokenizer = dict(y.get("tokenizer") or {})
         for key, path in (("model", self.options.tokenizer_model), ("vocab_file", self.options.tokenizer_vocab_file)):
             if path is not None:  # an override travels inside the archive, referenced the way NeMo does
-                shutil.copy2(path, out_dir / path.name)
+                copy_durable(path, out_dir / path.name)
                 tokenizer[key] = f"nemo:{path.name}"
         if tokenizer:
             y["tokenizer"] = tokenizer
-        (out_dir / CONFIG).write_text(yaml.safe_dump(y, sort_keys=False))
+        write_durable(out_dir / CONFIG, yaml.safe_dump(y, sort_keys=False))
         origin = getattr(target.args, "nemo_source", None)
         if origin and Path(origin).exists():  # tokenizer and other artifacts travel with the model
             source = Archive(Path(origin))
             for name in source.names():
                 if name != CONFIG and not name.endswith(WEIGHTS):
                     (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
-                    (out_dir / name).write_bytes(source.read_bytes(name))
+                    write_durable(out_dir / name, source.read_bytes(name))
 
     def package(self, tmp: Path, dst: Path) -> Path:
         """Rank 0: a ``.nemo`` target is streamed into one tar (members added file by file)."""
-        from ..integrity import is_run_state  # (integrity imports the formats)
-
         if dst.suffix != ".nemo":
             return tmp
         packed = tmp.parent / (tmp.name + ".nemo")
@@ -284,6 +283,7 @@ class NemoFormat:
             with tarfile.open(packed, "w:") as tar:
                 for f in sorted(p for p in tmp.rglob("*") if p.is_file() and not is_run_state(p.relative_to(tmp))):
                     tar.add(f, arcname=f"./{f.relative_to(tmp)}")
+            fsync_file(packed)
         except BaseException:
             packed.unlink(missing_ok=True)  # never leave a partial archive behind
             raise

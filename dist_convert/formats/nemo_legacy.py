@@ -34,11 +34,11 @@ from typing import Any, Callable
 import torch
 
 from ..config import ModelConfig
+from ..datamodel import Target, TargetFile, TargetTensor, target_dtype
 from ..errors import ConvertError
 from ..layout.boxes import Box, Piece
 from ..layout.rules import EMBEDDING, OUTPUT
-from ..topology import Layout
-from .base import Target, TargetFile, TargetTensor, target_dtype
+from ..layout.topology import Layout
 from .megatron import rank_entries, rank_target_files
 
 Entry = tuple[tuple[int, ...], list[Piece]]

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..datamodel import numel
 from ..errors import ConvertError
 from ..layout.boxes import Box
-from .base import numel
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -20,15 +20,16 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..config import ModelConfig, config_from_args
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from ..durable import save_durable, write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
 from ..layout.rules import (OUTPUT_MODULES, LogicalTensor, extra_state_modules, holders, logical_tensors,
                             model_family, per_layer_keys, torch_dist_key)
+from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from ..topology import Layout
-from .base import (IterDirFormat, KeyPolicy, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor,
-                   WrittenFile, on_rank0, target_dtype)
+from .base import IterDirFormat, KeyPolicy, on_rank0
 from .distcp import (ItemFileWriter, SafeFileSystemReader, StoredTensor, check_storage, load_metadata, locate,
                      write_metadata)
 
@@ -336,6 +337,6 @@ class TorchDistFormat(IterDirFormat):
                                         key=lambda it: (it["file"], it["at"])))
         common = {"args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
                   "iteration": 0 if target.iteration == "release" else target.iteration}
-        torch.save(common, iter_dir / COMMON)
-        (iter_dir / CONFIG).write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                                                   "common_backend": "torch", "common_backend_version": 1}))
+        save_durable(common, iter_dir / COMMON)
+        write_durable(iter_dir / CONFIG, json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                     "common_backend": "torch", "common_backend_version": 1}))

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..config import ModelConfig
-from ..topology import Layout
 from .boxes import Kind
+from .topology import Layout
 
 Cond = Callable[[ModelConfig], bool]
 Shape = Callable[[ModelConfig], tuple[int, ...]]

@@ -9,15 +9,16 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
+from ..datamodel import SourceIndex, TargetFile, TargetTensor
 from ..errors import ConvertError
 from ..exchange import Assembly, execute
-from ..formats.base import Format, SourceIndex, TargetFile, TargetTensor
+from ..formats.base import Format
 from ..formats.megatron import rank_entries
 from ..layout.boxes import Kind
 from ..layout.rules import logical_tensors
+from ..layout.topology import Layout
 from ..plan import Plan, make_plan
 from ..runtime import Runtime
-from ..topology import Layout
 
 from .modelopt_compat import HAVE_TE
 

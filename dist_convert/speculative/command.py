@@ -4,7 +4,6 @@ checkpoint plus ``modelopt_state`` from which megatron-core + ModelOpt resume tr
 from __future__ import annotations
 
 import argparse
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,22 +11,23 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, args_for_target
-from ..convert import (DTYPES, ReshardOptions, check_vocab, commit_dst, load_index,
-                       logical_numel, prepare_dst, source_dtypes, target_layout)
+from ..convert import DTYPES, ReshardOptions, check_vocab, load_index, logical_numel, source_dtypes, target_layout
+from ..datamodel import SourceIndex
+from ..durable import fsync_file
 from ..errors import ConvertError
 from ..formats import get_format
-from ..formats.base import Format, FormatOptions, SourceIndex, iter_dir_name, resolve_iter_dir, write_tracker
-from ..integrity import write_manifest
+from ..formats.base import Format, FormatOptions, iter_dir_name, resolve_iter_dir
+from ..layout.topology import Layout
 from ..plan import DEFAULT_BUDGET
 from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes
+from ..staging import refuse_existing, stage
 from ..summary import RankStats, print_summary
-from ..topology import Layout
 from .draft_config import DraftRequest, speculative_config
 from .draft_export import draft_base_config
 from .modelopt_compat import alias_renamed_megatron_modules
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class SpeculateOptions:
     src: Path
     dst: Path
@@ -67,8 +67,8 @@ def _dominant_dtype(dtypes: dict[str, torch.dtype]) -> torch.dtype:
 def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     t0 = time.perf_counter()
     for path, flag in ((opts.dst, "DST"), (opts.export_draft, "--export-draft")):
-        if path is not None and path.exists() and not opts.overwrite:
-            raise ConvertError(f"{flag} {path} already exists", "pass --overwrite to replace it or choose another path")
+        if path is not None:
+            refuse_existing(path, opts.overwrite, flag, "another path")
     if opts.dtype not in DTYPES:
         raise ConvertError(f"unknown --dtype {opts.dtype}", f"use one of {', '.join(DTYPES)}")
     alias_renamed_megatron_modules()  # before anything imports ModelOpt
@@ -77,9 +77,12 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     if present:
         raise ConvertError(f"{opts.src} is already a speculative model ({', '.join(present)} applied by ModelOpt)",
                            "start from the base checkpoint (speculate adds one draft to a base model)")
-    reshard_opts = ReshardOptions(opts.src, opts.dst, opts.src_format, "torch_dist", opts.target_tp, opts.target_pp,
-                                  opts.target_first, opts.target_last, "local", 1, opts.vocab_size, opts.dtype,
-                                  opts.memory_budget, opts.overwrite, opts.vocab_divisible_by, opts.formats)
+    reshard_opts = ReshardOptions(src=opts.src, dst=opts.dst, src_format=opts.src_format, dst_format="torch_dist",
+                                  target_tp=opts.target_tp, target_pp=opts.target_pp, target_first=opts.target_first,
+                                  target_last=opts.target_last, target_spec="local", target_vpp=1,
+                                  vocab_size=opts.vocab_size, dtype=opts.dtype, memory_budget=opts.memory_budget,
+                                  overwrite=opts.overwrite, vocab_divisible_by=opts.vocab_divisible_by,
+                                  formats=opts.formats)
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
     if index.cfg.family != "gpt":
         raise ConvertError(f"{opts.src} is an encoder-decoder ({index.cfg.family.upper()}) model; EAGLE and Medusa "
@@ -118,6 +121,14 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
         parallel_state.destroy_model_parallel()
 
 
+def _fsync_small_files(root: Path) -> None:
+    """megatron-core fsyncs the ``.distcp`` files and ``.metadata`` it saves, not ``common.pt`` or
+    ``metadata.json``: every file but the ``.distcp`` ones, fsynced."""
+    for f in root.rglob("*"):
+        if f.is_file() and f.suffix != ".distcp":
+            fsync_file(f)
+
+
 def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Format, cfg: ModelConfig,
          args: argparse.Namespace, layout: Layout, dtype: torch.dtype, algo: str, spec_cfg: dict, t0: float) -> dict:
     from .draft_export import export_draft
@@ -125,26 +136,20 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
 
     model, plan, counters = build_and_convert(index, src_fmt, cfg, args, layout, dtype, algo, spec_cfg, rt,
                                               opts.memory_budget, logical_numel(index))
-    tmp = prepare_dst(opts.dst, rt)
+    staging = stage(opts.dst, rt, overwrite=opts.overwrite)
     tw = time.perf_counter()
-    try:
-        save_speculative(model, tmp / iter_dir_name(index.iteration), args, index.iteration, rt)
+    with staging.guard():
+        save_speculative(model, staging.tmp / iter_dir_name(index.iteration), args, index.iteration, rt)
         rt.barrier()
-        if rt.rank == 0:
-            write_tracker(tmp, index.iteration)
-            write_manifest(tmp)
-        rt.barrier()
-    except BaseException:
-        if rt.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit_dst(tmp, opts.dst, rt)
+        staging.complete(lambda _: _fsync_small_files(staging.tmp), tracker=index.iteration)
+    staging.commit()
     if opts.export_draft is not None:
-        export_draft(model, algo, spec_cfg, cfg, args, dtype, opts.export_draft, rt)
+        export_draft(model, algo, spec_cfg, cfg, args, dtype, opts.export_draft, rt, overwrite=opts.overwrite)
     write_s = time.perf_counter() - tw
     written = sum(f.stat().st_size for f in (opts.dst / iter_dir_name(index.iteration)).glob(f"__{rt.rank}_*.distcp"))
-    mine = RankStats(rt.rank, 1, counters["tensors"], counters["read"], written, counters["sent"],
-                     counters["received"], write_s, time.perf_counter() - t0, peak_rss_bytes())
+    mine = RankStats(rank=rt.rank, files=1, tensors=counters["tensors"], read_bytes=counters["read"],
+                     written_bytes=written, sent_bytes=counters["sent"], received_bytes=counters["received"],
+                     write_s=write_s, wall_s=time.perf_counter() - t0, peak_rss=peak_rss_bytes())
     print_summary(rt, rt.all_gather_object(mine), f"wrote {opts.dst} (torch_dist + modelopt_state {algo}, {layout})")
     return {"algorithm": algo, "config": spec_cfg, "plan": plan}
 

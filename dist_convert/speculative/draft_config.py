@@ -18,7 +18,7 @@ ALGORITHMS = ("eagle", "medusa")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DraftRequest:
     eagle_layers: int | None = None
     eagle_version: int = 3

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,13 +19,13 @@ import torch
 import torch.distributed as dist
 
 from ..config import ModelConfig
-from ..convert import commit_dst
-from ..integrity import INCOMPLETE_SUFFIX, write_manifest
+from ..durable import write_durable
 from ..errors import ConvertError
 from ..formats.hf import LAYER_NAMES, part_pieces
 from ..formats.hf_config import hf_from_config
 from ..formats.safetensors_io import write_file
 from ..runtime import Runtime
+from ..staging import stage
 
 _LAYER = re.compile(r"^eagle_module\.decoder\.layers\.(\d+)\.(.+)$")
 _MEDUSA = re.compile(r"^medusa_heads\.(\d+)\.(medusa_layers\.(\d+)\.linear\.(weight|bias)|lm_head\.weight)$")
@@ -161,17 +160,14 @@ def draft_config(base: dict[str, Any], algo: str, spec_cfg: dict[str, Any], mode
 
 
 def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConfig, args: argparse.Namespace,
-                 dtype: torch.dtype, out: Path, rt: Runtime) -> None:
+                 dtype: torch.dtype, out: Path, rt: Runtime, overwrite: bool = False) -> None:
     """Collective. The last pipeline stage gathers the draft over TP; its first TP rank of data-parallel
     replica 0 writes it; the directory appears atomically."""
     from megatron.core import parallel_state
 
-    tmp = out.parent / (out.name + INCOMPLETE_SUFFIX)
-    if rt.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    rt.barrier()
-    try:
+    staging = stage(out, rt, overwrite=overwrite)
+    tmp = staging.tmp
+    with staging.guard():
         if parallel_state.is_pipeline_last_stage():
             full = gather_full(model, cfg.swiglu)
             if (parallel_state.get_tensor_model_parallel_rank() == 0
@@ -186,12 +182,7 @@ def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConf
                                                 num_attention_heads=ec.num_attention_heads,
                                                 ffn_hidden_size=ec.ffn_hidden_size)
                 write_file(tmp / "model.safetensors", draft_tensors(full, draft_cfg, eagle3, layers, cfg.vocab_size))
-                (tmp / "config.json").write_text(json.dumps(draft_config(base, algo, spec_cfg, model), indent=2))
+                write_durable(tmp / "config.json", json.dumps(draft_config(base, algo, spec_cfg, model), indent=2))
         rt.barrier()
-        if rt.rank == 0:
-            write_manifest(tmp)
-    except BaseException:
-        if rt.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit_dst(tmp, out, rt)
+        staging.complete()
+    staging.commit()

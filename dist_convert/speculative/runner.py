@@ -10,10 +10,11 @@ import torch
 
 from ..config import ModelConfig
 from ..convert import sliced
-from ..formats.base import Format, SourceIndex
+from ..datamodel import SourceIndex
+from ..formats.base import Format
+from ..layout.topology import Layout
 from ..plan import Plan
 from ..runtime import Runtime
-from ..topology import Layout
 from .base_model import build_base_model, fill_base_weights, init_model_parallel, rank_files
 from .modelopt_compat import cpu_stand_ins, use_local_layers_without_te
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConvertError
+from ..errors import ConvertError
 
 
 @dataclass(frozen=True)

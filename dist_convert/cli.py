@@ -194,7 +194,8 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
         if ns.b is None or bad:
             return 1 if bad else 0
     elif ns.b is None:
-        raise ConvertError("verify needs B, the checkpoint to compare A with", "pass B, or --checksums to check A alone")
+        raise ConvertError("verify needs B, the checkpoint to compare A with",
+                           "pass B, or --checksums to check A alone")
     from .verify import verify
     mismatches = verify(ns.a, ns.b, rt, ns.a_format, ns.b_format, ns.atol, ns.rtol, ns.vocab_size,
                         format_options(ns), ns.memory_budget)

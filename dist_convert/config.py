@@ -99,7 +99,7 @@ class ModelConfig:
     def padded_vocab(self, tp: int) -> int:
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
-    def replace(self, **kw: Any) -> "ModelConfig":
+    def replace(self, **kw: Any) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
 

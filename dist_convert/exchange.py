@@ -3,7 +3,7 @@ destination into one flat byte buffer, and move them with one ``all_to_all_singl
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -6,13 +6,12 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from rich.console import Console
 from rich.table import Table
 
 from .convert import load_index
 from .formats.base import FormatOptions
 from .layout.rules import logical_tensors
-from rich.console import Console
-
 from .runtime import Runtime, human_bytes
 
 

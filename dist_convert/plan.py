@@ -146,7 +146,7 @@ def split_chunks(chunks: list[SourceChunk], files: list[TargetFile], max_bytes: 
                 inter = sp.lbox.intersect(lbox)
                 if inter is not None:
                     b = piece_box(sp, inter)
-                    for d, (o, n) in enumerate(zip(b.offsets, b.sizes)):
+                    for d, (o, n) in enumerate(zip(b.offsets, b.sizes, strict=True)):
                         cuts[d] |= {o, o + n}
         if c.contiguous_cuts:
             cuts = contiguous_cuts(cuts, c.shape)
@@ -162,7 +162,7 @@ def contiguous_cuts(cuts: list[set[int]], shape: tuple[int, ...]) -> list[set[in
     """Keep the cuts of a C-ordered tensor under which every cell is one contiguous run: a dim may
     be cut only while every dim before it is cut into single rows."""
     out, single = [], True
-    for s, n in zip(cuts, shape):
+    for s, n in zip(cuts, shape, strict=True):
         out.append(set(s) if single else {0, n})
         single = single and len(s) == n + 1
     return out
@@ -178,7 +178,8 @@ def _row_blocks(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
         return [box]
     per = max(1, max_bytes // row)
     lo, n = box.offsets[d], box.sizes[d]
-    return [Box(box.offsets[:d] + (o,) + box.offsets[d + 1:], box.sizes[:d] + (min(per, lo + n - o),) + box.sizes[d + 1:])
+    return [Box(box.offsets[:d] + (o,) + box.offsets[d + 1:],
+                box.sizes[:d] + (min(per, lo + n - o),) + box.sizes[d + 1:])
             for o in range(lo, lo + n, per)]
 
 
@@ -189,11 +190,13 @@ def _sub_chunk(c: SourceChunk, box: Box, cid: int) -> SourceChunk:
         inter = sp.sbox.intersect(box)
         if inter is not None:
             k = len(inter.sizes) - len(sp.lbox.sizes)  # leading size-1 axes of the stored box (stacked layers)
-            lbox = Box(tuple(lo + i - so for lo, i, so in zip(sp.lbox.offsets, inter.offsets[k:], sp.sbox.offsets[k:])),
+            lbox = Box(tuple(lo + i - so for lo, i, so in
+                             zip(sp.lbox.offsets, inter.offsets[k:], sp.sbox.offsets[k:], strict=True)),
                        inter.sizes[k:])
             pieces.append(Piece(sp.logical, lbox, inter.relative_to(box)))
     base = c.offsets or (0,) * len(c.shape)
-    return replace(c, id=cid, shape=box.sizes, pieces=pieces, offsets=tuple(a + b for a, b in zip(base, box.offsets)))
+    return replace(c, id=cid, shape=box.sizes, pieces=pieces,
+                   offsets=tuple(a + b for a, b in zip(base, box.offsets, strict=True)))
 
 
 def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, budget: int,

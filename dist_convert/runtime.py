@@ -11,8 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from .errors import ConvertError
 
@@ -64,7 +63,7 @@ class Runtime:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
-    def progress(self, total_bytes: int, what: str) -> "ProgressBar":
+    def progress(self, total_bytes: int, what: str) -> ProgressBar:
         return ProgressBar(total_bytes, what, enabled=self.rank == 0 and total_bytes > 0)
 
     def close(self) -> None:
@@ -139,7 +138,7 @@ class ProgressBar:
                                TransferSpeedColumn(), TimeRemainingColumn(), console=_console, transient=False)
             self._task = self._p.add_task(what, total=total)
 
-    def __enter__(self) -> "ProgressBar":
+    def __enter__(self) -> ProgressBar:
         if self._p:
             self._p.start()
         return self

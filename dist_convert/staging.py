@@ -21,8 +21,17 @@ from .datamodel import TargetFile
 from .durable import fsync_dir, fsync_tree
 from .errors import ConvertError
 from .formats.base import on_rank0, write_tracker
-from .integrity import (INCOMPLETE_SUFFIX, Entry, file_sha256, read_journal, read_marker, remove_run_state,
-                        restart_journal, write_manifest, write_marker)
+from .integrity import (
+    INCOMPLETE_SUFFIX,
+    Entry,
+    file_sha256,
+    read_journal,
+    read_marker,
+    remove_run_state,
+    restart_journal,
+    write_manifest,
+    write_marker,
+)
 from .plan import balance
 from .runtime import Runtime, collective_failure
 

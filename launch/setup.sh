@@ -26,7 +26,7 @@ want=$(cat pyproject.toml launch/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # pyproject.toml's dependencies (megatron-core pinned), then its speculative and test extras
   "${PIP[@]}" "megatron-core==0.16.1" "safetensors>=0.4" "rich>=13" "pyyaml>=5.1" psutil \
-    "nvidia-modelopt==0.47.0" "transformers>=4.57,<5.15" requests huggingface_hub "pytest>=8"
+    "nvidia-modelopt==0.47.0" "transformers>=4.57,<5.15" requests huggingface_hub "pytest>=8" "ruff>=0.6"
   "${PIP[@]}" --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi

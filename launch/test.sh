@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+.venv/bin/ruff check dist_convert tests  # lint: the rule set is in pyproject.toml
 set +e
 .venv/bin/python -m pytest tests --durations=15 "$@"  # the 15 slowest tests, every run
 rc=$?

@@ -11,8 +11,8 @@ C++ output too) in ``DIR/job{n}.rank{r}.out`` / ``.err``. Programs:
   * ``cli``: ``dist_convert.cli.main(argv)``; under torchrun in the worker's process group, joined once
     (``--backend``/``--timeout`` of a job do not apply); without torchrun exactly as one process runs it.
   * ``oracle``: ``argv[0]`` is ``mcore``, ``t5`` or ``spec``; the rest goes to ``main(..., serving=True)``
-    of ``tests/mcore_oracle.py``, ``tests/t5_oracle.py`` or ``tests/spec_oracle.py``, which tears down megatron-core's model-parallel
-    groups at the end of the job and keeps the process group.
+    of ``tests/mcore_oracle.py``, ``tests/t5_oracle.py`` or ``tests/spec_oracle.py``, which tears down
+    megatron-core's model-parallel groups at the end of the job and keeps the process group.
 After every job the ranks meet in a barrier: a job that broke the process group (a lost peer) ends the
 worker, and the session starts a fresh one for the next job. EOF on the socket ends the worker.
 """
@@ -24,8 +24,8 @@ import os
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -508,9 +508,10 @@ def load_chunks(chunks, path, fmt, pp, vpp, cfg=None, tp=None, ep=1, etp=None):
     if fmt == "torch_dist":
         common = dist_checkpointing.load_common_state_dict(iterdir)
         loaded = dist_checkpointing.load(
-            {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, iterdir, strict=StrictHandling.RAISE_ALL
+            {k: c.sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}, iterdir,
+            strict=StrictHandling.RAISE_ALL
         )
-        for k, c in zip(keys, chunks):
+        for k, c in zip(keys, chunks, strict=True):
             c.load_state_dict(loaded[k], strict=True)
         ck_args = common.get("args") if isinstance(common, dict) else None
     elif fmt == "megatron":
@@ -530,7 +531,7 @@ def load_chunks(chunks, path, fmt, pp, vpp, cfg=None, tp=None, ep=1, etp=None):
         have = sorted(k for k in sd if re.fullmatch(r"model\d*", k))
         if have != sorted(keys):
             raise SystemExit(f"{f}: model entries {have}, expected {sorted(keys)} (wrong --vpp?)")
-        for k, c in zip(keys, chunks):
+        for k, c in zip(keys, chunks, strict=True):
             c.load_state_dict(sd[k], strict=True)
         ck_args = sd.get("args")
     else:
@@ -562,7 +563,7 @@ def cmd_make(a, cfg):
             os.makedirs(d, exist_ok=True)
         dist.barrier()
         args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch_dist", a.vpp, a.ep, a.etp)
-        state = {k: c.sharded_state_dict() for k, c in zip(keys, chunks)}
+        state = {k: c.sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}
         state.update({
             "args": args,
             "iteration": it,
@@ -584,7 +585,7 @@ def cmd_make(a, cfg):
         if not is_moe(cfg) or parallel_state.get_expert_data_parallel_rank() == 0:
             os.makedirs(os.path.dirname(f), exist_ok=True)
             args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch", a.vpp, a.ep, a.etp)
-            state = {k: c.state_dict() for k, c in zip(keys, chunks)}
+            state = {k: c.state_dict() for k, c in zip(keys, chunks, strict=True)}
             state.update({"args": args, "checkpoint_version": 3.0, "iteration": it})
             torch.save(state, f)
         dist.barrier()
@@ -686,7 +687,7 @@ def cmd_compare(a, cfg):
             bad += [f"SHAPE {p}" for p in check_vocab_shapes(a.ckpt, cfg, a.tp)]
     nrows = vocab_rows(cfg, a.tp, tp_rank)
     n = 0
-    for v, (m_ck, m_ref) in enumerate(zip(c_ck, c_ref)):
+    for v, (m_ck, m_ref) in enumerate(zip(c_ck, c_ref, strict=True)):
         vp = "" if a.vpp is None else f"vp={v} "
         sd_ck = m_ck.state_dict()
         sd_ref = m_ref.state_dict()

@@ -158,7 +158,7 @@ class LocalSlurm:
             "SlurmdTimeout=60",
             "SlurmctldTimeout=60",
             *(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus} RealMemory=1000 "
-              "State=UNKNOWN" for n, p in zip(self.nodes, node_ports)),
+              "State=UNKNOWN" for n, p in zip(self.nodes, node_ports, strict=True)),
             f"PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES OverSubscribe=YES "
             "MaxTime=INFINITE State=UP",
         ]
@@ -178,7 +178,7 @@ class LocalSlurm:
                                capture_output=True, timeout=30)
         assert check.returncode == 0 and "Success" in check.stdout, f"munge does not work: {check.stdout}"
 
-    def start(self, timeout: float = 90) -> "LocalSlurm":
+    def start(self, timeout: float = 90) -> LocalSlurm:
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o700)  # munged refuses group/world writable directories
         for sub in ("state", "spool"):

@@ -117,7 +117,8 @@ def check_draft(model, cfg, algo, draft_dir, work):
                     want[f"medusa_heads.{h}.{j}.linear.{w}"] = sd[f"medusa_heads.{h}.medusa_layers.{j}.linear.{w}"]
             want[f"medusa_heads.{h}.{len(layers)}.weight"] = sd[f"medusa_heads.{h}.lm_head.weight"][: cfg["vocab_size"]]
     bad = [f"draft export: names {sorted(set(got) ^ set(want))}"] if set(got) != set(want) else []
-    bad += [f"draft export: {k} differs" for k in sorted(set(got) & set(want)) if not got[k].equal(want[k].to(got[k].dtype))]
+    bad += [f"draft export: {k} differs" for k in sorted(set(got) & set(want))
+            if not got[k].equal(want[k].to(got[k].dtype))]
     return bad, len(want)
 
 

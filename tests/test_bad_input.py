@@ -12,12 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_refused, ok, run_cli
 from dist_convert.errors import ConvertError
 from dist_convert.formats import get_format
 from dist_convert.formats.base import FormatOptions
 from dist_convert.formats.distcp import load_metadata
 from dist_convert.runtime import Runtime
+
+from conftest import assert_refused, ok, run_cli
 from hf_models import make_hf_model
 from test_nemo import make_nemo
 

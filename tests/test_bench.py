@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-from conftest import ok, run_cli
 from dist_convert.bench import report
 from dist_convert.bench.baselines import whole_model
 from dist_convert.bench.measure import TORCHRUN, MethodFailed, Outcome, Run, run_command
@@ -22,8 +21,10 @@ from dist_convert.config import config_from_args
 from dist_convert.datamodel import numel
 from dist_convert.layout.boxes import Box
 from dist_convert.layout.rules import logical_tensors
-from dist_convert.runtime import Runtime
 from dist_convert.layout.topology import Layout
+from dist_convert.runtime import Runtime
+
+from conftest import ok, run_cli
 
 MB, GB = 1 << 20, 1 << 30
 

@@ -4,7 +4,6 @@ and ``verify --checksums``."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from conftest import ok, run_cli
 

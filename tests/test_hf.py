@@ -142,7 +142,8 @@ def _clobber(name: str, keep: int, junk: bytes = b""):
 HF_DAMAGE = {
     "missing shard": (lambda d: (d / "model-00002-of-00004.safetensors").unlink(),
                       ["names shard model-00002-of-00004.safetensors, which is missing"]),
-    "corrupt header": (_clobber("model-00001-of-00004.safetensors", 8, b"\x00garbage{"), ["corrupt safetensors header"]),
+    "corrupt header": (_clobber("model-00001-of-00004.safetensors", 8, b"\x00garbage{"),
+                       ["corrupt safetensors header"]),
     "truncated shard": (_clobber("model-00003-of-00004.safetensors", 5000), ["data section holds", "truncated"]),
     "unsupported architecture": (_edit_config(architectures=["GPT2LMHeadModel"]),
                                  ["GPT2LMHeadModel", "supported architectures: LlamaForCausalLM"]),

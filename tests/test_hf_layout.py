@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from dist_convert.config import ModelConfig
-from dist_convert.errors import ConvertError
 from dist_convert.datamodel import SourceChunk, Target
+from dist_convert.errors import ConvertError
 from dist_convert.formats.hf import hf_tensors, pack_shards
 from dist_convert.formats.hf_config import config_from_hf, hf_from_config
 from dist_convert.formats.megatron import MegatronFormat
 from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors
-from dist_convert.plan import make_plan, select_source, split_chunks
 from dist_convert.layout.topology import Layout
+from dist_convert.plan import make_plan, select_source, split_chunks
 
 
 def hf_config(**over) -> dict:
@@ -51,7 +51,8 @@ def test_every_family_covers_each_logical_tensor_once(arch, tied):
     cfg, _, _ = config_from_hf(hf_config(architectures=[arch], tie_word_embeddings=tied), None)
     chunks = [SourceChunk(i, "m.safetensors", n, s, torch.float32, p) for i, (n, (s, p)) in
               enumerate(hf_tensors(cfg).items())]
-    select_source(chunks, {n: torch.Size(t.shape).numel() for n, t in logical_tensors(cfg).items()})  # raises on a gap or an overlap
+    # raises on a gap or an overlap
+    select_source(chunks, {n: torch.Size(t.shape).numel() for n, t in logical_tensors(cfg).items()})
     assert ("lm_head.weight" in hf_tensors(cfg)) is not tied
 
 
@@ -122,7 +123,8 @@ def test_import_plan_reads_only_each_ranks_share(fmt, tp, pp):
     assert remote < 0.02 * plan.moved_bytes
 
 
-@pytest.mark.parametrize("fmt,layout,world", [(MegatronFormat, Layout(2, 2, first=2), 3), (TorchDistFormat, Layout(2, 1), 2),
+@pytest.mark.parametrize("fmt,layout,world", [(MegatronFormat, Layout(2, 2, first=2), 3),
+                                              (TorchDistFormat, Layout(2, 1), 2),
                                               (TorchDistFormat, Layout(1, 3), 4)])
 def test_split_sources_fill_every_target_exactly(fmt, layout, world):
     """HF tensors cut by split_chunks (tiny blocks) and read as slices, planned and executed in
@@ -141,6 +143,6 @@ def test_split_sources_fill_every_target_exactly(fmt, layout, world):
     files = fmt().target_files(Target(cfg, layout, None, args, "release"), {n: torch.float32 for n in model})
     cut = split_chunks(chunks, files, 2048)
     assert len(cut) > 3 * len(chunks) and max(c.nbytes for c in cut) <= 2048
-    data = {c.id: stored[c.key][tuple(slice(o, o + n) for o, n in zip(c.offsets, c.shape))] for c in cut}
+    data = {c.id: stored[c.key][tuple(slice(o, o + n) for o, n in zip(c.offsets, c.shape, strict=True))] for c in cut}
     plan = make_plan(cut, files, world, 16 << 10, {n: t.numel() for n, t in model.items()})
     assert_targets_hold(simulate(plan, files, data), files, model)

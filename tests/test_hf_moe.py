@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ok, oracle, run_cli
-from dist_convert.errors import ConvertError
 from dist_convert.datamodel import SourceChunk
+from dist_convert.errors import ConvertError
 from dist_convert.formats.hf import hf_tensors, source_tensors
 from dist_convert.formats.hf_config import config_from_hf, family_of, hf_from_config, hf_moe_pattern
 from dist_convert.formats.safetensors_io import read_header
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.plan import select_source
+
+from conftest import ok, oracle, run_cli
 from hf_models import MOE_FAMILIES, hf_logits, make_hf_model, oracle_config
 
 

@@ -8,10 +8,22 @@ import tarfile
 import pytest
 import torch
 
-from dist_convert.errors import ConvertError
 from dist_convert.datamodel import TargetFile, TargetTensor, WrittenFile
-from dist_convert.integrity import (JOURNAL, MANIFEST, MARKER, Journal, check_checksums, fingerprint, read_journal,
-                                    refuse_incomplete, remove_run_state, restart_journal, write_manifest, write_marker)
+from dist_convert.errors import ConvertError
+from dist_convert.integrity import (
+    JOURNAL,
+    MANIFEST,
+    MARKER,
+    Journal,
+    check_checksums,
+    fingerprint,
+    read_journal,
+    refuse_incomplete,
+    remove_run_state,
+    restart_journal,
+    write_manifest,
+    write_marker,
+)
 from dist_convert.runtime import Runtime
 
 
@@ -22,8 +34,9 @@ def _files(dtype=torch.float32, shape=(4, 2)) -> list[TargetFile]:
 def test_fingerprint_sees_every_file_tensor_and_dtype():
     base = fingerprint(_files(), {"src": "x"})
     assert base == fingerprint(_files(), {"src": "x"})
-    assert len({base, fingerprint(_files(torch.bfloat16), {"src": "x"}), fingerprint(_files(shape=(2, 4)), {"src": "x"}),
-                fingerprint(_files(), {"src": "y"}), fingerprint(_files()[:1], {"src": "x"})}) == 5
+    assert len({base, fingerprint(_files(torch.bfloat16), {"src": "x"}),
+                fingerprint(_files(shape=(2, 4)), {"src": "x"}), fingerprint(_files(), {"src": "y"}),
+                fingerprint(_files()[:1], {"src": "x"})}) == 5
 
 
 def test_journal_records_checksums_and_survives_a_torn_line(tmp_path):

@@ -143,6 +143,7 @@ def test_target_tp_must_divide_heads_groups_and_ffn(kw, needle):
 
 def test_config_from_megatron_lm_args():
     import argparse
+
     from dist_convert.config import config_from_args
     # Megatron-LM defaults: num_query_groups=1 is ignored unless group_query_attention is on
     args = argparse.Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=1,
@@ -169,8 +170,9 @@ def test_virtual_pipeline_chunks_interleave_like_megatron_core():
 
 
 def test_virtual_pipeline_rank_files_hold_model_chunks():
-    from dist_convert.formats.megatron import rank_entries
     from test_plan import CFG
+
+    from dist_convert.formats.megatron import rank_entries
 
     last = rank_entries(CFG, Layout(1, 2, vpp=2), 0, 1, "local")
     assert "model1/output_layer.weight" in last and "model1/decoder.final_layernorm.weight" in last

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import Source, assert_refused, make_gpt, ok, oracle, run_cli
 from dist_convert.config import _moe_from_args
 from dist_convert.formats.megatron import extra_state_keys, rank_entries
 from dist_convert.layout.topology import Layout
+
+from conftest import Source, assert_refused, make_gpt, ok, oracle, run_cli
 from test_rules_vs_mcore import assert_torch_dist_matches, model_config
 
 # M: mixed dense/MoE layers (a list moe_layer_freq: per-layer torch_dist keys), SwiGLU experts, shared

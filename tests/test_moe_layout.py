@@ -117,7 +117,8 @@ def test_legacy_rank_file_of_an_expert_rank():
     assert experts[0] == experts[1] == [f"decoder.layers.1.mlp.experts.local_experts.{i}.linear_fc{j}.weight"
                                         for i in range(2) for j in (1, 2)]
     shape, pieces = files[1]["decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"]
-    assert shape == (32, 32) and {p.logical for p in pieces} == {"decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"}
+    assert shape == (32, 32)
+    assert {p.logical for p in pieces} == {"decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"}
     shared = set(files[0]) - set(experts[0])
     assert shared == set(files[1]) - set(experts[1]) and "decoder.layers.1.mlp.router.weight" in shared
     tp2 = rank_entries(cfg, Layout(tp=2, pp=1, ep=2), 1, 0, "local", ep_rank=1)

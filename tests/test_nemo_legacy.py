@@ -13,12 +13,13 @@ import pytest
 import torch
 import yaml
 
-from conftest import Source, assert_refused, make_gpt, ok, oracle, run_cli
 from dist_convert.config import ModelConfig
-from dist_convert.errors import ConvertError
 from dist_convert.datamodel import Target
+from dist_convert.errors import ConvertError
 from dist_convert.formats.nemo_legacy import nemo_target_files, source_style
 from dist_convert.layout.topology import Layout
+
+from conftest import Source, assert_refused, make_gpt, ok, oracle, run_cli
 
 ITER = "iter_0000100"
 TOKENIZER = "legacy_tokenizer.model"

@@ -7,13 +7,13 @@ import torch
 
 from dist_convert.config import ModelConfig
 from dist_convert.datamodel import SourceChunk, Target
+from dist_convert.exchange import Assembly, execute
 from dist_convert.formats.megatron import MegatronFormat, rank_entries
 from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors
-from dist_convert.exchange import Assembly, execute
+from dist_convert.layout.topology import Layout
 from dist_convert.plan import Plan, aligned, make_plan, split_files
 from dist_convert.runtime import Runtime
-from dist_convert.layout.topology import Layout
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
                   kv_channels=8, swiglu=True, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True,
@@ -86,7 +86,7 @@ def wave_peak_bytes(plan: Plan, by_id: dict[int, SourceChunk]) -> list[int]:
             if t.reader != t.writer:
                 used[t.reader] += aligned(t.nbytes)
                 used[t.writer] += aligned(t.nbytes)
-        peak = [max(a, b) for a, b in zip(peak, used)]
+        peak = [max(a, b) for a, b in zip(peak, used, strict=True)]
     return peak
 
 
@@ -162,8 +162,8 @@ def test_missing_source_shard_is_refused():
 def test_absent_tensors_are_neither_read_nor_written():
     """--allow-missing: a logical tensor one rank file lacks is left out everywhere: the plan reads
     none of it (not even the half another rank has) and omit_absent drops it from every target file."""
-    from dist_convert.errors import ConvertError
     from dist_convert.datamodel import TargetFile, TargetTensor, omit_absent
+    from dist_convert.errors import ConvertError
     from dist_convert.layout.boxes import Box, Piece
     model = logical_model(CFG)
     chunks, data = legacy_source(CFG, Layout(2, 2), model)

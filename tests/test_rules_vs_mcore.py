@@ -8,13 +8,14 @@ import json
 import pytest
 import torch
 
-from conftest import CONFIGS, oracle
 from dist_convert.config import ModelConfig
 from dist_convert.datamodel import Target
 from dist_convert.formats.megatron import extra_state_keys, rank_entries
 from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
+
+from conftest import CONFIGS, oracle
 
 
 def model_config(cfg: dict) -> ModelConfig:

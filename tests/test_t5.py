@@ -91,7 +91,8 @@ def test_t5_logits_equal_at_source_and_target_tp(t5_a, tmp_path):
     ok(run_cli("reshard", str(t5_a.torch_dist), str(dst), "--target-tp", "1"))  # one process, no torchrun
     t5_oracle("logits", 2, "--config", str(t5_a.config), "--tp", "2", "--ckpt", str(t5_a.torch_dist),
               "--out", str(tmp_path / "src.pt"))
-    t5_oracle("logits", 1, "--config", str(t5_a.config), "--tp", "1", "--ckpt", str(dst), "--out", str(tmp_path / "dst.pt"))
+    t5_oracle("logits", 1, "--config", str(t5_a.config), "--tp", "1", "--ckpt", str(dst), "--out",
+              str(tmp_path / "dst.pt"))
     a, b = (torch.load(tmp_path / f)["logits"] for f in ("src.pt", "dst.pt"))
     assert a.shape == (2, 8, 90) and a.std() > 0.1
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

@@ -58,7 +58,7 @@ class Worker:
                     raise RuntimeError(f"worker {self.program} w={self.world} did not start:\n{self._log_tail()}")
                 try:
                     conn, _ = server.accept()
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 conn.settimeout(None)
                 rank = json.loads(conn.makefile("r").readline())["rank"]

@@ -3,8 +3,9 @@ launch imports only this (``bench.run`` is imported when ``bench`` runs)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 METHODS = ("floor", "startup", "dist_convert", "whole_model", "mcore")
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -11,9 +11,10 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from . import measure, report
 from .args import DEFAULT_TARGETS, ITEMSIZE, METHODS, parse_targets
 from .measure import MethodFailed, Outcome, Run
 from .shape import LlamaShape, choose_shape, lcm
+
 
 @dataclass
 class Source:

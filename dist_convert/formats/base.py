@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -92,7 +92,7 @@ class FileAtATime:
 
     def close(self) -> list[WrittenFile]:
         out = []
-        for fid, (f, got) in sorted(self.pending.items()):
+        for _, (f, got) in sorted(self.pending.items()):
             assert not f.tensors, f"{f.name}: {len(f.tensors) - len(got)} tensors never arrived"
             self.write_file(f, [])
             out.append(WrittenFile(f.id, f.name))
@@ -180,7 +180,7 @@ class KeyPolicy:
     absent: set[str] = field(default_factory=set)  # logical tensors left out
 
     @classmethod
-    def of(cls, options: FormatOptions) -> "KeyPolicy":
+    def of(cls, options: FormatOptions) -> KeyPolicy:
         return cls(allow_missing=tuple(options.allow_missing), ignore_unexpected=tuple(options.ignore_unexpected))
 
     def unexpected(self, where: str, keys: Iterable[str], fix: str, what: str = "unexpected tensors") -> None:

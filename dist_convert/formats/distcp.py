@@ -30,8 +30,15 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..durable import fsync_dir, fsync_file
@@ -136,8 +143,8 @@ class StoredTensor:
         """The ``box`` of the stored tensor, read with one positioned read of the span covering it
         (exactly the box's bytes when the box is contiguous)."""
         strides = contiguous_strides(self.shape)
-        first = sum(o * s for o, s in zip(box.offsets, strides))
-        last = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.sizes, strides))
+        first = sum(o * s for o, s in zip(box.offsets, strides, strict=True))
+        last = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.sizes, strides, strict=True))
         count = last - first + 1 if box.numel else 0
         flat = torch.empty(count, dtype=self.dtype)
         buf = memoryview(flat.view(torch.uint8).numpy())

@@ -264,7 +264,7 @@ class HFFormat:
         out: dict[int, torch.Tensor] = {}
         for f, group in by_file.items():
             boxes = [(c.key, Box(c.offsets or (0,) * len(c.shape), c.shape)) for c in group]
-            for c, t in zip(group, read_boxes(index.iter_dir / f, boxes)):
+            for c, t in zip(group, read_boxes(index.iter_dir / f, boxes), strict=True):
                 out[c.id] = t
         return out
 
@@ -277,12 +277,12 @@ class HFFormat:
         names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                    for i in range(len(shards))]
         self._files = [TargetFile(i, name, [tensors[n] for n in shard]) for i, (name, shard) in
-                       enumerate(zip(names, shards))]
+                       enumerate(zip(names, shards, strict=True))]
         return self._files
 
     def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
-        return FileAtATime(files, lambda f, tensors: write_file(out_dir / f.name,
-                                                                [(t.key, x) for t, x in zip(f.tensors, tensors)]))
+        return FileAtATime(files, lambda f, tensors: write_file(
+            out_dir / f.name, [(t.key, x) for t, x in zip(f.tensors, tensors, strict=True)]))
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0: the shard index, config.json and tokenizer files."""

@@ -5,8 +5,8 @@ Layer numbers are local to each pipeline stage; ``args`` (an argparse Namespace)
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,8 +16,19 @@ from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTens
 from ..durable import save_durable
 from ..errors import ConvertError
 from ..layout.boxes import Piece, local_pieces, mcore_global_shape
-from ..layout.rules import (EMBEDDING, OUTPUT_MODULES, TIED_COPIES, expert_key, expert_modules, extra_state_modules,
-                            holders, is_grouped_expert_key, logical_tensors, model_family, spec_suffix)
+from ..layout.rules import (
+    EMBEDDING,
+    OUTPUT_MODULES,
+    TIED_COPIES,
+    expert_key,
+    expert_modules,
+    extra_state_modules,
+    holders,
+    is_grouped_expert_key,
+    logical_tensors,
+    model_family,
+    spec_suffix,
+)
 from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
@@ -263,7 +274,7 @@ class MegatronFormat(IterDirFormat):
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
         def write_file(f: TargetFile, tensors: list[torch.Tensor]) -> None:
             entries: dict[str, dict[str, Any]] = {}
-            for key, value in [(t.key, x) for t, x in zip(f.tensors, tensors)] + list(f.objects.items()):
+            for key, value in [(t.key, x) for t, x in zip(f.tensors, tensors, strict=True)] + list(f.objects.items()):
                 entry, k = split_chunk_key(key)
                 entries.setdefault(entry, {})[k] = value
             save_durable({**entries, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,

@@ -90,7 +90,8 @@ def t5_sections(y: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return {**y, **(y.get("encoder") or {})}, {**y, **(y.get("decoder") or {})}
 
 
-def config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | None) -> tuple[ModelConfig, argparse.Namespace]:
+def config_from_nemo(y: dict[str, Any], padded_vocab: int,
+                     vocab_size: int | None) -> tuple[ModelConfig, argparse.Namespace]:
     """Model config and Megatron-LM style args from a NeMo ``model_config.yaml`` (GPT, or T5 with ``mcore_t5``)."""
     if not y.get("mcore_t5"):
         return _config_from_nemo(y, padded_vocab, vocab_size, "gpt")
@@ -102,7 +103,8 @@ def config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | Non
     try:
         stacks = {"encoder_num_layers": int(enc["num_layers"]), "decoder_num_layers": int(dec["num_layers"])}
     except KeyError:
-        raise ConvertError(f"{CONFIG} lacks encoder/decoder num_layers", "use the model_config.yaml saved with the model")
+        raise ConvertError(f"{CONFIG} lacks encoder/decoder num_layers",
+                           "use the model_config.yaml saved with the model") from None
     merged = {**dec, "share_embeddings_and_output_weights": y.get("share_decoder_tokens_head_embeddings", True)}
     return _config_from_nemo(merged, padded_vocab, vocab_size, "t5", stacks)
 
@@ -232,7 +234,7 @@ class NemoFormat:
 
     def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
         return FileAtATime(files, lambda f, tensors: save_durable(
-            {**{t.key: x for t, x in zip(f.tensors, tensors)}, **f.objects}, out_dir / f.name))
+            {**{t.key: x for t, x in zip(f.tensors, tensors, strict=True)}, **f.objects}, out_dir / f.name))
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0: model_config.yaml for the target layout, and the source's tokenizer artifacts."""

@@ -28,8 +28,9 @@ mcore), and ``scripts/checkpoint_converters/convert_gpt_nemo_to_mcore.py`` (buil
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -24,14 +24,29 @@ from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTens
 from ..durable import save_durable, write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
-from ..layout.rules import (OUTPUT_MODULES, LogicalTensor, extra_state_modules, holders, logical_tensors,
-                            model_family, per_layer_keys, torch_dist_key)
+from ..layout.rules import (
+    OUTPUT_MODULES,
+    LogicalTensor,
+    extra_state_modules,
+    holders,
+    logical_tensors,
+    model_family,
+    per_layer_keys,
+    torch_dist_key,
+)
 from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from .base import IterDirFormat, KeyPolicy, on_rank0
-from .distcp import (ItemFileWriter, SafeFileSystemReader, StoredTensor, check_storage, load_metadata, locate,
-                     write_metadata)
+from .distcp import (
+    ItemFileWriter,
+    SafeFileSystemReader,
+    StoredTensor,
+    check_storage,
+    load_metadata,
+    locate,
+    write_metadata,
+)
 
 COMMON = "common.pt"
 CONFIG = "metadata.json"
@@ -83,7 +98,7 @@ def block_pieces(g: DistGroup, box: Box) -> list[Piece]:
     inner = Box(box.offsets[n:], box.sizes[n:])
     pieces = []
     for idx in itertools.product(*(range(k) for k in box.sizes[:n])):
-        t = g.members[tuple(o + i for o, i in zip(box.offsets[:n], idx))]
+        t = g.members[tuple(o + i for o, i in zip(box.offsets[:n], idx, strict=True))]
         pieces += chunk_pieces(t.name, t.kind, inner, t.shape[0], (0,) * len(inner.sizes), lead=idx)
     return pieces
 
@@ -132,7 +147,7 @@ class _BoxLoadPlanner(LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         _, out = self.requests[read_item.dest_index.fqn][read_item.dest_index.index]
         view = out
-        for dim, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+        for dim, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
             view = view.narrow(dim, o, n)
         return view
 
@@ -256,7 +271,7 @@ class TorchDistFormat(IterDirFormat):
             if stored is None:
                 fallback.append(c)
                 continue
-            box = Box(tuple(a - b for a, b in zip(c.offsets, c.origin)), c.shape)
+            box = Box(tuple(a - b for a, b in zip(c.offsets, c.origin, strict=True)), c.shape)
             try:
                 out[c.id] = stored.read(box)
             except (OSError, EOFError) as e:
@@ -329,7 +344,7 @@ class TorchDistFormat(IterDirFormat):
         return [TargetFile(i, f"tp{t}_pp{p}" + (f"_ep{e}" if layout.ep > 1 else ""), tensors[(t, p, e)],
                            objects[(t, p, e)]) for i, (t, p, e) in enumerate(ranks)]
 
-    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> "_StreamWriter":
+    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> _StreamWriter:
         return _StreamWriter(iter_dir, files)
 
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:

@@ -11,7 +11,7 @@ class Box:
     sizes: tuple[int, ...]
 
     @staticmethod
-    def full(shape: tuple[int, ...]) -> "Box":
+    def full(shape: tuple[int, ...]) -> Box:
         return Box((0,) * len(shape), tuple(shape))
 
     @property
@@ -21,9 +21,9 @@ class Box:
             n *= s
         return n
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         offs, sizes = [], []
-        for a, na, b, nb in zip(self.offsets, self.sizes, other.offsets, other.sizes):
+        for a, na, b, nb in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True):
             lo, hi = max(a, b), min(a + na, b + nb)
             if hi <= lo:
                 return None
@@ -31,15 +31,15 @@ class Box:
             sizes.append(hi - lo)
         return Box(tuple(offs), tuple(sizes))
 
-    def relative_to(self, outer: "Box") -> "Box":
+    def relative_to(self, outer: Box) -> Box:
         """This box in the coordinates of ``outer`` (which contains it)."""
-        return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets)), self.sizes)
+        return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets, strict=True)), self.sizes)
 
-    def shifted(self, delta: tuple[int, ...]) -> "Box":
-        return Box(tuple(a + d for a, d in zip(self.offsets, delta)), self.sizes)
+    def shifted(self, delta: tuple[int, ...]) -> Box:
+        return Box(tuple(a + d for a, d in zip(self.offsets, delta, strict=True)), self.sizes)
 
     def slices(self) -> tuple[slice, ...]:
-        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.sizes))
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.sizes, strict=True))
 
 
 class Kind(str, Enum):
@@ -128,5 +128,5 @@ def piece_box(piece: Piece, inner: Box) -> Box:
     """Where ``inner`` (a sub-box of ``piece.lbox``) sits in the stored tensor of ``piece``."""
     lead = len(piece.sbox.offsets) - len(inner.offsets)
     offs = piece.sbox.offsets[:lead] + tuple(
-        s + (i - lo) for s, i, lo in zip(piece.sbox.offsets[lead:], inner.offsets, piece.lbox.offsets))
+        s + (i - lo) for s, i, lo in zip(piece.sbox.offsets[lead:], inner.offsets, piece.lbox.offsets, strict=True))
     return Box(offs, (1,) * lead + inner.sizes)

@@ -6,8 +6,8 @@ names) with a global layer number, e.g. ``decoder.layers.17.self_attention.linea
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..config import ModelConfig
 from .boxes import Kind
@@ -87,7 +87,8 @@ CROSS_RULES: tuple[Rule, ...] = (
     Rule("pre_cross_attn_layernorm.bias", Kind.REP, _h, _norm_bias),
     Rule("cross_attention.linear_q.weight", Kind.COL, lambda c: (c.num_attention_heads * c.kv_channels, c.hidden_size)),
     Rule("cross_attention.linear_q.bias", Kind.COL, lambda c: (c.num_attention_heads * c.kv_channels,), _bias),
-    Rule("cross_attention.linear_kv.weight", Kind.COL, lambda c: (2 * c.num_query_groups * c.kv_channels, c.hidden_size)),
+    Rule("cross_attention.linear_kv.weight", Kind.COL,
+         lambda c: (2 * c.num_query_groups * c.kv_channels, c.hidden_size)),
     Rule("cross_attention.linear_kv.bias", Kind.COL, lambda c: (2 * c.num_query_groups * c.kv_channels,), _bias),
     Rule("cross_attention.linear_proj.weight", Kind.ROW,
          lambda c: (c.hidden_size, c.num_attention_heads * c.kv_channels)),

@@ -30,7 +30,7 @@ class Layout:
         return s
 
     @staticmethod
-    def from_args(args: object, tp: int, pp: int, encoder_decoder: bool = False) -> "Layout":
+    def from_args(args: object, tp: int, pp: int, encoder_decoder: bool = False) -> Layout:
         """The layout Megatron-LM ``args`` describe (pipeline details only with PP > 1; the split rank
         only for encoder-decoder models: Megatron-LM's GPT args may carry an unused one)."""
         def get(name: str) -> int | None:
@@ -82,7 +82,7 @@ class Layout:
         megatron-core assigns them: with VPP=V, chunk v of rank p starts at v*(L/V) + p*(L/(P*V))."""
         if not self.vpp:
             return [(p, 0, off, n) for p, (off, n) in
-                    enumerate(zip(self.stage_offsets(num_layers), self.stage_sizes(num_layers)))]
+                    enumerate(zip(self.stage_offsets(num_layers), self.stage_sizes(num_layers), strict=True))]
         per = num_layers // (self.pp * self.vpp)
         return [(p, v, v * (num_layers // self.vpp) + p * per, per) for p in range(self.pp) for v in range(self.vpp)]
 

@@ -19,7 +19,6 @@ from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
 from ..plan import Plan, make_plan
 from ..runtime import Runtime
-
 from .modelopt_compat import HAVE_TE
 
 
@@ -97,7 +96,8 @@ def fill_base_weights(model: Any, index: SourceIndex, fmt: Format, cfg: ModelCon
     """Collective: copy the source's base weights into every rank's model parameters."""
     files = rank_files(cfg, layout, coords, dtype)
     mine = files[rt.rank]
-    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    state = {k: v for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     expected = {t.key for t in mine.tensors}
     if set(state) != expected:
         raise ConvertError(f"megatron-core's model holds {sorted(set(state) ^ expected)[:4]} unlike the layout table",

@@ -31,7 +31,8 @@ def _load_spec_config(path: Path) -> tuple[str, dict[str, Any]]:
     try:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ConvertError(f"cannot read --spec-config {path} ({e})", "pass a JSON file with a ModelOpt config") from None
+        raise ConvertError(f"cannot read --spec-config {path} ({e})",
+                           "pass a JSON file with a ModelOpt config") from None
     if not isinstance(raw, dict) or raw.get("algorithm") not in ALGORITHMS or not isinstance(raw.get("config"), dict):
         raise ConvertError(f"--spec-config {path} is not {{\"algorithm\": \"eagle\"|\"medusa\", \"config\": {{...}}}}",
                            "write the config as ModelOpt's EAGLE3_DEFAULT_CFG is written")

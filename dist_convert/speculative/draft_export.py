@@ -57,7 +57,8 @@ def serving_names(name: str, eagle3: bool, layers: int) -> list[tuple[str, str |
         return [(f"medusa_heads.{head}.{layers}.weight", None)]
     deep = eagle3 and layers > 1
     if eagle3:
-        top = {"eagle_module.enorm.weight": "midlayer.0.input_layernorm.weight" if deep else "midlayer.input_layernorm.weight"}
+        top = {"eagle_module.enorm.weight":
+               "midlayer.0.input_layernorm.weight" if deep else "midlayer.input_layernorm.weight"}
     else:
         top = {"eagle_module.enorm.weight": "enorm.weight", "eagle_module.hnorm.weight": "hnorm.weight"}
     top |= {"eagle_module.fc.weight": "fc.weight", "eagle_module.fc.bias": "fc.bias", "eagle_module.d2t": "d2t",

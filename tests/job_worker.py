@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing.util
 import os
 import socket
 import sys
@@ -107,7 +108,12 @@ def main() -> int:
         reply.flush()
         if not healthy:
             break
-    os._exit(0)  # nothing to tear down together: the session closed the socket or a peer is gone
+    # The session closed the socket, or a peer is gone. What a normal exit would stop goes first: the
+    # multiprocessing children of this process (megatron-core's torch_dist save keeps a Manager server
+    # for its whole life), which would otherwise outlive it. Then leave without the interpreter's
+    # teardown, which aborts in a gloo group's destructor when the peers are already gone.
+    multiprocessing.util._exit_function()
+    os._exit(0)
 
 
 if __name__ == "__main__":

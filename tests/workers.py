@@ -142,10 +142,11 @@ class Worker:
 
 class Workers:
     """The session's workers, by (program, world). At most ``max_ranks`` worker processes stay alive
-    (each holds torch, and the oracle's megatron-core, in memory: about 300-450 MB): starting one more
-    first stops the least recently used, so that two suites can run side by side on a 24 GB machine."""
+    (each holds torch, and the oracle's megatron-core, in memory: about 300-450 MB, plus a torchrun agent
+    per worker and megatron-core's save Manager per rank that saved): starting one more first stops the
+    least recently used, so that two suites can run side by side on a 24 GB machine."""
 
-    def __init__(self, env: dict[str, str], max_ranks: int = 14) -> None:
+    def __init__(self, env: dict[str, str], max_ranks: int = 12) -> None:
         self.env, self.max_ranks = env, max_ranks
         self.pool: dict[tuple[str, int | None], Worker] = {}  # least recently used first
 

@@ -98,7 +98,7 @@ def test_manifest_check_finds_every_kind_of_damage(tmp_path):
 
 
 def test_integrity_imports_first():
-    """The formats import integrity (run-state names) and integrity imports the formats: no cycle."""
+    """integrity imports on its own, first: it needs the data model, not the formats (which import it)."""
     import subprocess
     import sys
     subprocess.run([sys.executable, "-c", "import dist_convert.integrity"], check=True)

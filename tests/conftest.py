@@ -26,15 +26,18 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 
 
 def run_cli(*args: str, nproc: int | None = None, timeout: int = 300, env: dict[str, str] | None = None,
-            max_file_size: int | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+            max_file_size: int | None = None, fresh: bool = False,
+            runtime: str = "default") -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=N dist_convert ...`` from the repo root; ``python -m dist_convert``
     when ``nproc`` is None (no torchrun). The command runs in the session's long-lived CLI worker for
     that world size (tests/job_worker.py), unless ``fresh`` asks for a launch of its own, as a user's
     (what torchrun itself does on failures, the process group's own start-up and end). ``env`` adds
     variables and ``max_file_size`` sets RLIMIT_FSIZE (bytes any process may write to one file: a full
-    disk as the kernel reports it, EFBIG); both need, and get, a launch of their own."""
-    if not (fresh or env or max_file_size is not None):
-        return WORKERS.run("cli", nproc, list(args), timeout)
+    disk as the kernel reports it, EFBIG); both need, and get, a launch of their own. ``runtime="mcore19"``
+    runs it under the second runtime (Python 3.12 + megatron-core 0.19.2), always in a worker."""
+    if runtime != "default" or not (fresh or env or max_file_size is not None):
+        assert not (fresh or env or max_file_size is not None), "the second runtime runs in workers only"
+        return WORKERS.run("cli", nproc, list(args), timeout, runtime)
     cmd = torchrun(nproc, "dist_convert", *args) if nproc else [PY, "-m", "dist_convert", *args]
 
     def limit() -> None:
@@ -60,10 +63,12 @@ def assert_refused(proc: subprocess.CompletedProcess, tmp_path: Path, *needles: 
     assert not list(tmp_path.glob("*.dist_convert_tmp"))
 
 
-def oracle(cmd: str, nproc: int, *args: str, check: bool = True, program: str = "mcore") -> subprocess.CompletedProcess:
+def oracle(cmd: str, nproc: int, *args: str, check: bool = True, program: str = "mcore",
+           runtime: str = "default") -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=N tests/mcore_oracle.py CMD ...`` (or ``tests/t5_oracle.py`` with
-    ``program="t5"``), run in the session's oracle worker for that world size."""
-    proc = WORKERS.run("oracle", nproc, [program, cmd, *args], 600)
+    ``program="t5"``), run in the session's oracle worker for that world size; ``runtime="mcore19"``:
+    under megatron-core 0.19.2 (Python 3.12, the second venv)."""
+    proc = WORKERS.run("oracle", nproc, [program, cmd, *args], 600, runtime)
     return ok(proc) if check else proc
 
 

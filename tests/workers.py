@@ -17,14 +17,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "job_worker.py"
+# the interpreters a worker can run under: the default venv's, and the second runtime (Python 3.12 +
+# megatron-core 0.19.2, built by launch/setup_mcore19.sh)
+RUNTIMES = {"default": Path(sys.executable), "mcore19": ROOT / ".venv-mcore19" / "bin" / "python"}
 START_TIMEOUT = 180.0  # seconds for a worker's ranks to import and connect (a loaded 2-core machine)
 
 
 class Worker:
-    """``program`` run by ``world`` ranks under torchrun, or by one plain process when ``world`` is None."""
+    """``program`` run by ``world`` ranks under torchrun, or by one plain process when ``world`` is None,
+    with the interpreter of ``runtime`` (see RUNTIMES)."""
 
-    def __init__(self, program: str, world: int | None, env: dict[str, str]) -> None:
-        self.program, self.world, self.env = program, world, env
+    def __init__(self, program: str, world: int | None, env: dict[str, str], runtime: str = "default") -> None:
+        self.program, self.world, self.env, self.runtime = program, world, env, runtime
         self.proc: subprocess.Popen | None = None
         self.jobs = 0
 
@@ -37,15 +41,18 @@ class Worker:
         return self.proc is not None and self.proc.poll() is None
 
     def _start(self) -> None:
-        self.spool = Path(tempfile.mkdtemp(prefix=f"dcw-{self.program}{self.world or 0}-"))
+        self.spool = Path(tempfile.mkdtemp(prefix=f"dcw-{self.program}{self.world or 0}-{self.runtime}-"))
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         server.bind(str(self.spool / "sock"))
         server.listen(self.nranks)
         server.settimeout(1.0)
         args = [str(WORKER), "--program", self.program, "--socket", str(self.spool / "sock"), "--spool",
                 str(self.spool)]
-        cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}", *args]
-               if self.world else [sys.executable, *args])
+        python = RUNTIMES[self.runtime]
+        if not python.exists():
+            raise RuntimeError(f"{python} is missing: run bash launch/setup_mcore19.sh (launch/test.sh does)")
+        cmd = ([str(python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}", *args]
+               if self.world else [str(python), *args])
         self.log = self.spool / "worker.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=log,
@@ -148,11 +155,12 @@ class Workers:
 
     def __init__(self, env: dict[str, str], max_ranks: int = 12) -> None:
         self.env, self.max_ranks = env, max_ranks
-        self.pool: dict[tuple[str, int | None], Worker] = {}  # least recently used first
+        self.pool: dict[tuple[str, int | None, str], Worker] = {}  # least recently used first
 
-    def run(self, program: str, world: int | None, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-        key = (program, world)
-        worker = self.pool.pop(key, None) or Worker(program, world, self.env)
+    def run(self, program: str, world: int | None, argv: list[str], timeout: float,
+            runtime: str = "default") -> subprocess.CompletedProcess:
+        key = (program, world, runtime)
+        worker = self.pool.pop(key, None) or Worker(program, world, self.env, runtime)
         if not worker.alive:
             for other in list(self.pool.values()):
                 if sum(w.nranks for w in self.pool.values() if w.alive) + worker.nranks <= self.max_ranks:

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Idempotent set-up of .venv-mcore19: the second runtime and oracle (Python 3.12 + megatron-core 0.19.2,
+# and Megatron-Bridge 0.6.2 to judge targets). The tests run dist_convert under it and make and load
+# checkpoints with it. Re-running is a no-op unless this script or pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PY312=${PYTHON312:-}
+if [ -z "$PY312" ]; then
+  for c in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+    if command -v "$c" >/dev/null 2>&1; then PY312=$c; break; fi
+  done
+fi
+if [ -z "$PY312" ]; then
+  echo "setup_mcore19: Python 3.12 not found (megatron-core 0.17+ needs it); set PYTHON312=/path/to/python3.12" >&2
+  exit 1
+fi
+V=.venv-mcore19
+[ -x $V/bin/python ] || "$PY312" -m venv $V
+PIP=($V/bin/python -m pip install -q --disable-pip-version-check)
+stamp=$V/.dist_convert_setup
+want=$(cat pyproject.toml launch/setup_mcore19.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  "${PIP[@]}" "torch==2.13.0"   # on CPU machines the registry's build runs on CPU as it is
+  "${PIP[@]}" "megatron-core==0.19.2" numpy packaging psutil "pyyaml>=5.1" "safetensors>=0.4" "rich>=13" "pytest>=8"
+  # Megatron-Bridge 0.6.2 without its deps (they pin CUDA-only packages), then what its import path needs
+  "${PIP[@]}" --no-deps "megatron-bridge==0.6.2"
+  "${PIP[@]}" "transformers>=5.8,<=5.12.1" accelerate omegaconf einops "hydra-core>=1.3.4,<1.4" tqdm regex six \
+    "nvidia-modelopt==0.47.0" requests datasets "megatron-energon~=7.0" tensorboard
+  "${PIP[@]}" --no-deps --no-build-isolation -e .
+  echo "$want" > "$stamp"
+fi
+$V/bin/python -W ignore -c "import megatron.core, dist_convert; print(f'second runtime ready: megatron-core {megatron.core.__version__}')"

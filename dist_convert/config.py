@@ -214,6 +214,11 @@ def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout,
     if cfg.num_experts:
         out.expert_model_parallel_size = layout.ep
         out.expert_tensor_parallel_size = layout.expert_tp
+    # the smallest job that runs the target (data-parallel size: what expert parallelism needs), and no
+    # optimizer or RNG state in it: Megatron-LM's --load then resumes without looking for either
+    out.data_parallel_size = layout.min_data_parallel if cfg.num_experts else 1
+    out.world_size = layout.tp * layout.pp * out.data_parallel_size
+    out.no_save_optim, out.no_save_rng = True, True
     out.padded_vocab_size = cfg.padded_vocab(layout.tp)
     out.vocab_size = cfg.vocab_size
     out.transformer_impl = "local" if cfg.spec == "local" else "transformer_engine"

@@ -137,7 +137,10 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
                            "pass --vocab-size to strip the padding")
     dtype = DTYPES[opts.dtype]
     args = args_for_target(index.args, cfg, layout, dtype)
-    target = Target(cfg, layout, dtype, args, index.iteration)
+    if f.torch_dist_style and dst_fmt.name != "torch_dist":
+        raise ConvertError(f"--torch-dist-style applies to torch_dist targets, not {dst_fmt.name}",
+                           "drop --torch-dist-style or pass --dst-format torch_dist")
+    target = Target(cfg, layout, dtype, args, index.iteration, index.style if index.format == dst_fmt.name else None)
     files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)
     if dst_fmt.any_writer:  # give every rank a part to write
         files = split_files(files, rt.world)

@@ -1,6 +1,7 @@
 """Parallel layout of a checkpoint: TP x PP ranks and which global layers each pipeline stage owns."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import ConvertError
@@ -47,6 +48,11 @@ class Layout:
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
+
+    @property
+    def min_data_parallel(self) -> int:
+        """The smallest data-parallel size megatron-core runs this layout with: EP x ETP must divide TP x DP."""
+        return self.ep * self.expert_tp // math.gcd(self.tp, self.ep * self.expert_tp)
 
     def expert_rank(self, expert: int, num_experts: int) -> int:
         """The expert-parallel rank holding global expert ``expert``."""
@@ -150,10 +156,15 @@ class Layout:
         flag = "--target-tp" if what == "target" else "the source layout"
         if self.tp < 1 or self.pp < 1:
             raise ConvertError(f"{what} TP and PP must be >= 1 (got {self})", "pass positive --target-tp/--target-pp")
-        for name, n in (("num_attention_heads", heads), ("num_query_groups", groups), ("ffn_hidden_size", ffn)):
+        for name, n in (("num_attention_heads", heads), ("ffn_hidden_size", ffn)):
             if n % self.tp:
                 raise ConvertError(f"{what} TP={self.tp} does not divide {name}={n}",
                                    f"choose {flag} among the divisors of {n}")
+        # megatron-core splits the group-major QKV rows contiguously either way: TP dividing the query groups,
+        # or TP a multiple of them (a rank then holds part of one group; attention all-gathers)
+        if groups % self.tp and self.tp % groups:
+            raise ConvertError(f"{what} TP={self.tp} neither divides num_query_groups={groups} nor is a multiple of it",
+                               f"choose {flag} among the divisors or multiples of {groups} that divide the heads")
         if encoder_layers is not None or self.split is not None:
             self._validate_split(num_layers, encoder_layers, what)
             return

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "1: none)")
     r.add_argument("--target-pipeline-layout", default=None, metavar="STR",
                    help="megatron-core pipeline_model_parallel_layout string placing layers on stages, e.g. "
-                        "'Et|ttt|tL' (VPP = its stages / --target-pp; default: the source's when PP is kept)")
+                        "'Et|ttt|tL' (VPP = its stages / --target-pp; default: the source's when PP is kept; "
+                        "none: no string)")
     r.add_argument("--target-ep", type=int, default=None,
                    help="MoE: expert-parallel size, routed experts spread evenly over EP ranks (default: the source's)")
     r.add_argument("--target-etp", type=int, default=None,

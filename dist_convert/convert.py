@@ -97,6 +97,8 @@ def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> 
     if text is not None:  # the string decides VPP; no per-stage sizes with it
         first = last = None
         vpp = pipeline_vpp(text, pp)
+    elif src.pipeline_layout is not None and opts.target_vpp is None:
+        vpp = None  # the source's VPP came from its string, which this target drops
     split = opts.target_split if opts.target_split is not None else (src.split if same_pp else None)
     tp = opts.target_tp or src.tp
     # ETP follows TP unless the source had one of its own (e.g. ETP=1 under TP=2) or --target-etp is given
@@ -109,12 +111,14 @@ def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> 
 
 
 def pipeline_layout_of(opts: ReshardOptions, src: Layout, pp: int) -> str | None:
-    """The target's layout string: --target-pipeline-layout, else the source's when PP is kept and no
-    other pipeline-stage flag is given."""
+    """The target's layout string: --target-pipeline-layout (``none``: no string), else the source's when
+    PP is kept and no other pipeline-stage flag is given."""
     stage_flags = any(x is not None for x in (opts.target_first, opts.target_last, opts.target_vpp))
     text = opts.target_pipeline_layout
     if text is None:
         return src.pipeline_layout if pp == src.pp and not stage_flags else None
+    if text.lower() == "none":
+        return None
     if opts.target_first is not None or opts.target_last is not None:
         raise ConvertError("--target-pipeline-layout places every layer; it cannot be combined with "
                            "--target-num-layers-in-first/last-stage", "drop one of them")

@@ -523,8 +523,8 @@ def load_chunks(chunks, path, fmt, pp, vpp, cfg=None, tp=None, ep=1, etp=None):
             {k: c.sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}, iterdir,
             strict=StrictHandling.RAISE_ALL
         )
-        for k, c in zip(keys, chunks, strict=True):
-            c.load_state_dict(loaded[k], strict=True)
+        for k, c in zip(keys, chunks, strict=True):  # a chunk with no tensors (layout string) loads nothing
+            c.load_state_dict(loaded.get(k, {}), strict=True)
         ck_args = common.get("args") if isinstance(common, dict) else None
     elif fmt == "megatron":
         if cfg is not None:

@@ -172,6 +172,8 @@ SHARDED = SimpleNamespace(sharded=True, name="megatron")
     (Layout(1, 2, pipeline_layout="Et|tttL"), dict(target_pp=4), Layout(1, 4)),
     (Layout(1, 2, pipeline_layout="Et|tttL"), dict(target_first=1), Layout(1, 2, first=1)),
     (Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|tL"), dict(target_vpp=1), Layout(1, 2)),
+    (Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|tL"), dict(target_pipeline_layout="none"), Layout(1, 2)),
+    (Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|tL"), dict(target_first=1), Layout(1, 2, first=1)),
 ])
 def test_target_layout_string(src, kw, want):
     assert target_layout(ReshardOptions(src="s", dst="d", **kw), _index(src), SHARDED) == want

@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-vpp", type=int, default=None,
                    help="virtual pipeline stages per PP rank (interleaved; default: the source's when PP is kept; "
                         "1: none)")
+    r.add_argument("--target-pipeline-layout", default=None, metavar="STR",
+                   help="megatron-core pipeline_model_parallel_layout string placing layers on stages, e.g. "
+                        "'Et|ttt|tL' (VPP = its stages / --target-pp; default: the source's when PP is kept; "
+                        "none: no string)")
     r.add_argument("--target-ep", type=int, default=None,
                    help="MoE: expert-parallel size, routed experts spread evenly over EP ranks (default: the source's)")
     r.add_argument("--target-etp", type=int, default=None,
@@ -166,7 +170,8 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
                               vocab_size=ns.vocab_size, dtype=ns.dtype, memory_budget=ns.memory_budget,
                               overwrite=ns.overwrite, vocab_divisible_by=ns.vocab_divisible_by, formats=formats,
                               target_split=ns.target_split, stats_json=ns.stats_json, resume=ns.resume,
-                              target_ep=ns.target_ep, target_etp=ns.target_etp)
+                              target_ep=ns.target_ep, target_etp=ns.target_etp,
+                              target_pipeline_layout=ns.target_pipeline_layout)
         reshard(opts, rt)
         return 0
     if ns.cmd == "speculate":

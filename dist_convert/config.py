@@ -207,7 +207,11 @@ def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout,
     out.decoder_first_pipeline_num_layers = layout.first
     out.decoder_last_pipeline_num_layers = layout.last
     out.virtual_pipeline_model_parallel_size = layout.vpp
-    out.num_layers_per_virtual_pipeline_stage = cfg.num_layers // (layout.pp * layout.vpp) if layout.vpp else None
+    out.num_layers_per_virtual_pipeline_stage = cfg.num_layers // (layout.pp * layout.vpp) \
+        if layout.vpp and layout.pipeline_layout is None else None
+    out.pipeline_model_parallel_layout = layout.pipeline_layout
+    if layout.pipeline_layout is not None:  # Megatron-LM allows no other VPP flag with the string
+        out.num_virtual_stages_per_pipeline_rank = None
     if cfg.family == "t5":
         out.encoder_num_layers, out.decoder_num_layers = cfg.encoder_num_layers, cfg.num_layers
         out.pipeline_model_parallel_split_rank = layout.split

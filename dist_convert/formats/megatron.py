@@ -279,8 +279,12 @@ class MegatronFormat(IterDirFormat):
                                  lambda t, p, e: f"{rank_dir_name(t, p, lay.pp, e, lay.ep)}/{MODEL_FILE}")
 
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
+        lay = target.layout
+        chunk_entries = [f"model{v}" for v in range(lay.vpp)] if lay.vpp else ["model"]
+
         def write_file(f: TargetFile, tensors: list[torch.Tensor]) -> None:
-            entries: dict[str, dict[str, Any]] = {}
+            # every model chunk has its entry, an empty one too (a layout string's stage with no layers)
+            entries: dict[str, dict[str, Any]] = {e: {} for e in chunk_entries}
             for key, value in [(t.key, x) for t, x in zip(f.tensors, tensors, strict=True)] + list(f.objects.items()):
                 entry, k = split_chunk_key(key)
                 entries.setdefault(entry, {})[k] = value

@@ -225,6 +225,10 @@ class NemoFormat:
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
+        if target.layout.pipeline_layout is not None:
+            raise ConvertError("pipeline layout strings in .nemo targets are not supported yet",
+                               "write --dst-format torch_dist or megatron, or place layers evenly (--target-vpp 1 "
+                               "replaces a source's layout string; drop --target-pipeline-layout)")
         if target.layout.vpp:
             raise ConvertError("virtual pipeline .nemo targets are not supported yet", "drop --target-vpp")
         if target.cfg.num_experts:

@@ -35,7 +35,7 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
 # The oracle builds megatron-core's local layer spec (no Transformer Engine on CPU), hence
 # --target-spec local; imports default to TE naming, what GPU training loads.
 LOGITS = [
-    ("llama", "torch_dist", 2, 2),  # GQA, untied
+    ("llama", "torch_dist", 4, 4),  # GQA, untied; TP=4 over 2 query groups (a rank holds half a group)
     ("llama32", "megatron", 1, None),  # tied, Llama-3 RoPE scaling
     ("qwen2", "torch_dist", 2, 4),  # qkv bias, MHA; more ranks than target files
     ("qwen3", "megatron", 2, 2),  # q/k norm, head_dim 32 != hidden/heads
@@ -62,7 +62,8 @@ def test_import_gives_transformers_logits_in_megatron_core(hf_dir, tmp_path, nam
 
 # (family, mcore format, tp, pp, world there, world back, extra flags for the export)
 ROUND_TRIPS = [
-    ("mistral", "megatron", 1, 2, 2, 1, []),  # MQA over two stages; export from one torchrun rank
+    ("mistral", "megatron", 2, 2, 4, 1, []),  # MQA at TP=2 (TP a multiple of the 1 group), two stages; export
+    # from one torchrun rank
     ("llama", "torch_dist", 2, 2, 4, 2, ["--max-shard-size", "100KB"]),  # sharded export, each rank its files
     ("llama32", "torch_dist", 1, 2, 2, 4, []),  # tied embedding copy on the last stage; 4 ranks, 1 file
 ]

@@ -29,7 +29,14 @@ forward_backward_func over gloo, then saves at iteration ``--steps``, once per `
     checkpoint ({"model": sharded_state_dict}, args, iteration, checkpoint_version): the reference for
     `mcore_oracle.py compare` (the weights after training differ from `make`'s initial ones).
 
-Rank 0 prints "TRAIN ORACLE SAVED kinds=... losses=..." at the end. The CPU device shims of
+  torchrun --nproc_per_node=1 tests/train_oracle.py inspect --ckpt CKPT --out FILE.json
+
+writes what a checkpoint (a save root or an iteration dir, torch_dist or legacy) holds, read with
+megatron-core and torch.distributed.checkpoint: {"format", "files" (relative paths), "keys" (torch_dist:
+the DCP items, tensors and objects; legacy: the top-level keys of the rank files), "common_keys" (the
+common state / rank file without the model), "args" (ARG_FIELDS of the stored args)}.
+
+`make`: rank 0 prints "TRAIN ORACLE SAVED kinds=... losses=..." at the end. The CPU device shims of
 mcore_oracle apply, plus a few for the optimizer (see training_shims); they are undone at the end of
 the command, so a serving worker (tests/job_worker.py) runs other oracles unchanged afterwards.
 """
@@ -38,12 +45,16 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mcore_oracle as mo  # noqa: E402
 
 KINDS = ("dp_reshardable", "fully_reshardable", "torch")
+ARG_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+              "world_size", "data_parallel_size", "no_save_optim", "no_save_rng", "ckpt_format", "iteration",
+              "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable")
 FLOPS_PER_STEP = 123_456_789.0  # a stand-in for Megatron-LM's num_floating_point_operations(args, batch)
 
 
@@ -403,6 +414,7 @@ def cmd_make(a, cfg, dp):
 
     # Megatron-LM's initialize: the rerun state machine in --rerun-mode (default validate_results) and
     # _set_random_seed (python, numpy, torch, then the model-parallel RNG tracker)
+    t0 = time.monotonic()
     rsm.destroy_rerun_state_machine()
     rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.VALIDATE_RESULTS)
     random.seed(a.seed)
@@ -414,6 +426,7 @@ def cmd_make(a, cfg, dp):
     losses = train(cfg, a, ddp, optimizer, scheduler, dp)
     check_trained(model, initial)
     flops = FLOPS_PER_STEP * a.steps
+    t1 = time.monotonic()
     for kind in a.save_kind:
         root = os.path.join(a.out, kind)
         if kind == "torch":
@@ -424,7 +437,37 @@ def cmd_make(a, cfg, dp):
     rsm.destroy_rerun_state_machine()
     if dist.get_rank() == 0:
         print(f"TRAIN ORACLE SAVED kinds={','.join(a.save_kind)} tp={a.tp} pp={a.pp} ep={a.ep} dp={dp} "
-              f"mcore={'.'.join(map(str, mcore_version()))} losses={losses}", flush=True)
+              f"mcore={'.'.join(map(str, mcore_version()))} losses={losses} "
+              f"(build+train {t1 - t0:.1f} s, saves {time.monotonic() - t1:.1f} s)", flush=True)
+    return 0
+
+
+def cmd_inspect(a):
+    import json
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    iterdir = mo.resolve_iter_dir(a.ckpt)
+    fmt = mo.detect_format(iterdir)
+    files = sorted(os.path.relpath(os.path.join(r, f), iterdir) for r, _, fs in os.walk(iterdir) for f in fs)
+    if fmt == "torch_dist":
+        keys = sorted(FileSystemReader(iterdir).read_metadata().state_dict_metadata)
+        common = dist_checkpointing.load_common_state_dict(iterdir)
+    else:
+        keys, common = set(), {}
+        for f in files:
+            if f.endswith("model_optim_rng.pt"):
+                sd = torch.load(os.path.join(iterdir, f), map_location="cpu", weights_only=False)
+                keys |= set(sd)
+                common = {k: v for k, v in sd.items() if not k.startswith("model")}
+        keys = sorted(keys)
+    args = common.get("args")
+    out = {"format": fmt, "files": files, "keys": keys, "common_keys": sorted(common),
+           "args": {k: getattr(args, k, "<absent>") for k in ARG_FIELDS} if args is not None else None}
+    with open(a.out, "w") as f:
+        json.dump(out, f, default=repr)
     return 0
 
 
@@ -443,7 +486,15 @@ def main(argv=None, serving=False):
     sp.add_argument("--out", required=True, help="ROOT: ROOT/<save kind>/ and ROOT/reference/")
     sp.add_argument("--save-kind", action="append", choices=KINDS, default=None,
                     help="repeatable; default dp_reshardable")
+    sp = sub.add_parser("inspect")
+    sp.add_argument("--ckpt", required=True)
+    sp.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if a.cmd == "inspect":
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        return cmd_inspect(a) if rank == 0 else 0
     a.save_kind = a.save_kind or ["dp_reshardable"]
     if a.pp != 1:
         raise SystemExit("--pp > 1: the pipelined schedules need CUDA streams; only --pp 1 is supported here")

@@ -54,7 +54,8 @@ def format_options(ns: argparse.Namespace) -> FormatOptions:
                          tokenizer_dir=getattr(ns, "tokenizer_dir", None),
                          tokenizer_model=getattr(ns, "tokenizer_model", None),
                          tokenizer_vocab_file=getattr(ns, "tokenizer_vocab_file", None),
-                         nemo_style=getattr(ns, "nemo_style", None), allow_missing=tuple(ns.allow_missing),
+                         nemo_style=getattr(ns, "nemo_style", None),
+                         torch_dist_style=getattr(ns, "torch_dist_style", None), allow_missing=tuple(ns.allow_missing),
                          ignore_unexpected=tuple(ns.ignore_unexpected))
 
 
@@ -74,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target-vpp", type=int, default=None,
                    help="virtual pipeline stages per PP rank (interleaved; default: the source's when PP is kept; "
                         "1: none)")
+    r.add_argument("--target-pipeline-layout", default=None, metavar="STR",
+                   help="megatron-core pipeline_model_parallel_layout string placing layers on stages, e.g. "
+                        "'Et|ttt|tL' (VPP = its stages / --target-pp; default: the source's when PP is kept; "
+                        "none: no string)")
     r.add_argument("--target-ep", type=int, default=None,
                    help="MoE: expert-parallel size, routed experts spread evenly over EP ranks (default: the source's)")
     r.add_argument("--target-etp", type=int, default=None,
@@ -98,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--nemo-style", choices=("mcore", "legacy", "megatron_legacy"), default=None,
                    help="nemo target: megatron-core keys, legacy NeMo Megatron keys, or legacy keys with the "
                         "megatron_legacy QKV layout (default: the source's for a .nemo source, else mcore)")
+    r.add_argument("--torch-dist-style", choices=("0.16", "0.19"), default=None,
+                   help="torch_dist target: where the common state (args) goes. 0.16: common.pt, which megatron-core "
+                        "0.14-0.20 all load; 0.19: a common_state item inside the DCP, as megatron-core 0.19+ saves "
+                        "(0.16-0.18 cannot load it). Default: the source's style, else 0.16")
     r.add_argument("--overwrite", action="store_true",
                    help="replace an existing DST (and discard an interrupted run's DST.dist_convert_tmp)")
     r.add_argument("--resume", action="store_true",
@@ -161,7 +170,8 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
                               vocab_size=ns.vocab_size, dtype=ns.dtype, memory_budget=ns.memory_budget,
                               overwrite=ns.overwrite, vocab_divisible_by=ns.vocab_divisible_by, formats=formats,
                               target_split=ns.target_split, stats_json=ns.stats_json, resume=ns.resume,
-                              target_ep=ns.target_ep, target_etp=ns.target_etp)
+                              target_ep=ns.target_ep, target_etp=ns.target_etp,
+                              target_pipeline_layout=ns.target_pipeline_layout)
         reshard(opts, rt)
         return 0
     if ns.cmd == "speculate":

@@ -19,7 +19,7 @@ from .formats import detect_format, get_format
 from .formats.base import Format, FormatOptions, iter_dir_name
 from .integrity import Entry, Journal, fingerprint, refuse_incomplete
 from .layout.rules import logical_tensors
-from .layout.topology import Layout
+from .layout.topology import Layout, pipeline_vpp
 from .plan import DEFAULT_BUDGET, Plan, make_plan, split_chunks, split_files
 from .runtime import Runtime, human_bytes, peak_rss_bytes
 from .staging import Staging, refuse_existing, stage, write_error
@@ -51,6 +51,7 @@ class ReshardOptions:
     resume: bool = False  # continue the interrupted run in DST.dist_convert_tmp
     target_ep: int | None = None  # MoE: expert-parallel size (default: the source's)
     target_etp: int | None = None  # MoE: expert-tensor-parallel size (default: the source's relation to TP)
+    target_pipeline_layout: str | None = None  # megatron-core pipeline_model_parallel_layout string
 
 
 def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None,
@@ -82,24 +83,50 @@ def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> 
     src = index.layout
     if not dst_fmt.sharded:
         if any((x or 1) != 1 for x in (opts.target_tp, opts.target_pp, opts.target_vpp, opts.target_ep,
-                                       opts.target_etp)) or opts.target_split:
+                                       opts.target_etp)) or opts.target_split or opts.target_pipeline_layout:
             raise ConvertError(f"--dst-format {dst_fmt.name} stores unsharded tensors; TP/PP/EP do not apply",
-                               "drop --target-tp/--target-pp/--target-vpp/--target-ep/--target-etp (or set them to 1)")
+                               "drop --target-tp/--target-pp/--target-vpp/--target-ep/--target-etp/"
+                               "--target-pipeline-layout (or set them to 1)")
         return Layout(1, 1)
     pp = opts.target_pp or src.pp
     same_pp = pp == src.pp
+    text = pipeline_layout_of(opts, src, pp)
     first = opts.target_first if opts.target_first is not None else (src.first if same_pp else None)
     last = opts.target_last if opts.target_last is not None else (src.last if same_pp else None)
     vpp = opts.target_vpp if opts.target_vpp is not None else (src.vpp if same_pp else None)
+    if text is not None:  # the string decides VPP; no per-stage sizes with it
+        first = last = None
+        vpp = pipeline_vpp(text, pp)
+    elif src.pipeline_layout is not None and opts.target_vpp is None:
+        vpp = None  # the source's VPP came from its string, which this target drops
     split = opts.target_split if opts.target_split is not None else (src.split if same_pp else None)
     tp = opts.target_tp or src.tp
     # ETP follows TP unless the source had one of its own (e.g. ETP=1 under TP=2) or --target-etp is given
     etp = opts.target_etp or (src.etp if src.etp is not None else tp)
     layout = Layout(tp, pp, first if pp > 1 else None, last if pp > 1 else None,
                     vpp if vpp != 1 else None, split if pp > 1 or opts.target_split else None,
-                    opts.target_ep or src.ep, None if etp == tp else etp)
+                    opts.target_ep or src.ep, None if etp == tp else etp, text)
     index.cfg.check_layout(layout)
     return layout
+
+
+def pipeline_layout_of(opts: ReshardOptions, src: Layout, pp: int) -> str | None:
+    """The target's layout string: --target-pipeline-layout (``none``: no string), else the source's when
+    PP is kept and no other pipeline-stage flag is given."""
+    stage_flags = any(x is not None for x in (opts.target_first, opts.target_last, opts.target_vpp))
+    text = opts.target_pipeline_layout
+    if text is None:
+        return src.pipeline_layout if pp == src.pp and not stage_flags else None
+    if text.lower() == "none":
+        return None
+    if opts.target_first is not None or opts.target_last is not None:
+        raise ConvertError("--target-pipeline-layout places every layer; it cannot be combined with "
+                           "--target-num-layers-in-first/last-stage", "drop one of them")
+    if opts.target_vpp is not None and opts.target_vpp != (pipeline_vpp(text, pp) or 1):
+        raise ConvertError(f"--target-vpp {opts.target_vpp} disagrees with --target-pipeline-layout {text!r}, "
+                           f"which gives VPP={pipeline_vpp(text, pp) or 1} at PP={pp} (its stages / PP)",
+                           "drop --target-vpp (the layout string sets VPP)")
+    return text
 
 
 def check_vocab(opts: ReshardOptions, index: SourceIndex, cfg: ModelConfig, layout: Layout) -> None:
@@ -137,7 +164,10 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
                            "pass --vocab-size to strip the padding")
     dtype = DTYPES[opts.dtype]
     args = args_for_target(index.args, cfg, layout, dtype)
-    target = Target(cfg, layout, dtype, args, index.iteration)
+    if f.torch_dist_style and dst_fmt.name != "torch_dist":
+        raise ConvertError(f"--torch-dist-style applies to torch_dist targets, not {dst_fmt.name}",
+                           "drop --torch-dist-style or pass --dst-format torch_dist")
+    target = Target(cfg, layout, dtype, args, index.iteration, index.style if index.format == dst_fmt.name else None)
     files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)
     if dst_fmt.any_writer:  # give every rank a part to write
         files = split_files(files, rt.world)

@@ -56,6 +56,7 @@ class SourceIndex:
     chunks: list[SourceChunk]
     notes: list[str] = field(default_factory=list)
     absent: frozenset[str] = frozenset()  # logical tensors the source lacks, left out (--allow-missing)
+    style: str | None = None  # on-disk style where a format has several (torch_dist: "0.16" | "0.19")
 
     @property
     def nbytes(self) -> int:
@@ -117,6 +118,7 @@ class Target:
     dtype: torch.dtype | None  # None: keep each tensor's source dtype
     args: argparse.Namespace
     iteration: int | str
+    style: str | None = None  # the source's on-disk style, kept when the format stays (torch_dist: "0.16" | "0.19")
 
 
 # Tensors megatron-core keeps in their own dtype whatever the params dtype (MoE router.expert_bias: fp32)

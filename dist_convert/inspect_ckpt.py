@@ -25,7 +25,7 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
         "iteration": index.iteration,
         "layout": {"tp": index.layout.tp, "pp": index.layout.pp, "first_stage_layers": index.layout.first,
                    "last_stage_layers": index.layout.last, "vpp": index.layout.vpp,
-                   "pipeline_split_rank": index.layout.split},
+                   "pipeline_split_rank": index.layout.split, "pipeline_layout": index.layout.pipeline_layout},
         "stage_layers": [sum(n for p, *_, n in chunks if p == s) for s in range(index.layout.pp)],
         "config": dataclasses.asdict(index.cfg),
         "logical_tensors": len(logical_tensors(index.cfg)),
@@ -45,7 +45,8 @@ def print_description(info: dict, as_json: bool) -> None:
     table.add_column("value")
     lay = info["layout"]
     rows = [("format", info["format"]), ("iteration", str(info["iteration"])),
-            ("layout", f"TP={lay['tp']} PP={lay['pp']} stages={info['stage_layers']}"),
+            ("layout", f"TP={lay['tp']} PP={lay['pp']} stages={info['stage_layers']}"
+                       + (f" layout={lay['pipeline_layout']!r}" if lay["pipeline_layout"] else "")),
             ("logical tensors", str(info["logical_tensors"])), ("stored chunks", str(info["stored_chunks"])),
             ("bytes", human_bytes(info["bytes"])),
             ("dtypes", ", ".join(f"{k}: {v} chunks" for k, v in info["dtypes"].items()))]

@@ -113,14 +113,16 @@ def make_source(root: Path, name: str) -> Source:
     return make_gpt(root, name, *CONFIGS[name])
 
 
-def make_gpt(root: Path, name: str, cfg: dict, tp: int, pp: int, first: int | None = None, ep: int = 1) -> Source:
-    """A megatron-core GPT with config ``cfg``, saved by the oracle at (tp, pp[, ep]) in both Megatron-LM formats."""
+def make_gpt(root: Path, name: str, cfg: dict, tp: int, pp: int, first: int | None = None, ep: int = 1,
+             runtime: str = "default") -> Source:
+    """A megatron-core GPT with config ``cfg``, saved by the oracle at (tp, pp[, ep]) in both Megatron-LM formats
+    (by megatron-core 0.19.2 with ``runtime="mcore19"``)."""
     root.mkdir(parents=True, exist_ok=True)
     config = root / f"{name}.json"
     config.write_text(json.dumps(cfg))
     src = Source(name, config, tp, pp, first, root / f"{name}_torch_dist", root / f"{name}_megatron", cfg, ep)
     oracle("make", tp * pp * ep, "--config", str(config), *src.layout_args(), "--seed", "1234", "--iteration", "100",
-           "--out-torch-dist", str(src.torch_dist), "--out-megatron", str(src.megatron))
+           "--out-torch-dist", str(src.torch_dist), "--out-megatron", str(src.megatron), runtime=runtime)
     return src
 
 

@@ -37,6 +37,13 @@ keys), and each legacy mp_rank_TT_PPP/model_optim_rng.pt holds chunk_v.state_dic
 local to the chunk) under "model{v}". args.virtual_pipeline_model_parallel_size is V (None without
 --vpp) and `compare --check-args` checks it. Without --vpp everything is as before.
 
+--pipeline-layout STR (megatron-core >= 0.13) places the layers with a pipeline_model_parallel_layout
+string (e.g. "Et|tt|t|tL"; stages listed VPP-major): TransformerConfig(pipeline_model_parallel_layout=STR)
+builds every chunk, the VPP size is the number of stages / P (as Megatron-LM derives it; --vpp may not
+disagree, --first/--last may not be given), and args get pipeline_model_parallel_layout=STR with
+decoder_first/last_pipeline_num_layers and num_layers_per_virtual_pipeline_stage None; `compare
+--check-args` checks the string.
+
 Random values (`make`) depend on the seed, the TP rank (for TP-sharded tensors) and the logical
 tensor with its GLOBAL layer number, not on the PP/VPP layout: the same seed and TP give the same
 model at any --pp/--vpp/--first/--last, so e.g. a VPP checkpoint compares OK at --pp 1 against a
@@ -191,7 +198,7 @@ def padded_vocab(cfg, tp):
     return int(math.ceil(cfg["vocab_size"] / mult) * mult)
 
 
-def make_args(cfg, tp, pp, first, last, iteration, ckpt_format, vpp=None, ep=1, etp=None):
+def make_args(cfg, tp, pp, first, last, iteration, ckpt_format, vpp=None, ep=1, etp=None, layout=None):
     import torch
 
     d = dict(cfg)
@@ -216,9 +223,11 @@ def make_args(cfg, tp, pp, first, last, iteration, ckpt_format, vpp=None, ep=1, 
         # Megatron-LM derives V from one of these flags (uneven stages need the second one)
         uneven = first is not None or last is not None
         d.update(
-            num_layers_per_virtual_pipeline_stage=None if uneven else cfg["num_layers"] // (pp * vpp),
+            num_layers_per_virtual_pipeline_stage=None if uneven or layout else cfg["num_layers"] // (pp * vpp),
             num_virtual_stages_per_pipeline_rank=vpp if uneven else None,
         )
+    if layout is not None:  # Megatron-LM derives V from the string; no per-stage flags with it
+        d.update(pipeline_model_parallel_layout=layout)
     if is_moe(cfg):  # the MoE keys of cfg are already in d (moe_layer_freq as given: int or list)
         d.update(
             moe_grouped_gemm=False,
@@ -269,7 +278,7 @@ def init_parallel(tp, pp, vpp=None, ep=1, etp=None, cfg=None):
 
 
 def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=None, vp_stage=None,
-                ep=1, etp=None):
+                ep=1, etp=None, layout=None):
     """One GPTModel; with vpp, the chunk for virtual stage vp_stage (as Megatron-LM's get_model)."""
     import torch
     import torch.nn.functional as F
@@ -301,6 +310,8 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         extra["num_layers_in_last_pipeline_stage"] = last
     if vpp is not None:
         extra["virtual_pipeline_model_parallel_size"] = vpp
+    if layout is not None:
+        extra["pipeline_model_parallel_layout"] = layout
     config = TransformerConfig(
         num_layers=cfg["num_layers"],
         hidden_size=cfg["hidden_size"],
@@ -354,12 +365,13 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
     return model
 
 
-def build_chunks(cfg, tp, pp, first=None, last=None, vpp=None, parallel_output=True, ep=1, etp=None):
+def build_chunks(cfg, tp, pp, first=None, last=None, vpp=None, parallel_output=True, ep=1, etp=None,
+                 layout=None):
     """This rank's model chunks: [model] without VPP, else one chunk per virtual stage 0..vpp-1."""
     if vpp is None:
-        return [build_model(cfg, tp, pp, first, last, parallel_output, ep=ep, etp=etp)]
-    return [build_model(cfg, tp, pp, first, last, parallel_output, vpp=vpp, vp_stage=v, ep=ep, etp=etp)
-            for v in range(vpp)]
+        return [build_model(cfg, tp, pp, first, last, parallel_output, ep=ep, etp=etp, layout=layout)]
+    return [build_model(cfg, tp, pp, first, last, parallel_output, vpp=vpp, vp_stage=v, ep=ep, etp=etp,
+                        layout=layout) for v in range(vpp)]
 
 
 def model_keys(vpp):
@@ -511,8 +523,8 @@ def load_chunks(chunks, path, fmt, pp, vpp, cfg=None, tp=None, ep=1, etp=None):
             {k: c.sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}, iterdir,
             strict=StrictHandling.RAISE_ALL
         )
-        for k, c in zip(keys, chunks, strict=True):
-            c.load_state_dict(loaded[k], strict=True)
+        for k, c in zip(keys, chunks, strict=True):  # a chunk with no tensors (layout string) loads nothing
+            c.load_state_dict(loaded.get(k, {}), strict=True)
         ck_args = common.get("args") if isinstance(common, dict) else None
     elif fmt == "megatron":
         if cfg is not None:
@@ -549,7 +561,7 @@ def cmd_make(a, cfg):
 
     if a.out_megatron:
         refuse_legacy_etp(cfg, a.tp, a.etp)
-    chunks = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp)
+    chunks = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp, layout=a.pipeline_layout)
     randomize(chunks, cfg, a.seed)
     keys = model_keys(a.vpp)
     rank = dist.get_rank()
@@ -562,7 +574,7 @@ def cmd_make(a, cfg):
         if rank == 0:
             os.makedirs(d, exist_ok=True)
         dist.barrier()
-        args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch_dist", a.vpp, a.ep, a.etp)
+        args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch_dist", a.vpp, a.ep, a.etp, a.pipeline_layout)
         state = {k: c.sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}
         state.update({
             "args": args,
@@ -584,7 +596,7 @@ def cmd_make(a, cfg):
         # as Megatron-LM: only expert-data-parallel rank 0 writes (one file per (tp, pp, ep))
         if not is_moe(cfg) or parallel_state.get_expert_data_parallel_rank() == 0:
             os.makedirs(os.path.dirname(f), exist_ok=True)
-            args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch", a.vpp, a.ep, a.etp)
+            args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch", a.vpp, a.ep, a.etp, a.pipeline_layout)
             state = {k: c.state_dict() for k, c in zip(keys, chunks, strict=True)}
             state.update({"args": args, "checkpoint_version": 3.0, "iteration": it})
             torch.save(state, f)
@@ -634,8 +646,9 @@ def check_args(ck_args, cfg, a):
             "moe_router_score_function", "moe_router_pre_softmax",
         ):
             want[k] = cfg[k]
+    want["pipeline_model_parallel_layout"] = a.pipeline_layout
     for k, v in want.items():
-        got = getattr(ck_args, k, "<absent>")
+        got = getattr(ck_args, k, None if k == "pipeline_model_parallel_layout" else "<absent>")
         if k == "vocab_size" and got is None:
             continue  # Megatron-LM args may leave vocab_size unset (tokenizer decides)
         if k == "expert_tensor_parallel_size" and got is None and v == a.tp:
@@ -672,8 +685,8 @@ def cmd_compare(a, cfg):
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     rank = dist.get_rank()
-    c_ck = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp)
-    c_ref = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp)
+    c_ck = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp, layout=a.pipeline_layout)
+    c_ref = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp, layout=a.pipeline_layout)
     # Different random contents before loading, so an un-loaded tensor cannot compare equal.
     randomize(c_ck, cfg, 1_000_003)
     randomize(c_ref, cfg, 2_000_003)
@@ -787,7 +800,7 @@ def cmd_layout(a, cfg):
         legacy = {k: (list(t.shape) if isinstance(t, torch.Tensor) else None) for k, t in model.state_dict().items()}
         return {"tensors": tensors, "objects": objects, "state_dict": legacy}
 
-    chunks = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp)
+    chunks = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp, layout=a.pipeline_layout)
     mine = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
             "ep_rank": parallel_state.get_expert_model_parallel_rank(),
@@ -820,6 +833,8 @@ def main(argv=None, serving=False):
         sp.add_argument("--last", type=int, default=None, help="layers in last PP stage")
         sp.add_argument("--vpp", type=int, default=None,
                         help="virtual pipeline (interleaved) stages per PP rank; default: no VPP")
+        sp.add_argument("--pipeline-layout", default=None,
+                        help="pipeline_model_parallel_layout string (VPP = its stages / PP)")
         sp.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE configs)")
         sp.add_argument("--etp", type=int, default=None,
                         help="expert_tensor_parallel_size (MoE configs); default: the same as --tp")
@@ -860,6 +875,8 @@ def main(argv=None, serving=False):
     import torch.distributed as dist
 
     cfg = load_config(a.config)
+    if a.pipeline_layout is not None:
+        a.vpp = layout_vpp(a)
     init_parallel(a.tp, a.pp, a.vpp, a.ep, a.etp, cfg)
     try:
         rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits, "layout": cmd_layout,
@@ -868,6 +885,19 @@ def main(argv=None, serving=False):
     finally:
         end_parallel(serving)
     return rc
+
+
+def layout_vpp(a):
+    """The VPP size a --pipeline-layout string gives at --pp (None for 1), as Megatron-LM derives it."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    stages = PipelineParallelLayerLayout.get_num_stages_from_str(a.pipeline_layout)
+    if stages % a.pp or a.first is not None or a.last is not None:
+        raise SystemExit(f"--pipeline-layout has {stages} stages for --pp {a.pp} (or --first/--last given)")
+    vpp = stages // a.pp if stages > a.pp else None
+    if a.vpp is not None and a.vpp != vpp:
+        raise SystemExit(f"--vpp {a.vpp} disagrees with --pipeline-layout (VPP {vpp})")
+    return vpp
 
 
 def end_parallel(serving):

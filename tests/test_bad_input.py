@@ -223,7 +223,6 @@ def test_every_reader_is_strict_unless_told(gpt_a, hf_llama, tmp_path, fmt):
 
 
 @pytest.mark.parametrize("flags,needles", [
-    (["--target-tp", "4"], ["TP=4 does not divide num_query_groups=2", "--target-tp"]),
     (["--target-pp", "5"], ["PP=5 exceeds num_layers=4", "--target-pp"]),
     (["--target-pp", "2", "--target-num-layers-in-first-stage", "5"], ["--target-num-layers-in-first-stage"]),
     (["--target-tp", "3"], ["TP=3 does not divide num_attention_heads=4", "--target-tp"]),

@@ -133,12 +133,25 @@ def test_layout_validation_names_the_flag(layout, flag):
 
 
 @pytest.mark.parametrize("kw,needle", [({"num_attention_heads": 6, "num_query_groups": 6}, "num_attention_heads=6"),
-                                       ({}, "num_query_groups=2"), ({"num_query_groups": 4, "ffn_hidden_size": 90},
-                                                                   "ffn_hidden_size=90")])
-def test_target_tp_must_divide_heads_groups_and_ffn(kw, needle):
+                                       ({"num_query_groups": 4, "ffn_hidden_size": 90}, "ffn_hidden_size=90")])
+def test_target_tp_must_divide_heads_and_ffn(kw, needle):
     with pytest.raises(ConvertError) as e:
         cfg(**kw).check_layout(Layout(4, 1))
     assert f"target TP=4 does not divide {needle}; choose --target-tp among the divisors" in str(e.value)
+
+
+@pytest.mark.parametrize("heads,groups,tp,ok", [(4, 2, 4, True), (8, 2, 8, True), (8, 4, 2, True), (8, 1, 8, True),
+                                                (12, 6, 4, False), (12, 3, 2, False)])
+def test_target_tp_divides_or_is_a_multiple_of_the_query_groups(heads, groups, tp, ok):
+    """megatron-core holds TP | groups and groups | TP (a rank then holds a contiguous part of one group)."""
+    c = cfg(num_attention_heads=heads, num_query_groups=groups, ffn_hidden_size=96)
+    if ok:
+        c.check_layout(Layout(tp, 1))
+        return
+    with pytest.raises(ConvertError) as e:
+        c.check_layout(Layout(tp, 1))
+    assert (f"target TP={tp} neither divides num_query_groups={groups} nor is a multiple of it; choose --target-tp "
+            f"among the divisors or multiples of {groups}") in str(e.value)
 
 
 def test_config_from_megatron_lm_args():

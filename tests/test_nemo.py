@@ -116,3 +116,27 @@ def test_bad_nemo_is_refused(gpt_a, tmp_path, damage, needles):
         tar.add(extracted, arcname=".")
     assert_refused(run_cli("reshard", str(path), str(tmp_path / "dst"), "--dst-format", "torch_dist",
                            "--vocab-size", "100"), tmp_path, *needles)
+
+
+def test_nemo_without_transformer_engine_key_keeps_local_names(gpt_a, tmp_path):
+    """NeMo reads an absent ``transformer_engine`` as False (local layer names): a .nemo without the key
+    converts to a legacy target with local names and args, which megatron-core's local spec loads strictly."""
+    from dist_convert.formats.nemo import config_from_nemo
+
+    y = {"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "ffn_hidden_size": 16}
+    assert config_from_nemo(y, 128, 100)[1].transformer_impl == "local"
+    assert config_from_nemo({**y, "transformer_engine": True}, 128, 100)[1].transformer_impl == "transformer_engine"
+    nemo, extracted, dst = tmp_path / "a.nemo", tmp_path / "x", tmp_path / "dst"
+    ok(run_cli("reshard", str(gpt_a.megatron), str(nemo), "--dst-format", "nemo", "--target-pp", "1", nproc=2))
+    extracted.mkdir()
+    with tarfile.open(nemo) as tar:
+        tar.extractall(extracted, filter="data")
+    config = yaml.safe_load((extracted / "model_config.yaml").read_text())
+    config.pop("transformer_engine", None)
+    (extracted / "model_config.yaml").write_text(yaml.safe_dump(config))
+    ok(run_cli("reshard", str(extracted), str(dst), "--dst-format", "megatron", nproc=2))
+    sd = torch.load(dst / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert "decoder.layers.0.input_layernorm.weight" in sd["model"] and sd["args"].transformer_impl == "local"
+    assert not any("layer_norm_weight" in k or "core_attention" in k for k in sd["model"])
+    oracle("compare", 2, "--config", str(gpt_a.config), "--tp", "2", "--pp", "1", "--ckpt", str(dst),
+           "--ref", str(gpt_a.torch_dist))

@@ -11,10 +11,11 @@ import pytest
 from conftest import assert_refused, ok, oracle, run_cli
 
 
-def spec_oracle(src, dst, tp: int, pp: int, algo: str, draft=None, config=None) -> str:
+def spec_oracle(src, dst, tp: int, pp: int, algo: str, draft=None, config=None, runtime: str = "default") -> str:
     extra = ["--draft", str(draft)] if draft else []
     proc = oracle("check", tp * pp, "--config", str(config or src.config), "--tp", str(tp), "--pp", str(pp),
-                  "--algo", algo, "--ckpt", str(dst), "--ref", str(src.torch_dist), *extra, program="spec", check=False)
+                  "--algo", algo, "--ckpt", str(dst), "--ref", str(src.torch_dist), *extra, program="spec", check=False,
+                  runtime=runtime)
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0 and "SPEC ORACLE OK" in proc.stdout, out
     return proc.stdout

@@ -19,6 +19,9 @@ from ..layout.boxes import Piece
 from ..runtime import Runtime
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# Training state Megatron-LM saves next to the model in its common state / legacy rank files: read past, never converted
+COMMON_TRAINING_STATE = ("optimizer", "opt_param_scheduler", "rng_state", "rerun_state_machine",
+                         "num_floating_point_operations_so_far", "num_tokens_so_far")
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 
 
@@ -32,6 +35,7 @@ class FormatOptions:
     tokenizer_model: Path | None = None  # nemo: tokenizer model file to put into the target archive
     tokenizer_vocab_file: Path | None = None  # nemo: tokenizer vocab file to put into the target archive
     nemo_style: str | None = None  # nemo target: "mcore" | "legacy" | "megatron_legacy" (None: the source's)
+    torch_dist_style: str | None = None  # torch_dist target: "0.16" (common.pt) | "0.19" (None: the source's or 0.16)
     allow_missing: tuple[str, ...] = ()  # globs: source tensors that may be missing (left out of the conversion)
     ignore_unexpected: tuple[str, ...] = ()  # globs: unknown source tensors to skip
 
@@ -248,6 +252,14 @@ def add_rank_file_chunks(chunks: list[SourceChunk], rel: str, expected: dict[str
         if key in have:
             check_piece_shapes(key, rel, shape, have[key][0])
             chunks.append(SourceChunk(len(chunks), rel, key, shape, have[key][1], pieces))
+
+
+def dropped_state_note(parts: list[str]) -> str | None:
+    """The one note line on the training state a conversion drops (None: the source holds none)."""
+    if not parts:
+        return None
+    return (f"dropped the training state (not converted): {', '.join(parts)}; the target's args say no_save_optim "
+            "and no_save_rng, so Megatron-LM loads it without optimizer or RNG state")
 
 
 def write_tracker(root: Path, iteration: int | str) -> None:

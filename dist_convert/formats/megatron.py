@@ -5,6 +5,7 @@ Layer numbers are local to each pipeline stage; ``args`` (an argparse Namespace)
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,11 @@ from ..layout.rules import (
 from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from .base import FileAtATime, IterDirFormat, KeyPolicy, add_rank_file_chunks
+from .base import COMMON_TRAINING_STATE, FileAtATime, IterDirFormat, KeyPolicy, add_rank_file_chunks, dropped_state_note
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model_optim_rng.pt"
+DISTRIB_OPTIM = "distrib_optim.pt"  # the distributed optimizer's parameter state, next to MODEL_FILE
 CHECKPOINT_VERSION = 3.0
 
 
@@ -173,7 +175,9 @@ def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:
                 else:
                     objects.append(key)
         return {"args": ckpt.get("args"), "iteration": ckpt.get("iteration"), "tensors": tensors,
-                "objects": objects, "chunks": len(entries)}
+                "objects": objects, "chunks": len(entries),
+                "training": [k for k in COMMON_TRAINING_STATE if k in ckpt]
+                + [DISTRIB_OPTIM] * (path.parent / DISTRIB_OPTIM).is_file()}
     except ConvertError as e:
         return {"error": str(e)}
 
@@ -228,7 +232,10 @@ class MegatronFormat(IterDirFormat):
         for (t, p, e), f in files.items():  # expert rank 0 first: the other files' copies are replicas
             add_rank_file_chunks(chunks, f["rel"], rank_entries(cfg, layout, t, p, spec, e), f["tensors"],
                                  "the checkpoint's args", policy)
-        return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks))
+        found = Counter(k for f in files.values() for k in f["training"])
+        note = dropped_state_note([k if k != DISTRIB_OPTIM or n == 1 else f"{k} ({n} files)" for k, n in found.items()])
+        return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks,
+                                         [note] if note else []))
 
     @staticmethod
     def _rank_files(iter_dir: Path, names: list[str], indexed: dict[str, dict[str, Any]],
@@ -272,8 +279,12 @@ class MegatronFormat(IterDirFormat):
                                  lambda t, p, e: f"{rank_dir_name(t, p, lay.pp, e, lay.ep)}/{MODEL_FILE}")
 
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
+        lay = target.layout
+        chunk_entries = [f"model{v}" for v in range(lay.vpp)] if lay.vpp else ["model"]
+
         def write_file(f: TargetFile, tensors: list[torch.Tensor]) -> None:
-            entries: dict[str, dict[str, Any]] = {}
+            # every model chunk has its entry, an empty one too (a layout string's stage with no layers)
+            entries: dict[str, dict[str, Any]] = {e: {} for e in chunk_entries}
             for key, value in [(t.key, x) for t, x in zip(f.tensors, tensors, strict=True)] + list(f.objects.items()):
                 entry, k = split_chunk_key(key)
                 entries.setdefault(entry, {})[k] = value

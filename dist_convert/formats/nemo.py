@@ -132,7 +132,8 @@ def _config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | No
         position_embedding_type=str(y.get("position_embedding_type", "learned_absolute")),
         max_position_embeddings=int(y.get("max_position_embeddings") or y.get("encoder_seq_length") or 2048),
         rotary_base=float(y.get("rotary_base", 10000)), rotary_percent=float(y.get("rotary_percentage", 1.0)),
-        transformer_impl="transformer_engine" if y.get("transformer_engine", True) else "local",
+        # NeMo reads an absent transformer_engine as False: local layer names
+        transformer_impl="transformer_engine" if y.get("transformer_engine", False) else "local",
         params_dtype=_DTYPES.get(str(y.get("precision", "32")), torch.float32),
         relative_attention_num_buckets=int(y.get("relative_attention_num_buckets", 32)), **(stacks or {}))
     from ..config import config_from_args
@@ -224,6 +225,10 @@ class NemoFormat:
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
+        if target.layout.pipeline_layout is not None:
+            raise ConvertError("pipeline layout strings in .nemo targets are not supported yet",
+                               "write --dst-format torch_dist or megatron, or place layers evenly (--target-vpp 1 "
+                               "replaces a source's layout string; drop --target-pipeline-layout)")
         if target.layout.vpp:
             raise ConvertError("virtual pipeline .nemo targets are not supported yet", "drop --target-vpp")
         if target.cfg.num_experts:

@@ -1,6 +1,11 @@
 """megatron-core dist checkpoints (torch_dist): a torch.distributed.checkpoint directory
-(``.metadata``, ``__R_I.distcp``) plus ``common.pt`` and ``metadata.json``, in Megatron-LM's
+(``.metadata``, ``__R_I.distcp``) plus ``metadata.json`` (written last), in Megatron-LM's
 ``iter_NNNNNNN/`` layout. Layer tensors are stacked: one key per module, a leading global layer axis.
+
+The common (unsharded) state (``args``, ``iteration``, ...) is ``common.pt`` up to megatron-core 0.18
+("0.16" style; every release 0.14-0.20 loads it) and the DCP bytes item ``common_state/shard_0_1``
+holding ``torch.save([dict])`` from 0.19 on ("0.19" style; 0.19+ only). Both are read; a target is
+written in the source's style unless ``--torch-dist-style`` says otherwise.
 """
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import io
 import itertools
 import json
 import warnings
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +44,7 @@ from ..layout.rules import (
 from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from .base import IterDirFormat, KeyPolicy, on_rank0
+from .base import COMMON_TRAINING_STATE, IterDirFormat, KeyPolicy, dropped_state_note, on_rank0
 from .distcp import (
     ItemFileWriter,
     SafeFileSystemReader,
@@ -49,13 +56,74 @@ from .distcp import (
 )
 
 COMMON = "common.pt"
+COMMON_ITEM = "common_state/shard_0_1"  # megatron-core >= 0.19: the common state inside the DCP
 CONFIG = "metadata.json"
-SKIPPED_PREFIXES = ("optimizer.", "rng_state")  # training state: not converted
+STYLES = ("0.16", "0.19")  # where the common state lives: common.pt, or the COMMON_ITEM
 CHECKPOINT_VERSION = 3.0
+# What a training run leaves besides the model (stored key prefix -> name in the note): read past, never converted
+TRAINING_STATE = {"optimizer.": "optimizer", "rng_state": "rng_state",
+                  "rerun_state_machine_state": "rerun_state_machine_state"}
 
 
 def _looks_like(path: Path) -> bool:
-    return (path / ".metadata").is_file() and ((path / CONFIG).is_file() or (path / COMMON).is_file())
+    """A torch_dist iteration directory, finished or not (an unfinished save lacks metadata.json, which
+    megatron-core writes last, and maybe ``.metadata``, which DCP writes last: ``index`` refuses those).
+    ``.metadata`` with neither metadata.json nor common.pt is a plain DCP (fsdp_dtensor) unless it holds
+    megatron-core 0.19's common state item."""
+    if not path.is_dir():
+        return False
+    if (path / CONFIG).is_file() or (path / COMMON).is_file():
+        return True
+    if not (path / ".metadata").is_file():
+        return any(path.glob("__*_*.distcp"))
+    try:
+        return COMMON_ITEM in load_metadata(path).state_dict_metadata
+    except ConvertError:
+        return False
+
+
+def unfinished_save(iter_dir: Path) -> ConvertError:
+    return ConvertError(f"{iter_dir} has no {CONFIG}: megatron-core writes it last, so this save (async, or "
+                        "interrupted) never finished",
+                        "wait for the save to finish, or convert the last complete iteration (the one "
+                        "latest_checkpointed_iteration.txt names)")
+
+
+def read_common(iter_dir: Path, md: Any, trust_pickle: bool) -> tuple[dict[str, Any], str]:
+    """The common state dict and the style it was stored in ("0.16": common.pt, "0.19": the DCP item)."""
+    if (iter_dir / COMMON).is_file():
+        common, style, where = load_pt(iter_dir / COMMON, trust_pickle, mmap=False), "0.16", iter_dir / COMMON
+    else:
+        info = md.storage_data.get(MetadataIndex(COMMON_ITEM))
+        if info is None:
+            raise ConvertError(f"{iter_dir} has neither {COMMON} nor the DCP item {COMMON_ITEM} (the common state "
+                               "with args)", "the checkpoint is incomplete or not saved by megatron-core; re-copy it")
+        if info.transform_descriptors:
+            raise ConvertError(f"{iter_dir}: {COMMON_ITEM} is stored with transforms {info.transform_descriptors}",
+                               "re-save the checkpoint without storage transforms (compression)")
+        with open(iter_dir / info.relative_path, "rb") as fh:
+            fh.seek(info.offset)
+            blob = io.BytesIO(fh.read(info.length))
+        where = iter_dir / f"{info.relative_path}:{COMMON_ITEM}"
+        loaded = load_pt(where, trust_pickle, stream=blob)
+        common, style = (loaded[0] if isinstance(loaded, list | tuple) and loaded else loaded), "0.19"
+    if not isinstance(common, dict):
+        raise ConvertError(f"the common state in {where} is a {type(common).__name__}, not a dict",
+                           "the checkpoint is corrupt or not saved by megatron-core; re-copy it")
+    return common, style
+
+
+def training_state_note(keys: Iterable[str], common: dict[str, Any]) -> str | None:
+    """One line on the training state the source holds and a conversion drops (None: none)."""
+    counts: Counter[str] = Counter()
+    for k in keys:
+        for prefix, name in TRAINING_STATE.items():
+            if k.startswith(prefix):
+                counts[name] += 1
+    sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    parts = [f"{name} ({n} items{f', {sharding}' if name == 'optimizer' and sharding else ''})"
+             for name, n in counts.items()]
+    return dropped_state_note(parts + [k for k in COMMON_TRAINING_STATE if k in common and k not in counts])
 
 
 @dataclass
@@ -218,24 +286,26 @@ class TorchDistFormat(IterDirFormat):
             raise ConvertError(f"{iter_dir} is a ModelOpt checkpoint (modelopt_state/): its draft modules and "
                                "per-layer base keys only load into a model converted by ModelOpt",
                                "restore it with megatron-core + ModelOpt, or convert the base checkpoint it came from")
-        common = load_pt(iter_dir / COMMON, self.trust_pickle, mmap=False) if (iter_dir / COMMON).is_file() else {}
-        args = common.get("args") if isinstance(common, dict) else None
-        if args is None:
-            raise ConvertError(f"{iter_dir / COMMON} holds no args",
-                               "the checkpoint must be saved by Megatron-LM (args in the common state)")
-        if ((common.get("content_metadata") or {}) if isinstance(common, dict) else {}).get("singleton_local_shards"):
-            raise ConvertError(f"{iter_dir} was saved with singleton_local_shards (per-layer keys)",
-                               "this layout is not supported yet; save with megatron-core's default stacked layout")
+        if not (iter_dir / CONFIG).is_file() or not (iter_dir / ".metadata").is_file():
+            raise unfinished_save(iter_dir)
         md = load_metadata(iter_dir, self.trust_pickle)
         check_storage(iter_dir, md)
+        common, style = read_common(iter_dir, md, self.trust_pickle)
+        args = common.get("args")
+        if args is None:
+            raise ConvertError(f"the common state of {iter_dir} holds no args",
+                               "the checkpoint must be saved by Megatron-LM (args in the common state)")
+        if (common.get("content_metadata") or {}).get("singleton_local_shards"):
+            raise ConvertError(f"{iter_dir} was saved with singleton_local_shards (per-layer keys)",
+                               "this layout is not supported yet; save with megatron-core's default stacked layout")
         tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
         stored = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        cfg = config_from_args(args, vocab_size, None, tp, model_family(set(stored)))
+        cfg = config_from_args(args, vocab_size, spec_from_keys(md.state_dict_metadata), tp, model_family(set(stored)))
         layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5")
         cfg.check_layout(layout, "source")
         groups = dist_groups(cfg)
-        model_keys = {k for k in stored if not k.startswith(SKIPPED_PREFIXES)}
+        model_keys = {k for k in stored if not k.startswith(tuple(TRAINING_STATE))}
         policy = KeyPolicy.of(self.options)
         fix = "the args do not describe this model (or it is not a GPT model); check the source"
         policy.unexpected(str(iter_dir), model_keys - set(groups), fix)
@@ -258,8 +328,9 @@ class TorchDistFormat(IterDirFormat):
                 chunks.append(SourceChunk(len(chunks), key, key, tuple(c.sizes), meta.properties.dtype,
                                           block_pieces(g, box), offsets=tuple(c.offsets), sliceable=True,
                                           contiguous_cuts=True, origin=tuple(c.offsets), origin_shape=tuple(c.sizes)))
-        notes = [f"skipped {n} training-state tensors (optimizer/rng)"] if (n := len(stored) - len(model_keys)) else []
-        return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks, notes))
+        note = training_state_note(md.state_dict_metadata, common)
+        return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks,
+                                         [note] if note else [], style=style))
 
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         """Each chunk's bytes with one positioned read where the item is a plain stored tensor
@@ -348,10 +419,32 @@ class TorchDistFormat(IterDirFormat):
         return _StreamWriter(iter_dir, files)
 
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
-        write_metadata(iter_dir, sorted((it for w in written for it in w.record["items"]),
-                                        key=lambda it: (it["file"], it["at"])))
+        """``.metadata``, the common state (common.pt, or with style "0.19" its own DCP item in one more
+        ``.distcp`` file), then metadata.json, which marks the directory complete."""
+        items = sorted((it for w in written for it in w.record["items"]), key=lambda it: (it["file"], it["at"]))
         common = {"args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
                   "iteration": 0 if target.iteration == "release" else target.iteration}
-        save_durable(common, iter_dir / COMMON)
-        write_durable(iter_dir / CONFIG, json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                                                     "common_backend": "torch", "common_backend_version": 1}))
+        style = self.options.torch_dist_style or target.style or STYLES[0]
+        config = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+        if style == "0.19":
+            w = ItemFileWriter(iter_dir, f"__{1 + max((w.file for w in written), default=-1)}_0.distcp")
+            buf = io.BytesIO()
+            torch.save([common], buf)  # as megatron-core saves a ShardedObject's data
+            w.put_bytes(COMMON_ITEM, buf.getvalue())
+            w.close()
+            items += w.items
+        else:
+            save_durable(common, iter_dir / COMMON)
+            config.update(common_backend="torch", common_backend_version=1)
+        write_metadata(iter_dir, items)
+        write_durable(iter_dir / CONFIG, json.dumps(config))
+
+
+def spec_from_keys(stored: Iterable[str]) -> str | None:
+    """The layer-spec naming a torch_dist checkpoint's own keys show: Transformer Engine's attention
+    keeps an ``_extra_state`` (``core_attention._extra_state``), the local spec's does not (None: no
+    ``_extra_state`` keys at all, so no evidence)."""
+    extra = [k for k in stored if "._extra_state" in k]
+    if not extra:
+        return None
+    return "te" if any(".core_attention._extra_state" in k for k in extra) else "local"

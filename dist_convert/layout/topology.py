@@ -1,9 +1,13 @@
 """Parallel layout of a checkpoint: TP x PP ranks and which global layers each pipeline stage owns."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import ConvertError
+from . import pipeline_layout as pl
+
+SOURCE_LAYOUT = "the source's pipeline_model_parallel_layout"
 
 
 @dataclass(frozen=True)
@@ -16,6 +20,9 @@ class Layout:
     split: int | None = None  # encoder-decoder models: first decoder stage (pipeline split rank)
     ep: int = 1  # MoE: expert-parallel size (routed experts spread evenly, in order, over EP ranks)
     etp: int | None = None  # MoE: expert-tensor-parallel size of routed experts (None: TP)
+    # megatron-core's pipeline_model_parallel_layout string (layer placement per stage; vpp is then
+    # its stages / PP, first and last are None); see layout/pipeline_layout.py
+    pipeline_layout: str | None = None
 
     def __str__(self) -> str:
         s = f"TP={self.tp} PP={self.pp}"
@@ -27,6 +34,8 @@ class Layout:
             s += f" split={self.split}"
         if self.first is not None or self.last is not None:
             s += f" (first={self.first}, last={self.last})"
+        if self.pipeline_layout is not None:
+            s += f" layout={self.pipeline_layout!r}"
         return s
 
     @staticmethod
@@ -39,14 +48,23 @@ class Layout:
         vpp = get("virtual_pipeline_model_parallel_size")
         ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
         etp = getattr(args, "expert_tensor_parallel_size", None)
+        text = getattr(args, "pipeline_model_parallel_layout", None)
+        if text is not None:  # Megatron-LM derives VPP from the string (validate refuses other flags with it)
+            text = str(text)
+            vpp = pipeline_vpp(text, pp, SOURCE_LAYOUT)
         return Layout(tp, pp, get("decoder_first_pipeline_num_layers"), get("decoder_last_pipeline_num_layers"),
                       vpp if vpp and vpp > 1 else None,
                       get("pipeline_model_parallel_split_rank") if encoder_decoder else None,
-                      ep, None if etp is None or int(etp) == tp else int(etp))
+                      ep, None if etp is None or int(etp) == tp else int(etp), text)
 
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
+
+    @property
+    def min_data_parallel(self) -> int:
+        """The smallest data-parallel size megatron-core runs this layout with: EP x ETP must divide TP x DP."""
+        return self.ep * self.expert_tp // math.gcd(self.tp, self.ep * self.expert_tp)
 
     def expert_rank(self, expert: int, num_experts: int) -> int:
         """The expert-parallel rank holding global expert ``expert``."""
@@ -79,7 +97,10 @@ class Layout:
 
     def model_chunks(self, num_layers: int) -> list[tuple[int, int, int, int]]:
         """(pp rank, virtual stage, first global layer, layer count) of every model chunk, as
-        megatron-core assigns them: with VPP=V, chunk v of rank p starts at v*(L/V) + p*(L/(P*V))."""
+        megatron-core assigns them: with VPP=V, chunk v of rank p starts at v*(L/V) + p*(L/(P*V)); with
+        a layout string, each chunk holds its stage's layers, numbered in stage order (VPP-major)."""
+        if self.pipeline_layout is not None:
+            return pl.stage_layers(self.pipeline_layout, self.pp)
         if not self.vpp:
             return [(p, 0, off, n) for p, (off, n) in
                     enumerate(zip(self.stage_offsets(num_layers), self.stage_sizes(num_layers), strict=True))]
@@ -106,6 +127,11 @@ class Layout:
 
     def stage_sizes(self, num_layers: int) -> list[int]:
         """Layers per pipeline stage, following megatron-core's uneven-PP rule."""
+        if self.pipeline_layout is not None:
+            sizes = [0] * self.pp
+            for p, _, _, n in self.model_chunks(num_layers):
+                sizes[p] += n
+            return sizes
         if self.pp == 1:
             return [num_layers]
         if self.vpp:
@@ -150,12 +176,24 @@ class Layout:
         flag = "--target-tp" if what == "target" else "the source layout"
         if self.tp < 1 or self.pp < 1:
             raise ConvertError(f"{what} TP and PP must be >= 1 (got {self})", "pass positive --target-tp/--target-pp")
-        for name, n in (("num_attention_heads", heads), ("num_query_groups", groups), ("ffn_hidden_size", ffn)):
+        for name, n in (("num_attention_heads", heads), ("ffn_hidden_size", ffn)):
             if n % self.tp:
                 raise ConvertError(f"{what} TP={self.tp} does not divide {name}={n}",
                                    f"choose {flag} among the divisors of {n}")
+        # megatron-core splits the group-major QKV rows contiguously either way: TP dividing the query groups,
+        # or TP a multiple of them (a rank then holds part of one group; attention all-gathers)
+        if groups % self.tp and self.tp % groups:
+            raise ConvertError(f"{what} TP={self.tp} neither divides num_query_groups={groups} nor is a multiple of it",
+                               f"choose {flag} among the divisors or multiples of {groups} that divide the heads")
         if encoder_layers is not None or self.split is not None:
+            if self.pipeline_layout is not None:
+                raise ConvertError(f"{what} {self}: encoder-decoder models take no pipeline layout string "
+                                   "(megatron-core supports none)",
+                                   "drop --target-pipeline-layout; use --target-pipeline-split-rank")
             self._validate_split(num_layers, encoder_layers, what)
+            return
+        if self.pipeline_layout is not None:
+            self._validate_string(num_layers, what)
             return
         if self.pp > num_layers:
             raise ConvertError(f"{what} PP={self.pp} exceeds num_layers={num_layers}",
@@ -174,6 +212,39 @@ class Layout:
         if any(n <= 0 for n in sizes):
             raise ConvertError(f"{what} pipeline stages {sizes} include an empty stage",
                                "adjust --target-pp or the first/last stage sizes")
+
+    def _validate_string(self, num_layers: int, what: str) -> None:
+        """A layout string: what megatron-core accepts, and what the rest of dist_convert can place."""
+        flag = pl.FLAG if what == "target" else SOURCE_LAYOUT
+        text = self.pipeline_layout
+        assert text is not None
+        if self.first is not None or self.last is not None:
+            raise ConvertError(f"{what} {self} combines a pipeline layout string with uneven first/last stages",
+                               f"drop --target-num-layers-in-first/last-stage or {pl.FLAG}")
+        layout = pl.parse(text, self.pp, flag)
+        if layout.count("m"):
+            # megatron-core needs as many m as the model's mtp_num_layers, and dist_convert reads no MTP
+            # layers yet: any m places a layer this model cannot have
+            raise ConvertError(f"{what} pipeline layout {text!r} places {layout.count('m')} multi-token-prediction "
+                               "layers (m); MTP layers are not supported yet",
+                               f"drop the m entries from {flag}" if what == "target"
+                               else "convert a checkpoint without MTP layers")
+        pl.check(layout, num_layers, 0, flag)
+        derived = layout.vpp if layout.vpp > 1 else None
+        if self.vpp != derived:
+            raise ConvertError(f"{what} {self}: the layout string has {len(layout.stages)} stages, VPP={layout.vpp} "
+                               f"at PP={self.pp}, not {self.vpp}", f"drop --target-vpp, or fix {flag}")
+        if derived is not None and self.pp < 2:
+            raise ConvertError(f"{what} pipeline layout {text!r} has {len(layout.stages)} stages at PP=1: virtual "
+                               "pipeline stages need PP >= 2", f"pass --target-pp dividing {len(layout.stages)}")
+        last = (self.pp - 1, layout.vpp - 1)
+        if layout.where("E") != [(0, 0)] or layout.where("L") != [last]:
+            # megatron-core allows empty stages before E / after L, yet builds the embedding on the first
+            # and the output layer on the last stage: such strings say something the model does not do
+            raise ConvertError(f"{what} pipeline layout {text!r} puts E or L on another stage than the first "
+                               f"(PP rank 0, virtual stage 0) / last (PP rank {last[0]}, virtual stage {last[1]}); "
+                               "that is not supported yet", f"start the first stage with E and end the last with L "
+                               f"in {flag}")
 
     def _validate_split(self, dec_layers: int, enc_layers: int | None, what: str) -> None:
         fix = "--target-pipeline-split-rank" if what == "target" else "the source's pipeline_model_parallel_split_rank"
@@ -197,3 +268,9 @@ class Layout:
             raise ConvertError(f"{what} split rank {split} puts {enc_layers} encoder layers on {split} stages and "
                                f"{dec_layers} decoder layers on {self.pp - split}: not an even split",
                                f"choose {fix} so both stacks divide evenly over their stages")
+
+
+def pipeline_vpp(text: str, pp: int, flag: str = pl.FLAG) -> int | None:
+    """The VPP size a layout string gives at ``pp`` (stages / PP; None for 1), as Megatron-LM derives it."""
+    vpp = pl.parse(text, pp, flag).vpp
+    return vpp if vpp > 1 else None

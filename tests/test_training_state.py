@@ -109,6 +109,8 @@ CASES = [
     ("0.16-tp2-torch-tp1", "default", "tp2", "torch", ["--target-tp", "1"], 2, (1, 1, 1)),
     ("0.16-moe-ep2-dp_reshardable-ep1", "default", "moe-ep2", "dp_reshardable",
      ["--target-tp", "1", "--target-ep", "1"], 4, (1, 1, 1)),
+    ("0.16-moe-ep2-torch-torch_dist-ep1", "default", "moe-ep2", "torch",
+     ["--target-ep", "1", "--dst-format", "torch_dist"], 2, (1, 1, 1)),
     ("0.19-tp2-dp_reshardable-tp1pp2", "mcore19", "tp2", "dp_reshardable",
      ["--target-tp", "1", "--target-pp", "2"], 2, (1, 2, 1)),
     ("0.19-tp2-fully_reshardable-megatron-tp1pp2", "mcore19", "tp2", "fully_reshardable",

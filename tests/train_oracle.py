@@ -1,0 +1,521 @@
+"""Test oracle for checkpoints as a Megatron-LM training run leaves them: model, distributed-optimizer
+state, RNG state, rerun state and the common state, written by megatron-core (never dist_convert).
+
+  torchrun --nproc_per_node=N tests/train_oracle.py make --config C.json --tp T [--pp P] [--ep E] \
+      --seed S --out ROOT [--save-kind dp_reshardable|fully_reshardable|torch ...] [--steps 2]
+
+World size N = tp * pp * dp for any dp >= 1 (dense or MoE: this oracle adds the data-parallel
+dimension mcore_oracle's dense `make` lacks). It builds the GPTModel of mcore_oracle (config loading,
+build_model, randomize with --seed), wraps it in megatron-core's DistributedDataParallel with
+``use_distributed_optimizer=True``, builds ``get_megatron_optimizer`` (Adam, fp32; torch's AdamW where
+neither Transformer Engine nor Apex is installed) and an OptimizerParamScheduler, trains ``--steps``
+steps on seeded random tokens (different per data-parallel rank) with megatron-core's
+forward_backward_func over gloo, then saves at iteration ``--steps``, once per ``--save-kind``
+(repeatable; default dp_reshardable), each a Megatron-LM save directory
+(``latest_checkpointed_iteration.txt`` + ``iter_XXXXXXX/``):
+
+  * ROOT/dp_reshardable, ROOT/fully_reshardable: ``--ckpt-format torch_dist`` with
+    ``distrib_optim_sharding_type`` dp_reshardable (Megatron-LM's default) or fully_reshardable
+    (``--dist-ckpt-optim-fully-reshardable``): model, optimizer, opt_param_scheduler, rng_state
+    (ShardedObject; 3-D (pp, tp, dp) on megatron-core < 0.17 with EP > 1), rerun_state_machine (where
+    megatron-core returns one: >= 0.18), args, iteration, checkpoint_version,
+    num_floating_point_operations_so_far, content_metadata; saved with dist_checkpointing.save and
+    Megatron-LM's default fully parallel save strategy (over the DP group).
+  * ROOT/torch: ``--ckpt-format torch``: ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` (model,
+    optimizer, opt_param_scheduler, rng_state list, args, iteration, checkpoint_version,
+    num_floating_point_operations_so_far), written by DP rank 0 (or expert-DP rank 0), and
+    ``distrib_optim.pt`` next to it (DistributedOptimizer.save_parameter_state).
+  * ROOT/reference: the trained model's weights alone, as mcore_oracle's `make` writes a torch_dist
+    checkpoint ({"model": sharded_state_dict}, args, iteration, checkpoint_version): the reference for
+    `mcore_oracle.py compare` (the weights after training differ from `make`'s initial ones).
+
+  torchrun --nproc_per_node=1 tests/train_oracle.py inspect --ckpt CKPT --out FILE.json
+
+writes what a checkpoint (a save root or an iteration dir, torch_dist or legacy) holds, read with
+megatron-core and torch.distributed.checkpoint: {"format", "files" (relative paths), "keys" (torch_dist:
+the DCP items, tensors and objects; legacy: the top-level keys of the rank files), "common_keys" (the
+common state / rank file without the model), "args" (ARG_FIELDS of the stored args)}.
+
+`make`: rank 0 prints "TRAIN ORACLE SAVED kinds=... losses=..." at the end. The CPU device shims of
+mcore_oracle apply, plus a few for the optimizer (see training_shims); they are undone at the end of
+the command, so a serving worker (tests/job_worker.py) runs other oracles unchanged afterwards.
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import mcore_oracle as mo  # noqa: E402
+
+KINDS = ("dp_reshardable", "fully_reshardable", "torch")
+ARG_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+              "world_size", "data_parallel_size", "no_save_optim", "no_save_rng", "ckpt_format", "iteration",
+              "use_distributed_optimizer", "dist_ckpt_optim_fully_reshardable")
+FLOPS_PER_STEP = 123_456_789.0  # a stand-in for Megatron-LM's num_floating_point_operations(args, batch)
+
+
+def mcore_version():
+    from megatron.core import package_info
+
+    return tuple(int(x) for x in package_info.__version__.split("+")[0].split(".")[:2])
+
+
+@contextlib.contextmanager
+def training_shims():
+    """Device shims (CPU-only torch) for DDP + DistributedOptimizer + the RNG state, touching no layout
+    logic, undone on exit. Beyond mcore_oracle.apply_cpu_shims (synchronize, current_device, .cuda(),
+    the RNG tracker's fork):
+      * torch.Tensor.type() with no argument reports ``torch.cuda.<X>Tensor`` for CPU tensors: the
+        optimizer groups parameters by those names (float16/bfloat16/float32 groups unchanged).
+      * tensor factories given ``device="cuda"`` (loss-scale, found-inf and norm scalars) build on CPU.
+      * torch.cuda.empty_cache: no-op; torch.cuda.current_stream: a stub (0.19);
+        torch.cuda.get_rng_state / set_rng_state / manual_seed: the CPU generator's (what a Megatron-LM
+        rng_state holds as ``cuda_rng_state``; the CUDA RNG tracker's states are then CPU states).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = []
+
+    def patch(owner, name, value):
+        saved.append((owner, name, name in vars(owner), getattr(owner, name, None)))
+        setattr(owner, name, value)
+
+    orig_type = torch.Tensor.type
+
+    def tensor_type(self, dtype=None, non_blocking=False, **kw):
+        if dtype is None and not kw:
+            t = orig_type(self)
+            return "torch.cuda." + t[len("torch."):] if not t.startswith("torch.cuda.") else t
+        return orig_type(self, dtype, non_blocking, **kw)
+
+    def on_cpu(fn):
+        def wrapped(*a, **kw):
+            dev = kw.get("device")
+            if dev is not None and str(dev).startswith("cuda"):
+                kw["device"] = "cpu"
+            return fn(*a, **kw)
+
+        return wrapped
+
+    class Stream:
+        def wait_stream(self, *a, **k):
+            pass
+
+        def synchronize(self):
+            pass
+
+    patch(torch.Tensor, "type", tensor_type)
+    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like"):
+        patch(torch, name, on_cpu(getattr(torch, name)))
+    patch(torch.cuda, "empty_cache", lambda *a, **k: None)
+    patch(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    patch(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+    patch(torch.cuda, "set_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    patch(torch.cuda, "manual_seed", lambda seed: None)
+    from megatron.core.tensor_parallel import random as mp_random
+
+    patch(mp_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    try:
+        yield
+    finally:
+        for owner, name, own, value in reversed(saved):
+            if own:
+                setattr(owner, name, value)
+            else:
+                delattr(owner, name)
+
+
+def init_parallel(tp, pp, ep, cfg):
+    """tp * pp * dp ranks (dp = world / (tp * pp)); MoE: ep * etp must divide tp * dp."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    ws = dist.get_world_size()
+    if ws % (tp * pp):
+        raise SystemExit(f"world size {ws} is not a multiple of tp*pp = {tp}*{pp}")
+    if ep > 1 and not mo.is_moe(cfg):
+        raise SystemExit("--ep needs an MoE config (num_experts)")
+    extra = {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp} if mo.is_moe(cfg) else {}
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             **extra)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return ws // (tp * pp)
+
+
+def training_args(cfg, a, dp, ckpt_format, fully_reshardable):
+    """mcore_oracle's args plus what Megatron-LM's argparse records about training and checkpointing."""
+    import torch.distributed as dist
+
+    args = mo.make_args(cfg, a.tp, a.pp, None, None, a.steps, ckpt_format, None, a.ep, None)
+    vars(args).update(
+        rank=0, world_size=dist.get_world_size(), data_parallel_size=dp, local_rank=0,
+        context_parallel_size=1, sequence_parallel=False, micro_batch_size=a.micro_batch_size,
+        global_batch_size=a.micro_batch_size * dp, train_iters=a.steps, consumed_train_samples=a.steps * dp,
+        seed=a.seed, data_parallel_random_init=False, optimizer="adam", lr=a.lr, min_lr=0.0,
+        lr_decay_style="constant", lr_warmup_iters=0, weight_decay=0.01, start_weight_decay=0.01,
+        end_weight_decay=0.01, weight_decay_incr_style="constant", adam_beta1=0.9, adam_beta2=0.999,
+        adam_eps=1e-8, clip_grad=1.0, loss_scale=None, initial_loss_scale=4294967296,
+        use_distributed_optimizer=True, overlap_grad_reduce=False, overlap_param_gather=False,
+        accumulate_allreduce_grads_in_fp32=False, use_dist_ckpt=ckpt_format != "torch",
+        dist_ckpt_optim_fully_reshardable=fully_reshardable, distrib_optim_fully_reshardable_mem_efficient=False,
+        ckpt_fully_parallel_save=True, ckpt_fully_parallel_load=False, ckpt_assume_constant_structure=False,
+        async_save=False, save="", load=None, save_interval=a.steps, no_save_optim=None, no_save_rng=None,
+        no_load_optim=None, no_load_rng=None, finetune=False, rerun_mode="validate_results",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=False,
+    )
+    return args
+
+
+def build_training(cfg, a):
+    """The model in megatron-core DDP, its distributed optimizer and scheduler (as Megatron-LM's
+    get_model + get_megatron_optimizer + get_optimizer_param_scheduler)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    model = mo.build_model(cfg, a.tp, a.pp, ep=a.ep)
+    mo.randomize(model, cfg, a.seed)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=False,
+                                               overlap_grad_reduce=False, overlap_param_gather=False)
+    # megatron-core 0.19 computes the distributed optimizer's parameter layout inside DDP when not given
+    # one (what Megatron-LM's wrap_model_chunks_with_ddp passes is the same computation)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    opt_config = OptimizerConfig(optimizer="adam", lr=a.lr, min_lr=0.0, weight_decay=0.01, adam_beta1=0.9,
+                                 adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, bf16=False, fp16=False,
+                                 params_dtype=model.config.params_dtype, use_distributed_optimizer=True)
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=a.lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=a.steps * 10,
+        lr_decay_style="constant", start_wd=0.01, end_wd=0.01, wd_incr_steps=a.steps * 10,
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False)
+    return model, ddp, optimizer, scheduler
+
+
+def train(cfg, a, ddp, optimizer, scheduler, dp):
+    """``--steps`` steps of Megatron-LM's train_step (megatron/training/training.py): while the rerun
+    state machine asks for it, zero the grad buffers and run forward_backward_func (the no-pipelining
+    schedule at PP=1; finalize_model_grads reduces over DP) on a RerunDataIterator; optimizer.step
+    (which all-gathers the updated parameters); scheduler.step. Returns DP rank 0's loss per step."""
+    import functools
+
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import RerunDataIterator, get_rerun_state_machine
+
+    config = ddp.module.config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    dp_rank = parallel_state.get_data_parallel_rank()
+    b, s = a.micro_batch_size, min(16, cfg["seq_length"])
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s).expand(b, 1, s, s)
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    def forward_step(data_iterator, model):
+        tokens, labels = next(data_iterator)
+        return model(tokens, position_ids, mask, labels=labels), functools.partial(loss_func)
+
+    def batches():
+        for step in range(a.steps):  # seeded per (step, DP rank): the same on the TP ranks of a DP rank
+            g = torch.Generator().manual_seed(a.seed * 1000 + step * 17 + dp_rank)
+            data = torch.randint(0, cfg["vocab_size"], (b, s + 1), generator=g)
+            yield data[:, :-1], data[:, 1:]
+
+    rerun = get_rerun_state_machine()
+    data_iterator = RerunDataIterator(batches())
+    losses = []
+    for step in range(a.steps):
+        while rerun.should_run_forward_backward(data_iterator):
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=data_iterator, model=[ddp], num_microbatches=1,
+                seq_length=s, micro_batch_size=b, forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        if not ok:
+            raise SystemExit(f"optimizer step {step} was skipped (grad norm {grad_norm})")
+        scheduler.step(increment=a.micro_batch_size * dp)
+        losses.append(round(float(out[0]["lm loss"]), 5) if out else None)
+    return losses
+
+
+def check_trained(model, initial):
+    """Every parameter moved away from its initial value, and all DP replicas hold the same trained
+    parameters (the optimizer's all-gather ran)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    same = [n for n, p in model.named_parameters() if torch.equal(p.detach(), initial[n])]
+    if same:
+        raise SystemExit(f"parameters unchanged by training: {same}")
+    group = parallel_state.get_data_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    # expert parameters (allreduce False) are replicated over the expert-DP group only
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters() if getattr(p, "allreduce", True)])
+    other = flat.clone()
+    dist.broadcast(other, src=dist.get_global_rank(group, 0), group=group)
+    if not torch.equal(flat, other):
+        raise SystemExit("data-parallel replicas differ after training")
+
+
+def rng_state_object(ep):
+    """Megatron-LM's get_rng_state (megatron/training/checkpointing.py) for torch_dist: one ShardedObject
+    'rng_state' holding [state] (data_parallel_random_init False), over (pp, tp); on megatron-core < 0.17
+    with EP > 1 over (pp, tp, dp) with replica 0."""
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = [{
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }]
+    pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+    if ep > 1 and mcore_version() < (0, 17):
+        dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+        return state, ShardedObject("rng_state", state, (pp, tp, dp), (pp_rank, tp_rank, dp_rank), replica_id=0)
+    return state, ShardedObject("rng_state", state, (pp, tp), (pp_rank, tp_rank), replica_id=dp_rank)
+
+
+def sharded_metadata(fully_reshardable):
+    """Megatron-LM's _build_sharded_state_dict_metadata (checkpointing.py) with the distributed optimizer."""
+    from megatron.core import parallel_state
+
+    md = {"distrib_optim_sharding_type": "fully_reshardable" if fully_reshardable else "dp_reshardable"}
+    if fully_reshardable:
+        md["distrib_optim_fully_reshardable_mem_efficient"] = False
+    md.update(singleton_local_shards=False, chained_optim_avoid_prefix=True,
+              dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return md
+
+
+def write_tracker(root, iteration):
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+
+
+def save_torch_dist(root, kind, cfg, a, dp, model, optimizer, scheduler, flops):
+    """Megatron-LM's save_checkpoint + generate_state_dict (megatron/training/checkpointing.py, core_v0.16.1
+    and core_v0.19.0) for ckpt_format torch_dist."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    it = a.steps
+    d = os.path.join(root, mo.iter_dir_name(it))
+    if dist.get_rank() == 0:
+        os.makedirs(d, exist_ok=True)
+    dist.barrier()
+    fully = kind == "fully_reshardable"
+    _, rng = rng_state_object(a.ep)
+    rerun = get_rerun_state_machine().state_dict(data_iterator=None, ckpt_format="torch_dist")
+    md = sharded_metadata(fully)
+    state = {"args": training_args(cfg, a, dp, "torch_dist", fully), "checkpoint_version": 3.0, "iteration": it,
+             "model": model.sharded_state_dict(metadata=md)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=md)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    if rerun:
+        state["rerun_state_machine"] = rerun
+    state["rng_state"] = rng
+    state["num_floating_point_operations_so_far"] = flops
+    strategy = FullyParallelSaveStrategyWrapper(
+        dist_checkpointing.serialization.get_default_save_sharded_strategy(),
+        parallel_state.get_data_parallel_group(with_context_parallel=True), False)
+    dist_checkpointing.save(state, d, strategy, content_metadata=_clean_metadata_for_serialization(md))
+    write_tracker(root, it)
+
+
+def save_legacy(root, cfg, a, dp, model, optimizer, scheduler, flops):
+    """Megatron-LM's save_checkpoint + generate_state_dict for ckpt_format torch: DistributedOptimizer
+    .save_parameter_state to distrib_optim.pt (all DP ranks take part, DP rank 0 writes), then
+    model_optim_rng.pt from DP rank 0 or expert-DP rank 0."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    it = a.steps
+    ep_rank = ps.get_expert_model_parallel_rank() if mo.is_moe(cfg) else 0
+    f = mo.legacy_rank_file(os.path.join(root, mo.iter_dir_name(it)), ps.get_tensor_model_parallel_rank(),
+                            ps.get_pipeline_model_parallel_rank(), a.pp, ep_rank, a.ep)
+    os.makedirs(os.path.dirname(f), exist_ok=True)
+    rng, _ = rng_state_object(a.ep)
+    rerun = get_rerun_state_machine().state_dict(data_iterator=None, ckpt_format="torch")  # None: torch_dist only
+    optimizer.save_parameter_state(os.path.join(os.path.dirname(f), "distrib_optim.pt"))
+    dp_rank = ps.get_data_parallel_rank()
+    edp_rank = ps.get_expert_data_parallel_rank() if mo.is_moe(cfg) else dp_rank
+    if dp_rank == 0 or edp_rank == 0:
+        state = {"args": training_args(cfg, a, dp, "torch", False), "checkpoint_version": 3.0, "iteration": it,
+                 "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
+                 "opt_param_scheduler": scheduler.state_dict()}
+        if rerun:
+            state["rerun_state_machine"] = rerun
+        state["rng_state"] = rng
+        state["num_floating_point_operations_so_far"] = flops
+        torch.save(state, f)
+    write_tracker(root, it)
+
+
+def save_reference(root, cfg, a, model):
+    """The trained weights alone, as mcore_oracle's make writes torch_dist (its compare loads them)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    d = os.path.join(root, mo.iter_dir_name(a.steps))
+    if dist.get_rank() == 0:
+        os.makedirs(d, exist_ok=True)
+    dist.barrier()
+    state = {"model": model.sharded_state_dict(), "iteration": a.steps, "checkpoint_version": 3.0,
+             "args": mo.make_args(cfg, a.tp, a.pp, None, None, a.steps, "torch_dist", None, a.ep, None),
+             "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}}
+    dist_checkpointing.save(state, d)
+    write_tracker(root, a.steps)
+
+
+def cmd_make(a, cfg, dp):
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from megatron.core import rerun_state_machine as rsm
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    # Megatron-LM's initialize: the rerun state machine in --rerun-mode (default validate_results) and
+    # _set_random_seed (python, numpy, torch, then the model-parallel RNG tracker)
+    t0 = time.monotonic()
+    rsm.destroy_rerun_state_machine()
+    rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.VALIDATE_RESULTS)
+    random.seed(a.seed)
+    np.random.seed(a.seed)
+    torch.manual_seed(a.seed)
+    model_parallel_cuda_manual_seed(a.seed)
+    model, ddp, optimizer, scheduler = build_training(cfg, a)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = train(cfg, a, ddp, optimizer, scheduler, dp)
+    check_trained(model, initial)
+    flops = FLOPS_PER_STEP * a.steps
+    t1 = time.monotonic()
+    for kind in a.save_kind:
+        root = os.path.join(a.out, kind)
+        if kind == "torch":
+            save_legacy(root, cfg, a, dp, model, optimizer, scheduler, flops)
+        else:
+            save_torch_dist(root, kind, cfg, a, dp, model, optimizer, scheduler, flops)
+    save_reference(os.path.join(a.out, "reference"), cfg, a, model)
+    rsm.destroy_rerun_state_machine()
+    if dist.get_rank() == 0:
+        print(f"TRAIN ORACLE SAVED kinds={','.join(a.save_kind)} tp={a.tp} pp={a.pp} ep={a.ep} dp={dp} "
+              f"mcore={'.'.join(map(str, mcore_version()))} losses={losses} "
+              f"(build+train {t1 - t0:.1f} s, saves {time.monotonic() - t1:.1f} s)", flush=True)
+    return 0
+
+
+def cmd_inspect(a):
+    import json
+
+    import torch
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    iterdir = mo.resolve_iter_dir(a.ckpt)
+    fmt = mo.detect_format(iterdir)
+    files = sorted(os.path.relpath(os.path.join(r, f), iterdir) for r, _, fs in os.walk(iterdir) for f in fs)
+    if fmt == "torch_dist":
+        keys = sorted(FileSystemReader(iterdir).read_metadata().state_dict_metadata)
+        common = dist_checkpointing.load_common_state_dict(iterdir)
+    else:
+        keys, common = set(), {}
+        for f in files:
+            if f.endswith("model_optim_rng.pt"):
+                sd = torch.load(os.path.join(iterdir, f), map_location="cpu", weights_only=False)
+                keys |= set(sd)
+                common = {k: v for k, v in sd.items() if not k.startswith("model")}
+        keys = sorted(keys)
+    args = common.get("args")
+    out = {"format": fmt, "files": files, "keys": keys, "common_keys": sorted(common),
+           "args": {k: getattr(args, k, "<absent>") for k in ARG_FIELDS} if args is not None else None}
+    with open(a.out, "w") as f:
+        json.dump(out, f, default=repr)
+    return 0
+
+
+def main(argv=None, serving=False):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("make")
+    sp.add_argument("--config", required=True)
+    sp.add_argument("--tp", type=int, required=True)
+    sp.add_argument("--pp", type=int, default=1)
+    sp.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE configs)")
+    sp.add_argument("--seed", type=int, required=True)
+    sp.add_argument("--steps", type=int, default=2, help="training steps; the checkpoint's iteration")
+    sp.add_argument("--micro-batch-size", type=int, default=2)
+    sp.add_argument("--lr", type=float, default=1e-2)
+    sp.add_argument("--out", required=True, help="ROOT: ROOT/<save kind>/ and ROOT/reference/")
+    sp.add_argument("--save-kind", action="append", choices=KINDS, default=None,
+                    help="repeatable; default dp_reshardable")
+    sp = sub.add_parser("inspect")
+    sp.add_argument("--ckpt", required=True)
+    sp.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    if a.cmd == "inspect":
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        return cmd_inspect(a) if rank == 0 else 0
+    a.save_kind = a.save_kind or ["dp_reshardable"]
+    if a.pp != 1:
+        raise SystemExit("--pp > 1: the pipelined schedules need CUDA streams; only --pp 1 is supported here")
+
+    mo.apply_cpu_shims()
+    import torch.distributed as dist
+
+    cfg = mo.load_config(a.config)
+    with training_shims():
+        dp = init_parallel(a.tp, a.pp, a.ep, cfg)
+        try:
+            rc = cmd_make(a, cfg, dp)
+            dist.barrier()
+        finally:
+            mo.end_parallel(serving)
+    return rc
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    sys.exit(main())

@@ -60,8 +60,9 @@ COMMON_ITEM = "common_state/shard_0_1"  # megatron-core >= 0.19: the common stat
 CONFIG = "metadata.json"
 STYLES = ("0.16", "0.19")  # where the common state lives: common.pt, or the COMMON_ITEM
 CHECKPOINT_VERSION = 3.0
-# What a training run leaves besides the model (stored key prefix -> name in the note): read past, never converted
-TRAINING_STATE = {"optimizer.": "optimizer", "rng_state": "rng_state",
+# What a training run leaves besides the model (stored key prefix -> name in the note): read past, never
+# converted. An MoE model's ChainedOptimizer prefixes each optimizer's keys with chained_{k}.
+TRAINING_STATE = {"optimizer.": "optimizer", "chained_": "optimizer", "rng_state": "rng_state",
                   "rerun_state_machine_state": "rerun_state_machine_state"}
 
 

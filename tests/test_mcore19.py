@@ -51,6 +51,9 @@ def test_a_019_save_has_no_common_pt_and_holds_gpt_a(src19, gpt_a):
         proc = ok(run_cli("verify", str(src19.torch_dist), str(gpt_a.torch_dist), nproc=2, runtime=runtime))
         out = proc.stdout + proc.stderr
         assert "compared 26 logical tensors" in out and "verify OK: all logical tensors equal" in out, out
+        info = json.loads(ok(run_cli("inspect", str(src19.torch_dist), "--json", nproc=2, runtime=runtime)).stdout)
+        assert (info["format"], info["iteration"], info["layout"]["tp"], info["config"]["spec"]) == \
+            ("torch_dist", 100, 2, "local")  # local: no core_attention._extra_state in the keys
 
 
 # (name, world, runtime of the CLI, source, flags, style written, oracle runtime, oracle tp, pp)
@@ -143,3 +146,13 @@ def test_speculate_under_mcore19(src19, tmp_path):
     ok(run_cli("speculate", str(src19.torch_dist), str(dst), "--eagle-layers", "1", nproc=2, runtime="mcore19"))
     assert style_of(dst) == "0.19"
     assert "draft tokens" in spec_oracle(src19, dst, 2, 1, "eagle", runtime="mcore19")
+
+
+def test_layer_spec_comes_from_the_stored_keys():
+    """torch_dist keys are the same for both specs but for Transformer Engine attention's own _extra_state."""
+    from dist_convert.formats.torch_dist import spec_from_keys
+
+    layer = "decoder.layers.self_attention"
+    assert spec_from_keys([f"{layer}.core_attention._extra_state/shard_0_4", f"{layer}.linear_qkv.weight"]) == "te"
+    assert spec_from_keys([f"{layer}.linear_qkv._extra_state/shard_0_4", f"{layer}.linear_qkv.weight"]) == "local"
+    assert spec_from_keys([f"{layer}.linear_qkv.weight"]) is None  # no evidence: args.transformer_impl decides

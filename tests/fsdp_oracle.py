@@ -201,13 +201,16 @@ def cmd_make(a, cfg):
 
 def load_fsdp(fsdp, path, cfg):
     """Megatron-LM's fsdp_dtensor load into ``fsdp``, strict; returns problems with the key sets."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
     d = iter_dir(path)
     state = preprocess(fsdp, {"model": fsdp.state_dict_for_save_checkpoint()}, cfg)
     stored = {k for k in FileSystemReader(d).read_metadata().state_dict_metadata if k.startswith("model.")}
-    wanted = {f"model.{k}" for k in state["model"]}
+    every = [None] * dist.get_world_size()  # each expert-parallel rank asks for its own experts only
+    dist.all_gather_object(every, sorted(f"model.{k}" for k in state["model"]))
+    wanted = set().union(*every)
     probs = [f"KEYS only in the checkpoint: {sorted(stored - wanted)[:4]}"] if stored - wanted else []
     dcp.load_state_dict(state_dict=state, storage_reader=FileSystemReader(d),
                         planner=DefaultLoadPlanner(allow_partial_load=False))

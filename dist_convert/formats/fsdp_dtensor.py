@@ -5,9 +5,9 @@ tracker file beside it; no ``metadata.json``, no ``common.pt``), as megatron-cor
 * ``dcp.save`` of Megatron-LM's whole state dict: ``args`` (the argparse Namespace), ``iteration`` and
   ``checkpoint_version`` as DCP bytes items (``torch.save`` blobs), the model under ``model.``, training
   state under ``optimizer.``, ``rng_state.``, ``opt_param_scheduler.``, ``rerun_state_machine.`` ...
-* model keys are ``nn.Module.state_dict`` names of the wrapped model: ``model.module.`` (the
-  Megatron-FSDP wrapper) plus ``module.`` again with ``--bf16``/``--fp16`` (Float16Module); one key per
-  layer with its global number (``decoder.layers.{i}.``), no layer axis, no ``_extra_state``;
+* model keys are ``nn.Module.state_dict`` names of the wrapped model under ``model.module.`` (the
+  Megatron-FSDP wrapper; Float16Module adds no prefix); one key per layer with its global number
+  (``decoder.layers.{i}.``), no layer axis, no ``_extra_state``;
 * every tensor is stored whole in logical (TP-unsharded) shape, as DTensor chunks of any FSDP/TP
   split (word embeddings padded as the source's TP pads them);
 * SwiGLU fc1 (dense, routed and shared experts) as two tensors, ``linear_fc1.weight_w`` (gate rows) and
@@ -41,7 +41,9 @@ from .base import IterDirFormat, KeyPolicy, on_rank0
 from .distcp import METADATA, ItemFileWriter, check_storage, load_metadata, write_metadata
 from .torch_dist import TorchDistFormat
 
-PREFIXES = ("model.module.module.", "model.module.")  # with Float16Module (bf16/fp16) first, then without
+# Megatron-LM's model keys: "model." + the Megatron-FSDP wrapper's "module." (Float16Module adds none: its
+# state_dict is its module's); Megatron-LM's own tools also accept one "module." more: read it, never write it
+PREFIXES = ("model.module.module.", "model.module.")
 OBJECTS = ("args", "iteration", "checkpoint_version")
 CHECKPOINT_VERSION = 3.0
 HALVES = ("_w", "_v")  # SwiGLU fc1: the gate rows, then the up rows
@@ -101,16 +103,11 @@ def stored_pieces(s: StoredKey, box: Box) -> list[Piece]:
 
 
 def model_prefix(keys: list[str]) -> str | None:
-    """The wrapper prefix of the model keys (``model.module.module.`` with Float16Module), or None."""
+    """The wrapper prefix of the model keys, or None."""
     for p in PREFIXES:
         if any(k.startswith(p + "decoder.layers.") or k.startswith(p + "embedding.") for k in keys):
             return p
     return None
-
-
-def target_prefix(args: Any) -> str:
-    """The prefix a Megatron-LM run with these args loads: one ``module.`` more under bf16/fp16."""
-    return PREFIXES[0] if getattr(args, "bf16", False) or getattr(args, "fp16", False) else PREFIXES[1]
 
 
 def spec_evidence(keys: list[str]) -> str | None:
@@ -229,10 +226,10 @@ class FsdpDtensorFormat(IterDirFormat):
         expected = stored_keys(cfg, grouped)
         policy = KeyPolicy.of(self.options)
         fix = "the args do not describe this model (or it is not a GPT model); check the source"
-        policy.unexpected(str(iter_dir), set(stored) - set(expected), fix)
+        policy.unexpected(str(iter_dir), {prefix + k for k in set(stored) - set(expected)}, fix)
         strays = [k for k in keys if k.startswith("model.") and not k.startswith(prefix)]
         policy.unexpected(str(iter_dir), strays, "model keys under two wrapper prefixes; check the source")
-        missing = {k: {s.tensor.name} for k, s in expected.items() if k not in stored}
+        missing = {prefix + k: {s.tensor.name} for k, s in expected.items() if k not in stored}
         halves = any(k.endswith(HALVES) for k in missing)
         why = " (a SwiGLU fc1 needs both halves: _w gate rows, _v up rows)" if halves else ""
         policy.missing(str(iter_dir), missing, f"the checkpoint is incomplete or from another model{why}; re-copy it")
@@ -264,7 +261,7 @@ class FsdpDtensorFormat(IterDirFormat):
         cfg, layout = target.cfg, target.layout
         _refuse_layout(layout, cfg, "target")
         grouped = cfg.spec == "te" and bool(getattr(target.args, "moe_grouped_gemm", False))
-        prefix = target_prefix(target.args)
+        prefix = PREFIXES[1]
         padded = cfg.padded_vocab(layout.tp)
         ranks = [(t, e) for e in range(layout.ep) for t in range(layout.tp)]
         tensors: dict[tuple[int, int], list[TargetTensor]] = {r: [] for r in ranks}

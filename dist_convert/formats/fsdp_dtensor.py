@@ -205,6 +205,9 @@ class FsdpDtensorFormat(IterDirFormat):
         check_storage(iter_dir, md)
         keys = sorted(md.state_dict_metadata)
         prefix = model_prefix(keys)
+        if prefix is None and any(k.startswith(("decoder.layers.", "embedding.")) for k in keys):
+            raise ConvertError(f"{iter_dir} holds megatron-core torch_dist keys but neither metadata.json nor "
+                               "common.pt", "copy those files from the original checkpoint")
         if prefix is None or any(k.startswith("model0.") for k in keys):
             raise ConvertError(f"{iter_dir} holds no Megatron-FSDP model (keys {PREFIXES[1]}...)",
                                "pass the right --src-format (a plain torch DCP directory is not a Megatron checkpoint)")

@@ -12,7 +12,7 @@ from .formats.base import FormatOptions
 from .plan import DEFAULT_BUDGET
 from .runtime import Runtime, collective_failure, init_runtime
 
-FORMAT_CHOICES = ("auto", "torch_dist", "megatron", "hf", "nemo")
+FORMAT_CHOICES = ("auto", "torch_dist", "fsdp_dtensor", "megatron", "hf", "nemo")
 
 
 def parse_size(text: str) -> int:

@@ -244,8 +244,8 @@ def check_probe(a, cfg):
 
     probe = {"args": None, "iteration": None, "checkpoint_version": None}
     dcp.load(state_dict=probe, checkpoint_id=iter_dir(a.ckpt))
-    probs = [f"ARGS {p}" for p in mo.check_args(probe["args"], cfg, argparse.Namespace(**{**vars(a), "pp": 1,
-                                                                                           "vpp": None}))]
+    flat = argparse.Namespace(**{**vars(a), "pp": 1, "vpp": None, "pipeline_layout": None})  # Megatron-FSDP: PP=1
+    probs = [f"ARGS {p}" for p in mo.check_args(probe["args"], cfg, flat)]
     if probe["checkpoint_version"] != 3.0 or not isinstance(probe["iteration"], int):
         probs.append(f"PROBE checkpoint_version={probe['checkpoint_version']!r} iteration={probe['iteration']!r}")
     if getattr(probe["args"], "ckpt_format", None) != "fsdp_dtensor":

@@ -26,6 +26,7 @@ from .staging import Staging, refuse_existing, stage, write_error
 from .summary import RankStats, print_summary
 
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MLM_CKPT_FORMAT = {"torch_dist": "torch_dist", "megatron": "torch"}  # Megatron-LM's --ckpt-format of a target
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +137,7 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         index.notes.append(f"the true vocabulary size is unknown: exporting all {cfg.vocab_size} (padded) rows; "
                            "pass --vocab-size to strip the padding")
     dtype = DTYPES[opts.dtype]
-    args = args_for_target(index.args, cfg, layout, dtype)
+    args = args_for_target(index.args, cfg, layout, dtype, MLM_CKPT_FORMAT.get(dst_fmt.name))
     target = Target(cfg, layout, dtype, args, index.iteration)
     files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)
     if dst_fmt.any_writer:  # give every rank a part to write

@@ -17,7 +17,7 @@ dist_convert.
       safetensors; --ref-dump against a state dict megatron-core loaded (tests/mcore_oracle.py dump).
       --null-tokenizer: the args name no tokenizer (a Megatron-LM run may pass it on the command line
       only), so Bridge gets a NullTokenizer of the args' vocab_size, as a user would supply it.
-  bridge_oracle.py mlm --ckpt DIR --config JSON
+  bridge_oracle.py mlm --ckpt DIR --config JSON [--null-tokenizer]
       Megatron-LM: ``torch.load(weights_only=True)`` of the args under exactly megatron-core's
       SAFE_GLOBALS; ``parse_and_validate_args`` with ``--use-checkpoint-args`` (load_args_from_checkpoint,
       validate_args), ``check_checkpoint_args`` and ``core_transformer_config_from_args``, whose model
@@ -274,15 +274,18 @@ def cmd_mlm(a) -> int:
             "--transformer-impl", ckpt_args.transformer_impl, "--no-load-optim", "--no-load-rng", *MLM_CPU_FLAGS]
     if a.null_tokenizer:  # the args name no tokenizer: the run names one, as Megatron-LM requires
         argv += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(ckpt_args.vocab_size)]
-    saved_argv = sys.argv
+    saved_argv, saved_tensor = sys.argv, torch.tensor
     sys.argv = argv
+    # read_metadata all-reduces the tracker's iteration in a tensor made on "cuda" (when a process group
+    # exists, as in a test worker): made on the CPU instead, for gloo
+    torch.tensor = lambda *t, device=None, **k: saved_tensor(*t, device="cpu" if device == "cuda" else device, **k)
     try:
         args = arguments.parse_and_validate_args(ignore_unknown_args=False)  # also builds the tokenizer
         checkpointing.set_checkpoint_version(3.0)
         checkpointing.check_checkpoint_args(ckpt_args)  # asserts, as Megatron-LM's load_checkpoint does
         tc = arguments.core_transformer_config_from_args(args)
     finally:
-        sys.argv = saved_argv
+        sys.argv, torch.tensor = saved_argv, saved_tensor
         global_vars.unset_global_variables()
     want = {"num_layers": cfg["num_layers"], "hidden_size": cfg["hidden_size"],
             "ffn_hidden_size": cfg["ffn_hidden_size"], "num_attention_heads": cfg["num_attention_heads"],

@@ -169,7 +169,7 @@ BY_NAME: dict[str, Arg] = {a.name: a for a in ARGS}
 # megatron-core 0.19.2's SAFE_GLOBALS (megatron/core/safe_globals.py), by module and name, plus what
 # torch's weights_only unpickler reads by itself: what a target's args may hold.
 SAFE_CLASSES = frozenset({
-    "argparse.Namespace", "types.SimpleNamespace", "pathlib.PosixPath", "io.BytesIO", "signal.Signals",
+    "argparse.Namespace", "types.SimpleNamespace", "pathlib.PosixPath", "_io.BytesIO", "signal.Signals",
     "megatron.core.enums.ModelType", "megatron.core.transformer.enums.AttnBackend",
     "megatron.core.transformer.enums.CudaGraphModule", "megatron.core.transformer.enums.CudaGraphScope",
     "megatron.core.transformer.enums.InferenceCudaGraphScope",

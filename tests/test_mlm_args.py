@@ -14,7 +14,7 @@ from dist_convert.config import ModelConfig, config_from_args
 from dist_convert.errors import ConvertError
 from dist_convert.formats.hf_config import config_from_hf
 from dist_convert.layout.topology import Layout
-from dist_convert.mlm_args import ARGS, BY_NAME, CFG, DERIVED, LAYOUT, complete_args
+from dist_convert.mlm_args import ARGS, BY_NAME, CFG, DERIVED, LAYOUT, SAFE_CLASSES, complete_args
 
 # Megatron-Bridge 0.6.2 mlm_compat reads these without a default: each must be in every target's args
 BRIDGE_DIRECT = ("multi_latent_attention", "heterogeneous_layers_config_path", "no_persist_layer_norm", "params_dtype",
@@ -125,3 +125,10 @@ def test_refuses_values_megatron_cannot_unpickle():
     with pytest.raises(ConvertError, match="callback.*Custom|frozen") as e:
         complete_args(src, config_from_args(src, None, None, 2), Layout(1, 1), None)
     assert "callback" in str(e.value) and "frozen" in str(e.value)
+
+
+def test_safe_classes_are_megatron_cores():
+    """mlm_args.SAFE_CLASSES names megatron-core's SAFE_GLOBALS classes (numpy's and torch's own aside)."""
+    safe_globals = pytest.importorskip("megatron.core.safe_globals")
+    names = {f"{c.__module__}.{c.__qualname__}" for c in safe_globals.SAFE_GLOBALS}
+    assert {n for n in names if not n.startswith(("numpy", "torch"))} <= SAFE_CLASSES

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +10,7 @@ import torch
 
 from .errors import ConvertError
 from .layout.topology import Layout
+from .mlm_args import complete_args
 
 
 @dataclass(frozen=True)
@@ -198,36 +198,8 @@ def _moe_from_args(args: argparse.Namespace, num_layers: int) -> dict[str, Any]:
             "moe_router_expert_bias": bool(_get(args, "moe_router_enable_expert_bias", False))}
 
 
-def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout,
-                    dtype: torch.dtype | None) -> argparse.Namespace:
-    """Copy of the source args updated for the target layout (what Megatron-LM checks at load)."""
-    out = copy.copy(args)
-    out.tensor_model_parallel_size = layout.tp
-    out.pipeline_model_parallel_size = layout.pp
-    out.decoder_first_pipeline_num_layers = layout.first
-    out.decoder_last_pipeline_num_layers = layout.last
-    out.virtual_pipeline_model_parallel_size = layout.vpp
-    out.num_layers_per_virtual_pipeline_stage = cfg.num_layers // (layout.pp * layout.vpp) \
-        if layout.vpp and layout.pipeline_layout is None else None
-    out.pipeline_model_parallel_layout = layout.pipeline_layout
-    if layout.pipeline_layout is not None:  # Megatron-LM allows no other VPP flag with the string
-        out.num_virtual_stages_per_pipeline_rank = None
-    if cfg.family == "t5":
-        out.encoder_num_layers, out.decoder_num_layers = cfg.encoder_num_layers, cfg.num_layers
-        out.pipeline_model_parallel_split_rank = layout.split
-    if cfg.num_experts:
-        out.expert_model_parallel_size = layout.ep
-        out.expert_tensor_parallel_size = layout.expert_tp
-    # the smallest job that runs the target (data-parallel size: what expert parallelism needs), and no
-    # optimizer or RNG state in it: Megatron-LM's --load then resumes without looking for either
-    out.data_parallel_size = layout.min_data_parallel if cfg.num_experts else 1
-    out.world_size = layout.tp * layout.pp * out.data_parallel_size
-    out.no_save_optim, out.no_save_rng = True, True
-    out.padded_vocab_size = cfg.padded_vocab(layout.tp)
-    out.vocab_size = cfg.vocab_size
-    out.transformer_impl = "local" if cfg.spec == "local" else "transformer_engine"
-    if dtype is not None:
-        out.params_dtype = dtype
-        out.bf16 = dtype == torch.bfloat16
-        out.fp16 = dtype == torch.float16
-    return out
+def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dtype: torch.dtype | None,
+                    ckpt_format: str | None = None) -> argparse.Namespace:
+    """The source args completed for the target (mlm_args.complete_args): every field Megatron-LM's and
+    Megatron-Bridge's loaders read, the model fields from ``cfg`` and the layout fields from ``layout``."""
+    return complete_args(args, cfg, layout, dtype, ckpt_format)

@@ -26,6 +26,7 @@ from .staging import Staging, refuse_existing, stage, write_error
 from .summary import RankStats, print_summary
 
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MLM_CKPT_FORMAT = {"torch_dist": "torch_dist", "megatron": "torch"}  # Megatron-LM's --ckpt-format of a target
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +164,7 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         index.notes.append(f"the true vocabulary size is unknown: exporting all {cfg.vocab_size} (padded) rows; "
                            "pass --vocab-size to strip the padding")
     dtype = DTYPES[opts.dtype]
-    args = args_for_target(index.args, cfg, layout, dtype)
+    args = args_for_target(index.args, cfg, layout, dtype, MLM_CKPT_FORMAT.get(dst_fmt.name))
     if f.torch_dist_style and dst_fmt.name != "torch_dist":
         raise ConvertError(f"--torch-dist-style applies to torch_dist targets, not {dst_fmt.name}",
                            "drop --torch-dist-style or pass --dst-format torch_dist")

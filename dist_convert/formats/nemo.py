@@ -125,6 +125,7 @@ def _config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | No
         kv_channels=int(y.get("kv_channels") or hidden // heads), swiglu=act.endswith(("swiglu", "geglu", "reglu")),
         normalization="RMSNorm" if norm == "rmsnorm" else "LayerNorm",
         norm_epsilon=float(y.get("layernorm_epsilon", 1e-5)), add_bias_linear=bool(y.get("bias", True)),
+        hidden_dropout=float(y.get("hidden_dropout", 0.1)), attention_dropout=float(y.get("attention_dropout", 0.1)),
         add_qkv_bias=bool(y.get("qkv_bias", y.get("bias", True))), qk_layernorm=bool(y.get("qk_layernorm", False)),
         untie_embeddings_and_output_weights=not y.get("share_embeddings_and_output_weights", True),
         vocab_size=vocab_size, padded_vocab_size=padded_vocab,

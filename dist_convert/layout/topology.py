@@ -1,7 +1,6 @@
 """Parallel layout of a checkpoint: TP x PP ranks and which global layers each pipeline stage owns."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..errors import ConvertError
@@ -60,11 +59,6 @@ class Layout:
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
-
-    @property
-    def min_data_parallel(self) -> int:
-        """The smallest data-parallel size megatron-core runs this layout with: EP x ETP must divide TP x DP."""
-        return self.ep * self.expert_tp // math.gcd(self.tp, self.ep * self.expert_tp)
 
     def expert_rank(self, expert: int, num_experts: int) -> int:
         """The expert-parallel rank holding global expert ``expert``."""

@@ -102,7 +102,7 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
         raise ConvertError(f"world size {rt.world} is not a multiple of target TP x PP = {layout.tp * layout.pp}",
                            f"launch a multiple of {layout.tp * layout.pp} processes (--nproc_per_node) or change "
                            "--target-tp/--target-pp")
-    args = args_for_target(index.args, cfg, layout, dtype)
+    args = args_for_target(index.args, cfg, layout, dtype, "torch_dist")
     rt.log(f"[bold]speculate[/] {index.format} {index.layout} -> torch_dist {layout} + {algo} "
            f"({human_bytes(index.nbytes)}; {rt.world} ranks, data-parallel {rt.world // (layout.tp * layout.pp)})")
     if layout.pp > 1:

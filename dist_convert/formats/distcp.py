@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..durable import fsync_dir, fsync_file
 from ..errors import ConvertError
 from ..layout.boxes import Box
+from ..safe_load import load_pt
 
 METADATA = ".metadata"
 # every global a DCP .metadata pickle needs (torch 2.x FileSystemWriter; torch dtypes are allowed too)
@@ -108,6 +109,20 @@ class SafeFileSystemReader(FileSystemReader):
         md = load_metadata(self.iter_dir, self.trust_pickle)
         md.storage_meta.load_id = self.load_id
         return md
+
+
+def read_object(iter_dir: Path, md: Metadata, key: str, trust_pickle: bool) -> Any:
+    """A DCP bytes item (a ``torch.save`` blob), unpickled with the allow-list; None when absent."""
+    info = (md.storage_data or {}).get(MetadataIndex(key))
+    if info is None:
+        return None
+    if getattr(info, "transform_descriptors", None):
+        raise ConvertError(f"{iter_dir / METADATA}: item {key!r} is stored with transforms "
+                           f"{info.transform_descriptors}", "re-save the checkpoint without checkpoint compression")
+    with open(iter_dir / info.relative_path, "rb") as fh:
+        fh.seek(info.offset)
+        blob = fh.read(info.length)
+    return load_pt(iter_dir / info.relative_path, trust_pickle, stream=io.BytesIO(blob))
 
 
 def check_storage(iter_dir: Path, md: Metadata) -> None:

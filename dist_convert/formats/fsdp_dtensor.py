@@ -21,13 +21,11 @@ Pipeline parallelism: Megatron-FSDP keys layers by module path only, so this rea
 from __future__ import annotations
 
 import copy
-import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..config import ModelConfig, config_from_args
 from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
@@ -36,10 +34,9 @@ from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, t
 from ..layout.rules import LogicalTensor, expert_key, is_grouped_expert_key, logical_tensors, model_family, spec_suffix
 from ..layout.topology import Layout
 from ..runtime import Runtime
-from ..safe_load import load_pt
 from .base import IterDirFormat, KeyPolicy, on_rank0
-from .distcp import METADATA, ItemFileWriter, check_storage, load_metadata, write_metadata
-from .torch_dist import TorchDistFormat
+from .distcp import METADATA, check_storage, load_metadata, read_object, write_metadata
+from .torch_dist import StreamWriter, TorchDistFormat
 
 # Megatron-LM's model keys: "model." + the Megatron-FSDP wrapper's "module." (Float16Module adds none: its
 # state_dict is its module's); Megatron-LM's own tools also accept one "module." more: read it, never write it
@@ -119,20 +116,6 @@ def spec_evidence(keys: list[str]) -> str | None:
     return None
 
 
-def read_object(iter_dir: Path, md: Metadata, key: str, trust_pickle: bool) -> Any:
-    """A DCP bytes item (a ``torch.save`` blob), unpickled with the allow-list; None when absent."""
-    info = (md.storage_data or {}).get(MetadataIndex(key))
-    if info is None:
-        return None
-    if getattr(info, "transform_descriptors", None):
-        raise ConvertError(f"{iter_dir / METADATA}: item {key!r} is stored with transforms "
-                           f"{info.transform_descriptors}", "re-save the checkpoint without checkpoint compression")
-    with open(iter_dir / info.relative_path, "rb") as fh:
-        fh.seek(info.offset)
-        blob = fh.read(info.length)
-    return load_pt(iter_dir / info.relative_path, trust_pickle, stream=io.BytesIO(blob))
-
-
 def _refuse_layout(layout: Layout, cfg: ModelConfig, what: str) -> None:
     if cfg.family != "gpt":
         raise ConvertError(f"an fsdp_dtensor {what} holds a GPT model, not {cfg.family}",
@@ -141,46 +124,6 @@ def _refuse_layout(layout: Layout, cfg: ModelConfig, what: str) -> None:
         raise ConvertError(f"fsdp_dtensor {what} at {layout}: Megatron-FSDP checkpoints key layers by module path "
                            "and have no pipeline stages", "pass --target-pp 1" if what == "target" else
                            "convert a checkpoint saved with pipeline_model_parallel_size 1")
-
-
-class _Writer:
-    """One ``__<file id>_0.distcp`` per target file (its objects first), each tensor appended when
-    complete, the file closed (fsynced) with its last tensor."""
-
-    def __init__(self, iter_dir: Path, files: list[TargetFile]) -> None:
-        self.iter_dir, self.files = iter_dir, files
-        self.open: dict[int, ItemFileWriter] = {}
-        self.left = {f.id: len(f.tensors) for f in files}
-
-    def _file(self, f: TargetFile) -> ItemFileWriter:
-        if f.id not in self.open:
-            w = self.open[f.id] = ItemFileWriter(self.iter_dir, f"__{f.id}_0.distcp")
-            for key, obj in f.objects.items():
-                buf = io.BytesIO()
-                torch.save(obj, buf)  # DCP stores objects as torch.save blobs
-                w.put_bytes(key, buf.getvalue())
-        return self.open[f.id]
-
-    def _done(self, f: TargetFile) -> WrittenFile:
-        w = self.open.pop(f.id)
-        w.close()
-        return WrittenFile(f.id, w.rel, {"items": w.items})
-
-    def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> list[WrittenFile]:
-        t = file.tensors[j]
-        assert t.offsets is not None and t.global_shape is not None
-        self._file(file).put_tensor(t.key, t.offsets, t.global_shape, tensor)
-        self.left[file.id] -= 1
-        return [self._done(file)] if self.left[file.id] == 0 else []
-
-    def close(self) -> list[WrittenFile]:
-        out = []
-        for f in self.files:
-            assert not self.left[f.id], f"{f.name}: {self.left[f.id]} tensors never arrived"
-            if not f.tensors:
-                self._file(f)
-                out.append(self._done(f))
-        return out
 
 
 class FsdpDtensorFormat(IterDirFormat):
@@ -288,8 +231,8 @@ class FsdpDtensorFormat(IterDirFormat):
         return [TargetFile(i, f"tp{t}" + (f"_ep{e}" if layout.ep > 1 else ""), tensors[(t, e)],
                            objects if i == 0 else {}) for i, (t, e) in enumerate(ranks)]
 
-    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> _Writer:
-        return _Writer(iter_dir, files)
+    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> StreamWriter:
+        return StreamWriter(iter_dir, files)  # the same streaming DCP item files as torch_dist
 
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
         """``.metadata`` last (fsynced); nothing else: Megatron-LM's fsdp_dtensor load reads only the DCP."""

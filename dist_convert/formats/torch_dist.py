@@ -52,6 +52,7 @@ from .distcp import (
     check_storage,
     load_metadata,
     locate,
+    read_object,
     write_metadata,
 )
 
@@ -95,18 +96,10 @@ def read_common(iter_dir: Path, md: Any, trust_pickle: bool) -> tuple[dict[str, 
     if (iter_dir / COMMON).is_file():
         common, style, where = load_pt(iter_dir / COMMON, trust_pickle, mmap=False), "0.16", iter_dir / COMMON
     else:
-        info = md.storage_data.get(MetadataIndex(COMMON_ITEM))
-        if info is None:
+        loaded, where = read_object(iter_dir, md, COMMON_ITEM, trust_pickle), iter_dir / COMMON_ITEM
+        if loaded is None:
             raise ConvertError(f"{iter_dir} has neither {COMMON} nor the DCP item {COMMON_ITEM} (the common state "
                                "with args)", "the checkpoint is incomplete or not saved by megatron-core; re-copy it")
-        if info.transform_descriptors:
-            raise ConvertError(f"{iter_dir}: {COMMON_ITEM} is stored with transforms {info.transform_descriptors}",
-                               "re-save the checkpoint without storage transforms (compression)")
-        with open(iter_dir / info.relative_path, "rb") as fh:
-            fh.seek(info.offset)
-            blob = io.BytesIO(fh.read(info.length))
-        where = iter_dir / f"{info.relative_path}:{COMMON_ITEM}"
-        loaded = load_pt(where, trust_pickle, stream=blob)
         common, style = (loaded[0] if isinstance(loaded, list | tuple) and loaded else loaded), "0.19"
     if not isinstance(common, dict):
         raise ConvertError(f"the common state in {where} is a {type(common).__name__}, not a dict",
@@ -224,7 +217,7 @@ class _BoxLoadPlanner(LoadPlanner):
         return None
 
 
-class _StreamWriter:
+class StreamWriter:
     """One ``__<file id>_0.distcp`` per target file, opened at its first tensor (objects go first);
     each tensor is appended as soon as it is complete; the file is closed (fsynced) with its last."""
 
@@ -416,8 +409,8 @@ class TorchDistFormat(IterDirFormat):
         return [TargetFile(i, f"tp{t}_pp{p}" + (f"_ep{e}" if layout.ep > 1 else ""), tensors[(t, p, e)],
                            objects[(t, p, e)]) for i, (t, p, e) in enumerate(ranks)]
 
-    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> _StreamWriter:
-        return _StreamWriter(iter_dir, files)
+    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> StreamWriter:
+        return StreamWriter(iter_dir, files)
 
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
         """``.metadata``, the common state (common.pt, or with style "0.19" its own DCP item in one more

@@ -7,8 +7,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PY312=${PYTHON312:-}
 if [ -z "$PY312" ]; then
-  for c in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
-    if command -v "$c" >/dev/null 2>&1; then PY312=$c; break; fi
+  # a candidate counts only if it runs (a pyenv shim exists even where no 3.12 is selected)
+  for c in "$HOME"/.pyenv/versions/3.12*/bin/python3.12 python3.12; do
+    if "$c" -c "import sys; assert sys.version_info[:2] == (3, 12)" >/dev/null 2>&1; then PY312=$c; break; fi
   done
 fi
 if [ -z "$PY312" ]; then

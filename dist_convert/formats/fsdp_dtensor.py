@@ -166,7 +166,7 @@ class FsdpDtensorFormat(IterDirFormat):
         cfg = config_from_args(args, vocab_size, spec_evidence(list(stored)), tp, model_family(set(stored)))
         grouped = any(is_grouped_expert_key(k) for k in stored)
         cfg = cfg.replace(moe_grouped=grouped)
-        layout = Layout.from_args(args, tp, pp)
+        layout = Layout.from_args(args, tp, pp, experts=bool(cfg.num_experts))
         _refuse_layout(layout, cfg, "source")
         cfg.check_layout(layout, "source")
         expected = stored_keys(cfg, grouped)

@@ -221,7 +221,7 @@ class MegatronFormat(IterDirFormat):
         spec = "te" if any("layer_norm_weight" in k for k in keys0) else "local"
         cfg = config_from_args(args, vocab_size, spec, tp, model_family(keys0))
         cfg = cfg.replace(moe_grouped=any(is_grouped_expert_key(k) for k in keys0))
-        layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5")
+        layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5", experts=bool(cfg.num_experts))
         if files[(0, 0, 0)]["chunks"] != (layout.vpp or 0):
             raise ConvertError(f"rank files hold {files[(0, 0, 0)]['chunks'] or 'no'} virtual pipeline chunks but "
                                f"the args say virtual_pipeline_model_parallel_size={layout.vpp}",

@@ -296,7 +296,7 @@ class TorchDistFormat(IterDirFormat):
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
         stored = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         cfg = config_from_args(args, vocab_size, spec_from_keys(md.state_dict_metadata), tp, model_family(set(stored)))
-        layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5")
+        layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5", experts=bool(cfg.num_experts))
         cfg.check_layout(layout, "source")
         groups = dist_groups(cfg)
         model_keys = {k for k in stored if not k.startswith(tuple(TRAINING_STATE))}

@@ -38,15 +38,16 @@ class Layout:
         return s
 
     @staticmethod
-    def from_args(args: object, tp: int, pp: int, encoder_decoder: bool = False) -> Layout:
+    def from_args(args: object, tp: int, pp: int, encoder_decoder: bool = False, experts: bool = True) -> Layout:
         """The layout Megatron-LM ``args`` describe (pipeline details only with PP > 1; the split rank
-        only for encoder-decoder models: Megatron-LM's GPT args may carry an unused one)."""
+        only for encoder-decoder models: Megatron-LM's GPT args may carry an unused one; expert sizes only
+        for MoE models: Megatron-LM sets ``expert_tensor_parallel_size`` to TP in every run)."""
         def get(name: str) -> int | None:
             value = getattr(args, name, None) if pp > 1 else None
             return int(value) if value else None
         vpp = get("virtual_pipeline_model_parallel_size")
-        ep = int(getattr(args, "expert_model_parallel_size", None) or 1)
-        etp = getattr(args, "expert_tensor_parallel_size", None)
+        ep = int(getattr(args, "expert_model_parallel_size", None) or 1) if experts else 1
+        etp = getattr(args, "expert_tensor_parallel_size", None) if experts else None
         text = getattr(args, "pipeline_model_parallel_layout", None)
         if text is not None:  # Megatron-LM derives VPP from the string (validate refuses other flags with it)
             text = str(text)

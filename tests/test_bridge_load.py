@@ -25,7 +25,7 @@ from hf_models import oracle_config
 # case -> (source, reshard flags, nproc of the conversion, reference)
 CASES = {
     "hf_llama_tp1": ("hf", ["--dst-format", "torch_dist", "--target-tp", "1", "--target-spec", "local"], None, "hf"),
-    "gpt_a_tp2pp2_to_tp1pp1": ("gpt_a", ["--target-tp", "1", "--target-pp", "1"], 2, "mcore"),
+    "gpt_a_tp2pp2_to_tp1pp1": ("gpt_a", ["--target-tp", "1", "--target-pp", "1"], 4, "mcore"),
 }
 # table rows whose default is Megatron-LM's after validate_args, or a name Megatron-LM 0.19 no longer has
 POST_VALIDATE = {"consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"}

@@ -154,6 +154,9 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     if f.nemo_style and dst_fmt.name != "nemo":
         raise ConvertError(f"--nemo-style applies to .nemo targets, not {dst_fmt.name}",
                            "drop --nemo-style or pass --dst-format nemo")
+    if f.torch_dist_style and dst_fmt.name != "torch_dist":
+        raise ConvertError(f"--torch-dist-style applies to torch_dist targets, not {dst_fmt.name}",
+                           "drop --torch-dist-style or pass --dst-format torch_dist")
     layout = target_layout(opts, index, dst_fmt)
     cfg = index.cfg.replace(spec=opts.target_spec or index.cfg.spec,
                             make_vocab_size_divisible_by=index.cfg.make_vocab_size_divisible_by
@@ -165,9 +168,6 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
                            "pass --vocab-size to strip the padding")
     dtype = DTYPES[opts.dtype]
     args = args_for_target(index.args, cfg, layout, dtype, MLM_CKPT_FORMAT.get(dst_fmt.name))
-    if f.torch_dist_style and dst_fmt.name != "torch_dist":
-        raise ConvertError(f"--torch-dist-style applies to torch_dist targets, not {dst_fmt.name}",
-                           "drop --torch-dist-style or pass --dst-format torch_dist")
     target = Target(cfg, layout, dtype, args, index.iteration, index.style if index.format == dst_fmt.name else None)
     files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)
     if dst_fmt.any_writer:  # give every rank a part to write

@@ -153,7 +153,7 @@ class Workers:
     per worker and megatron-core's save Manager per rank that saved): starting one more first stops the
     least recently used, so that two suites can run side by side on a 24 GB machine."""
 
-    def __init__(self, env: dict[str, str], max_ranks: int = 12) -> None:
+    def __init__(self, env: dict[str, str], max_ranks: int = 16) -> None:  # 12 evicted too often with 2 runtimes
         self.env, self.max_ranks = env, max_ranks
         self.pool: dict[tuple[str, int | None, str], Worker] = {}  # least recently used first
 

@@ -12,7 +12,7 @@ from .formats.base import FormatOptions
 from .plan import DEFAULT_BUDGET
 from .runtime import Runtime, collective_failure, init_runtime
 
-FORMAT_CHOICES = ("auto", "torch_dist", "fsdp_dtensor", "megatron", "hf", "nemo")
+FORMAT_CHOICES = ("auto", "torch_dist", "fsdp_dtensor", "megatron", "hf", "nemo", "nemo2", "bridge")
 
 
 def parse_size(text: str) -> int:
@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src", type=Path)
     s.add_argument("dst", type=Path)
     s.add_argument("--src-format", choices=FORMAT_CHOICES, default="auto")
+    s.add_argument("--dst-format", choices=("torch_dist", "nemo2"), default=None,
+                   help="torch_dist (Megatron-LM) or nemo2 (weights/ + context/); default: nemo2 for a NeMo 2 source")
     s.add_argument("--target-tp", type=int, default=None, help="default: the source TP")
     s.add_argument("--target-pp", type=int, default=None, help="default: the source PP")
     s.add_argument("--target-num-layers-in-first-stage", type=int, default=None, dest="target_first")
@@ -183,7 +185,8 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
                                    target_tp=ns.target_tp, target_pp=ns.target_pp, target_first=ns.target_first,
                                    target_last=ns.target_last, export_draft=ns.export_draft, dtype=ns.dtype,
                                    vocab_size=ns.vocab_size, memory_budget=ns.memory_budget, overwrite=ns.overwrite,
-                                   vocab_divisible_by=ns.vocab_divisible_by, formats=format_options(ns)), rt)
+                                   vocab_divisible_by=ns.vocab_divisible_by, formats=format_options(ns),
+                                   dst_format=ns.dst_format), rt)
         return 0
     if ns.cmd == "inspect":
         from .inspect_ckpt import describe, print_description

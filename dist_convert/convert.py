@@ -16,7 +16,7 @@ from .datamodel import SourceIndex, Target, TargetFile, WrittenFile, numel, omit
 from .errors import ConvertError
 from .exchange import Assembly, execute, stop_on_error
 from .formats import detect_format, get_format
-from .formats.base import Format, FormatOptions, iter_dir_name
+from .formats.base import Format, FormatOptions, data_dir
 from .integrity import Entry, Journal, fingerprint, refuse_incomplete
 from .layout.rules import logical_tensors
 from .layout.topology import Layout, pipeline_vpp
@@ -207,8 +207,8 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
     streams tensors or whole files; each finished file is journaled with its checksum), then rank 0
     writes metadata, tracker and checksum manifest last."""
     tmp = staging.tmp
-    tmp_iter = tmp / iter_dir_name(index.iteration) if dst_fmt.iteration_dirs else tmp
-    prefix = tmp_iter.relative_to(tmp).as_posix() if dst_fmt.iteration_dirs else ""
+    prefix = data_dir(dst_fmt, index.iteration)
+    tmp_iter = tmp / prefix if prefix else tmp
     if rt.rank == 0:
         tmp_iter.mkdir(exist_ok=True)
     rt.barrier()

@@ -5,15 +5,18 @@ from pathlib import Path
 
 from ..errors import ConvertError
 from .base import Format, FormatOptions
+from .bridge import BridgeFormat
 from .fsdp_dtensor import FsdpDtensorFormat
 from .hf import HFFormat
 from .megatron import MegatronFormat
 from .nemo import NemoFormat
+from .nemo2 import Nemo2Format
 from .torch_dist import TorchDistFormat
 
-# nemo before megatron: an extracted .nemo at TP>1 PP=1 also has mp_rank_XX/ directories
-FORMATS: dict[str, type] = {f.name: f for f in (TorchDistFormat, FsdpDtensorFormat, NemoFormat, MegatronFormat,
-                                                      HFFormat)}
+# bridge before torch_dist (a Bridge iteration is a torch_dist save plus run_config.yaml); nemo before
+# megatron: an extracted .nemo at TP>1 PP=1 also has mp_rank_XX/ directories
+FORMATS: dict[str, type] = {f.name: f for f in (Nemo2Format, BridgeFormat, TorchDistFormat, FsdpDtensorFormat,
+                                                      NemoFormat, MegatronFormat, HFFormat)}
 
 
 def get_format(name: str, options: FormatOptions | None = None) -> Format:

@@ -108,6 +108,12 @@ def iter_dir_name(iteration: int | str) -> str:
     return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
 
 
+def data_dir(fmt: Format, iteration: int | str) -> str:
+    """Where a target's files go inside it: the iteration directory (Megatron-LM layouts), the format's
+    own ``subdir`` (NeMo 2: ``weights``), else the target directory itself ("")."""
+    return iter_dir_name(iteration) if fmt.iteration_dirs else getattr(fmt, "subdir", "")
+
+
 def resolve_iter_dir(path: Path, looks_like: Callable[[Path], bool]) -> tuple[Path, int | str] | None:
     """Find the iteration directory: ``path`` itself, or the one its tracker file names."""
     if looks_like(path):

@@ -295,10 +295,11 @@ class HFFormat:
             write_durable(out_dir / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                       indent=2))
         tok = self.options.tokenizer_dir or _tokenizer_dir(target.args)
-        if tok is not None:
-            for name in TOKENIZER_FILES:
-                if (tok / name).is_file():
-                    copy_durable(tok / name, out_dir / name)
+        origin = getattr(target.args, "hf_model_id", None)  # Megatron-Bridge: the HF model it was imported from
+        for d in (tok, Path(origin) if isinstance(origin, str) and Path(origin).is_dir() else None):
+            for name in TOKENIZER_FILES if d is not None else ():
+                if (d / name).is_file() and not (out_dir / name).exists():
+                    copy_durable(d / name, out_dir / name)
         write_durable(out_dir / CONFIG, json.dumps(hf_from_config(target.cfg, target.args, dtype), indent=2))
 
 

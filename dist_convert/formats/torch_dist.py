@@ -9,6 +9,7 @@ written in the source's style unless ``--torch-dist-style`` says otherwise.
 """
 from __future__ import annotations
 
+import argparse
 import io
 import itertools
 import json
@@ -118,6 +119,21 @@ def training_state_note(keys: Iterable[str], common: dict[str, Any]) -> str | No
     parts = [f"{name} ({n} items{f', {sharding}' if name == 'optimizer' and sharding else ''})"
              for name, n in counts.items()]
     return dropped_state_note(parts + [k for k in COMMON_TRAINING_STATE if k in common and k not in counts])
+
+
+def open_weights(iter_dir: Path, trust_pickle: bool) -> tuple[Any, dict[str, Any], str]:
+    """A finished megatron-core save's DCP metadata, common state and style; refuses ModelOpt and
+    unfinished saves."""
+    if (iter_dir / "modelopt_state").is_dir():
+        raise ConvertError(f"{iter_dir} is a ModelOpt checkpoint (modelopt_state/): its draft modules and "
+                           "per-layer base keys only load into a model converted by ModelOpt",
+                           "restore it with megatron-core + ModelOpt, or convert the base checkpoint it came from")
+    if not (iter_dir / CONFIG).is_file() or not (iter_dir / ".metadata").is_file():
+        raise unfinished_save(iter_dir)
+    md = load_metadata(iter_dir, trust_pickle)
+    check_storage(iter_dir, md)
+    common, style = read_common(iter_dir, md, trust_pickle)
+    return md, common, style
 
 
 @dataclass
@@ -262,6 +278,7 @@ class TorchDistFormat(IterDirFormat):
     name = "torch_dist"
     looks_like = staticmethod(_looks_like)
     any_writer = True
+    prefix = ""  # of every model key (NeMo 2: "module.")
 
     def __init__(self, options=None) -> None:
         super().__init__(options)
@@ -274,40 +291,45 @@ class TorchDistFormat(IterDirFormat):
     def _index(self, path: Path, vocab_size: int | None) -> SourceIndex:
         found = self.find(path)
         if found is None:
-            raise ConvertError(f"{path} is not a torch_dist checkpoint (no .metadata)", "pass the right --src-format")
+            raise ConvertError(f"{path} is not a {self.name} checkpoint (no .metadata)", "pass the right --src-format")
         iter_dir, iteration = found
-        if (iter_dir / "modelopt_state").is_dir():
-            raise ConvertError(f"{iter_dir} is a ModelOpt checkpoint (modelopt_state/): its draft modules and "
-                               "per-layer base keys only load into a model converted by ModelOpt",
-                               "restore it with megatron-core + ModelOpt, or convert the base checkpoint it came from")
-        if not (iter_dir / CONFIG).is_file() or not (iter_dir / ".metadata").is_file():
-            raise unfinished_save(iter_dir)
-        md = load_metadata(iter_dir, self.trust_pickle)
-        check_storage(iter_dir, md)
-        common, style = read_common(iter_dir, md, self.trust_pickle)
+        md, common, style = open_weights(iter_dir, self.trust_pickle)
         args = common.get("args")
         if args is None:
             raise ConvertError(f"the common state of {iter_dir} holds no args",
-                               "the checkpoint must be saved by Megatron-LM (args in the common state)")
+                               "the checkpoint must be saved by Megatron-LM (args in the common state); a "
+                               "Megatron-Bridge or NeMo 2 checkpoint is read with --src-format bridge or nemo2")
+        return self.index_weights(iter_dir, iteration, md, common, style, args, vocab_size)
+
+    def index_weights(self, iter_dir: Path, iteration: int | str, md: Any, common: dict[str, Any], style: str,
+                      args: argparse.Namespace, vocab_size: int | None) -> SourceIndex:
+        """The index of a megatron-core weights directory whose model is described by ``args`` (keys
+        carry ``self.prefix``)."""
         if (common.get("content_metadata") or {}).get("singleton_local_shards"):
             raise ConvertError(f"{iter_dir} was saved with singleton_local_shards (per-layer keys)",
                                "this layout is not supported yet; save with megatron-core's default stacked layout")
         tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-        stored = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        cfg = config_from_args(args, vocab_size, spec_from_keys(md.state_dict_metadata), tp, model_family(set(stored)))
+        items = {k: v for k, v in md.state_dict_metadata.items() if not k.startswith(tuple(TRAINING_STATE))}
+        foreign = sorted(k for k in items if not k.startswith(self.prefix))
+        if foreign and self.prefix:
+            raise ConvertError(f"{iter_dir}: keys such as {foreign[0]!r} lack the prefix {self.prefix!r} that "
+                               f"{self.name} model weights carry", "this is not a NeMo 2 model's weights/ directory; "
+                               "convert it with --src-format torch_dist, or re-copy the checkpoint")
+        items = {k.removeprefix(self.prefix): v for k, v in items.items()}
+        stored = {k: v for k, v in items.items() if isinstance(v, TensorStorageMetadata)}
+        cfg = config_from_args(args, vocab_size, spec_from_keys(items), tp, model_family(set(stored)))
         layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5", experts=bool(cfg.num_experts))
         cfg.check_layout(layout, "source")
         groups = dist_groups(cfg)
-        model_keys = {k for k in stored if not k.startswith(tuple(TRAINING_STATE))}
         policy = KeyPolicy.of(self.options)
         fix = "the args do not describe this model (or it is not a GPT model); check the source"
-        policy.unexpected(str(iter_dir), model_keys - set(groups), fix)
+        policy.unexpected(str(iter_dir), set(stored) - set(groups), fix)
         policy.missing(str(iter_dir), {k: {t.name for t in g.members.values()} for k, g in groups.items()
-                                       if k not in model_keys}, fix)
+                                       if k not in stored}, fix)
         chunks: list[SourceChunk] = []
         for key, g in groups.items():
-            if key not in model_keys:
+            if key not in stored:
                 continue
             meta = stored[key]
             t0 = next(iter(g.members.values()))
@@ -319,9 +341,10 @@ class TorchDistFormat(IterDirFormat):
                                    "is the difference, else check the checkpoint")
             for c in meta.chunks:
                 box = Box(tuple(c.offsets), tuple(c.sizes))
-                chunks.append(SourceChunk(len(chunks), key, key, tuple(c.sizes), meta.properties.dtype,
-                                          block_pieces(g, box), offsets=tuple(c.offsets), sliceable=True,
-                                          contiguous_cuts=True, origin=tuple(c.offsets), origin_shape=tuple(c.sizes)))
+                chunks.append(SourceChunk(len(chunks), self.prefix + key, self.prefix + key, tuple(c.sizes),
+                                          meta.properties.dtype, block_pieces(g, box), offsets=tuple(c.offsets),
+                                          sliceable=True, contiguous_cuts=True, origin=tuple(c.offsets),
+                                          origin_shape=tuple(c.sizes)))
         note = training_state_note(md.state_dict_metadata, common)
         return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks,
                                          [note] if note else [], style=style))
@@ -396,7 +419,8 @@ class TorchDistFormat(IterDirFormat):
                     for c in tp_chunks(t.kind, gshape, r, degree):
                         box = Box(at + c.offsets, (1,) * len(at) + c.sizes)
                         tensors[(r % layout.tp, holder, ep_rank)].append(
-                            TargetTensor(key, box.sizes, dtype, block_pieces(g, box), box.offsets, g.lead + gshape))
+                            TargetTensor(self.prefix + key, box.sizes, dtype, block_pieces(g, box), box.offsets,
+                                         g.lead + gshape))
         for (stack, layer), p in stage.items():
             objects[(0, p, 0)].update(layer_objects(cfg, stack, layer, layers[stack], per_layer))
             if stack == "decoder" and cfg.is_moe_layer(layer):
@@ -407,17 +431,22 @@ class TorchDistFormat(IterDirFormat):
             for m in OUTPUT_MODULES[cfg.family]:
                 objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
         return [TargetFile(i, f"tp{t}_pp{p}" + (f"_ep{e}" if layout.ep > 1 else ""), tensors[(t, p, e)],
-                           objects[(t, p, e)]) for i, (t, p, e) in enumerate(ranks)]
+                           {self.prefix + k: v for k, v in objects[(t, p, e)].items()})
+                for i, (t, p, e) in enumerate(ranks)]
 
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> StreamWriter:
         return StreamWriter(iter_dir, files)
+
+    def common_state(self, target: Target) -> dict[str, Any]:
+        """The target's common (unsharded) state: Megatron-LM's args, checkpoint version and iteration."""
+        return {"args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
+                "iteration": 0 if target.iteration == "release" else target.iteration}
 
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
         """``.metadata``, the common state (common.pt, or with style "0.19" its own DCP item in one more
         ``.distcp`` file), then metadata.json, which marks the directory complete."""
         items = sorted((it for w in written for it in w.record["items"]), key=lambda it: (it["file"], it["at"]))
-        common = {"args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
-                  "iteration": 0 if target.iteration == "release" else target.iteration}
+        common = self.common_state(target)
         style = self.options.torch_dist_style or target.style or STYLES[0]
         config = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
         if style == "0.19":

@@ -12,11 +12,12 @@ import torch
 
 from ..config import ModelConfig, args_for_target
 from ..convert import DTYPES, ReshardOptions, check_vocab, load_index, logical_numel, source_dtypes, target_layout
-from ..datamodel import SourceIndex
+from ..datamodel import SourceIndex, Target
 from ..durable import fsync_file
 from ..errors import ConvertError
 from ..formats import get_format
 from ..formats.base import Format, FormatOptions, iter_dir_name, resolve_iter_dir
+from ..formats.nemo2 import CONTEXT, WEIGHTS, write_context
 from ..layout.topology import Layout
 from ..plan import DEFAULT_BUDGET
 from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes
@@ -44,10 +45,16 @@ class SpeculateOptions:
     overwrite: bool = False
     vocab_divisible_by: int | None = None
     formats: FormatOptions = field(default_factory=FormatOptions)
+    dst_format: str | None = None  # "torch_dist" (Megatron-LM) | "nemo2" (default: nemo2 for a NeMo 2 source)
+
+
+SPECULATE_FORMATS = ("torch_dist", "nemo2")
 
 
 def existing_algorithms(src: Path) -> list[str]:
     """ModelOpt modes already applied to a checkpoint (its ``modelopt_state``), [] for a base model."""
+    if (src / WEIGHTS / "modelopt_state").is_dir():  # NeMo 2
+        src = src / WEIGHTS
     found = resolve_iter_dir(src, lambda p: (p / "modelopt_state").is_dir()) if src.is_dir() else None
     if found is None:
         return []
@@ -90,6 +97,13 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     if index.cfg.num_experts:
         raise ConvertError(f"{opts.src} is a Mixture-of-Experts model; speculate builds dense GPT bases only",
                            "add the draft in Megatron-LM with ModelOpt; dist_convert reshard converts the result")
+    dst_format = opts.dst_format or ("nemo2" if index.format == "nemo2" else "torch_dist")
+    if dst_format not in SPECULATE_FORMATS:
+        raise ConvertError(f"speculate writes {' or '.join(SPECULATE_FORMATS)}, not {dst_format}",
+                           "pass --dst-format torch_dist or nemo2 (then reshard converts the result)")
+    if dst_format == "nemo2" and index.format != "nemo2":
+        raise ConvertError("a NeMo 2 speculative target needs the context/ of a NeMo 2 source",
+                           "speculate from the NeMo 2 checkpoint, or drop --dst-format nemo2")
     layout = target_layout(reshard_opts, index, get_format("torch_dist"))
     cfg = index.cfg.replace(spec="local", make_vocab_size_divisible_by=opts.vocab_divisible_by
                             or index.cfg.make_vocab_size_divisible_by)
@@ -103,7 +117,7 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
                            f"launch a multiple of {layout.tp * layout.pp} processes (--nproc_per_node) or change "
                            "--target-tp/--target-pp")
     args = args_for_target(index.args, cfg, layout, dtype, "torch_dist")
-    rt.log(f"[bold]speculate[/] {index.format} {index.layout} -> torch_dist {layout} + {algo} "
+    rt.log(f"[bold]speculate[/] {index.format} {index.layout} -> {dst_format} {layout} + {algo} "
            f"({human_bytes(index.nbytes)}; {rt.world} ranks, data-parallel {rt.world // (layout.tp * layout.pp)})")
     if layout.pp > 1:
         index.notes.append("ModelOpt 0.47 supports pipeline parallelism for saving and exporting speculative models, "
@@ -114,7 +128,7 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
 
     ensure_process_group(rt)
     try:
-        return _run(opts, rt, index, src_fmt, cfg, args, layout, dtype, algo, spec_cfg, t0)
+        return _run(opts, rt, index, src_fmt, cfg, args, layout, dtype, algo, spec_cfg, t0, dst_format)
     finally:
         from megatron.core import parallel_state
 
@@ -130,7 +144,8 @@ def _fsync_small_files(root: Path) -> None:
 
 
 def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Format, cfg: ModelConfig,
-         args: argparse.Namespace, layout: Layout, dtype: torch.dtype, algo: str, spec_cfg: dict, t0: float) -> dict:
+         args: argparse.Namespace, layout: Layout, dtype: torch.dtype, algo: str, spec_cfg: dict, t0: float,
+         dst_format: str) -> dict:
     from .draft_export import export_draft
     from .runner import build_and_convert, save_speculative
 
@@ -138,18 +153,26 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
                                               opts.memory_budget, logical_numel(index))
     staging = stage(opts.dst, rt, overwrite=opts.overwrite)
     tw = time.perf_counter()
+    nemo2 = dst_format == "nemo2"
+    sub = WEIGHTS if nemo2 else iter_dir_name(index.iteration)
     with staging.guard():
-        save_speculative(model, staging.tmp / iter_dir_name(index.iteration), args, index.iteration, rt)
+        save_speculative(model, staging.tmp / sub, args, index.iteration, rt, nemo2=nemo2)
         rt.barrier()
-        staging.complete(lambda _: _fsync_small_files(staging.tmp), tracker=index.iteration)
+
+        def finish(_: object) -> None:
+            if nemo2:  # NeMo's context/ of the source, with the target layout
+                write_context(Path(index.args.nemo2_source) / CONTEXT, staging.tmp / CONTEXT,
+                              Target(cfg, layout, dtype, args, index.iteration))
+            _fsync_small_files(staging.tmp)
+
+        staging.complete(finish, tracker=None if nemo2 else index.iteration)
     staging.commit()
     if opts.export_draft is not None:
         export_draft(model, algo, spec_cfg, cfg, args, dtype, opts.export_draft, rt, overwrite=opts.overwrite)
     write_s = time.perf_counter() - tw
-    written = sum(f.stat().st_size for f in (opts.dst / iter_dir_name(index.iteration)).glob(f"__{rt.rank}_*.distcp"))
+    written = sum(f.stat().st_size for f in (opts.dst / sub).glob(f"__{rt.rank}_*.distcp"))
     mine = RankStats(rank=rt.rank, files=1, tensors=counters["tensors"], read_bytes=counters["read"],
                      written_bytes=written, sent_bytes=counters["sent"], received_bytes=counters["received"],
                      write_s=write_s, wall_s=time.perf_counter() - t0, peak_rss=peak_rss_bytes())
-    print_summary(rt, rt.all_gather_object(mine), f"wrote {opts.dst} (torch_dist + modelopt_state {algo}, {layout})")
+    print_summary(rt, rt.all_gather_object(mine), f"wrote {opts.dst} ({dst_format} + modelopt_state {algo}, {layout})")
     return {"algorithm": algo, "config": spec_cfg, "plan": plan}
-

@@ -52,9 +52,12 @@ def sharded_metadata() -> dict[str, Any]:
             "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
 
-def save_speculative(model: Any, iter_dir: Path, args: argparse.Namespace, iteration: int | str, rt: Runtime) -> None:
-    """Collective: megatron-core's torch_dist save of the whole speculative model (Megatron-LM's
-    checkpoint layout) and ModelOpt's sharded ``modelopt_state`` beside it."""
+def save_speculative(model: Any, iter_dir: Path, args: argparse.Namespace, iteration: int | str, rt: Runtime,
+                     nemo2: bool = False) -> None:
+    """Collective: megatron-core's torch_dist save of the whole speculative model and ModelOpt's sharded
+    ``modelopt_state`` beside it: Megatron-LM's checkpoint (args in the common state), or with ``nemo2``
+    a NeMo 2 ``weights/`` directory as NeMo's MegatronCheckpointIO saves it (keys prefixed ``module.``,
+    Lightning's step in the common state; ModelOpt's state saved as NeMo's save_modelopt_state does)."""
     from megatron.core import dist_checkpointing
     from modelopt.torch.opt.plugins.mcore_dist_checkpointing import save_sharded_modelopt_state
 
@@ -62,9 +65,13 @@ def save_speculative(model: Any, iter_dir: Path, args: argparse.Namespace, itera
         iter_dir.mkdir(parents=True)
     rt.barrier()
     content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    state = {"model": model.sharded_state_dict(metadata=sharded_metadata()), "args": args,
-             "iteration": 0 if iteration == "release" else iteration, "checkpoint_version": CHECKPOINT_VERSION,
-             "content_metadata": content}
+    step = 0 if iteration == "release" else iteration
+    if nemo2:
+        state = {"sharded_state_dict": model.sharded_state_dict(prefix="module.", metadata=sharded_metadata()),
+                 "epoch": 0, "global_step": step, "state_dict": {}, "content_metadata": content}
+    else:
+        state = {"model": model.sharded_state_dict(metadata=sharded_metadata()), "args": args, "iteration": step,
+                 "checkpoint_version": CHECKPOINT_VERSION, "content_metadata": content}
     with cpu_stand_ins():
         dist_checkpointing.save(state, str(iter_dir), content_metadata=content)
         save_sharded_modelopt_state([model], str(iter_dir))

@@ -1,0 +1,166 @@
+"""Megatron-Bridge checkpoints: Megatron-LM's layout (``latest_checkpointed_iteration.txt``,
+``iter_NNNNNNN/``) holding a megatron-core torch_dist save without args, described by
+``iter_NNNNNNN/run_config.yaml`` (Bridge's ConfigContainer; the model provider's TransformerConfig
+fields under ``model:``, TP/PP included, the vocabulary unpadded unless ``should_pad_vocab``), with
+``train_state.pt`` and the HF tokenizer files in ``tokenizer/``. Keys have no prefix.
+
+A target carries the source's run_config.yaml (Bridge sources) with the layout fields of the target,
+or is given a ``model:`` and ``tokenizer:`` section written from the model config.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from ..config import ModelConfig
+from ..datamodel import SourceIndex, Target, WrittenFile
+from ..durable import copy_durable, write_durable
+from ..errors import ConvertError
+from ..runtime import Runtime
+from .base import on_rank0
+from .mcore_config import args_from_fields, fields_for_target
+from .torch_dist import TorchDistFormat, _looks_like, open_weights
+
+RUN_CONFIG = "run_config.yaml"
+TRAIN_STATE = "train_state.pt"
+TOKENIZER = "tokenizer"
+PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
+SPECS = {"local": "megatron.bridge.models.gpt_provider.local_layer_spec",
+         "te": "megatron.bridge.models.gpt_provider.transformer_engine_layer_spec"}
+
+
+def _looks_like_bridge(path: Path) -> bool:
+    """A Bridge iteration: a torch_dist save with run_config.yaml, or with Bridge's train_state.pt (and
+    run_config.yaml lost: ``index`` says so)."""
+    return ((path / RUN_CONFIG).is_file() or (path / TRAIN_STATE).is_file()) and _looks_like(path)
+
+
+def read_run_config(iter_dir: Path) -> dict[str, Any]:
+    path = iter_dir / RUN_CONFIG
+    if not path.is_file():
+        raise ConvertError(f"{iter_dir} is a Megatron-Bridge iteration without {RUN_CONFIG} (the model config)",
+                           f"re-copy {RUN_CONFIG} from the run that saved it, or convert from the HF model with "
+                           "--src-format hf")
+    try:
+        y = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConvertError(f"{path} is not valid YAML ({str(e).splitlines()[0]})", f"restore {RUN_CONFIG}") from None
+    if not isinstance(y.get("model"), dict):
+        raise ConvertError(f"{path} has no model: section", f"restore {RUN_CONFIG} as Megatron-Bridge saved it")
+    return y
+
+
+def bridge_args(iter_dir: Path, y: dict[str, Any]) -> argparse.Namespace:
+    model = y["model"]
+    args = args_from_fields(model, f"{iter_dir / RUN_CONFIG} model:", f"restore {RUN_CONFIG} as Megatron-Bridge "
+                            "saved it")
+    if not model.get("should_pad_vocab", False):  # the embedding holds exactly vocab_size rows
+        args.make_vocab_size_divisible_by = 1
+    spec = (model.get("transformer_layer_spec") or {})
+    args.bridge_layer_spec = spec.get("_target_") if isinstance(spec, dict) else None
+    if (iter_dir / TOKENIZER).is_dir():
+        args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", str((iter_dir / TOKENIZER).resolve())
+    if isinstance(model.get("hf_model_id"), str):  # the HF model it was imported from (its generation config)
+        args.hf_model_id = model["hf_model_id"]
+    args.bridge_source = str(iter_dir.resolve())
+    return args
+
+
+def bridge_model_section(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """A ``model:`` section for a target whose source is not a Bridge checkpoint: GPTModelProvider's fields."""
+    padded = cfg.padded_vocab(1) != cfg.vocab_size
+    out = {"_target_": PROVIDER, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+           "ffn_hidden_size": cfg.ffn_hidden_size, "num_attention_heads": cfg.num_attention_heads,
+           "num_query_groups": cfg.num_query_groups, "kv_channels": cfg.kv_channels,
+           "gated_linear_unit": cfg.swiglu,
+           "activation_func": {"_call_": False, "_target_": "torch.nn.functional." + ("silu" if cfg.swiglu
+                                                                                      else "gelu")},
+           "normalization": cfg.normalization, "layernorm_epsilon": float(getattr(args, "norm_epsilon", 1e-5) or 1e-5),
+           "add_bias_linear": cfg.add_bias_linear, "add_qkv_bias": cfg.add_qkv_bias, "qk_layernorm": cfg.qk_layernorm,
+           "share_embeddings_and_output_weights": cfg.tied, "position_embedding_type": cfg.position_embedding_type,
+           "rotary_base": getattr(args, "rotary_base", 10000), "rotary_percent": getattr(args, "rotary_percent", 1.0),
+           "rope_scaling": bool(getattr(args, "use_rope_scaling", False)),
+           "rope_scaling_factor": float(getattr(args, "rope_scaling_factor", 1.0) or 1.0),
+           "seq_length": getattr(args, "seq_length", None) or cfg.max_position_embeddings,
+           "vocab_size": cfg.vocab_size, "should_pad_vocab": padded, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+           "params_dtype": {"_call_": False, "_target_": str(getattr(args, "params_dtype", torch.float32))}}
+    if cfg.num_experts:
+        out.update(num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.expert_ffn,
+                   moe_router_topk=getattr(args, "moe_router_topk", 2),
+                   moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                   moe_shared_expert_gate=cfg.moe_shared_expert_gate,
+                   moe_layer_freq=list(cfg.moe_layer_pattern) if cfg.moe_layer_pattern else 1,
+                   moe_router_enable_expert_bias=cfg.moe_router_expert_bias,
+                   moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
+                   moe_router_score_function=getattr(args, "moe_router_score_function", "softmax") or "softmax")
+    return out
+
+
+class BridgeFormat(TorchDistFormat):
+    name = "bridge"
+    looks_like = staticmethod(_looks_like_bridge)
+
+    def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
+        return on_rank0(rt, lambda: self._index_bridge(path, vocab_size))
+
+    def _index_bridge(self, path: Path, vocab_size: int | None) -> SourceIndex:
+        found = self.find(path)
+        if found is None:
+            raise ConvertError(f"{path} is not a Megatron-Bridge checkpoint (no iter_*/ with {RUN_CONFIG})",
+                               "point SRC at the checkpoint root or an iter_* directory, or pass the right "
+                               "--src-format")
+        iter_dir, iteration = found
+        y = read_run_config(iter_dir)
+        md, common, style = open_weights(iter_dir, self.trust_pickle)
+        return self.index_weights(iter_dir, iteration, md, common, style, bridge_args(iter_dir, y), vocab_size)
+
+    def common_state(self, target: Target) -> dict[str, Any]:
+        return {**super().common_state(target), "content_metadata": {"singleton_local_shards": False,
+                                                                       "chained_optim_avoid_prefix": True}}
+
+    def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
+        """The torch_dist metadata, then run_config.yaml, train_state.pt and tokenizer/."""
+        args, cfg = target.args, target.cfg
+        origin = getattr(args, "bridge_source", None)
+        if origin and (Path(origin) / RUN_CONFIG).is_file():
+            y = read_run_config(Path(origin))
+            model = fields_for_target(y["model"], cfg, target.layout, target.dtype)
+        else:
+            y, model = {}, fields_for_target(bridge_model_section(cfg, args), cfg, target.layout, target.dtype)
+        model["transformer_layer_spec"] = {"_call_": False, "_target_": SPECS[cfg.spec]}
+        if model.get("should_pad_vocab") is False and cfg.padded_vocab(target.layout.tp) != cfg.vocab_size:
+            model["should_pad_vocab"] = True
+        y["model"] = model
+        tok = _tokenizer_dir(args, self.options.tokenizer_dir)
+        if tok is not None:
+            dst = iter_dir / TOKENIZER
+            dst.mkdir(exist_ok=True)
+            for f in sorted(p for p in tok.iterdir() if p.is_file() and not p.name.endswith(".safetensors")):
+                copy_durable(f, dst / f.name)
+        if "tokenizer" not in y:  # Bridge's TokenizerConfig names the tokenizer the files came from
+            y["tokenizer"] = {"_target_": "megatron.bridge.training.tokenizers.config.TokenizerConfig",
+                              "tokenizer_type": "HuggingFaceTokenizer" if tok is not None else "NullTokenizer",
+                              "tokenizer_model": str(tok) if tok is not None else None,
+                              "vocab_size": None if tok is not None else cfg.vocab_size}
+        write_durable(iter_dir / RUN_CONFIG, yaml.safe_dump(y, sort_keys=False))
+        buf = io.BytesIO()
+        zero = torch.tensor(0)
+        torch.save({"step": zero, "consumed_train_samples": zero, "skipped_train_samples": zero,
+                    "consumed_valid_samples": zero, "floating_point_operations_so_far": torch.tensor(0.0),
+                    "do_train": torch.tensor(False), "do_valid": torch.tensor(False),
+                    "do_test": torch.tensor(False)}, buf)
+        for where in (iter_dir / TRAIN_STATE, iter_dir.parent / f"latest_{TRAIN_STATE}"):  # Bridge writes both
+            write_durable(where, buf.getvalue())
+        super().finalize(target, iter_dir, written)
+
+
+def _tokenizer_dir(args: argparse.Namespace, override: Path | None) -> Path | None:
+    if override is not None:
+        return override
+    name = getattr(args, "tokenizer_model", None)
+    return Path(name) if isinstance(name, str) and Path(name).is_dir() else None

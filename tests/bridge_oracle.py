@@ -6,13 +6,18 @@ dist_convert.
   bridge_oracle.py make-hf --root DIR
       DIR/llama: a tiny Llama by transformers (tests/hf_models.py) with a 100-token WordLevel tokenizer, so a
       loader that builds the tokenizer the args name (Bridge does) finds one
+  bridge_oracle.py import --hf HF_DIR --out DIR
+      Megatron-Bridge's own HF -> Megatron import (AutoBridge.from_hf_pretrained, to_megatron_provider with
+      the weights, provide_distributed_model on CPU with the local layer spec, save_megatron_model with the
+      HF tokenizer): a Megatron-Bridge checkpoint as Bridge writes it
   bridge_oracle.py defaults --out JSON
       Megatron-LM's argparse defaults (``parse_args`` of an empty command line), JSON-able ones as they
       are, others by repr
   bridge_oracle.py load --ckpt DIR (--hf HF_DIR | --ref-dump PT) [--null-tokenizer]
-      Bridge's own loader for Megatron-LM checkpoints, ``model_load_save.load_megatron_model(iter_dir,
-      model_type="gpt", use_cpu_init=True)``: it builds a TransformerConfig and a GPTModel from the args
-      alone and loads the weights strictly. Then every weight is compared bit-exactly: --hf exports the
+      Bridge's own loader, ``model_load_save.load_megatron_model(iter_dir, model_type="gpt",
+      use_cpu_init=True)``: for a Megatron-LM checkpoint it builds a TransformerConfig and a GPTModel from
+      the args alone, for a Bridge checkpoint the model provider of its run_config.yaml, and loads the
+      weights strictly. Then every weight is compared bit-exactly: --hf exports the
       loaded model to HF names with Bridge (``AutoBridge.export_hf_weights``) against the HF source's
       safetensors; --ref-dump against a state dict megatron-core loaded (tests/mcore_oracle.py dump).
       --null-tokenizer: the args name no tokenizer (a Megatron-LM run may pass it on the command line
@@ -128,6 +133,34 @@ def cmd_make_hf(a) -> int:
     return report([], f"made {out}")
 
 
+def cmd_import(a) -> int:
+    import torch
+    import torch.distributed as dist
+
+    install_shims()
+    from megatron.bridge import AutoBridge
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    saved = torch.cuda.get_rng_state
+    torch.cuda.get_rng_state = torch.get_rng_state  # the save records the CUDA RNG state
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        bridge = AutoBridge.from_hf_pretrained(a.hf)
+        provider = bridge.to_megatron_provider(load_weights=True)
+        provider.transformer_layer_spec = get_gpt_layer_local_spec()
+        provider.apply_rope_fusion = provider.persist_layer_norm = False
+        provider.finalize()
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+        bridge.save_megatron_model(model, a.out, hf_tokenizer_path=a.hf)
+    finally:
+        torch.cuda.get_rng_state = saved
+        end_parallel(True)
+    return report([], f"Megatron-Bridge imported {a.hf} to {a.out}")
+
+
 def cmd_defaults(a) -> int:
     from megatron.training import arguments
 
@@ -182,7 +215,7 @@ def bridge_load(iter_dir: Path, null_tokenizer: bool):
                                                     skip_temp_dist_context=True)
     finally:
         mlm_compat._load_args_from_checkpoint = original
-    return model if isinstance(model, list) else [model], seen["args"]
+    return model if isinstance(model, list) else [model], seen.get("args")  # None: read run_config.yaml
 
 
 def unwrapped_state(model) -> dict:
@@ -235,8 +268,8 @@ def cmd_load(a) -> int:
                     if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
             got = unwrapped_state(model)
             problems, what = compare(got, want, "state dict"), f"{len(got)} tensors vs megatron-core's load"
-        rc = report(problems, f"Megatron-Bridge load_megatron_model ({args.transformer_impl}, "
-                              f"TP={args.tensor_model_parallel_size}) {what}")
+        how = "run_config.yaml" if args is None else f"{args.transformer_impl}, TP={args.tensor_model_parallel_size}"
+        rc = report(problems, f"Megatron-Bridge load_megatron_model ({how}) {what}")
     finally:
         end_parallel(True)
     return rc
@@ -313,6 +346,9 @@ def main(argv=None, serving=False) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("make-hf")
     sp.add_argument("--root", required=True)
+    sp = sub.add_parser("import")
+    sp.add_argument("--hf", required=True)
+    sp.add_argument("--out", required=True)
     sp = sub.add_parser("defaults")
     sp.add_argument("--out", required=True)
     sp = sub.add_parser("load")
@@ -326,7 +362,8 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--config", required=True)
     sp.add_argument("--null-tokenizer", action="store_true")
     a = p.parse_args(argv)
-    return {"make-hf": cmd_make_hf, "defaults": cmd_defaults, "load": cmd_load, "mlm": cmd_mlm}[a.cmd](a)
+    cmds = {"make-hf": cmd_make_hf, "import": cmd_import, "defaults": cmd_defaults, "load": cmd_load, "mlm": cmd_mlm}
+    return cmds[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ and checks that
     exporter writes it (EAGLE; its Hub template config is pointed at a local Llama config made from
     C.json) or, for Medusa (no exporter rules in ModelOpt 0.47), tensor by tensor by name.
 The checkpoint may be restored at another TP/PP than it was saved at (megatron-core reshards).
+With --nemo2, CKPT is a NeMo 2 checkpoint and is restored as NeMo's modelopt model_utils does it:
+ModelOpt's restore_sharded_modelopt_state([model], CKPT/weights, prefix="module."), then the weights
+under the same prefix (NeMo's MegatronParallel naming) from CKPT/weights.
 Prints "SPEC ORACLE OK ..." on success and exits 0; prints MISMATCH lines and exits 1 otherwise.
 """
 import argparse
@@ -122,11 +125,11 @@ def check_draft(model, cfg, algo, draft_dir, work):
     return bad, len(want)
 
 
-def sharded_sd(model):
+def sharded_sd(model, prefix=""):
     from megatron.core import parallel_state
 
     return model.sharded_state_dict(
-        metadata={"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)})
+        prefix=prefix, metadata={"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)})
 
 
 def restore(cfg, a):
@@ -134,15 +137,21 @@ def restore(cfg, a):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    iterdir = mo.resolve_iter_dir(a.ckpt)
+    iterdir = os.path.join(a.ckpt, "weights") if a.nemo2 else mo.resolve_iter_dir(a.ckpt)
     model = mo.build_model(cfg, a.tp, a.pp, parallel_output=True)
     mo.randomize(model, cfg, 4_000_037)
     state = dist_checkpointing.load_common_state_dict(os.path.join(iterdir, "modelopt_state"))
     modes = [m for m, _ in state["modelopt_state_dict"]]
-    model = mto.restore_from_modelopt_state(model, state)
+    if a.nemo2:
+        from modelopt.torch.opt.plugins import restore_sharded_modelopt_state
+
+        restore_sharded_modelopt_state([model], iterdir, prefix="module.")
+    else:
+        model = mto.restore_from_modelopt_state(model, state)
     mo.randomize(model, cfg, 5_000_011)  # draft modules too: an unloaded tensor cannot pass below
-    loaded = dist_checkpointing.load({"model": sharded_sd(model)}, iterdir, strict=StrictHandling.RAISE_ALL)
-    res = model.load_state_dict(loaded["model"], strict=False)
+    entry, prefix = ("sharded_state_dict", "module.") if a.nemo2 else ("model", "")
+    loaded = dist_checkpointing.load({entry: sharded_sd(model, prefix)}, iterdir, strict=StrictHandling.RAISE_ALL)
+    res = model.load_state_dict({k.removeprefix(prefix): v for k, v in loaded[entry].items()}, strict=False)
     missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
     return model, modes, missing + list(res.unexpected_keys)
 
@@ -231,6 +240,7 @@ def main(argv=None, serving=False):
     p.add_argument("--ckpt", required=True)
     p.add_argument("--ref", required=True)
     p.add_argument("--draft", default=None, help="an exported draft directory to check (TP=1, PP=1)")
+    p.add_argument("--nemo2", action="store_true", help="CKPT is a NeMo 2 checkpoint (weights/ + context/)")
     a = p.parse_args(argv)
     mo.apply_cpu_shims()
     hybrid_alias()

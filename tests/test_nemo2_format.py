@@ -98,3 +98,18 @@ def test_nemo2_bad_input_is_refused(nemo2_a, gpt_a, tmp_path):
                    "lack the prefix 'module.'", "--src-format torch_dist")
     assert_refused(run_cli("reshard", str(gpt_a.torch_dist), str(tmp_path / "dst"), "--dst-format", "nemo2"),
                    tmp_path, "needs the context/ of a NeMo 2 source", "--dst-format bridge")
+
+
+def test_speculate_on_a_nemo2_model_writes_nemo2_that_modelopt_restores(nemo2_a, gpt_a, tmp_path):
+    """EAGLE-3 added to the NeMo 2 model: weights/ with the draft and modelopt_state/, context/ carried; NeMo's
+    restore path (ModelOpt's restore_sharded_modelopt_state with prefix module.) and megatron-core load it."""
+    dst = tmp_path / "spec"
+    ok(run_cli("speculate", str(nemo2_a), str(dst), "--target-tp", "2", "--target-pp", "1", "--eagle-layers", "1",
+               "--vocab-size", "100", nproc=2))
+    assert (dst / "weights" / "modelopt_state").is_dir() and not (dst / "latest_checkpointed_iteration.txt").exists()
+    config = yaml.safe_load((dst / "context" / "model.yaml").read_text())["config"]
+    assert (config["tensor_model_parallel_size"], config["pipeline_model_parallel_size"]) == (2, 1), config
+    proc = oracle("check", 2, "--config", str(gpt_a.config), "--tp", "2", "--pp", "1", "--algo", "eagle",
+                  "--ckpt", str(dst), "--ref", str(gpt_a.torch_dist), "--nemo2", program="spec", check=False)
+    assert proc.returncode == 0 and "SPEC ORACLE OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert "draft tokens" in proc.stdout

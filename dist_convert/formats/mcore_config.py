@@ -95,8 +95,10 @@ def fields_for_target(fields: dict[str, Any], cfg: ModelConfig, layout: Layout,
         out.update(expert_model_parallel_size=1)
     out["make_vocab_size_divisible_by"] = cfg.make_vocab_size_divisible_by
     if dtype is not None:
-        name = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16", torch.float16: "torch.float16"}[dtype]
         out.update(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
         if isinstance(out.get("params_dtype"), dict):
-            out["params_dtype"] = {**out["params_dtype"], "_target_": name}
+            out["params_dtype"] = {**out["params_dtype"], "_target_": str(dtype)}
+    if layout.pp > 1 and not out.get("pipeline_dtype"):  # megatron-core's config requires it with PP
+        params = _target(out.get("params_dtype")) or str(dtype or torch.float32)
+        out["pipeline_dtype"] = {"_call_": False, "_target_": params}
     return out

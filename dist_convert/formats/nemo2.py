@@ -100,15 +100,22 @@ class FiddleGraph:
                 out[name] = v
         return out
 
-    def set_leaf(self, key: str, name: str, value: Any, path: str) -> None:
-        """Set (or add) a plain argument of object ``key``."""
+    def set_leaf(self, key: str, name: str, value: Any, path: str, pyref: str | None = None) -> None:
+        """Set (or add) a plain argument of object ``key`` (``pyref``: a reference to the dotted name
+        instead, e.g. ``torch.bfloat16``): Fiddle rebuilds a Config by zipping its values with
+        ``argument_names`` of its metadata, so an added argument is named there too."""
         items = self.objects[key].setdefault("items", [])
-        leaf = {"type": "leaf", "value": value, "paths": [f"{path}.{name}"]}
+        leaf = {"type": "leaf", "value": value, "paths": [f"{path}.{name}"]} if pyref is None else \
+            {"type": "pyref", "module": pyref.rsplit(".", 1)[0], "name": pyref.rsplit(".", 1)[1]}
         for item in items:
             if item[0] == f"Attr(name='{name}')":
                 item[1] = leaf
                 return
         items.append([f"Attr(name='{name}')", leaf])
+        meta = self.objects[self.objects[key]["metadata"]["key"]]
+        names = next(v for a, v in meta["items"] if a == "Attr(name='argument_names')")
+        entries = self.objects[names["key"]]["items"]
+        entries.append([f"Index(index={len(entries)})", name])
 
 
 def config_fields(context: Path) -> tuple[dict[str, Any], str]:
@@ -234,11 +241,15 @@ def write_context(src: Path, dst: Path, target: Target) -> None:
         g = FiddleGraph(src / IO_JSON)
         model = g.child(g.root, "model")
         config = g.child(model, "config") if model else None
+        given = g.leaves(config) if config is not None else {}
+        values = fields_for_target({"params_dtype": given.get("params_dtype")}, target.cfg, layout, target.dtype)
         if config is not None:
-            values = fields_for_target({}, target.cfg, layout, target.dtype)
             for name in PARALLEL:
                 if name in values and (values[name] is not None or name in g.items(config)):
                     g.set_leaf(config, name, values[name], "<root>.model.config")
+            if "pipeline_dtype" in values and not given.get("pipeline_dtype"):
+                g.set_leaf(config, "pipeline_dtype", None, "<root>.model.config",
+                           pyref=values["pipeline_dtype"]["_target_"])
         trainer = g.child(g.root, "trainer")
         strategy = g.child(trainer, "strategy") if trainer else None
         if strategy is not None:
@@ -246,4 +257,7 @@ def write_context(src: Path, dst: Path, target: Target) -> None:
                 value = getattr(layout, attr)
                 if value is not None or name in g.items(strategy):
                     g.set_leaf(strategy, name, value, "<root>.trainer.strategy")
+            if "pipeline_dtype" in values and "pipeline_dtype" not in g.items(strategy):
+                g.set_leaf(strategy, "pipeline_dtype", None, "<root>.trainer.strategy",
+                           pyref=values["pipeline_dtype"]["_target_"])
         write_durable(dst / IO_JSON, json.dumps(g.doc, indent=2))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from dist_convert.bench import bridge, report
 from dist_convert.bench.baselines import whole_model
-from dist_convert.bench.measure import TORCHRUN, MethodFailed, Outcome, Run, run_command
+from dist_convert.bench.measure import REPO_ROOT, TORCHRUN, MethodFailed, Outcome, Run, child_env, run_command
 from dist_convert.bench.shape import LlamaShape, choose_shape, make_args
 from dist_convert.bench.synth import Values, write_synthetic
 from dist_convert.cli import main as cli_main
@@ -179,6 +180,17 @@ def test_a_failed_job_names_its_rank_and_what_it_printed(tmp_path):
     with pytest.raises(MethodFailed) as failed:
         run_command([sys.executable, "-m", TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], 120)
     assert str(failed.value) == "exit 1: rank 1 exit 3: dist_convert: error: rank one broke (the cause)"
+
+
+def test_a_jobs_peak_rss_is_its_own_not_its_parents():
+    """A job started by a process with a larger peak reports its own peak (``ru_maxrss`` would report the
+    parent's: a vfork/fork child keeps the parent's high-water mark across exec)."""
+    big = bytearray(640 * MB)  # this process's peak: at least 640 MB
+    code = "from dist_convert.runtime import peak_rss_bytes; print(peak_rss_bytes())"
+    child = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=child_env(), capture_output=True,
+                           text=True, timeout=120)
+    del big
+    assert 50 * MB < int(child.stdout) < 512 * MB, child.stderr[-2000:]
 
 
 def test_bridge_agreement_check_and_availability(tmp_path):

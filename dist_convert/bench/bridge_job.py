@@ -102,6 +102,19 @@ def cpu_shims() -> None:
     mp_random.CudaRNGStatesTracker.fork = _fork
 
 
+def peak_rss() -> int:
+    """This process's own peak RSS (VmHWM; ``ru_maxrss`` would also count the bench process's peak, which
+    a child started by vfork/fork keeps across exec), as dist_convert.runtime.peak_rss_bytes."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def has_tokenizer(hf: Path) -> bool:
     return any((hf / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
@@ -139,7 +152,7 @@ def import_hf(hf: Path, dst: Path, tp: int, pp: int) -> dict[str, Any]:
         t_end = time.perf_counter()
         stats = {"import_s": t_import - T_START, "wall_s": t_end - t0, "provider_s": t_provider - t0,
                  "model_s": t_model - t_provider, "save_s": t_end - t_model,
-                 "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                 "peak_rss": peak_rss()}
         ranks: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, stats)
         del model

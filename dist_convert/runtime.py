@@ -124,6 +124,16 @@ def ensure_process_group(rt: Runtime) -> None:
 
 
 def peak_rss_bytes() -> int:
+    """This process's own peak RSS. On Linux ``VmHWM`` of /proc/self/status: ``ru_maxrss`` also counts the
+    peak of the process that started it (a vfork/fork child keeps its parent's high-water mark across
+    exec), so a job started by a large process would report that process's peak."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb * 1024 if sys.platform != "darwin" else kb
 

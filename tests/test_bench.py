@@ -1,19 +1,24 @@
 """dist_convert bench: the shape chooser, the value generator and the target math (pure); the synthetic
 writer and the whole-model baseline in process; one end-to-end ``bench`` run at 8 MB whose outputs are
 checked: megatron-core's own method loads the synthetic checkpoint strictly (StrictHandling.RAISE_ALL)
-and its resharded save equals dist_convert's output, and so does the whole-model baseline's."""
+and its resharded save equals dist_convert's output, and so does the whole-model baseline's; the bridge
+method on a synthetic 2 MB hf source, with Megatron-Bridge in the second runtime (tests/workers.py
+RUNTIMES), reports its ratios only after its output was found equal to dist_convert's import."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from dist_convert.bench import report
+from dist_convert.bench import bridge, report
 from dist_convert.bench.baselines import whole_model
-from dist_convert.bench.measure import TORCHRUN, MethodFailed, Outcome, Run, run_command
+from dist_convert.bench.measure import REPO_ROOT, TORCHRUN, MethodFailed, Outcome, Run, child_env, run_command
 from dist_convert.bench.shape import LlamaShape, choose_shape, make_args
 from dist_convert.bench.synth import Values, write_synthetic
 from dist_convert.cli import main as cli_main
@@ -25,6 +30,7 @@ from dist_convert.layout.topology import Layout
 from dist_convert.runtime import Runtime
 
 from conftest import ok, run_cli
+from workers import RUNTIMES
 
 MB, GB = 1 << 20, 1 << 30
 
@@ -174,3 +180,50 @@ def test_a_failed_job_names_its_rank_and_what_it_printed(tmp_path):
     with pytest.raises(MethodFailed) as failed:
         run_command([sys.executable, "-m", TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], 120)
     assert str(failed.value) == "exit 1: rank 1 exit 3: dist_convert: error: rank one broke (the cause)"
+
+
+def test_a_jobs_peak_rss_is_its_own_not_its_parents():
+    """A job started by a process with a larger peak reports its own peak (``ru_maxrss`` would report the
+    parent's: a vfork/fork child keeps the parent's high-water mark across exec)."""
+    big = bytearray(640 * MB)  # this process's peak: at least 640 MB
+    code = "from dist_convert.runtime import peak_rss_bytes; print(peak_rss_bytes())"
+    child = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=child_env(), capture_output=True,
+                           text=True, timeout=120)
+    del big
+    assert 50 * MB < int(child.stdout) < 512 * MB, child.stderr[-2000:]
+
+
+def test_bridge_agreement_check_and_availability(tmp_path):
+    """bridge.compare reads two torch_dist checkpoints tensor by tensor; the method is n/a (with the flag
+    that fixes it) without an hf source or without Megatron-Bridge in --bridge-python."""
+    a, b = torch.arange(12.0).reshape(3, 4), torch.ones(2, dtype=torch.bfloat16)
+    for name, w in (("same", a), ("other", a.clone().index_fill_(0, torch.tensor([1]), 0.5))):
+        dcp.save({"w": w, "n": b}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    dcp.save({"w": a}, checkpoint_id=str(tmp_path / "fewer"), no_dist=True)
+    assert bridge.compare(tmp_path / "same", tmp_path / "same")["agree"] is True
+    diff = bridge.compare(tmp_path / "same", tmp_path / "other")
+    assert not diff["agree"] and diff["problems"] == ["w: values differ (max abs diff 6.5)"]
+    assert bridge.compare(tmp_path / "same", tmp_path / "fewer")["problems"] == ["only in same: n"]
+    assert "--format hf or --src HF_DIR" in bridge.why_not(Path(sys.executable), "torch_dist")
+    if importlib.util.find_spec("megatron.bridge") is None:
+        assert "--bridge-python" in bridge.why_not(Path(sys.executable), "hf")
+
+
+def test_bench_bridge_method_against_dist_convert(tmp_path):
+    python = RUNTIMES["mcore19"]
+    assert python.exists(), f"{python} is missing: run bash launch/setup_mcore19.sh (launch/test.sh does)"
+    out = tmp_path / "bench.json"
+    proc = ok(run_cli("bench", "--format", "hf", "--size", "2MB", "--methods", "dist_convert,mcore,bridge", "--ranks",
+                      "1", "--target-tp", "1", "--target-pp", "1", "--reps", "1", "--bridge-python", str(python),
+                      "--workdir", str(tmp_path), "--json", str(out), timeout=600))
+    assert "Bridge w=1 / dist_convert w=1" in proc.stderr and "output: identical (9 tensors" in proc.stderr
+    (target,) = json.loads(out.read_text())["targets"]
+    rows = {r["method"]: r for r in target["rows"]}
+    assert rows["mcore"]["status"] == "n/a" and "--methods bridge" in rows["mcore"]["reason"]
+    br, dc = rows["bridge"], rows["dist_convert"]
+    assert br["status"] == dc["status"] == "ok" and br["inproc_s"] > 0 and br["peak_rss_per_rank"] > 100 * MB
+    assert br["agreement"]["agree"] and br["agreement"]["against"] == "dist_convert w=1"
+    (pair,) = target["bridge"]
+    assert pair["agree"] and pair["wall_ratio"] == pytest.approx(br["wall_s"] / dc["wall_s"])
+    assert pair["rss_ratio"] == pytest.approx(br["peak_rss_per_rank"] / dc["peak_rss_per_rank"])
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # every output removed (no --keep)

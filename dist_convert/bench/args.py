@@ -7,7 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-METHODS = ("floor", "startup", "dist_convert", "whole_model", "mcore")
+METHODS = ("floor", "startup", "dist_convert", "whole_model", "mcore", "bridge")
+DEFAULT_METHODS = METHODS[:5]  # bridge only when asked: it needs an hf source and Megatron-Bridge
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_TARGETS = "1x2,4x1"
 
@@ -32,21 +33,28 @@ def parse_targets(text: str) -> list[tuple[int, int]]:
 def add_bench_parser(sub: Any, parse_size: Callable[[str], int], default_budget: int) -> None:
     """The ``bench`` subcommand's arguments (``parse_size``, ``default_budget``: the CLI's)."""
     b = sub.add_parser("bench", help="time dist_convert against the I/O floor, a whole-model single-process "
-                                     "converter and megatron-core's own load + save (one process; launches torchrun)")
+                                     "converter, megatron-core's own load + save and Megatron-Bridge's HF import "
+                                     "(one process; launches torchrun)")
     b.add_argument("--size", type=parse_size, default=1 << 30, help="synthetic checkpoint size (default 1GB)")
     b.add_argument("--sizes", default=None, help="scaling mode, e.g. 256MB,512MB,1GB: dist_convert at 2 ranks "
                                                  "per size with a fixed --memory-budget (memory flat, cost linear)")
     b.add_argument("--dtype", choices=tuple(ITEMSIZE), default="bf16")
-    b.add_argument("--format", choices=("torch_dist", "megatron"), default="torch_dist")
-    b.add_argument("--src-tp", type=int, default=2, help="layout of the synthetic checkpoint (default TP=2 PP=1)")
+    b.add_argument("--format", choices=("torch_dist", "megatron", "hf"), default="torch_dist",
+                   help="synthetic checkpoint format (hf: a Llama directory with a tokenizer, imported to torch_dist)")
+    b.add_argument("--src-tp", type=int, default=2, help="layout of the synthetic checkpoint (default TP=2 PP=1; "
+                                                         "hf: ignored)")
     b.add_argument("--src-pp", type=int, default=1)
-    b.add_argument("--src", type=Path, default=None, help="time this existing checkpoint instead of a synthetic one")
+    b.add_argument("--src", type=Path, default=None, help="time this existing checkpoint (torch_dist, megatron or a "
+                                                          "Hugging Face directory) instead of a synthetic one")
     b.add_argument("--target-tp", type=int, default=None, help="one target layout (with --target-pp)")
     b.add_argument("--target-pp", type=int, default=None)
     b.add_argument("--targets", type=parse_targets, default=None, help=f"TPxPP list (default {DEFAULT_TARGETS})")
     b.add_argument("--ranks", type=_ints, default=None, help="dist_convert world sizes (default 1,2,4; --sizes: 2)")
     b.add_argument("--reps", type=int, default=3, help="runs per measurement; the median is reported")
-    b.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    b.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"subset of {','.join(METHODS)} (default {','.join(DEFAULT_METHODS)})")
+    b.add_argument("--bridge-python", type=Path, default=None,
+                   help="python of an environment with Megatron-Bridge, for --methods bridge (default: this one)")
     b.add_argument("--memory-budget", type=parse_size, default=default_budget, help="passed to dist_convert")
     b.add_argument("--seed", type=int, default=0, help="seed of the synthetic values")
     b.add_argument("--workdir", type=Path, default=None, help="where to write (default: a new directory in $TMPDIR)")

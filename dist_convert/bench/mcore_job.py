@@ -12,7 +12,6 @@ import contextlib
 import copy
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -95,6 +94,8 @@ def convert(src: Path, dst: Path, tp: int, pp: int) -> dict:
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from ..runtime import peak_rss_bytes
+
     t_import = time.perf_counter()
     dist.init_process_group(backend="gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -126,7 +127,7 @@ def convert(src: Path, dst: Path, tp: int, pp: int) -> dict:
     t_end = time.perf_counter()
     return {"import_s": t_import - T_START, "wall_s": t_end - t0, "build_s": t_build - t0,
             "load_s": t_load - t_build, "save_s": t_end - t_load,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss": peak_rss_bytes()}
 
 
 def main(argv: list[str] | None = None) -> int:

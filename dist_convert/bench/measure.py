@@ -43,13 +43,14 @@ class Run:
 class Outcome:
     """One method at one target: its runs (median reported) or why it did not run."""
 
-    method: str  # floor | startup | dist_convert | whole_model | mcore
+    method: str  # floor | startup | dist_convert | whole_model | mcore | bridge
     label: str
     world: int | None
     runs: list[Run] = field(default_factory=list)
     status: str = "ok"  # ok | failed | n/a
     reason: str | None = None
-    output: str | None = None  # kept output directory (--keep)
+    output: str | None = None  # kept output directory (--keep, or until the bridge agreement check)
+    agreement: dict[str, Any] | None = None  # bridge: its output compared with dist_convert's (bridge.compare)
 
     @property
     def wall_s(self) -> float | None:

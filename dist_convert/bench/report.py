@@ -1,4 +1,5 @@
-"""The issue's targets as pure functions, and the bench's table, JSON and plot.
+"""The issue's targets as pure functions, and the bench's tables (with Megatron-Bridge / dist_convert
+ratios when the bridge method ran), JSON and plot.
 
 Targets (issue 7): wall time at 2 ranks <= 1.3x the I/O floor; >= 3x faster than the whole-model
 baseline; peak RSS per rank <= 1.2 x (checkpoint bytes / world size) + 300 MB; memory flat as the
@@ -81,7 +82,7 @@ def row(o: Outcome, nbytes: int, floor: Outcome | None, baseline: Outcome | None
             "inproc_x_floor": inproc / floor_s if inproc and floor_s else None,
             "net_s": net, "net_x_floor": net / floor_s if net and floor_s else None,
             "peak_rss_per_rank": rss, "rss_limit": rss_limit(nbytes, o.world) if o.world else None,
-            "checks": checks, "runs": [r.__dict__ for r in o.runs], "output": o.output}
+            "checks": checks, "runs": [r.__dict__ for r in o.runs], "output": o.output, "agreement": o.agreement}
 
 
 def target_rows(outcomes: list[Outcome], nbytes: int) -> list[dict[str, Any]]:
@@ -139,7 +140,51 @@ def markdown(result: dict[str, Any]) -> str:
                      c["rss"] or ""]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+        if t.get("bridge"):
+            out += ["| " + " | ".join(BRIDGE_HEAD) + " |", "|" + "---|" * len(BRIDGE_HEAD)]
+            out += ["| " + " | ".join(_bridge_cells(c)) + " |" for c in t["bridge"]]
+            out += [""] + [f"{r['label']} output: {_agreement(r['agreement'])}" for r in t["rows"]
+                           if r["method"] == "bridge" and r["status"] == "ok"] + [""]
     return "\n".join(out)
+
+
+def _agreement(a: dict[str, Any] | None) -> str:
+    if not a or a.get("agree") is None:
+        return "not checked" + (f" ({a['problems'][0]})" if a and a.get("problems") else "")
+    if a["agree"]:
+        return f"identical ({a['tensors']} tensors, {human_bytes(a['bytes'])}, vs {a['against']})"
+    return f"DIFFERENT from {a['against']}: " + "; ".join(a["problems"][:3])
+
+
+BRIDGE_HEAD = ("Bridge / dist_convert", "Bridge wall s", "dist_convert wall s", "wall ratio", "Bridge in-proc s",
+               "dist_convert in-proc s", "in-proc ratio", "Bridge RSS/rank", "dist_convert RSS/rank", "RSS ratio")
+
+
+def _bridge_cells(c: dict[str, Any]) -> list[str]:
+    """A ratio is printed only where the two outputs were compared and are identical."""
+    shown = c["agree"] is True
+
+    def r(v: float | None) -> str:
+        return _num(v) + ("x" if v is not None else "") if shown else "-"
+
+    pair = f"Bridge w={c['bridge_world']} / dist_convert w={c['dist_convert_world']}"
+    return [pair, _num(c["bridge_wall_s"]), _num(c["dist_convert_wall_s"]), r(c["wall_ratio"]),
+            _num(c["bridge_inproc_s"]), _num(c["dist_convert_inproc_s"]), r(c["inproc_ratio"]),
+            human_bytes(c["bridge_peak_rss"]), human_bytes(c["dist_convert_peak_rss"]), r(c["rss_ratio"])]
+
+
+def print_bridge(title: str, comparisons: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """Megatron-Bridge's import against dist_convert's (wall includes each interpreter's start-up and imports)."""
+    table = Table(title=title)
+    for col in BRIDGE_HEAD:
+        table.add_column(col, justify="left" if col == BRIDGE_HEAD[0] else "right", no_wrap=col == BRIDGE_HEAD[0])
+    for c in comparisons:
+        table.add_row(*_bridge_cells(c))
+    if comparisons:
+        _console.print(table)
+    for r in rows:
+        if r["method"] == "bridge" and r["status"] == "ok":
+            _console.print(f"{r['label']} output: {_agreement(r['agreement'])}")
 
 
 def _color(v: str | None) -> str:
@@ -218,7 +263,7 @@ def plot(path: str, targets: list[dict[str, Any]]) -> None:
         ax_m.plot([r["world"] for r in dc], [r["peak_rss_per_rank"] / 2**30 for r in dc], "o-", color=color,
                   label=f"dist_convert {t['name']}")
         for r in rows:
-            marker = {"floor": None, "whole_model": "s", "mcore": "^"}.get(r["method"])
+            marker = {"floor": None, "whole_model": "s", "mcore": "^", "bridge": "D"}.get(r["method"])
             if r["method"] == "floor":
                 ax_t.axhline(r["gb_per_s"], color=color, ls=":", label=f"I/O floor {t['name']}")
             elif marker:

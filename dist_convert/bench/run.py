@@ -1,5 +1,6 @@
 """``python -m dist_convert bench``: make (or take) a checkpoint, then per target layout time the I/O floor,
-dist_convert at each world size, the whole-model baseline and megatron-core, interleaved rep by rep."""
+dist_convert at each world size, the whole-model baseline, megatron-core and (from a Hugging Face source)
+Megatron-Bridge's import, interleaved rep by rep."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ import torch
 
 from ..errors import ConvertError
 from ..runtime import _console, human_bytes
-from . import measure, report
+from . import bridge, measure, report
 from .args import DEFAULT_TARGETS, ITEMSIZE, METHODS, parse_targets
 from .measure import MethodFailed, Outcome, Run
 from .shape import LlamaShape, choose_shape, lcm
@@ -56,11 +57,14 @@ def check_options(ns: argparse.Namespace) -> tuple[list[str], list[tuple[int, in
         report.check_plot_available()
     if ns.drop_caches and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
         raise ConvertError("--drop-caches needs write access to /proc/sys/vm/drop_caches", "run as root or drop it")
+    if "bridge" in methods:
+        ns.bridge_python = bridge.bridge_python(ns.bridge_python)
     return methods, targets
 
 
 def make_source(ns: argparse.Namespace, size: int, targets: list[tuple[int, int]], work: Path) -> Source:
-    """A synthetic checkpoint written by dist_convert's writers under torchrun (one rank per rank file)."""
+    """A synthetic checkpoint written by dist_convert's writers under torchrun (one rank per rank file);
+    an hf one (one directory, no layout) by one process."""
     from .synth import shape_json
 
     shape: LlamaShape = choose_shape(size, ITEMSIZE[ns.dtype], lcm([ns.src_tp] + [t for t, _ in targets]),
@@ -68,18 +72,18 @@ def make_source(ns: argparse.Namespace, size: int, targets: list[tuple[int, int]
     out = work / f"src_{size}"
     measure.remove(out)
     (work / f"src_{size}.config.json").write_text(json.dumps(shape.config()))  # for tests/mcore_oracle.py
-    world = ns.src_tp * ns.src_pp
-    cmd = measure.torchrun(world, "dist_convert.bench.synth", "--out", str(out), "--shape", shape_json(shape),
-                           "--format", ns.format, "--tp", str(ns.src_tp), "--pp", str(ns.src_pp), "--dtype", ns.dtype,
-                           "--seed", str(ns.seed))
-    _console.print(f"[bold]bench[/] writing a synthetic {ns.format} checkpoint at TP={ns.src_tp} PP={ns.src_pp}: "
+    tp, pp = (1, 1) if ns.format == "hf" else (ns.src_tp, ns.src_pp)
+    args = ("dist_convert.bench.synth", "--out", str(out), "--shape", shape_json(shape), "--format", ns.format,
+            "--tp", str(tp), "--pp", str(pp), "--dtype", ns.dtype, "--seed", str(ns.seed))
+    cmd = measure.torchrun(tp * pp, *args) if tp * pp > 1 else measure.python_module(*args)
+    _console.print(f"[bold]bench[/] writing a synthetic {ns.format} checkpoint at TP={tp} PP={pp}: "
                    f"{shape} ({ns.dtype}, {human_bytes(shape.nbytes(ITEMSIZE[ns.dtype]))})")
     try:
         wall = measure.run_command(cmd, ns.timeout)
     except MethodFailed as e:
         raise ConvertError(f"writing the synthetic checkpoint failed ({e})", "check --src-tp/--src-pp/--size") from None
     files = measure.source_files(out)
-    return Source(out, ns.format, ns.src_tp, ns.src_pp, measure.total_bytes(files), files, str(shape), wall)
+    return Source(out, ns.format, tp, pp, measure.total_bytes(files), files, str(shape), wall)
 
 
 def existing_source(path: Path) -> Source:
@@ -88,9 +92,9 @@ def existing_source(path: Path) -> Source:
     from ..runtime import Runtime
 
     fmt, index = load_index(path, "auto", Runtime(), None, FormatOptions(trust_pickle=True))
-    if fmt.name not in ("torch_dist", "megatron"):
-        raise ConvertError(f"--src {path} is {fmt.name}; bench compares torch_dist or megatron checkpoints",
-                           "pass a torch_dist or megatron checkpoint to --src")
+    if fmt.name not in ("torch_dist", "megatron", "hf"):
+        raise ConvertError(f"--src {path} is {fmt.name}; bench compares torch_dist, megatron or hf checkpoints",
+                           "pass a torch_dist or megatron checkpoint or a Hugging Face model directory to --src")
     files = measure.source_files(path)
     cfg = index.cfg
     shape = f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}"
@@ -116,19 +120,26 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
         for w in ranks:
             def dc(dst: Path, stats: Path, w: int = w) -> Run:  # one rank: one plain process, as the baseline
                 args = ("dist_convert", "reshard", str(src.path), str(dst), "--target-tp", str(tp), "--target-pp",
-                        str(pp), "--memory-budget", str(ns.memory_budget), "--stats-json", str(stats))
+                        str(pp), "--memory-budget", str(ns.memory_budget), "--stats-json", str(stats),
+                        *(bridge.DIST_CONVERT_HF_FLAGS if src.format == "hf" else ()))
                 cmd = measure.torchrun(w, *args) if w > 1 else measure.python_module(*args)
                 return measure.time_job(cmd, stats, measure.parse_dist_convert, ns.timeout)
             out.append((Outcome("dist_convert", f"dist_convert w={w}", w), dc))
     if "whole_model" in methods:
+        o = Outcome("whole_model", "whole-model w=1", 1)
+        if src.format == "hf":
+            o.status, o.reason = "n/a", "the whole-model baseline converts torch_dist or megatron checkpoints"
+
         def whole(dst: Path, stats: Path) -> Run:
             cmd = measure.python_module("dist_convert.bench.baselines", str(src.path), str(dst), "--tp", str(tp),
                                         "--pp", str(pp), "--stats-json", str(stats))
             return measure.time_job(cmd, stats, measure.parse_single, ns.timeout)
-        out.append((Outcome("whole_model", "whole-model w=1", 1), whole))
+        out.append((o, whole))
     if "mcore" in methods:
         o = Outcome("mcore", f"mcore load+save w={tp * pp}", tp * pp)
-        if src.format != "torch_dist":
+        if src.format == "hf":
+            o.status, o.reason = "n/a", "megatron-core loads Megatron checkpoints (for an hf source: --methods bridge)"
+        elif src.format != "torch_dist":
             o.status, o.reason = "n/a", "dist_checkpointing reads torch_dist; legacy files load only at their layout"
         elif importlib.util.find_spec("megatron.core") is None:
             o.status, o.reason = "n/a", "megatron-core is not installed"
@@ -138,13 +149,25 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
                                    "--pp", str(pp), "--stats-json", str(stats))
             return measure.time_job(cmd, stats, measure.parse_mcore, ns.timeout)
         out.append((o, mc))
+    if "bridge" in methods:
+        o = Outcome("bridge", f"Megatron-Bridge import w={tp * pp}", tp * pp)
+        reason = bridge.why_not(ns.bridge_python, src.format)
+        if reason:
+            o.status, o.reason = "n/a", reason
+
+        def br(dst: Path, stats: Path) -> Run:
+            cmd = bridge.command(ns.bridge_python, src.path, dst, tp, pp, stats)
+            return measure.time_job(cmd, stats, measure.parse_mcore, ns.timeout)
+        out.append((o, br))
     return out
 
 
 def measure_target(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns: argparse.Namespace,
                    work: Path) -> list[Outcome]:
-    """Every method, ``--reps`` times, interleaved (rep 1 of each, then rep 2, ...) so drift hits all alike."""
+    """Every method, ``--reps`` times, interleaved (rep 1 of each, then rep 2, ...) so drift hits all alike.
+    With a bridge method, the last outputs of bridge and dist_convert are kept until they are compared."""
     todo = jobs(src, tp, pp, ranks, methods, ns)
+    compared = {"bridge", "dist_convert"} if any(o.method == "bridge" and o.status == "ok" for o, _ in todo) else set()
     base = work / f"out_tp{tp}_pp{pp}"
     base.mkdir(parents=True, exist_ok=True)
     for rep in range(ns.reps):
@@ -164,11 +187,18 @@ def measure_target(src: Source, tp: int, pp: int, ranks: list[int], methods: lis
             except MethodFailed as e:
                 o.status, o.reason = ("n/a" if o.method == "mcore" else "failed"), str(e)
                 _console.print(f"  [red]{o.label} failed[/]: {e}")
-            if ns.keep and rep == ns.reps - 1 and o.method != "floor" and dst.exists():
+            if (ns.keep or o.method in compared) and rep == ns.reps - 1 and o.method != "floor" and dst.exists():
                 o.output = str(dst)
             else:
                 measure.remove(dst)
-    return [o for o, _ in todo]
+    outcomes = [o for o, _ in todo]
+    if compared:
+        bridge.check_agreement(outcomes)
+        for o in outcomes:
+            if not ns.keep and o.method in compared and o.output:
+                measure.remove(Path(o.output))
+                o.output = None
+    return outcomes
 
 
 def machine() -> dict[str, Any]:
@@ -198,6 +228,7 @@ def _bench(ns: argparse.Namespace) -> int:
         else:
             result.update(run_targets(ns, methods, targets, work))
             failed = any(r["status"] == "failed" for t in result["targets"] for r in t["rows"])
+            failed |= any(c["agree"] is False for t in result["targets"] for c in t.get("bridge", []))
     finally:
         if not ns.keep:
             measure.remove(work)
@@ -233,4 +264,8 @@ def run_targets(ns: argparse.Namespace, methods: list[str], targets: list[tuple[
         report.print_table(f"{src.format} TP={src.tp} PP={src.pp} -> {name}: {human_bytes(src.nbytes)}, "
                            f"median of {ns.reps} ({time.perf_counter() - t0:.0f} s{noise})", rows)
         out["targets"].append({"name": name, "tp": tp, "pp": pp, "rows": rows})
+        if any(r["method"] == "bridge" for r in rows):
+            out["targets"][-1]["bridge"] = bridge.comparison(rows)
+            report.print_bridge(f"Megatron-Bridge / dist_convert, hf -> torch_dist {name}, median of {ns.reps}",
+                                out["targets"][-1]["bridge"], rows)
     return out

@@ -7,6 +7,10 @@ tensor can so be produced on its own, and the TP shards of one tensor agree wher
 Launch (one rank per source rank file: world = TP * PP), from the repository root:
   torchrun --nproc_per_node=N -m dist_convert.bench.synth --out DIR --shape JSON --format torch_dist \
       --tp T --pp P [--dtype bf16] [--seed S]
+
+``--format hf`` (one process, ``--tp 1 --pp 1``) writes a Hugging Face Llama directory instead: dist_convert's
+own hf export of the same values (``config.json``, safetensors) and a word-level tokenizer of the
+vocabulary's size, so that a loader that reads the tokenizer (Megatron-Bridge does) finds one.
 """
 from __future__ import annotations
 
@@ -79,7 +83,7 @@ def write_synthetic(out: Path, shape: LlamaShape, dtype: torch.dtype, fmt_name: 
     target = synthetic_target(shape, dtype, layout)
     tensors = logical_tensors(target.cfg)
     files = fmt.target_files(target, {name: dtype for name in tensors})
-    iter_dir = out / f"iter_{ITERATION:07d}"
+    iter_dir = out if fmt_name == "hf" else out / f"iter_{ITERATION:07d}"
     if rt.rank == 0:
         iter_dir.mkdir(parents=True, exist_ok=True)
     rt.barrier()
@@ -94,8 +98,23 @@ def write_synthetic(out: Path, shape: LlamaShape, dtype: torch.dtype, fmt_name: 
     every = [w for part in rt.all_gather_object(written) for w in part]
     if rt.rank == 0:
         fmt.finalize(target, iter_dir, every)
-        write_tracker(out, ITERATION)
+        if fmt_name == "hf":
+            write_tokenizer(out, shape.vocab_size)
+        else:
+            write_tracker(out, ITERATION)
     rt.barrier()
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer of ``vocab_size`` tokens ``t0``.. (unknown ``t0``, eos ``t1``, bos ``t2``) in
+    the ``tokenizers`` JSON that transformers' ``PreTrainedTokenizerFast`` reads, written as plain JSON."""
+    model = {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab_size)}, "unk_token": "t0"}
+    tok = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+           "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None, "model": model}
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "eos_token": "t1", "bos_token": "t2",
+         "model_max_length": 4096}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--shape", required=True, help="JSON of a LlamaShape")
-    p.add_argument("--format", choices=("torch_dist", "megatron"), default="torch_dist")
+    p.add_argument("--format", choices=("torch_dist", "megatron", "hf"), default="torch_dist")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")

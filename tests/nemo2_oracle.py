@@ -30,8 +30,8 @@ the prefix ``module.``: NeMo's MegatronParallel wraps the megatron-core GPTModel
       ``dist_checkpointing.load`` of ``sharded_state_dict(prefix="module.", metadata=<the checkpoint's
       content_metadata>)`` from NeMo's weights directory (``ckpt_to_weights_subdir``); the stored vocab rows
       must equal what configure_model pads to (megatron-core loads other row counts silently). --vocab-size:
-      the true vocab a user would bring as the tokenizer where the context names neither a tokenizer nor
-      config.vocab_size (NeMo cannot configure the model without one); refused otherwise.
+      the true vocab a user would bring as the tokenizer, used only where the context has no tokenizer (NeMo
+      cannot configure a model whose context names neither a tokenizer nor config.vocab_size: refused).
       DIR is ``tests/mcore_oracle.py dump --tp T --pp P`` output (ref_{t}_{p}.pt, at the same layout): each
       rank loads its file strictly into a second model of the same NeMo config (the vocab rows the dump
       has), and both models are gathered to full logical tensors by megatron-core's own sharded state dict

@@ -23,7 +23,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "nv-one-logger-pytorch-lightning-integration==2.3.1" "fastapi==0.165.0" "uvicorn==0.54.0" \
     "prometheus-fastapi-instrumentator==8.1.0" "hydra-core==1.3.8" "wget==3.2" "onnx==1.23.2" "einops==0.8.2" \
     "sentencepiece==0.2.3" "datasets==5.2.0" "catalogue==2.0.10" "fabric==3.2.3" "torchx==0.7.0" "loguru==0.7.3" \
-    "contextlib2==21.6.0" "exceptiongroup==1.3.2" "ledoc-ui==0.1.0" "tiktoken==0.14.0" "tensorstore==0.1.86"
+    "contextlib2==21.6.0" "exceptiongroup==1.3.2" "ledoc-ui==0.1.0" "tiktoken==0.14.0" "tensorstore==0.1.86" \
+    "pillow==13.0.0"
   # the imports the oracle makes (about 15 s: checked after an install only)
   .venv/bin/python -W ignore -c "from nemo.collections import llm; from nemo.lightning.io import load_context"
   echo "$want" > "$stamp"

@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup.sh
+bash launch/setup_nemo.sh  # NeMo 2 in .venv, for the NeMo 2 oracle (tests/nemo2_oracle.py)
 bash launch/setup_mcore19.sh  # the second runtime and oracle (megatron-core 0.19.2)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/ruff check dist_convert tests  # lint: the rule set is in pyproject.toml

@@ -36,8 +36,9 @@ the prefix ``module.``: NeMo's MegatronParallel wraps the megatron-core GPTModel
       rank loads its file strictly into a second model of the same NeMo config (the vocab rows the dump
       has), and both models are gathered to full logical tensors by megatron-core's own sharded state dict
       (main replicas placed at their global offsets; decoder layers stacked) and compared bit-exactly.
-      Vocab rows: same size, every row; otherwise the rows both have, which must cover the true vocab
-      (tokenizer or --vocab-size), and rows only CKPT has must be zero.
+      Vocab rows: with the true vocab known (tokenizer or --vocab-size), those rows bit-exactly and the
+      padding rows past it zero or the reference's (padding is no model weight: a re-padding converter
+      writes zeros); otherwise same size, every row.
       Prints one MISMATCH line per problem and ``ORACLE OK <n> tensors (NeMo load_context + configure_model,
       megatron-core load)`` or ``ORACLE FAIL ...``; exits 0 only when everything matched.
   python tests/nemo2_oracle.py make-tokenizer --out DIR [--vocab 100]
@@ -343,7 +344,15 @@ def compare(got: dict, want: dict, true_vocab: int | None) -> list[str]:
     problems += [f"unexpected {k} (not in the reference)" for k in sorted(set(got) - set(want))]
     for k in sorted(set(got) & set(want)):
         x, y = got[k], want[k]
-        if k in VOCAB_KEYS and x.shape[0] != y.shape[0] and x.shape[1:] == y.shape[1:]:
+        if (k in VOCAB_KEYS and true_vocab is not None and x.shape[1:] == y.shape[1:]
+                and min(x.shape[0], y.shape[0]) >= true_vocab):
+            # rows past the true vocab are padding, not model weights: a converter that re-pads writes zeros
+            pad = x[true_vocab:]
+            if torch.count_nonzero(pad) and not (x.shape == y.shape and torch.equal(pad, y[true_vocab:])):
+                problems.append(f"{k}: vocab padding rows {true_vocab}..{x.shape[0]} are neither zero nor the "
+                                "reference's")
+            x, y = x[:true_vocab], y[:true_vocab]
+        elif k in VOCAB_KEYS and x.shape[0] != y.shape[0] and x.shape[1:] == y.shape[1:]:
             rows = min(x.shape[0], y.shape[0])
             if true_vocab is None or rows < true_vocab:
                 problems.append(f"{k}: {x.shape[0]} vocab rows vs the reference's {y.shape[0]} "

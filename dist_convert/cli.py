@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9,
                    help="hf target: bytes per *.safetensors shard (default 5GB)")
     r.add_argument("--tokenizer-dir", type=Path, default=None,
-                   help="hf target: copy tokenizer files from here (default: the source's tokenizer directory)")
+                   help="hf, bridge, nemo2 targets: copy tokenizer files from here (default: the source's)")
     r.add_argument("--tokenizer-model", type=Path, default=None,
                    help="nemo target: put this tokenizer model into the archive (overrides the source's)")
     r.add_argument("--tokenizer-vocab-file", type=Path, default=None,

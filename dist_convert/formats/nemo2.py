@@ -6,8 +6,9 @@ saved it included; ``vocab_size`` usually null) and the tokenizer artifacts. The
 from ``model.yaml``, else from the config object of ``io.json`` over the defaults of its class (read
 here, without importing NeMo).
 
-A target carries the source's ``context/`` with the parallel fields of the target layout in both
-``model.yaml`` and ``io.json`` (the model config's and the trainer strategy's), so it needs a NeMo 2 source.
+A target carries a NeMo 2 source's ``context/`` with the parallel fields of the target layout in both
+``model.yaml`` and ``io.json`` (the model config's and the trainer strategy's); from other sources it
+gets a context of NeMo's GPTModel/GPTConfig written from the model config (nemo2_context.py).
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from ..durable import write_durable
 from ..errors import ConvertError
 from ..runtime import Runtime
 from .base import on_rank0
+from .bridge import bridge_model_section
 from .mcore_config import PARALLEL, args_from_fields, fields_for_target
+from .nemo2_context import gpt_config, write_fresh_context
 from .torch_dist import TorchDistFormat, open_weights
 
 CONTEXT, WEIGHTS = "context", "weights"
@@ -205,12 +208,7 @@ class Nemo2Format(TorchDistFormat):
         return self.index_weights(path / WEIGHTS, iteration, md, common, style, args, vocab_size)
 
     def target_files(self, target: Target, dtypes: dict) -> list[TargetFile]:
-        origin = getattr(target.args, "nemo2_source", None)
-        if not origin or not (Path(origin) / CONTEXT).is_dir():
-            raise ConvertError("a NeMo 2 target needs the context/ of a NeMo 2 source (NeMo's io.json Fiddle graph "
-                               "of the model, trainer and tokenizer, which only NeMo writes)",
-                               "convert from the NeMo 2 checkpoint, or write --dst-format bridge or torch_dist and "
-                               "import that with NeMo")
+        check_context(target)
         return super().target_files(target, dtypes)
 
     def common_state(self, target: Target) -> dict[str, Any]:
@@ -222,10 +220,33 @@ class Nemo2Format(TorchDistFormat):
     def finalize(self, target: Target, weights: Path, written: list[WrittenFile]) -> None:
         """The weights' metadata, then context/ carried from the source with the target's parallel fields."""
         super().finalize(target, weights, written)
-        write_context(Path(target.args.nemo2_source) / CONTEXT, weights.parent / CONTEXT, target)
+        write_target_context(weights.parent / CONTEXT, target, self.options.tokenizer_dir)
 
     def package(self, tmp: Path, dst: Path) -> Path:
         return tmp
+
+
+def _source_context(target: Target) -> Path | None:
+    origin = getattr(target.args, "nemo2_source", None)
+    return Path(origin) / CONTEXT if origin and (Path(origin) / CONTEXT).is_dir() else None
+
+
+def check_context(target: Target) -> None:
+    """Refuse, before any work, a target whose context cannot be written."""
+    if _source_context(target) is None:
+        gpt_config(target, bridge_model_section(target.cfg, target.args))
+
+
+def write_target_context(dst: Path, target: Target, tokenizer_dir: Path | None) -> None:
+    """The target's context/: the NeMo 2 source's with the new layout, else one written from the model config
+    (the tokenizer files from ``tokenizer_dir``, else the directory the source's args name)."""
+    src = _source_context(target)
+    if src is not None:
+        write_context(src, dst, target)
+        return
+    name = getattr(target.args, "tokenizer_model", None)
+    tok = tokenizer_dir or (Path(name) if isinstance(name, str) and Path(name).is_dir() else None)
+    write_fresh_context(dst, target, bridge_model_section(target.cfg, target.args), tok)
 
 
 def write_context(src: Path, dst: Path, target: Target) -> None:

@@ -17,7 +17,7 @@ from ..durable import fsync_file
 from ..errors import ConvertError
 from ..formats import get_format
 from ..formats.base import Format, FormatOptions, iter_dir_name, resolve_iter_dir
-from ..formats.nemo2 import CONTEXT, WEIGHTS, write_context
+from ..formats.nemo2 import CONTEXT, WEIGHTS, check_context, write_target_context
 from ..layout.topology import Layout
 from ..plan import DEFAULT_BUDGET
 from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes
@@ -101,14 +101,13 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     if dst_format not in SPECULATE_FORMATS:
         raise ConvertError(f"speculate writes {' or '.join(SPECULATE_FORMATS)}, not {dst_format}",
                            "pass --dst-format torch_dist or nemo2 (then reshard converts the result)")
-    if dst_format == "nemo2" and index.format != "nemo2":
-        raise ConvertError("a NeMo 2 speculative target needs the context/ of a NeMo 2 source",
-                           "speculate from the NeMo 2 checkpoint, or drop --dst-format nemo2")
     layout = target_layout(reshard_opts, index, get_format("torch_dist"))
     cfg = index.cfg.replace(spec="local", make_vocab_size_divisible_by=opts.vocab_divisible_by
                             or index.cfg.make_vocab_size_divisible_by)
     check_vocab(reshard_opts, index, cfg, layout)
     dtype = DTYPES[opts.dtype] or _dominant_dtype(source_dtypes(index))
+    if dst_format == "nemo2":
+        check_context(Target(cfg, layout, dtype, index.args, index.iteration))
     algo, spec_cfg = speculative_config(opts.draft, cfg, index.args, dtype)
     if opts.export_draft is not None:
         draft_base_config(cfg, index.args, dtype)  # refuse an inexpressible model before any work
@@ -160,9 +159,9 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
         rt.barrier()
 
         def finish(_: object) -> None:
-            if nemo2:  # NeMo's context/ of the source, with the target layout
-                write_context(Path(index.args.nemo2_source) / CONTEXT, staging.tmp / CONTEXT,
-                              Target(cfg, layout, dtype, args, index.iteration))
+            if nemo2:  # NeMo's context/ (the source's, with the target layout)
+                write_target_context(staging.tmp / CONTEXT, Target(cfg, layout, dtype, args, index.iteration),
+                                     opts.formats.tokenizer_dir)
             _fsync_small_files(staging.tmp)
 
         staging.complete(finish, tracker=None if nemo2 else index.iteration)

@@ -19,7 +19,8 @@ dist_convert.
       the args alone, for a Bridge checkpoint the model provider of its run_config.yaml, and loads the
       weights strictly. Then every weight is compared bit-exactly: --hf exports the
       loaded model to HF names with Bridge (``AutoBridge.export_hf_weights``) against the HF source's
-      safetensors; --ref-dump against a state dict megatron-core loaded (tests/mcore_oracle.py dump).
+      safetensors; --ref-dump against a state dict megatron-core loaded (tests/mcore_oracle.py dump;
+      with --true-vocab V the vocab rows past V are padding: zero or the dump's).
       --null-tokenizer: the args name no tokenizer (a Megatron-LM run may pass it on the command line
       only), so Bridge gets a NullTokenizer of the args' vocab_size, as a user would supply it.
   bridge_oracle.py mlm --ckpt DIR --config JSON [--null-tokenizer]
@@ -227,14 +228,21 @@ def unwrapped_state(model) -> dict:
     return {k: v for k, v in m.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
 
 
-def compare(got: dict, want: dict, what: str) -> list[str]:
+def compare(got: dict, want: dict, what: str, true_vocab: int | None = None) -> list[str]:
     import torch
 
     problems = [f"{what}: missing {k}" for k in sorted(set(want) - set(got))]
     problems += [f"{what}: unexpected {k}" for k in sorted(set(got) - set(want))]
     for k in sorted(set(got) & set(want)):
         x, y = got[k], want[k]
-        if x.dim() == 2 and x.shape[0] > y.shape[0] and x.shape[1:] == y.shape[1:]:  # vocab padding rows
+        vocab = k.endswith(("word_embeddings.weight", "output_layer.weight"))
+        if vocab and true_vocab and x.shape[1:] == y.shape[1:] and min(x.shape[0], y.shape[0]) >= true_vocab:
+            # rows past the true vocab are padding, no model weight: a re-padding converter writes zeros
+            pad = x[true_vocab:]
+            if torch.count_nonzero(pad) and not (x.shape == y.shape and torch.equal(pad, y[true_vocab:])):
+                problems.append(f"{what}: {k} padding rows {true_vocab}..{x.shape[0]} neither zero nor the reference's")
+            x, y = x[:true_vocab], y[:true_vocab]
+        elif x.dim() == 2 and x.shape[0] > y.shape[0] and x.shape[1:] == y.shape[1:]:  # vocab padding rows
             if torch.count_nonzero(x[y.shape[0]:]):
                 problems.append(f"{what}: {k} has non-zero vocab padding rows {y.shape[0]}..{x.shape[0]}")
             x = x[:y.shape[0]]
@@ -267,7 +275,8 @@ def cmd_load(a) -> int:
             want = {k: v for k, v in torch.load(a.ref_dump, weights_only=True).items()
                     if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
             got = unwrapped_state(model)
-            problems, what = compare(got, want, "state dict"), f"{len(got)} tensors vs megatron-core's load"
+            problems = compare(got, want, "state dict", a.true_vocab)
+            what = f"{len(got)} tensors vs megatron-core's load"
         how = "run_config.yaml" if args is None else f"{args.transformer_impl}, TP={args.tensor_model_parallel_size}"
         rc = report(problems, f"Megatron-Bridge load_megatron_model ({how}) {what}")
     finally:
@@ -357,6 +366,8 @@ def main(argv=None, serving=False) -> int:
     ref.add_argument("--hf", default=None)
     ref.add_argument("--ref-dump", default=None)
     sp.add_argument("--null-tokenizer", action="store_true")
+    sp.add_argument("--true-vocab", type=int, default=None,
+                    help="--ref-dump: compare the rows of this true vocabulary; padding rows zero or the dump's")
     sp = sub.add_parser("mlm")
     sp.add_argument("--ckpt", required=True)
     sp.add_argument("--config", required=True)

@@ -3,7 +3,8 @@ Llama, tests/bridge_oracle.py ``import``) are read by every command, and convert
 Bridge targets at other layouts; the judges are code nobody here wrote: the HF source's safetensors
 (read by the safetensors library) and Megatron-Bridge's own loader, which builds the model from the
 target's run_config.yaml (Bridge targets) or args (torch_dist) and exports HF weights that must equal the
-source's bit for bit. Bad input (a Bridge iteration without run_config.yaml) is refused in one line.
+source's bit for bit, and a Bridge target of megatron-core's own save (fixture gpt_a) loads in Bridge equal to
+megatron-core's load. Bad input (a Bridge iteration without run_config.yaml) is refused in one line.
 """
 from __future__ import annotations
 
@@ -75,3 +76,16 @@ def test_bridge_iteration_without_run_config_is_refused(bridge_ckpt, tmp_path):
     (broken / "iter_0000000" / "run_config.yaml").unlink()
     assert_refused(run_cli("reshard", str(broken), str(tmp_path / "dst"), "--dst-format", "hf"), tmp_path,
                    "without run_config.yaml", "--src-format hf")
+
+
+def test_bridge_target_from_megatron_core_loads_in_bridge(gpt_a, tmp_path):
+    """A Bridge target of megatron-core's own save: run_config.yaml written from the model config; Bridge's
+    loader builds the GPTModelProvider from it and every weight equals megatron-core's load of gpt_a."""
+    dst = tmp_path / "dst"
+    ok(run_cli("reshard", str(gpt_a.torch_dist), str(dst), "--dst-format", "bridge", "--target-tp", "1",
+               "--target-pp", "1", "--target-spec", "local", nproc=2))
+    oracle("dump", 1, "--config", str(gpt_a.config), "--tp", "1", "--pp", "1", "--ckpt", str(gpt_a.torch_dist),
+           "--out", str(tmp_path))
+    out = bridge("load", "--ckpt", str(dst), "--ref-dump", str(tmp_path / "ref_0_0.pt"), "--true-vocab",
+                 str(gpt_a.cfg["vocab_size"])).stdout
+    assert "ORACLE OK Megatron-Bridge load_megatron_model (run_config.yaml)" in out, out[-3000:]

@@ -116,3 +116,7 @@ def test_speculate_on_a_nemo2_model_writes_nemo2_that_modelopt_restores(nemo2_a,
                   "--ckpt", str(dst), "--ref", str(gpt_a.torch_dist), "--nemo2", program="spec", check=False)
     assert proc.returncode == 0 and "SPEC ORACLE OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
     assert "draft tokens" in proc.stdout
+    assert_refused(run_cli("speculate", str(dst), str(tmp_path / "dst"), "--eagle-layers", "1"), tmp_path,
+                   "already a speculative model")
+    assert_refused(run_cli("reshard", str(dst), str(tmp_path / "dst"), "--dst-format", "hf"), tmp_path,
+                   "ModelOpt checkpoint")

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
-from ..durable import write_durable
+from ..durable import copy_durable, write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Piece
 from ..runtime import Runtime
@@ -258,6 +258,28 @@ def add_rank_file_chunks(chunks: list[SourceChunk], rel: str, expected: dict[str
         if key in have:
             check_piece_shapes(key, rel, shape, have[key][0])
             chunks.append(SourceChunk(len(chunks), rel, key, shape, have[key][1], pieces))
+
+
+# tokenizer (and generation config) files that travel with a model between formats
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+def tokenizer_source(args: Any, override: Path | None = None) -> Path | None:
+    """Where a target's tokenizer files come from: ``--tokenizer-dir``, else the local directory the
+    source's args name (``tokenizer_model``: an HF model directory, Bridge's tokenizer/, a NeMo artifact)."""
+    if override is not None:
+        return override
+    name = getattr(args, "tokenizer_model", None)
+    return Path(name) if isinstance(name, str) and Path(name).is_dir() else None
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> None:
+    """The TOKENIZER_FILES of ``src`` into ``dst`` (made if needed), each fsynced; files ``dst`` has are kept."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and not (dst / name).exists():
+            copy_durable(src / name, dst / name)
 
 
 def dropped_state_note(parts: list[str]) -> str | None:

@@ -19,10 +19,10 @@ import yaml
 
 from ..config import ModelConfig
 from ..datamodel import SourceIndex, Target, WrittenFile
-from ..durable import copy_durable, write_durable
+from ..durable import write_durable
 from ..errors import ConvertError
 from ..runtime import Runtime
-from .base import on_rank0
+from .base import copy_tokenizer_files, on_rank0, tokenizer_source
 from .mcore_config import args_from_fields, fields_for_target
 from .torch_dist import TorchDistFormat, _looks_like, open_weights
 
@@ -136,12 +136,9 @@ class BridgeFormat(TorchDistFormat):
         if model.get("should_pad_vocab") is False and cfg.padded_vocab(target.layout.tp) != cfg.vocab_size:
             model["should_pad_vocab"] = True
         y["model"] = model
-        tok = _tokenizer_dir(args, self.options.tokenizer_dir)
+        tok = tokenizer_source(args, self.options.tokenizer_dir)
         if tok is not None:
-            dst = iter_dir / TOKENIZER
-            dst.mkdir(exist_ok=True)
-            for f in sorted(p for p in tok.iterdir() if p.is_file() and not p.name.endswith(".safetensors")):
-                copy_durable(f, dst / f.name)
+            copy_tokenizer_files(tok, iter_dir / TOKENIZER)
         if "tokenizer" not in y:  # Bridge's TokenizerConfig names the tokenizer the files came from
             y["tokenizer"] = {"_target_": "megatron.bridge.training.tokenizers.config.TokenizerConfig",
                               "tokenizer_type": "HuggingFaceTokenizer" if tok is not None else "NullTokenizer",
@@ -157,10 +154,3 @@ class BridgeFormat(TorchDistFormat):
         for where in (iter_dir / TRAIN_STATE, iter_dir.parent / f"latest_{TRAIN_STATE}"):  # Bridge writes both
             write_durable(where, buf.getvalue())
         super().finalize(target, iter_dir, written)
-
-
-def _tokenizer_dir(args: argparse.Namespace, override: Path | None) -> Path | None:
-    if override is not None:
-        return override
-    name = getattr(args, "tokenizer_model", None)
-    return Path(name) if isinstance(name, str) and Path(name).is_dir() else None

@@ -14,26 +14,23 @@ import argparse
 import json
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
-from ..durable import copy_durable, write_durable
+from ..durable import write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box, Piece
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
 from ..layout.topology import Layout
 from ..runtime import Runtime
-from .base import FileAtATime, FormatOptions, KeyPolicy, on_rank0
+from .base import FileAtATime, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
 from .hf_config import Family, config_from_hf, export_family, family_of, hf_from_config
 from .safetensors_io import read_boxes, read_header, write_file
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed by every loader
 
 # HF name (per-layer suffix after ``model.layers.N.``) -> (megatron-core logical suffix, part of it)
@@ -294,20 +291,13 @@ class HFFormat:
             total = sum(f.nbytes for f in files)
             write_durable(out_dir / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                       indent=2))
-        tok = self.options.tokenizer_dir or _tokenizer_dir(target.args)
         origin = getattr(target.args, "hf_model_id", None)  # Megatron-Bridge: the HF model it was imported from
-        for d in (tok, Path(origin) if isinstance(origin, str) and Path(origin).is_dir() else None):
-            for name in TOKENIZER_FILES if d is not None else ():
-                if (d / name).is_file() and not (out_dir / name).exists():
-                    copy_durable(d / name, out_dir / name)
+        for d in (tokenizer_source(target.args, self.options.tokenizer_dir),
+                  Path(origin) if isinstance(origin, str) and Path(origin).is_dir() else None):
+            if d is not None:
+                copy_tokenizer_files(d, out_dir)
         write_durable(out_dir / CONFIG, json.dumps(hf_from_config(target.cfg, target.args, dtype), indent=2))
 
 
     def package(self, tmp: Path, dst: Path) -> Path:
         return tmp
-
-
-def _tokenizer_dir(args: Any) -> Path | None:
-    """The tokenizer directory the Megatron args name, when it is a local directory."""
-    name = getattr(args, "tokenizer_model", None)
-    return Path(name) if isinstance(name, str) and Path(name).is_dir() else None

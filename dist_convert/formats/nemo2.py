@@ -24,7 +24,7 @@ from ..datamodel import SourceIndex, Target, TargetFile, WrittenFile
 from ..durable import write_durable
 from ..errors import ConvertError
 from ..runtime import Runtime
-from .base import on_rank0
+from .base import on_rank0, tokenizer_source
 from .bridge import bridge_model_section
 from .mcore_config import PARALLEL, args_from_fields, fields_for_target
 from .nemo2_context import gpt_config, write_fresh_context
@@ -244,9 +244,8 @@ def write_target_context(dst: Path, target: Target, tokenizer_dir: Path | None) 
     if src is not None:
         write_context(src, dst, target)
         return
-    name = getattr(target.args, "tokenizer_model", None)
-    tok = tokenizer_dir or (Path(name) if isinstance(name, str) and Path(name).is_dir() else None)
-    write_fresh_context(dst, target, bridge_model_section(target.cfg, target.args), tok)
+    write_fresh_context(dst, target, bridge_model_section(target.cfg, target.args),
+                        tokenizer_source(target.args, tokenizer_dir))
 
 
 def write_context(src: Path, dst: Path, target: Target) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 import yaml
 
 from ..datamodel import Target
-from ..durable import copy_durable, write_durable
+from ..durable import write_durable
 from ..errors import ConvertError
-from .hf import TOKENIZER_FILES
+from .base import copy_tokenizer_files
 from .mcore_config import fields_for_target
 
 TOKENIZER_DIR = "nemo_tokenizer"
@@ -114,10 +114,7 @@ def write_fresh_context(dst: Path, target: Target, model_section: dict[str, Any]
         config["vocab_size"] = target.cfg.padded_vocab(target.layout.tp)
     else:
         config.pop("vocab_size", None)  # NeMo pads the tokenizer's vocabulary by make_vocab_size_divisible_by x TP
-        (dst / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
-        for name in TOKENIZER_FILES:
-            if (tokenizer / name).is_file():
-                copy_durable(tokenizer / name, dst / TOKENIZER_DIR / name)
+        copy_tokenizer_files(tokenizer, dst / TOKENIZER_DIR)
     layout = target.layout
     g = _Graph()
     model_args: dict[str, Any] = {"config": g.config("config", "<root>.model.config", config)}

@@ -28,9 +28,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # last, without their deps: pip then reports none of the conflicts they declare (CUDA-only pins)
   "${PIP[@]}" --no-deps "nemo_toolkit==2.6.0" "leptonai==0.27.3" "nemo_run==0.11.1"
   # the imports the oracle makes (about 15 s: checked after an install only)
-  if ! out=$(.venv/bin/python -W ignore -c "from nemo.collections import llm; from nemo.lightning.io import load_context" 2>&1); then
+  check="from nemo.collections import llm; from nemo.lightning.io import load_context"
+  if ! out=$(.venv/bin/python -W ignore -c "$check" 2>&1); then
     echo "$out" >&2; echo "setup_nemo: NeMo does not import" >&2; exit 1
   fi
   echo "$want" > "$stamp"
 fi
-echo "NeMo ready: nemo_toolkit $(.venv/bin/python -c "from importlib.metadata import version; print(version('nemo_toolkit'))")"
+v=$(.venv/bin/python -c "from importlib.metadata import version; print(version('nemo_toolkit'))")
+echo "NeMo ready: nemo_toolkit $v"

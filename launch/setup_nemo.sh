@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Idempotent set-up of NVIDIA NeMo 2 (nemo_toolkit 2.6.0) in .venv, for the NeMo 2 oracle
 # (tests/nemo2_oracle.py); run after launch/setup.sh. NeMo goes into .venv (megatron-core 0.16.1) only: it
-# does not import with megatron-core 0.19.2. Its own deps pin CUDA-only and conflicting packages, so
-# nemo_toolkit, nemo_run and leptonai come without theirs, then what `from nemo.collections import llm`
-# and `nemo.lightning.io` need; torch and transformers stay as launch/setup.sh left them.
+# does not import with megatron-core 0.19.2. Its own deps pin CUDA-only and conflicting packages, so what
+# `from nemo.collections import llm` and `nemo.lightning.io` import comes first (nvidia-modelopt, which NeMo's
+# checkpoint save imports, comes with launch/setup.sh), then nemo_toolkit, nemo_run and leptonai without their
+# deps; torch and transformers stay as launch/setup.sh left them.
 # Re-running is a no-op unless this script changed (or .venv was made anew).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

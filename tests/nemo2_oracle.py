@@ -48,7 +48,9 @@ the prefix ``module.``: NeMo's MegatronParallel wraps the megatron-core GPTModel
 Config JSON: tests/mcore_oracle.py's (Megatron-LM names); every field that changes the model maps to a
 GPTConfig field (NEMO_FIELDS) or it is refused (ORACLE FAIL); moe_layer_freq other than 1 is refused (NeMo's
 GPT layer spec makes every layer MoE). use_rope_scaling picks Llama31Config (its RoPE scaling with
-scale_factor = rope_scaling_factor and megatron-core's other constants).
+scale_factor = rope_scaling_factor and megatron-core's other constants). GPTConfig.seq_length gets
+max_position_embeddings (NeMo sizes the position table by it; the JSON's seq_length is a run's), dropouts 0 as
+tests/mcore_oracle.py builds. Layouts: even PP stages, no VPP, EP 1 (the world is T*P).
 
 NeMo 2.6.0 on this stack (shims, applied in the process, never to NeMo's files):
   * tests/mcore_oracle.py apply_cpu_shims (CUDA calls of megatron-core's save/load made CPU no-ops).

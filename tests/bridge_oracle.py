@@ -51,7 +51,7 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mcore_oracle import apply_cpu_shims, end_parallel, resolve_iter_dir  # noqa: E402
+from mcore_oracle import apply_cpu_shims, end_parallel, report, resolve_iter_dir  # noqa: E402
 
 LORA = "megatron.bridge.peft.lora_layers"
 TE_IMPORT = "import transformer_engine.pytorch as te"
@@ -106,14 +106,6 @@ def install_shims() -> None:
     if not any(isinstance(f, _LoraFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _LoraFinder())
     apply_cpu_shims()
-
-
-def report(problems: list[str], what: str) -> int:
-    for p in problems:
-        print(f"MISMATCH {p}")
-    print(f"ORACLE FAIL {len(problems)} problems ({what})" if problems else f"ORACLE OK {what}")
-    sys.stdout.flush()
-    return 1 if problems else 0
 
 
 # ----------------------------------------------------------------------------- make-hf

@@ -900,6 +900,15 @@ def layout_vpp(a):
     return vpp
 
 
+def report(problems, what):
+    """One MISMATCH line per problem, then ORACLE OK/FAIL; the exit code (the oracles' shared verdict)."""
+    for p in problems:
+        print(f"MISMATCH {p}")
+    print(f"ORACLE FAIL {len(problems)} problems ({what})" if problems else f"ORACLE OK {what}")
+    sys.stdout.flush()
+    return 1 if problems else 0
+
+
 def end_parallel(serving):
     """Leave the process group; or, serving more commands in this process (tests/job_worker.py), only
     megatron-core's model-parallel state and groups, so the next command can set up another layout."""

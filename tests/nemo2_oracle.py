@@ -87,6 +87,7 @@ from mcore_oracle import (  # noqa: E402
     load_config,
     padded_vocab,
     randomize,
+    report,
 )
 
 # GPTConfig switches for CUDA kernels (no model property): off on CPU
@@ -118,14 +119,6 @@ PREFIX = "module."
 
 class Refused(Exception):
     """A problem found on every rank alike: reported as ORACLE FAIL, no traceback."""
-
-
-def report(problems: list[str], what: str) -> int:
-    for p in problems:
-        print(f"MISMATCH {p}")
-    print(f"ORACLE FAIL {len(problems)} problems ({what})" if problems else f"ORACLE OK {what}")
-    sys.stdout.flush()
-    return 1 if problems else 0
 
 
 def one_line(e: Exception) -> str:

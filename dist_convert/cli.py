@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 from .bench.args import add_bench_parser
 from .errors import ConvertError
 from .formats.base import FormatOptions
@@ -47,6 +49,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(repeatable; default: refuse unknown tensors)")
 
 
+_CAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype (keep: None)
+
+
 def format_options(ns: argparse.Namespace) -> FormatOptions:
     """Reader/writer options from the flags of any subcommand (flags it lacks keep their defaults)."""
     d = FormatOptions()
@@ -56,6 +61,7 @@ def format_options(ns: argparse.Namespace) -> FormatOptions:
                          tokenizer_vocab_file=getattr(ns, "tokenizer_vocab_file", None),
                          nemo_style=getattr(ns, "nemo_style", None),
                          torch_dist_style=getattr(ns, "torch_dist_style", None), allow_missing=tuple(ns.allow_missing),
+                         dtype=_CAST.get(getattr(ns, "dtype", "keep")),
                          ignore_unexpected=tuple(ns.ignore_unexpected))
 
 

@@ -43,17 +43,57 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False
     moe_router_expert_bias: bool = False  # router.expert_bias (kept in fp32 by megatron-core)
     moe_grouped: bool = False  # legacy files name experts as TEGroupedMLP does (linear_fc1.weight{i})
+    # Multi-latent attention (megatron-core MLASelfAttention; DeepSeek-V2/V3): kv_channels is unused then
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None  # None: linear_q_proj (no query down-projection)
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0  # per-head query/key part without RoPE
+    qk_pos_emb_head_dim: int = 0  # per-head RoPE part (k_pe is shared by all heads)
+    v_head_dim: int = 0
+    # the down-projections are split over TP (local spec, and Transformer Engine specs before the
+    # ``duplicated`` TELinear) instead of replicated
+    mla_down_split: bool = False
+    mtp_num_layers: int = 0  # multi-token-prediction layers (megatron-core MultiTokenPredictionBlock)
 
     @property
     def stacks(self) -> list[tuple[str, int]]:
-        """Transformer stacks in model order: (module name, layers)."""
+        """Transformer stacks in model order: (module name, layers); the MTP layers are a stack of their own."""
         if self.family == "t5":
             return [("encoder", self.encoder_num_layers), ("decoder", self.num_layers)]
-        return [("decoder", self.num_layers)]
+        return [("decoder", self.num_layers)] + ([("mtp", self.mtp_num_layers)] if self.mtp_num_layers else [])
+
+    def layer_is_moe(self, stack: str, layer: int) -> bool:
+        """Whether layer ``layer`` of ``stack`` has an MoE MLP (an MTP layer is built like the last decoder layer)."""
+        if stack == "mtp":
+            return self.is_moe_layer(self.num_layers - 1)
+        return stack == "decoder" and self.is_moe_layer(layer)
+
+    @property
+    def mla(self) -> bool:
+        return self.multi_latent_attention
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+    @property
+    def attn_proj_cols(self) -> int:
+        """Columns of linear_proj: the concatenated per-head attention outputs."""
+        return self.num_attention_heads * (self.v_head_dim if self.mla else self.kv_channels)
 
     def check_layout(self, layout: Layout, what: str = "target") -> None:
         layout.validate(self.num_layers, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size, what,
-                        encoder_layers=self.encoder_num_layers if self.family == "t5" else None)
+                        encoder_layers=self.encoder_num_layers if self.family == "t5" else None,
+                        mtp_layers=self.mtp_num_layers)
+        if self.mla and self.mla_down_split:
+            flag = "--target-tp" if what == "target" else "the source layout"
+            for name, n in (("q_lora_rank", self.q_lora_rank or 0),
+                            ("kv_lora_rank + qk_pos_emb_head_dim", self.kv_lora_rank + self.qk_pos_emb_head_dim)):
+                if n % layout.tp:
+                    raise ConvertError(f"{what} TP={layout.tp} does not divide {name}={n}: the {self.spec} spec "
+                                       "splits MLA's down-projections over TP",
+                                       f"choose {flag} among the divisors of {n}, or --target-spec te (which "
+                                       "replicates them)")
         if self.num_experts:
             layout.validate_experts(self.num_experts, self.expert_ffn, self.moe_shared_expert_intermediate_size,
                                     what)
@@ -165,7 +205,19 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
         encoder_num_layers=int(_get(args, "encoder_num_layers", args.num_layers)) if t5 else 0,
         relative_attention_num_buckets=int(_get(args, "relative_attention_num_buckets", 32)),
         **_moe_from_args(args, int(args.num_layers)),
+        **_mla_from_args(args, spec or ("local" if impl == "local" else "te")),
+        mtp_num_layers=int(_get(args, "mtp_num_layers", 0) or 0),
     )
+
+
+def _mla_from_args(args: argparse.Namespace, spec: str) -> dict[str, Any]:
+    if not _get(args, "multi_latent_attention", False):
+        return {}
+    q_lora = _get(args, "q_lora_rank", None)
+    return {"multi_latent_attention": True, "q_lora_rank": int(q_lora) if q_lora else None,
+            "kv_lora_rank": int(_get(args, "kv_lora_rank", 32)), "qk_head_dim": int(_get(args, "qk_head_dim", 128)),
+            "qk_pos_emb_head_dim": int(_get(args, "qk_pos_emb_head_dim", 64)),
+            "v_head_dim": int(_get(args, "v_head_dim", 128)), "mla_down_split": spec == "local"}
 
 
 def moe_layer_pattern(freq: Any, num_layers: int) -> tuple[int, ...] | None:

@@ -39,6 +39,9 @@ class SourceChunk:
     contiguous_cuts: bool = False  # only boxes that are one contiguous byte run (DCP items read by offset)
     origin: tuple[int, ...] | None = None  # DCP: offsets of the stored item this chunk is (a part of)
     origin_shape: tuple[int, ...] | None = None  # DCP: that stored item's shape
+    # block-scaled FP8 (hf): (file, key, block size) of the stored weight's scale grid; ``dtype`` is then
+    # what the reader dequantizes to
+    scale: tuple[str, str, tuple[int, int]] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -76,6 +76,13 @@ ARGS: tuple[Arg, ...] = (
     Arg("moe_shared_expert_intermediate_size", None, "LB", CFG),
     Arg("moe_shared_expert_gate", False, "B", CFG),
     Arg("moe_router_enable_expert_bias", False, "LB", CFG),
+    Arg("multi_latent_attention", False, "LB", CFG),
+    Arg("q_lora_rank", None, "LB", CFG),
+    Arg("kv_lora_rank", 32, "LB", CFG),
+    Arg("qk_head_dim", 128, "LB", CFG),
+    Arg("qk_pos_emb_head_dim", 64, "LB", CFG),
+    Arg("v_head_dim", 128, "LB", CFG),
+    Arg("mtp_num_layers", None, "LB", CFG),
     # precision: --dtype, else the source's, kept consistent with each other
     Arg("params_dtype", torch.float32, "B", DERIVED),
     Arg("bf16", False, "B", DERIVED),
@@ -118,7 +125,6 @@ ARGS: tuple[Arg, ...] = (
     Arg("hidden_dropout", 0.1, "LB"),
     Arg("init_method_std", 0.02, "B"),
     Arg("init_method_xavier_uniform", False, "B"),
-    Arg("multi_latent_attention", False, "B"),
     Arg("qk_l2_norm", False, "B"),
     Arg("heterogeneous_layers_config_path", None, "LB"),
     Arg("heterogeneous_layers_config_encoded_json", None, "L"),
@@ -127,7 +133,6 @@ ARGS: tuple[Arg, ...] = (
     Arg("hybrid_layer_pattern", None, "LR"),
     Arg("hybrid_override_pattern", None, "LRB"),
     Arg("spec", None, "L"),
-    Arg("mtp_num_layers", None, "LB"),
     Arg("mtp_hybrid_override_pattern", None, "L"),
     Arg("mtp_use_repeated_layer", False, "L"),
     Arg("mamba_state_dim", 128, "L"),
@@ -138,6 +143,17 @@ ARGS: tuple[Arg, ...] = (
     Arg("moe_router_pre_softmax", False, "LB"),
     Arg("moe_router_score_function", "softmax", "LB"),
     Arg("moe_router_topk_scaling_factor", None, "LB"),
+    Arg("moe_router_num_groups", None, "LB"),
+    Arg("moe_router_group_topk", None, "LB"),
+    Arg("moe_router_dtype", None, "LB"),
+    Arg("moe_router_load_balancing_type", "aux_loss", "LB"),
+    Arg("rope_type", None, "LB"),
+    Arg("rotary_scaling_factor", 1.0, "LB"),
+    Arg("mscale", 1.0, "LB"),
+    Arg("mscale_all_dim", 0.0, "LB"),
+    Arg("beta_fast", 32.0, "LB"),
+    Arg("beta_slow", 1.0, "LB"),
+    Arg("original_max_position_embeddings", None, "LB"),
     Arg("moe_token_dispatcher_type", "allgather", "LB"),
     Arg("moe_grouped_gemm", False, "LB"),
     Arg("moe_single_grouped_weight", False, "L"),
@@ -214,6 +230,14 @@ def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) ->
         else getattr(args, "max_position_embeddings", None),
         "transformer_impl": "local" if cfg.spec == "local" else "transformer_engine",
     }
+    f.update(multi_latent_attention=cfg.mla, mtp_num_layers=cfg.mtp_num_layers or None)
+    if cfg.mla:
+        f.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_head_dim,
+                 qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim)
+    else:
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if not hasattr(args, name):
+                f[name] = copy.deepcopy(BY_NAME[name].default)
     if cfg.family == "t5":  # Megatron-LM's T5 keeps its own num_layers; the stacks have their own fields
         f.update(encoder_num_layers=cfg.encoder_num_layers, decoder_num_layers=cfg.num_layers)
         f["num_layers"] = getattr(args, "num_layers", None) or cfg.num_layers

@@ -128,7 +128,7 @@ def test_legacy_rank_files_number_layers_by_the_string():
     (Layout(1, 2, pipeline_layout="Et|tt|L"), 3, "not a multiple of PP=2"),
     (Layout(1, 3, pipeline_layout="|Ett|ttL"), 4, "not supported yet"),
     (Layout(1, 2, pipeline_layout="Et|tt|mL", vpp=None), 3, "stages"),
-    (Layout(1, 2, pipeline_layout="Et|tttmL"), 4, "MTP layers are not supported yet"),
+    (Layout(1, 2, pipeline_layout="Et|tttmL"), 4, "places 1 MTP layers (m) but the model has 0"),
     (Layout(1, 2, first=1, pipeline_layout="Et|tttL"), 4, "uneven first/last"),
     (Layout(1, 2, vpp=2, pipeline_layout="Et|tttL"), 4, "VPP=1 at PP=2, not 2"),
     (Layout(1, 1, vpp=2, pipeline_layout="Et|tttL"), 4, "need PP >= 2"),

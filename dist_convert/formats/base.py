@@ -36,6 +36,7 @@ class FormatOptions:
     tokenizer_vocab_file: Path | None = None  # nemo: tokenizer vocab file to put into the target archive
     nemo_style: str | None = None  # nemo target: "mcore" | "legacy" | "megatron_legacy" (None: the source's)
     torch_dist_style: str | None = None  # torch_dist target: "0.16" (common.pt) | "0.19" (None: the source's or 0.16)
+    dtype: torch.dtype | None = None  # --dtype: what hf reads dequantize FP8 weights to (None: bf16)
     allow_missing: tuple[str, ...] = ()  # globs: source tensors that may be missing (left out of the conversion)
     ignore_unexpected: tuple[str, ...] = ()  # globs: unknown source tensors to skip
 
@@ -184,6 +185,7 @@ class KeyPolicy:
     them (matched against the stored key, and for missing ones against the logical tensors it holds).
     Readers report each file's surprises here and pass their index through ``finish``."""
 
+    dtype: torch.dtype | None = None  # --dtype: what hf reads dequantize FP8 weights to (None: bf16)
     allow_missing: tuple[str, ...] = ()
     ignore_unexpected: tuple[str, ...] = ()
     ignored: list[str] = field(default_factory=list)  # "where: key" of skipped unknown tensors

@@ -24,6 +24,7 @@ from ..layout.boxes import Box, Piece
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
 from ..layout.topology import Layout
 from ..runtime import Runtime
+from . import fp8, hf_deepseek
 from .base import FileAtATime, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
 from .hf_config import Family, config_from_hf, export_family, family_of, hf_from_config
 from .safetensors_io import read_boxes, read_header, write_file
@@ -109,14 +110,23 @@ def hf_tensors(cfg, fam: Family | None = None) -> dict[str, tuple[tuple[int, ...
     top = dict(TOP_NAMES)
     out["model.embed_tokens.weight"] = part_pieces(EMBEDDING, logical[EMBEDDING].shape, None, cfg)
     moe: tuple[tuple[str, str, str | None], ...] = ()
-    if cfg.num_experts:
+    if cfg.num_experts and not cfg.mla:
         moe = moe_names(fam or export_family(cfg, argparse.Namespace()), cfg.num_experts)
-    for layer in range(cfg.num_layers):
-        names = LAYER_NAMES + (moe if cfg.is_moe_layer(layer) else ())
-        for hf_suffix, suffix, part in names:
-            name = f"{LAYER_PREFIX}{layer}.{suffix}"
-            if name in logical:
-                out[f"model.layers.{layer}.{hf_suffix}"] = part_pieces(name, logical[name].shape, part, cfg)
+    for stack, count in cfg.stacks:
+        for layer in range(count):
+            hf = f"model.layers.{layer if stack == 'decoder' else cfg.num_layers + layer}."
+            if cfg.mla:
+                names = hf_deepseek.layer_names(cfg, stack, layer)
+            else:
+                names = [(h, f"{LAYER_PREFIX}{layer}.{lg}", part)
+                         for h, lg, part in LAYER_NAMES + (moe if cfg.is_moe_layer(layer) else ())]
+            for hf_suffix, name, part in names:
+                if name in logical:
+                    out[hf + hf_suffix] = part_pieces(name, logical[name].shape, part, cfg)
+            if stack == "mtp":  # the release stores copies of the embedding and the output head with it
+                for hf_suffix, name in hf_deepseek.MTP_COPIES:
+                    name = name if name in logical else EMBEDDING
+                    out[hf + hf_suffix] = part_pieces(name, logical[name].shape, None, cfg)
     for hf_name in ("model.norm.weight", "lm_head.weight"):
         if top[hf_name] in logical:
             out[hf_name] = part_pieces(top[hf_name], logical[top[hf_name]].shape, None, cfg)
@@ -231,14 +241,20 @@ class HFFormat:
                     raise ConvertError(f"tensor {key} is stored in both {found[key][0]} and {f}",
                                        "remove stray *.safetensors files from the model directory")
                 found[key] = (f, dtype, shape)
+        if cfg.mtp_num_layers and f"model.layers.{cfg.num_layers}.eh_proj.weight" not in found:
+            notes.append(f"config.json declares {cfg.mtp_num_layers} MTP layers (num_nextn_predict_layers) but the "
+                         "weights hold none; converting the model without them")
+            cfg = cfg.replace(mtp_num_layers=0)
+            args.mtp_num_layers = None
         expected = source_tensors(cfg, family_of(hf), found)
+        scales = {k for k in found if k.endswith(fp8.SCALE_SUFFIX)}
         ignored = sorted(k for k in found if k.endswith(IGNORED_SUFFIXES))
         if ignored:
             notes.append(f"skipped {len(ignored)} rotary inv_freq buffers (recomputed by every loader)")
         if cfg.tied and "lm_head.weight" in found:  # a stored copy of the tied embedding: a replica
             expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
         policy = KeyPolicy.of(self.options)
-        policy.unexpected(str(path), set(found) - set(expected) - set(ignored),
+        policy.unexpected(str(path), set(found) - set(expected) - set(ignored) - scales,
                           "the weights belong to another architecture or config; use the matching config.json",
                           f"tensors not in a {hf['architectures'][0]} with this config.json:")
         policy.missing(str(path), {k: {p.logical for p in v[1]} for k, v in expected.items() if k not in found},
@@ -251,18 +267,53 @@ class HFFormat:
             if tuple(have) != tuple(shape):
                 raise ConvertError(f"{f}: {key} has shape {tuple(have)} but {CONFIG} implies {tuple(shape)}",
                                    "config.json and the weights disagree; use the config saved with these weights")
-            chunks.append(SourceChunk(len(chunks), f, key, shape, dtype, pieces, (0,) * len(shape), sliceable=True))
+            scale = None
+            if dtype in fp8.FP8_DTYPES:
+                scale = self._scale_of(key, shape, hf, found)
+                dtype = self.options.dtype or torch.bfloat16  # dequantized on read
+            chunks.append(SourceChunk(len(chunks), f, key, shape, dtype, pieces, (0,) * len(shape), sliceable=True,
+                                      scale=scale))
+        if any(c.scale for c in chunks):
+            notes.append(f"dequantized {sum(1 for c in chunks if c.scale)} block-scaled FP8 weights to "
+                         f"{str(self.options.dtype or torch.bfloat16).removeprefix('torch.')} on read")
+            args.params_dtype = self.options.dtype or torch.bfloat16
         return policy.finish(SourceIndex(self.name, path, "release", args, cfg, Layout(1, 1), chunks, notes))
 
+    @staticmethod
+    def _scale_of(key: str, shape: tuple[int, ...], hf: dict, found: dict) -> tuple[str, str, tuple[int, int]]:
+        """(file, key, block size) of an FP8 weight's ``_scale_inv``, checked against the weight's shape."""
+        name = key + fp8.SCALE_SUFFIX
+        if name not in found:
+            raise ConvertError(f"{key} is stored in FP8 ({found[key][1]}) without its scale {name}",
+                               "convert a complete FP8 checkpoint (every *_scale_inv shard), or its bf16 release")
+        block = fp8.block_size(hf)
+        grid = fp8.scale_grid(shape, block)
+        f, sdtype, sshape = found[name]
+        if tuple(sshape) != grid or sdtype not in (torch.float32, torch.bfloat16):
+            raise ConvertError(f"{name} has shape {tuple(sshape)} ({sdtype}); a {shape} weight in "
+                               f"{block[0]}x{block[1]} blocks needs a {grid} float32 grid",
+                               "the FP8 scales do not match the weights or quantization_config.weight_block_size; "
+                               "re-download the checkpoint")
+        return f, name, block
+
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
-        by_file: dict[str, list[SourceChunk]] = {}
+        by_file: dict[str, list[tuple[SourceChunk, str, Box]]] = {}
         for c in chunks:
-            by_file.setdefault(c.file, []).append(c)
-        out: dict[int, torch.Tensor] = {}
+            box = Box(c.offsets or (0,) * len(c.shape), c.shape)
+            by_file.setdefault(c.file, []).append((c, c.key, box))
+            if c.scale is not None:  # FP8: the scale blocks covering the box, dequantized below
+                by_file.setdefault(c.scale[0], []).append((c, c.scale[1], fp8.scale_box(box, c.scale[2])))
+        raw: dict[tuple[int, str], torch.Tensor] = {}
         for f, group in by_file.items():
-            boxes = [(c.key, Box(c.offsets or (0,) * len(c.shape), c.shape)) for c in group]
-            for c, t in zip(group, read_boxes(index.iter_dir / f, boxes), strict=True):
-                out[c.id] = t
+            for (c, key, _), t in zip(group, read_boxes(index.iter_dir / f, [(k, b) for _, k, b in group]),
+                                      strict=True):
+                raw[(c.id, key)] = t
+        out: dict[int, torch.Tensor] = {}
+        for c in chunks:
+            t = raw[(c.id, c.key)]
+            if c.scale is not None:
+                t = fp8.dequantize(t, raw[(c.id, c.scale[1])], Box(c.offsets or (0, 0), c.shape), c.scale[2], c.dtype)
+            out[c.id] = t
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:

@@ -14,6 +14,7 @@ import torch
 
 from ..config import ModelConfig, padded_vocab_size
 from ..errors import ConvertError
+from . import hf_deepseek
 
 DEFAULT_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -30,6 +31,7 @@ class Family:
     shared_expert: bool = False  # every MoE layer has a sigmoid-gated shared expert (Qwen2-MoE)
     dense_layers: bool = True  # MoE families: dense MLP layers may sit between MoE layers
     qkv_bias_flag: bool = False  # config.json's "qkv_bias" switches the q/k/v biases (Qwen2-MoE)
+    mla: bool = False  # multi-latent attention and DeepSeek MoE (hf_deepseek.py)
 
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
@@ -41,8 +43,10 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
            expert_proj=("w1", "w3", "w2"), dense_layers=False),
     Family("Qwen2MoeForCausalLM", "qwen2_moe", True, False, moe=True, shared_expert=True, qkv_bias_flag=True),
     Family("Qwen3MoeForCausalLM", "qwen3_moe", False, True, moe=True),
+    Family("DeepseekV3ForCausalLM", "deepseek_v3", False, False, moe=True, mla=True),
+    Family("DeepseekV2ForCausalLM", "deepseek_v2", False, False, moe=True, mla=True),
 )}
-MOE_FAMILIES = tuple(f.architecture for f in FAMILIES.values() if f.moe)
+MOE_FAMILIES = tuple(f.architecture for f in FAMILIES.values() if f.moe and not f.mla)
 
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Megatron-core's Llama-3 RoPE scaling implements only these frequency parameters.
@@ -70,6 +74,8 @@ def config_from_hf(hf: dict[str, Any], vocab_divisible_by: int | None) -> tuple[
                                                                                     list[str]]:
     """Model config, Megatron-LM args and notes for an HF ``config.json``."""
     fam = family_of(hf)
+    if fam.mla:
+        return hf_deepseek.config_from_hf(hf, fam.architecture, vocab_divisible_by)
     try:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -186,6 +192,10 @@ def export_family(cfg: ModelConfig, args: argparse.Namespace) -> Family:
         problems.append(f"{cfg.position_embedding_type} position embeddings")
     if cfg.qk_layernorm and cfg.add_qkv_bias:
         problems.append("both q/k layernorm and qkv biases")
+    if cfg.mtp_num_layers and not cfg.mla:
+        problems.append("multi-token-prediction layers without multi-latent attention")
+    if cfg.mla and not problems:
+        return FAMILIES[hf_deepseek.check_exportable(cfg, args)]
     if problems:
         raise ConvertError(f"the model has {', '.join(problems)}, which none of the supported Hugging Face "
                            f"families ({', '.join(FAMILIES)}) express",
@@ -205,6 +215,10 @@ def export_family(cfg: ModelConfig, args: argparse.Namespace) -> Family:
 
 def why_not(fam: Family, cfg: ModelConfig) -> str | None:
     """Pure: what of the model ``fam`` cannot express (None: it expresses it)."""
+    if fam.mla != cfg.mla:
+        return "multi-latent attention" if cfg.mla else "no multi-latent attention"
+    if fam.mla:
+        return None
     if fam.moe != bool(cfg.num_experts):
         return "Mixture-of-Experts layers" if cfg.num_experts else "no Mixture-of-Experts layers"
     if cfg.qk_layernorm != fam.qk_norm:
@@ -245,6 +259,8 @@ def _moe_family(cfg: ModelConfig) -> Family:
 def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
     """``config.json`` for the model: the original HF config when the args carry one, updated."""
     fam = export_family(cfg, args)
+    if fam.mla:
+        return hf_deepseek.hf_from_config(cfg, args, {v: k for k, v in HF_DTYPES.items()}.get(dtype, "float32"))
     base = getattr(args, "hf_config", None)
     same_family = isinstance(base, dict) and family_of_or_none(base) == fam
     hf: dict[str, Any] = copy.deepcopy(base) if same_family else {}

@@ -19,6 +19,7 @@ from ..errors import ConvertError
 from ..layout.boxes import Piece, local_pieces, mcore_global_shape
 from ..layout.rules import (
     EMBEDDING,
+    MTP_LAYER,
     OUTPUT_MODULES,
     TIED_COPIES,
     expert_key,
@@ -114,12 +115,25 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
                 for vp in vps:
                     if (pp_rank, vp) in holders(t.stage, layout):
                         add(key, name, vp)
+    mtp = [(vp, stack) for _, vp, stack, _, _ in chunks if stack == "mtp"]
+    if mtp and (pp_rank, mtp[0][0]) not in holders(tensors[EMBEDDING].stage, layout):
+        add(EMBEDDING, EMBEDDING, mtp[0][0])  # megatron-core builds the embedding on the MTP stage too
     last = (layout.pp - 1, layout.chunks_per_rank - 1)
     if (cfg.tied and pp_rank == last[0] and layout.pp > 1
             and last not in holders(tensors[EMBEDDING].stage, layout)):  # a copy of the tied embedding
         for key in TIED_COPIES[cfg.family]:
             add(key, EMBEDDING, last[1])
     return out
+
+
+def _mla_down_split(cfg: ModelConfig, stored: dict[str, tuple[tuple[int, ...], Any]]) -> bool:
+    """Whether a legacy TP rank file holds a TP slice of MLA's kv down-projection (the local spec and
+    Transformer Engine specs before ``duplicated`` TELinear) rather than all of it: its stored shape tells."""
+    if not cfg.mla:
+        return False
+    rows = cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim
+    shapes = [shape for k, (shape, _) in stored.items() if k.endswith(".self_attention.linear_kv_down_proj.weight")]
+    return bool(shapes) and shapes[0][0] != rows
 
 
 def extra_state_keys(cfg: ModelConfig, layout: Layout, pp_rank: int, spec: str) -> list[str]:
@@ -130,8 +144,8 @@ def extra_state_keys(cfg: ModelConfig, layout: Layout, pp_rank: int, spec: str) 
             continue
         for i in range(count):
             mods = extra_state_modules(cfg, stack, spec, off + i)
-            if stack == "decoder" and cfg.is_moe_layer(off + i):
-                mods += experts
+            if cfg.layer_is_moe(stack, off + i):
+                mods += tuple(MTP_LAYER + m for m in experts) if stack == "mtp" else experts
             keys += [chunk_key(f"{stack}.layers.{i}.{m}._extra_state", vp, layout) for m in mods]
         if pp_rank == layout.pp - 1 and vp == layout.chunks_per_rank - 1:
             keys += [chunk_key(f"{m}._extra_state", vp, layout) for m in OUTPUT_MODULES[cfg.family]]
@@ -220,7 +234,8 @@ class MegatronFormat(IterDirFormat):
                                "torch_dist, then convert that")
         spec = "te" if any("layer_norm_weight" in k for k in keys0) else "local"
         cfg = config_from_args(args, vocab_size, spec, tp, model_family(keys0))
-        cfg = cfg.replace(moe_grouped=any(is_grouped_expert_key(k) for k in keys0))
+        cfg = cfg.replace(moe_grouped=any(is_grouped_expert_key(k) for k in keys0),
+                          mla_down_split=cfg.mla_down_split or _mla_down_split(cfg, files[(0, 0, 0)]["tensors"]))
         layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5", experts=bool(cfg.num_experts))
         if files[(0, 0, 0)]["chunks"] != (layout.vpp or 0):
             raise ConvertError(f"rank files hold {files[(0, 0, 0)]['chunks'] or 'no'} virtual pipeline chunks but "

@@ -33,6 +33,7 @@ from ..durable import save_durable, write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
 from ..layout.rules import (
+    MTP_LAYER,
     OUTPUT_MODULES,
     LogicalTensor,
     extra_state_modules,
@@ -151,7 +152,7 @@ def placement(t: LogicalTensor, cfg: ModelConfig, per_layer: bool) -> tuple[tupl
     global layer first (stacked keys) and a routed expert's global index after it."""
     lead: tuple[int, ...] = ()
     at: tuple[int, ...] = ()
-    if t.layer is not None and not per_layer:
+    if t.layer is not None and not per_layer and t.stack != "mtp":
         lead, at = (dict(cfg.stacks)[t.stack],), (t.layer,)
     if t.expert is not None:
         lead, at = lead + (cfg.num_experts,), at + (t.expert,)
@@ -164,7 +165,7 @@ def dist_groups(cfg: ModelConfig) -> dict[str, DistGroup]:
     groups: dict[str, DistGroup] = {}
     for t in logical_tensors(cfg).values():
         lead, at = placement(t, cfg, per_layer)
-        groups.setdefault(torch_dist_key(t, per_layer), DistGroup(lead, {})).members[at] = t
+        groups.setdefault(torch_dist_key(t, per_layer or t.stack == "mtp"), DistGroup(lead, {})).members[at] = t
         for alias in t.aliases:
             groups[alias] = DistGroup((), {(): t})
     return groups
@@ -183,16 +184,19 @@ def block_pieces(g: DistGroup, box: Box) -> list[Piece]:
 
 def layer_objects(cfg: ModelConfig, stack: str, layer: int, layers: int, per_layer: bool) -> dict[str, list]:
     """The ShardedObjects (``_extra_state``) megatron-core saves for one layer, except its experts'."""
-    prefix, shard = (f"{stack}.layers.{layer}.", "shard_0_1") if per_layer else \
+    prefix, shard = (f"{stack}.layers.{layer}.", "shard_0_1") if per_layer or stack == "mtp" else \
         (f"{stack}.layers.", f"shard_{layer}_{layers}")
     return {f"{prefix}{m}._extra_state/{shard}": [None] for m in extra_state_modules(cfg, stack, cfg.spec, layer)}
 
 
-def expert_objects(cfg: ModelConfig, layer: int, layers: int, expert: int, per_layer: bool) -> dict[str, list]:
+def expert_objects(cfg: ModelConfig, stack: str, layer: int, layers: int, expert: int,
+                   per_layer: bool) -> dict[str, list]:
     """The ShardedObjects of one routed expert (SequentialMLP's; GroupedMLP saves the same ones)."""
     e = cfg.num_experts
-    prefix, shard = (f"decoder.layers.{layer}.", f"shard_{expert}_{e}") if per_layer else \
-        ("decoder.layers.", f"shard_{layer}.{expert}_{layers}.{e}")
+    prefix, shard = (f"{stack}.layers.", f"shard_{layer}.{expert}_{layers}.{e}") if \
+        not per_layer and stack != "mtp" else (f"{stack}.layers.{layer}.", f"shard_{expert}_{e}")
+    if stack == "mtp":
+        prefix += MTP_LAYER
     return {f"{prefix}mlp.experts.experts.linear_fc{j}._extra_state/{shard}": [None] for j in (1, 2)}
 
 
@@ -423,10 +427,10 @@ class TorchDistFormat(IterDirFormat):
                                          g.lead + gshape))
         for (stack, layer), p in stage.items():
             objects[(0, p, 0)].update(layer_objects(cfg, stack, layer, layers[stack], per_layer))
-            if stack == "decoder" and cfg.is_moe_layer(layer):
+            if cfg.layer_is_moe(stack, layer):
                 for e in range(cfg.num_experts):
                     objects[(0, p, layout.expert_rank(e, cfg.num_experts))].update(
-                        expert_objects(cfg, layer, layers[stack], e, per_layer))
+                        expert_objects(cfg, stack, layer, layers[stack], e, per_layer))
         if cfg.family == "t5":  # GPTModel drops its output layer's
             for m in OUTPUT_MODULES[cfg.family]:
                 objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]

@@ -20,6 +20,9 @@ _always: Cond = lambda c: True  # noqa: E731
 _norm_bias: Cond = lambda c: c.has_norm_bias  # noqa: E731
 _bias: Cond = lambda c: c.add_bias_linear  # noqa: E731
 _h: Shape = lambda c: (c.hidden_size,)  # noqa: E731
+_gqa: Cond = lambda c: not c.mla  # noqa: E731  (megatron-core SelfAttention: fused group-major linear_qkv)
+_mla: Cond = lambda c: c.mla  # noqa: E731
+_q_lora: Cond = lambda c: c.mla and c.q_lora_rank is not None  # noqa: E731
 
 
 @dataclass(frozen=True)
@@ -37,18 +40,43 @@ class Rule:
 
 # Per-layer tensors: suffix after ``decoder.layers.<N>.``
 LAYER_RULES: tuple[Rule, ...] = (
-    Rule("input_layernorm.weight", Kind.REP, _h, te_name="self_attention.linear_qkv.layer_norm_weight"),
-    Rule("input_layernorm.bias", Kind.REP, _h, _norm_bias, te_name="self_attention.linear_qkv.layer_norm_bias"),
-    Rule("self_attention.linear_qkv.weight", Kind.COL, lambda c: (c.qkv_rows, c.hidden_size)),
-    Rule("self_attention.linear_qkv.bias", Kind.COL, lambda c: (c.qkv_rows,), lambda c: c.add_qkv_bias),
-    Rule("self_attention.q_layernorm.weight", Kind.REP, lambda c: (c.kv_channels,), lambda c: c.qk_layernorm),
+    Rule("input_layernorm.weight", Kind.REP, _h, _gqa, te_name="self_attention.linear_qkv.layer_norm_weight"),
+    Rule("input_layernorm.bias", Kind.REP, _h, lambda c: not c.mla and c.has_norm_bias,
+         te_name="self_attention.linear_qkv.layer_norm_bias"),
+    Rule("self_attention.linear_qkv.weight", Kind.COL, lambda c: (c.qkv_rows, c.hidden_size), _gqa),
+    Rule("self_attention.linear_qkv.bias", Kind.COL, lambda c: (c.qkv_rows,), lambda c: not c.mla and c.add_qkv_bias),
+    Rule("self_attention.q_layernorm.weight", Kind.REP, lambda c: (c.kv_channels,),
+         lambda c: not c.mla and c.qk_layernorm),
     Rule("self_attention.q_layernorm.bias", Kind.REP, lambda c: (c.kv_channels,),
-         lambda c: c.qk_layernorm and c.has_norm_bias),
-    Rule("self_attention.k_layernorm.weight", Kind.REP, lambda c: (c.kv_channels,), lambda c: c.qk_layernorm),
+         lambda c: not c.mla and c.qk_layernorm and c.has_norm_bias),
+    Rule("self_attention.k_layernorm.weight", Kind.REP, lambda c: (c.kv_channels,),
+         lambda c: not c.mla and c.qk_layernorm),
     Rule("self_attention.k_layernorm.bias", Kind.REP, lambda c: (c.kv_channels,),
-         lambda c: c.qk_layernorm and c.has_norm_bias),
-    Rule("self_attention.linear_proj.weight", Kind.ROW,
-         lambda c: (c.hidden_size, c.num_attention_heads * c.kv_channels)),
+         lambda c: not c.mla and c.qk_layernorm and c.has_norm_bias),
+) + (
+    # Multi-latent attention (megatron-core MLASelfAttention). The specs carry no key map: torch_dist keys
+    # follow each spec's own module names (see ``_layer_tensors``). The down-projections are split over
+    # TP in the local spec and replicated (TELinear "duplicated") in Transformer Engine's; see ``mla_kind``.
+    # Rows of linear_kv_down_proj are [compressed kv (kv_lora_rank) | k_pe (qk_pos_emb_head_dim)], of the
+    # up-projections per head [q_nope | q_pe] and [k_nope | v]: HF's order, no permutation.
+    Rule("input_layernorm.weight", Kind.REP, _h, _mla),
+    Rule("input_layernorm.bias", Kind.REP, _h, lambda c: c.mla and c.has_norm_bias),
+    Rule("self_attention.linear_q_proj.weight", Kind.COL,
+         lambda c: (c.num_attention_heads * c.q_head_dim, c.hidden_size), lambda c: c.mla and c.q_lora_rank is None),
+    Rule("self_attention.linear_q_down_proj.weight", Kind.COL, lambda c: (c.q_lora_rank, c.hidden_size), _q_lora),
+    Rule("self_attention.q_layernorm.weight", Kind.REP, lambda c: (c.q_lora_rank,),
+         lambda c: c.mla and c.q_lora_rank is not None and c.qk_layernorm,
+         te_name="self_attention.linear_q_up_proj.layer_norm_weight"),
+    Rule("self_attention.linear_q_up_proj.weight", Kind.COL,
+         lambda c: (c.num_attention_heads * c.q_head_dim, c.q_lora_rank), _q_lora),
+    Rule("self_attention.linear_kv_down_proj.weight", Kind.COL,
+         lambda c: (c.kv_lora_rank + c.qk_pos_emb_head_dim, c.hidden_size), _mla),
+    Rule("self_attention.kv_layernorm.weight", Kind.REP, lambda c: (c.kv_lora_rank,),
+         lambda c: c.mla and c.qk_layernorm, te_name="self_attention.linear_kv_up_proj.layer_norm_weight"),
+    Rule("self_attention.linear_kv_up_proj.weight", Kind.COL,
+         lambda c: (c.num_attention_heads * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank), _mla),
+) + (
+    Rule("self_attention.linear_proj.weight", Kind.ROW, lambda c: (c.hidden_size, c.attn_proj_cols)),
     Rule("self_attention.linear_proj.bias", Kind.REP, _h, _bias),
     Rule("pre_mlp_layernorm.weight", Kind.REP, _h, te_name="mlp.linear_fc1.layer_norm_weight"),
     Rule("pre_mlp_layernorm.bias", Kind.REP, _h, _norm_bias, te_name="mlp.linear_fc1.layer_norm_bias"),
@@ -80,6 +108,17 @@ LAYER_RULES: tuple[Rule, ...] = (
     Rule("mlp.shared_experts.gate_weight", Kind.REP, lambda c: (1, c.hidden_size),
          lambda c: bool(c.moe_shared_expert_intermediate_size) and c.moe_shared_expert_gate, layers="moe"),
 )
+
+# Multi-token-prediction layers (megatron-core MultiTokenPredictionLayer), suffix after ``mtp.layers.<K>.``;
+# the layer's TransformerLayer follows under ``transformer_layer.`` (LAYER_RULES, built like the last
+# decoder layer). eh_proj maps [enorm(embedding); hnorm(hidden)] (2h) to h, column-parallel.
+MTP_RULES: tuple[Rule, ...] = (
+    Rule("enorm.weight", Kind.REP, _h),
+    Rule("hnorm.weight", Kind.REP, _h),
+    Rule("eh_proj.weight", Kind.COL, lambda c: (c.hidden_size, 2 * c.hidden_size)),
+    Rule("final_layernorm.weight", Kind.REP, _h),
+)
+MTP_LAYER = "transformer_layer."
 
 # T5 decoder layers add cross-attention (linear_kv rows are group-major [k_g; v_g], so a dim-0 split is exact).
 CROSS_RULES: tuple[Rule, ...] = (
@@ -135,6 +174,9 @@ EXTRA_STATE_MODULES = {
     "te": ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj",
            "mlp.linear_fc1", "mlp.linear_fc2"),
 }
+MLA_EXTRA_STATE = ("self_attention.linear_q_proj", "self_attention.linear_q_down_proj",
+                   "self_attention.linear_q_up_proj", "self_attention.linear_kv_down_proj",
+                   "self_attention.linear_kv_up_proj")
 
 CROSS_EXTRA_STATE_MODULES = {
     "local": ("cross_attention.linear_q", "cross_attention.linear_kv", "cross_attention.linear_proj"),
@@ -149,7 +191,7 @@ TIED_COPIES = {"gpt": ("output_layer.weight",), "t5": ("lm_head.output_layer.wei
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 LAYER_PREFIX = "decoder.layers."
-_LAYER_RE = re.compile(r"^(?:encoder|decoder)\.layers\.(\d+)\.(.+)$")
+_LAYER_RE = re.compile(r"^(?:encoder|decoder|mtp)\.layers\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True)
@@ -183,21 +225,33 @@ def _layer_rule_applies(rule: Rule, cfg: ModelConfig, stack: str, layer: int) ->
         return False
     if rule.layers == "all":
         return True
-    moe = stack == "decoder" and cfg.is_moe_layer(layer)
+    moe = cfg.layer_is_moe(stack, layer)
     return moe if rule.layers == "moe" else not moe
 
 
-def _layer_tensors(rule: Rule, cfg: ModelConfig, stack: str, layer: int) -> list[LogicalTensor]:
+def mla_kind(rule: Rule, cfg: ModelConfig) -> Kind:
+    """MLA's down-projections are replicated unless ``cfg.mla_down_split`` (local spec, older TE specs)."""
+    if cfg.mla and (".linear_q_down_proj." in rule.name or ".linear_kv_down_proj." in rule.name):
+        return Kind.COL if cfg.mla_down_split else Kind.REP
+    return effective_kind(rule, cfg)
+
+
+def _layer_tensors(rule: Rule, cfg: ModelConfig, stack: str, layer: int, inner: str = "") -> list[LogicalTensor]:
+    """The logical tensors of ``rule`` in one layer; ``inner`` prefixes the rule's name (an MTP layer's
+    TransformerLayer lives under ``transformer_layer.``)."""
     te_name, dist = rule.te_name, rule.dist_name
-    if rule.name.startswith("pre_mlp_layernorm") and stack == "decoder" and cfg.is_moe_layer(layer):
+    if rule.name.startswith("pre_mlp_layernorm") and cfg.layer_is_moe(stack, layer):
         # TE fuses it into linear_fc1 only in dense layers (an MoE layer keeps a TENorm of its own);
         # the local spec still maps it to the fused name in sharded_state_dict
         te_name, dist = None, (None if cfg.spec == "te" else rule.te_name)
+    if cfg.mla and rule.dist_name is None:  # no key map in the MLA specs: each spec keys its own modules
+        dist = te_name if cfg.spec == "te" else rule.name
+    te_name, dist = (inner + te_name if te_name else None), (inner + dist if dist else None)
     out = []
     for e in range(cfg.num_experts) if rule.per_expert else [None]:
-        suffix = rule.name.format(e=e) if e is not None else rule.name
+        suffix = inner + (rule.name.format(e=e) if e is not None else rule.name)
         full = f"{stack}.layers.{layer}.{suffix}"
-        out.append(LogicalTensor(full, effective_kind(rule, cfg), rule.shape(cfg), layer, suffix, "layer", te_name,
+        out.append(LogicalTensor(full, mla_kind(rule, cfg), rule.shape(cfg), layer, suffix, "layer", te_name,
                                  stack, expert=e, dist_suffix=dist))
     return out
 
@@ -218,9 +272,13 @@ def logical_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
     for name, count in stacks:
         rules = LAYER_RULES + (CROSS_RULES if cfg.family == "t5" and name == "decoder" else ())
         for layer in range(count):
+            if name == "mtp":
+                for rule in MTP_RULES:
+                    out.update((t.name, t) for t in _layer_tensors(rule, cfg, name, layer))
             for rule in rules:
                 if _layer_rule_applies(rule, cfg, name, layer):
-                    out.update((t.name, t) for t in _layer_tensors(rule, cfg, name, layer))
+                    out.update((t.name, t) for t in _layer_tensors(rule, cfg, name, layer,
+                                                                   MTP_LAYER if name == "mtp" else ""))
         for rule, stage in tops:
             if rule.name.startswith(f"{name}."):
                 out[rule.name] = _top(rule, stage, cfg)
@@ -242,13 +300,22 @@ def holders(stage: str, layout: Layout) -> list[tuple[int, int]]:
 
 def extra_state_modules(cfg: ModelConfig, stack: str, spec: str, layer: int | None = None) -> tuple[str, ...]:
     """Modules of a layer with an ``_extra_state`` entry. An MoE layer (``layer`` given) has no dense
-    MLP but its shared experts' linears; its routed experts' entries are named by ``expert_modules``."""
+    MLP but its shared experts' linears; its routed experts' entries are named by ``expert_modules``.
+    An MTP layer has its eh_proj's and its TransformerLayer's (under ``transformer_layer.``)."""
     cross = CROSS_EXTRA_STATE_MODULES[spec] if cfg.family == "t5" and stack == "decoder" else ()
     base = EXTRA_STATE_MODULES[spec]
-    if layer is not None and stack == "decoder" and cfg.is_moe_layer(layer):
+    if cfg.mla:
+        q = ("self_attention.linear_q_proj",) if cfg.q_lora_rank is None else \
+            ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj")
+        base = tuple(x for m in base for x in ((*q, "self_attention.linear_kv_down_proj",
+                                                "self_attention.linear_kv_up_proj")
+                                               if m == "self_attention.linear_qkv" else (m,)))
+    if layer is not None and cfg.layer_is_moe(stack, layer):
         shared = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2") \
             if cfg.moe_shared_expert_intermediate_size else ()
         base = tuple(m for m in base if not m.startswith("mlp.")) + shared
+    if stack == "mtp":
+        return ("eh_proj",) + tuple(MTP_LAYER + m for m in base)
     return base + cross
 
 
@@ -287,7 +354,7 @@ def spec_suffix(t: LogicalTensor, spec: str) -> str:
     return t.te_name if (spec == "te" and t.te_name) else t.suffix
 
 
-def torch_dist_key(t: LogicalTensor, per_layer: bool = False) -> str:
+def torch_dist_key(t: LogicalTensor, per_layer: bool = False) -> str:  # per_layer: see ``stacked_layers``
     """Key of the ShardedTensor megatron-core writes for ``t``: stacked (one key per module, a
     leading global layer axis) or, with ``per_layer`` (see ``per_layer_keys``), one key per layer.
 
@@ -301,9 +368,11 @@ def torch_dist_key(t: LogicalTensor, per_layer: bool = False) -> str:
 
 
 def per_layer_keys(cfg: ModelConfig) -> bool:
-    """megatron-core (TransformerBlock.sharded_state_dict) keys every layer on its own, without a
-    layer axis, when ``moe_layer_freq`` is a list or an int > 1 (``moe_layer_pattern`` set)."""
+    """megatron-core (TransformerBlock.sharded_state_dict) keys every decoder layer on its own, without
+    a layer axis, when ``moe_layer_freq`` is a list or an int > 1 (``moe_layer_pattern`` set). MTP layers
+    are always keyed on their own (MultiTokenPredictionBlock.sharded_state_dict)."""
     return bool(cfg.num_experts) and cfg.moe_layer_pattern is not None
+
 
 
 def model_family(keys: list[str] | set[str]) -> str:

@@ -108,7 +108,20 @@ class Layout:
         One stack (GPT's decoder) follows ``model_chunks``. An encoder-decoder model (T5) puts its
         encoder on pipeline stages [0, split) and its decoder on [split, PP), each evenly, as
         Megatron-LM's ``pipeline_model_parallel_split_rank`` does; with PP=1 both are on stage 0.
+        Multi-token-prediction layers (stack "mtp") all sit in one chunk: the stage the layout string
+        gives them (``m``), else the last one, as megatron-core places them.
         """
+        mtp = [(name, n) for name, n in stacks if name == "mtp"]
+        stacks = [(name, n) for name, n in stacks if name != "mtp"]
+        out = self._stack_chunks(stacks)
+        if mtp:
+            where = pl.parse(self.pipeline_layout, self.pp).where("m") if self.pipeline_layout is not None else []
+            p, v = where[0] if where else (self.pp - 1, self.chunks_per_rank - 1)
+            out.append((p, v, "mtp", 0, mtp[0][1]))
+            out.sort(key=lambda c: (c[0], c[1]))
+        return out
+
+    def _stack_chunks(self, stacks: list[tuple[str, int]]) -> list[tuple[int, int, str, int, int]]:
         if len(stacks) == 1:
             name, n = stacks[0]
             return [(p, v, name, off, count) for p, v, off, count in self.model_chunks(n)]
@@ -166,8 +179,9 @@ class Layout:
         return [(t, p) for p in range(self.pp) for t in range(self.tp)]
 
     def validate(self, num_layers: int, heads: int, groups: int, ffn: int, what: str = "target",
-                 encoder_layers: int | None = None) -> None:
-        """Refuse layouts megatron-core cannot hold; ``encoder_layers`` is given for encoder-decoder models."""
+                 encoder_layers: int | None = None, mtp_layers: int = 0) -> None:
+        """Refuse layouts megatron-core cannot hold; ``encoder_layers`` is given for encoder-decoder models,
+        ``mtp_layers`` for models with multi-token-prediction layers."""
         flag = "--target-tp" if what == "target" else "the source layout"
         if self.tp < 1 or self.pp < 1:
             raise ConvertError(f"{what} TP and PP must be >= 1 (got {self})", "pass positive --target-tp/--target-pp")
@@ -188,7 +202,7 @@ class Layout:
             self._validate_split(num_layers, encoder_layers, what)
             return
         if self.pipeline_layout is not None:
-            self._validate_string(num_layers, what)
+            self._validate_string(num_layers, what, mtp_layers)
             return
         if self.pp > num_layers:
             raise ConvertError(f"{what} PP={self.pp} exceeds num_layers={num_layers}",
@@ -208,7 +222,7 @@ class Layout:
             raise ConvertError(f"{what} pipeline stages {sizes} include an empty stage",
                                "adjust --target-pp or the first/last stage sizes")
 
-    def _validate_string(self, num_layers: int, what: str) -> None:
+    def _validate_string(self, num_layers: int, what: str, mtp_layers: int = 0) -> None:
         """A layout string: what megatron-core accepts, and what the rest of dist_convert can place."""
         flag = pl.FLAG if what == "target" else SOURCE_LAYOUT
         text = self.pipeline_layout
@@ -217,14 +231,7 @@ class Layout:
             raise ConvertError(f"{what} {self} combines a pipeline layout string with uneven first/last stages",
                                f"drop --target-num-layers-in-first/last-stage or {pl.FLAG}")
         layout = pl.parse(text, self.pp, flag)
-        if layout.count("m"):
-            # megatron-core needs as many m as the model's mtp_num_layers, and dist_convert reads no MTP
-            # layers yet: any m places a layer this model cannot have
-            raise ConvertError(f"{what} pipeline layout {text!r} places {layout.count('m')} multi-token-prediction "
-                               "layers (m); MTP layers are not supported yet",
-                               f"drop the m entries from {flag}" if what == "target"
-                               else "convert a checkpoint without MTP layers")
-        pl.check(layout, num_layers, 0, flag)
+        pl.check(layout, num_layers, mtp_layers, flag)
         derived = layout.vpp if layout.vpp > 1 else None
         if self.vpp != derived:
             raise ConvertError(f"{what} {self}: the layout string has {len(layout.stages)} stages, VPP={layout.vpp} "

@@ -1,0 +1,68 @@
+"""Block-scaled FP8 weights as DeepSeek-V3 (and Qwen3 FP8) releases store them: a ``float8_e4m3fn``
+weight W (M, N) with ``<name>_scale_inv`` in fp32 on a grid of ceil(M/bm) x ceil(N/bn) blocks (edge
+blocks partial), ``W = float32(W_fp8) * scale_inv[i // bm, j // bn]``. Pure functions on boxes, so a
+rank dequantizes only the slice it reads.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ConvertError
+from ..layout.boxes import Box
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_SUFFIX = "_scale_inv"
+DEFAULT_BLOCK = (128, 128)
+
+
+def block_size(hf: dict[str, Any]) -> tuple[int, int]:
+    """The (rows, columns) of a scale block from ``quantization_config`` (DeepSeek's default: 128 x 128)."""
+    q = hf.get("quantization_config") or {}
+    block = q.get("weight_block_size") or DEFAULT_BLOCK
+    if len(block) != 2 or min(int(b) for b in block) < 1:
+        raise ConvertError(f"quantization_config.weight_block_size={block!r} is not two positive sizes",
+                           "fix quantization_config in config.json (DeepSeek-V3: [128, 128])")
+    return int(block[0]), int(block[1])
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    if len(shape) != 2:
+        raise ConvertError(f"an FP8 weight of shape {shape} is not a matrix; only 2-D weights have block scales",
+                           "convert a checkpoint quantized the DeepSeek-V3 way (2-D weights only)")
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def scale_box(box: Box, block: tuple[int, int]) -> Box:
+    """The box of the scale grid covering ``box`` of the weight."""
+    (r0, c0), (m, n) = box.offsets, box.sizes
+    lo = (r0 // block[0], c0 // block[1])
+    hi = ((r0 + m - 1) // block[0] + 1, (c0 + n - 1) // block[1] + 1)
+    return Box(lo, (hi[0] - lo[0], hi[1] - lo[1]))
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor, box: Box, block: tuple[int, int],
+               dtype: torch.dtype) -> torch.Tensor:
+    """``box`` of the weight (its FP8 values ``w``) in ``dtype``; ``scale`` is the ``scale_box`` of it."""
+    (r0, c0), (m, n) = box.offsets, box.sizes
+    rows = torch.arange(r0, r0 + m) // block[0] - r0 // block[0]
+    cols = torch.arange(c0, c0 + n) // block[1] - c0 // block[1]
+    out = w.to(torch.float32)
+    out.mul_(scale.to(torch.float32)[rows][:, cols])
+    return out.to(dtype)
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 weight, fp32 scale_inv) of a 2-D weight: each block scaled so its largest magnitude is
+    float8_e4m3fn's largest finite value (448); an all-zero block gets scale 1."""
+    grid = scale_grid(tuple(w.shape), block)
+    m, n = w.shape
+    x = w.to(torch.float32)
+    pad = torch.zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
+    pad[:m, :n] = x
+    blocks = pad.view(grid[0], block[0], grid[1], block[1])
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).view_as(pad)[:m, :n].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict, deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from .datamodel import SourceChunk, TargetFile
 from .errors import ConvertError
-from .layout.boxes import Box, Piece, piece_box
+from .layout.boxes import Box, BoxIndex, Piece, piece_box
 
 ALIGN = 16  # bytes: every segment of an exchange buffer starts aligned for any dtype
 DEFAULT_BUDGET = 256 << 20  # bytes in flight per rank per wave
@@ -130,11 +131,7 @@ def split_chunks(chunks: list[SourceChunk], files: list[TargetFile], max_bytes: 
     of at most ``max_bytes``, so that a rank reads just the rows or columns one target needs and no
     read exceeds the wave budget. Chunks read by byte range (``contiguous_cuts``) are cut only where
     every part stays one contiguous run. Other chunks pass through; ids are renumbered."""
-    wanted: dict[str, list[Box]] = defaultdict(list)
-    for f in files:
-        for t in f.tensors:
-            for p in t.pieces:
-                wanted[p.logical].append(p.lbox)
+    wanted = _by_logical((p.logical, p.lbox, None) for f in files for t in f.tensors for p in t.pieces)
     out: list[SourceChunk] = []
     for c in chunks:
         if not c.sliceable:
@@ -142,12 +139,11 @@ def split_chunks(chunks: list[SourceChunk], files: list[TargetFile], max_bytes: 
             continue
         cuts = [{0, n} for n in c.shape]
         for sp in c.pieces:
-            for lbox in wanted.get(sp.logical, ()):
-                inter = sp.lbox.intersect(lbox)
-                if inter is not None:
-                    b = piece_box(sp, inter)
-                    for d, (o, n) in enumerate(zip(b.offsets, b.sizes, strict=True)):
-                        cuts[d] |= {o, o + n}
+            index = wanted.get(sp.logical)
+            for _, inter, _ in index.overlapping(sp.lbox) if index is not None else ():
+                b = piece_box(sp, inter)
+                for d, (o, n) in enumerate(zip(b.offsets, b.sizes, strict=True)):
+                    cuts[d] |= {o, o + n}
         if c.contiguous_cuts:
             cuts = contiguous_cuts(cuts, c.shape)
         spans = [list(itertools.pairwise(sorted(s))) for s in cuts]
@@ -199,6 +195,14 @@ def _sub_chunk(c: SourceChunk, box: Box, cid: int) -> SourceChunk:
                    offsets=tuple(a + b for a, b in zip(base, box.offsets, strict=True)))
 
 
+def _by_logical(items: Iterable[tuple[str, Box, Any]]) -> dict[str, BoxIndex]:
+    """Boxes per logical tensor, indexed for overlap queries (``items``: (logical name, box, value))."""
+    groups: dict[str, list[tuple[Box, Any]]] = defaultdict(list)
+    for name, box, value in items:
+        groups[name].append((box, value))
+    return {name: BoxIndex(group) for name, group in groups.items()}
+
+
 def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, budget: int,
               logical_numel: dict[str, int], writer_of: dict[int, int] | None = None,
               absent: Collection[str] = frozenset()) -> Plan:
@@ -208,20 +212,16 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
     by_id = {c.id: c for c in chunks}
     by_file = {f.id: f for f in files}
     writer_of = writer_of or balance({f.id: f.nbytes for f in files}, world)
-    targets: dict[str, list[tuple[int, int, Piece]]] = defaultdict(list)
-    for f in files:
-        for j, t in enumerate(f.tensors):
-            for p in t.pieces:
-                targets[p.logical].append((f.id, j, p))
+    targets = _by_logical((p.logical, p.lbox, (f.id, j, k, p)) for f in files for j, t in enumerate(f.tensors)
+                          for k, p in enumerate(t.pieces))
     # transfers per chunk (reader not yet known)
     raw: dict[int, list[tuple[int, int, Box, Box, int, torch.dtype]]] = defaultdict(list)
     consumer_bytes: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for cid, pieces in kept.items():
         for sp in pieces:
-            for fid, j, tp in targets.get(sp.logical, ()):
-                inter = sp.lbox.intersect(tp.lbox)
-                if inter is None:
-                    continue
+            index = targets.get(sp.logical)
+            found = index.overlapping(sp.lbox) if index is not None else []
+            for _, inter, (fid, j, _, tp) in sorted(found, key=lambda x: x[2][:3]):  # in target order
                 dtype = by_file[fid].tensors[j].dtype
                 nbytes = inter.numel * dtype.itemsize
                 raw[cid].append((fid, j, piece_box(sp, inter), piece_box(tp, inter), nbytes, dtype))

@@ -38,6 +38,9 @@ def add_bench_parser(sub: Any, parse_size: Callable[[str], int], default_budget:
     b.add_argument("--size", type=parse_size, default=1 << 30, help="synthetic checkpoint size (default 1GB)")
     b.add_argument("--sizes", default=None, help="scaling mode, e.g. 256MB,512MB,1GB: dist_convert at 2 ranks "
                                                  "per size with a fixed --memory-budget (memory flat, cost linear)")
+    b.add_argument("--plan-scale", action="store_true",
+                   help="plan DeepSeek-V3 (671B, 256 experts, MTP) from its HF release and from one Megatron layout "
+                        "to another over 128 ranks, without tensors: plan time, per-rank bytes, memory bound")
     b.add_argument("--dtype", choices=tuple(ITEMSIZE), default="bf16")
     b.add_argument("--format", choices=("torch_dist", "megatron", "hf"), default="torch_dist",
                    help="synthetic checkpoint format (hf: a Llama directory with a tokenizer, imported to torch_dist)")

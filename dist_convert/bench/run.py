@@ -221,7 +221,11 @@ def _bench(ns: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="dc_bench.", dir=ns.workdir)).resolve()  # jobs may run elsewhere
     result: dict[str, Any] = {"machine": machine(), "workdir": str(work), "memory_budget": ns.memory_budget}
     try:
-        if ns.sizes:
+        if ns.plan_scale:
+            from .plan_scale import run_plan_scale
+            result["plan_scale"] = run_plan_scale()
+            failed = False
+        elif ns.sizes:
             from .scaling import run_sizes
             result["sizes"] = run_sizes(ns, targets[0], work)
             failed = any(r["status"] != "ok" for r in result["sizes"]["rows"])

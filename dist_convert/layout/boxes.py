@@ -1,6 +1,7 @@
 """Pure slice algebra: boxes (offset + size per dim) of logical tensors and how TP shards cut them."""
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from enum import Enum
 
@@ -130,3 +131,31 @@ def piece_box(piece: Piece, inner: Box) -> Box:
     offs = piece.sbox.offsets[:lead] + tuple(
         s + (i - lo) for s, i, lo in zip(piece.sbox.offsets[lead:], inner.offsets, piece.lbox.offsets, strict=True))
     return Box(offs, (1,) * lead + inner.sizes)
+
+
+class BoxIndex:
+    """Boxes of one tensor, indexed for overlap queries: sorted by their offset on the axis where the
+    offsets vary most (the one they are cut along), so a query scans only the boxes that can reach it."""
+
+    def __init__(self, items: list[tuple[Box, object]]) -> None:
+        self.axis = 0
+        if items:
+            rank = len(items[0][0].offsets)
+            self.axis = max(range(rank), key=lambda d: len({b.offsets[d] for b, _ in items})) if rank else 0
+        d = self.axis
+        self.items = sorted(items, key=lambda it: it[0].offsets[d] if it[0].offsets else 0)
+        self.starts = [b.offsets[d] if b.offsets else 0 for b, _ in self.items]
+        self.longest = max((b.sizes[d] if b.sizes else 0 for b, _ in self.items), default=0)
+
+    def overlapping(self, box: Box) -> list[tuple[Box, Box, object]]:
+        """(stored box, intersection, value) of every indexed box ``box`` intersects, in axis order."""
+        if not box.offsets:
+            return [(b, b, v) for b, v in self.items]
+        lo, hi = box.offsets[self.axis], box.offsets[self.axis] + box.sizes[self.axis]
+        out = []
+        for i in range(bisect.bisect_right(self.starts, lo - self.longest), bisect.bisect_left(self.starts, hi)):
+            b, v = self.items[i]
+            inter = b.intersect(box)
+            if inter is not None:
+                out.append((b, inter, v))
+        return out

@@ -327,17 +327,19 @@ def expert_modules(cfg: ModelConfig, local_experts: int) -> tuple[str, ...]:
     return tuple(f"mlp.experts.local_experts.{i}.linear_fc{j}" for i in range(local_experts) for j in (1, 2))
 
 
-_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+_EXPERT_RE = re.compile(r"^(.*)mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 _GROUPED_RE = re.compile(r"\.mlp\.experts\.linear_fc[12]\.(weight|bias)\d+$")
 
 
 def expert_key(suffix: str, local: int, grouped: bool) -> str:
     """Legacy key suffix of a routed expert's tensor under its local index: SequentialMLP's
-    ``mlp.experts.local_experts.{i}.linear_fc1.weight`` or TEGroupedMLP's ``mlp.experts.linear_fc1.weight{i}``."""
+    ``mlp.experts.local_experts.{i}.linear_fc1.weight`` or TEGroupedMLP's ``mlp.experts.linear_fc1.weight{i}``
+    (an MTP layer's under its ``transformer_layer.``)."""
     m = _EXPERT_RE.match(suffix)
     assert m, suffix
-    return f"mlp.experts.{m.group(2)}.{m.group(3)}{local}" if grouped else \
-        f"mlp.experts.local_experts.{local}.{m.group(2)}.{m.group(3)}"
+    inner, fc, param = m.group(1), m.group(3), m.group(4)
+    return f"{inner}mlp.experts.{fc}.{param}{local}" if grouped else \
+        f"{inner}mlp.experts.local_experts.{local}.{fc}.{param}"
 
 
 def is_grouped_expert_key(key: str) -> bool:

@@ -1,0 +1,114 @@
+"""``bench --plan-scale``: the planner alone at DeepSeek-V3's real shape (61 layers, 256 experts, MTP,
+685B parameters with the MTP layer), no tensors: the chunks an HF release (163 shards) or a torch_dist
+save at one layout would be indexed as, planned into a torch_dist target at another over many ranks.
+Reports what every rank of such a run computes before it reads a byte: plan time, chunks, waves,
+per-rank bytes read / written and the per-wave memory bound."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..datamodel import SourceChunk, Target, TargetFile, numel
+from ..formats.hf import hf_tensors, pack_shards
+from ..formats.hf_config import config_from_hf
+from ..formats.torch_dist import TorchDistFormat
+from ..layout.rules import logical_tensors
+from ..layout.topology import Layout
+from ..plan import make_plan, split_chunks, split_files
+from ..runtime import human_bytes as human
+from ..runtime import peak_rss_bytes
+
+# DeepSeek-V3's config.json (the release's values that shape the tensors)
+DEEPSEEK_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "scoring_func": "sigmoid", "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"}, "torch_dtype": "bfloat16"}
+HF_SHARDS = 163
+# the layouts planned: DeepSeek-V3's Megatron recipes (16 and 8 pipeline stages, MTP on the last)
+CASES: dict[str, tuple[Layout | None, Layout, int]] = {
+    "hf -> TP8 PP16 EP64": (None, Layout(8, 16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"), 128),
+    "TP8 PP16 EP64 -> TP4 PP8 EP32": (Layout(8, 16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"),
+                                      Layout(4, 8, ep=32, etp=1, pipeline_layout="Et*7|(tttttttt|)*6ttttttmL"), 128),
+}
+
+
+@dataclass
+class PlanFigures:
+    case: str
+    world: int
+    params: int
+    source_chunks: int  # as indexed
+    read_chunks: int  # after cutting to what each target needs
+    target_files: int
+    waves: int
+    plan_s: float  # index + target files + cuts + plan, one process
+    read_max: int  # bytes, the busiest rank
+    read_min: int
+    write_max: int
+    write_min: int
+    wave_bound: int  # bytes a rank may hold in one wave (--memory-budget)
+    planner_rss: int  # peak RSS of the planning process
+
+
+def hf_chunks(cfg: Any, dtype: torch.dtype = torch.bfloat16, shards: int = HF_SHARDS) -> list[SourceChunk]:
+    """The chunks ``HFFormat`` indexes for an HF release of ``cfg`` in ``shards`` files."""
+    tensors = hf_tensors(cfg)
+    sizes = [(k, numel(shape) * dtype.itemsize) for k, (shape, _) in tensors.items()]
+    packs = pack_shards(sizes, -(-sum(n for _, n in sizes) // shards))
+    file_of = {k: i for i, names in enumerate(packs) for k in names}
+    return [SourceChunk(i, f"model-{file_of[k] + 1:05d}-of-{len(packs):05d}.safetensors", k, shape, dtype, pieces,
+                        (0,) * len(shape), sliceable=True) for i, (k, (shape, pieces)) in enumerate(tensors.items())]
+
+
+def torch_dist_chunks(target: Target, dtypes: dict[str, torch.dtype]) -> list[SourceChunk]:
+    """The chunks ``TorchDistFormat`` indexes for a save at ``target.layout``: its stored chunks."""
+    files = TorchDistFormat().target_files(target, dtypes)
+    return [SourceChunk(i, t.key, t.key, t.shape, t.dtype, t.pieces, offsets=t.offsets, sliceable=True,
+                        contiguous_cuts=True, origin=t.offsets, origin_shape=t.shape)
+            for i, t in enumerate(t for f in files for t in f.tensors)]
+
+
+def plan_case(case: str, budget: int = 4 << 30) -> PlanFigures:
+    src_layout, dst_layout, world = CASES[case]
+    t0 = time.perf_counter()
+    cfg, args, _ = config_from_hf(DEEPSEEK_V3, None)
+    dtypes = dict.fromkeys(logical_tensors(cfg), torch.bfloat16)
+    dtypes.update({n: torch.float32 for n in dtypes if n.endswith(".mlp.router.expert_bias")})
+    if src_layout is None:
+        chunks = hf_chunks(cfg)
+    else:
+        cfg.check_layout(src_layout, "source")
+        chunks = torch_dist_chunks(Target(cfg, src_layout, None, args, 0), dtypes)
+    cfg.check_layout(dst_layout)
+    target = Target(cfg, dst_layout, None, args, 0)
+    files: list[TargetFile] = split_files(TorchDistFormat().target_files(target, dtypes), world)
+    cut = split_chunks(chunks, files, budget // 4)
+    lnumel = {n: numel(t.shape) for n, t in logical_tensors(cfg).items()}
+    plan = make_plan(cut, files, world, budget, lnumel)
+    elapsed = time.perf_counter() - t0
+    return PlanFigures(case, world, sum(lnumel.values()), len(chunks), len(cut), len(files), len(plan.waves), elapsed,
+                       max(plan.read_bytes), min(plan.read_bytes), max(plan.write_bytes), min(plan.write_bytes),
+                       budget, peak_rss_bytes())
+
+
+def run_plan_scale() -> list[dict[str, Any]]:
+    """Every case, printed as a table; returned as dicts (bench --json)."""
+    rows = [dataclasses.asdict(plan_case(c)) for c in CASES]
+    print(f"{'case':34} {'ranks':>5} {'chunks':>8} {'files':>6} {'waves':>5} {'plan s':>7} "
+          f"{'read/rank':>19} {'write/rank':>19} {'planner RSS':>11}")
+    for r in rows:
+        print(f"{r['case']:34} {r['world']:5d} {r['read_chunks']:8d} {r['target_files']:6d} {r['waves']:5d} "
+              f"{r['plan_s']:7.1f} {human(r['read_min']):>8}-{human(r['read_max']):>9} "
+              f"{human(r['write_min']):>8}-{human(r['write_max']):>9} {human(r['planner_rss']):>11}")
+    return rows

@@ -1,0 +1,134 @@
+"""The layout table for DeepSeek-class models, without processes: multi-latent attention per layer spec,
+MTP layers and their placement, the DeepSeek HF names, block-scaled FP8 slices, and the planner at
+DeepSeek-V3's real shape (671B, 256 experts, MTP) over 128 ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_convert.bench.plan_scale import CASES, DEEPSEEK_V3, plan_case
+from dist_convert.errors import ConvertError
+from dist_convert.formats import fp8
+from dist_convert.formats.hf import hf_tensors
+from dist_convert.formats.hf_config import config_from_hf, hf_from_config
+from dist_convert.formats.torch_dist import dist_groups
+from dist_convert.layout.boxes import Box, Kind
+from dist_convert.layout.rules import logical_tensors
+from dist_convert.layout.topology import Layout
+
+from hf_models import dequant_fp8
+from test_layout import cfg as dense_cfg
+
+MLA = dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+           v_head_dim=16, qk_layernorm=True, num_query_groups=4, num_layers=3, num_experts=8, moe_ffn_hidden_size=32,
+           moe_layer_pattern=(0, 1, 1), moe_shared_expert_intermediate_size=32, moe_router_expert_bias=True)
+
+
+def cfg(**kw):
+    return dense_cfg(**{**MLA, **kw})
+
+
+def test_mla_shapes_and_splits_follow_megatron_core():
+    t = logical_tensors(cfg(spec="te"))
+    a = "decoder.layers.0.self_attention."
+    assert t[a + "linear_q_down_proj.weight"].shape == (32, 64)
+    assert t[a + "linear_q_up_proj.weight"].shape == (4 * 24, 32)  # heads x (qk_head_dim + rope)
+    assert t[a + "linear_kv_down_proj.weight"].shape == (32 + 8, 64)  # [compressed kv | k_pe]
+    assert t[a + "linear_kv_up_proj.weight"].shape == (4 * (16 + 16), 32)  # per head [k_nope | v]
+    assert t[a + "linear_proj.weight"].shape == (64, 4 * 16)
+    assert not any("linear_qkv" in n or "k_layernorm" in n for n in t)
+    # TE replicates the down-projections (TELinear "duplicated"), the local spec splits them over TP
+    assert t[a + "linear_kv_down_proj.weight"].kind is Kind.REP
+    assert logical_tensors(cfg(spec="local", mla_down_split=True))[a + "linear_kv_down_proj.weight"].kind is Kind.COL
+    no_q = logical_tensors(cfg(q_lora_rank=None))
+    assert no_q[a + "linear_q_proj.weight"].shape == (96, 64)
+    assert not any("q_down" in n or "q_up" in n or "q_layernorm" in n for n in no_q)
+
+
+def test_mla_torch_dist_keys_follow_each_spec():
+    """The MLA specs have no key map: local and TE keys differ (unlike the GQA specs)."""
+    te = set(dist_groups(cfg(spec="te")))
+    local = set(dist_groups(cfg(spec="local", mla_down_split=True)))
+    p = "decoder.layers.0."
+    assert {p + "self_attention.linear_q_up_proj.layer_norm_weight", p + "self_attention.linear_kv_up_proj.layer_norm_weight",
+            p + "input_layernorm.weight", p + "mlp.linear_fc1.layer_norm_weight"} <= te
+    assert {p + "self_attention.q_layernorm.weight", p + "self_attention.kv_layernorm.weight",
+            p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"} <= local
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in te  # an MoE layer keeps its own norm
+
+
+def test_mtp_layer_sits_on_the_last_stage_or_where_the_string_puts_it():
+    c = cfg(mtp_num_layers=1)
+    names = logical_tensors(c)
+    assert "mtp.layers.0.eh_proj.weight" in names and names["mtp.layers.0.eh_proj.weight"].shape == (64, 128)
+    assert "mtp.layers.0.transformer_layer.mlp.router.expert_bias" in names  # built like the last (MoE) layer
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.weight" in names
+    keys = dist_groups(c)
+    assert keys["mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"].lead == (8,)  # no layer axis
+    assert keys["mtp.layers.0.enorm.weight"].lead == ()
+    assert Layout(1, 2, first=1).stack_chunks(c.stacks)[-1] == (1, 0, "mtp", 0, 1)
+    lay = Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|mL")
+    c.check_layout(lay)
+    assert [x for x in lay.stack_chunks(c.stacks) if x[2] == "mtp"] == [(1, 1, "mtp", 0, 1)]
+    with pytest.raises(ConvertError, match="places 0 MTP layers"):
+        c.check_layout(Layout(1, 2, pipeline_layout="Et|ttL"))
+
+
+def test_local_spec_refuses_a_tp_that_cannot_split_the_down_projections():
+    with pytest.raises(ConvertError) as e:
+        cfg(spec="local", mla_down_split=True, q_lora_rank=30).check_layout(Layout(4, 1))
+    assert "q_lora_rank=30" in str(e.value) and "--target-spec te" in str(e.value)
+    cfg(spec="te", q_lora_rank=30).check_layout(Layout(4, 1))  # replicated: any TP dividing the heads
+
+
+def test_deepseek_v3_config_and_names():
+    c, args, _ = config_from_hf(DEEPSEEK_V3, None)
+    assert (c.num_experts, c.moe_layer_pattern[:4], c.mtp_num_layers) == (256, (0, 0, 0, 1), 1)
+    assert (args.moe_router_score_function, args.moe_router_num_groups, args.moe_router_group_topk) == ("sigmoid", 8, 4)
+    assert (args.rope_type, args.rotary_scaling_factor, args.moe_router_topk_scaling_factor) == ("yarn", 40.0, 2.5)
+    names = hf_tensors(c)
+    # MTP: its own 4 and 2 copies, then a decoder layer: 9 MLA + norms, router + bias, experts, shared expert
+    assert sum(1 for n in names if n.startswith("model.layers.61.")) == 4 + 2 + 9 + 2 + 256 * 3 + 3
+    logical = {p.logical for _, pieces in names.values() for p in pieces}
+    assert logical == set(logical_tensors(c))  # every logical tensor has an HF name
+    assert names["model.layers.61.shared_head.head.weight"][1][0].logical == "output_layer.weight"
+    back = hf_from_config(c, args, torch.bfloat16)
+    for k in ("n_routed_experts", "first_k_dense_replace", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank",
+              "num_nextn_predict_layers", "routed_scaling_factor", "rope_scaling", "qk_rope_head_dim"):
+        assert back[k] == DEEPSEEK_V3[k], k
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"num_experts_per_tok": 6, "topk_group": 2}, "topk_group"),
+    ({"rope_interleave": False}, "rope_interleave"),
+])
+def test_deepseek_configs_megatron_core_cannot_express_are_refused(change, needle):
+    with pytest.raises(ConvertError) as e:
+        config_from_hf({**DEEPSEEK_V3, **change}, None)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("shape,box", [((300, 200), Box((0, 0), (300, 200))), ((300, 200), Box((100, 60), (150, 77))),
+                                       ((129, 129), Box((127, 1), (2, 128))), ((96, 64), Box((48, 0), (48, 64)))])
+def test_fp8_slices_dequantize_like_the_whole_matrix(shape, box):
+    w = torch.randn(shape) * 3
+    q, s = fp8.quantize(w)
+    assert s.shape == fp8.scale_grid(shape, (128, 128))
+    whole = dequant_fp8(q, s)  # an independent implementation of the release's formula
+    part = fp8.dequantize(q[box.slices()], s[fp8.scale_box(box, (128, 128)).slices()], box, (128, 128),
+                          torch.float32)
+    assert torch.equal(part, whole[box.slices()])
+    q2, s2 = fp8.quantize(whole)  # exact round trip through fp32
+    assert torch.equal(s2, s) and torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_planner_at_deepseek_v3_scale(case):
+    """Each of 128 ranks reads and writes about 1/128 of the 685B parameters, in waves within the budget."""
+    f = plan_case(case)
+    share = f.params * 2 / f.world
+    assert f.params > 680e9 and f.waves >= 1
+    assert f.write_max <= 1.15 * share and f.write_min >= 0.8 * share
+    assert f.read_max <= 1.16 * share
+    print(f"{case}: {f.plan_s:.1f} s, {f.read_chunks} chunks, {f.target_files} files, {f.waves} waves")

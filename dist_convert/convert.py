@@ -158,9 +158,15 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         raise ConvertError(f"--torch-dist-style applies to torch_dist targets, not {dst_fmt.name}",
                            "drop --torch-dist-style or pass --dst-format torch_dist")
     layout = target_layout(opts, index, dst_fmt)
-    cfg = index.cfg.replace(spec=opts.target_spec or index.cfg.spec,
+    spec = opts.target_spec or index.cfg.spec
+    # MLA's down-projections: split over TP in the local spec, replicated in today's TE spec (the source's
+    # own choice stays when the spec does)
+    cfg = index.cfg.replace(spec=spec, mla_down_split=index.cfg.mla_down_split if spec == index.cfg.spec
+                            else spec == "local",
                             make_vocab_size_divisible_by=index.cfg.make_vocab_size_divisible_by
                             if opts.vocab_divisible_by is None else opts.vocab_divisible_by)
+    if cfg.mla:
+        cfg.check_layout(layout)  # the target spec decides whether MLA's down-projections split over TP
     if dst_fmt.sharded:
         check_vocab(opts, index, cfg, layout)
     elif not (opts.vocab_size or getattr(index.args, "vocab_size", None)):

@@ -176,7 +176,7 @@ def config_from_hf(hf: dict[str, Any], architecture: str,
                     **_router(hf, v3, experts, topk)}
     cfg = ModelConfig(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
-        num_query_groups=heads, kv_channels=nope + rope_dim, swiglu=True, normalization="RMSNorm",
+        num_query_groups=heads, kv_channels=hidden // heads, swiglu=True, normalization="RMSNorm",
         add_bias_linear=False, add_qkv_bias=False,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings"),
         vocab_size=vocab, make_vocab_size_divisible_by=divisible, position_embedding_type="rope",

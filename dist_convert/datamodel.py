@@ -42,6 +42,7 @@ class SourceChunk:
     # block-scaled FP8 (hf): (file, key, block size) of the stored weight's scale grid; ``dtype`` is then
     # what the reader dequantizes to
     scale: tuple[str, str, tuple[int, int]] | None = None
+    twins: tuple[tuple[str, str], ...] = ()  # (file, key) of stored copies the reader checks equal (hf: MTP's)
 
     @property
     def nbytes(self) -> int:

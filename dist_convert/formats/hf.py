@@ -259,20 +259,24 @@ class HFFormat:
                           f"tensors not in a {hf['architectures'][0]} with this config.json:")
         policy.missing(str(path), {k: {p.logical for p in v[1]} for k, v in expected.items() if k not in found},
                        "download or copy every shard of the model")
+        copies = hf_deepseek.mtp_copies(cfg, found)  # primary key -> its stored copies, compared on read
         chunks = []
         for key, (shape, pieces) in expected.items():
-            if key not in found:
+            if key not in found or any(key in c for c in copies.values()):
                 continue
             f, dtype, have = found[key]
-            if tuple(have) != tuple(shape):
-                raise ConvertError(f"{f}: {key} has shape {tuple(have)} but {CONFIG} implies {tuple(shape)}",
-                                   "config.json and the weights disagree; use the config saved with these weights")
+            for k in (key, *copies.get(key, ())):
+                if tuple(found[k][2]) != tuple(shape):
+                    raise ConvertError(f"{found[k][0]}: {k} has shape {tuple(found[k][2])} but {CONFIG} implies "
+                                       f"{tuple(shape)}", "config.json and the weights disagree; use the config "
+                                       "saved with these weights")
+            twins = tuple((found[k][0], k) for k in copies.get(key, ()))
             scale = None
             if dtype in fp8.FP8_DTYPES:
                 scale = self._scale_of(key, shape, hf, found)
                 dtype = self.options.dtype or torch.bfloat16  # dequantized on read
             chunks.append(SourceChunk(len(chunks), f, key, shape, dtype, pieces, (0,) * len(shape), sliceable=True,
-                                      scale=scale))
+                                      scale=scale, twins=twins))
         if any(c.scale for c in chunks):
             notes.append(f"dequantized {sum(1 for c in chunks if c.scale)} block-scaled FP8 weights to "
                          f"{str(self.options.dtype or torch.bfloat16).removeprefix('torch.')} on read")
@@ -308,6 +312,12 @@ class HFFormat:
             for (c, key, _), t in zip(group, read_boxes(index.iter_dir / f, [(k, b) for _, k, b in group]),
                                       strict=True):
                 raw[(c.id, key)] = t
+        for c in chunks:
+            for f, key in c.twins:
+                if not torch.equal(read_boxes(index.iter_dir / f, [(key, Box(c.offsets or (0,) * len(c.shape),
+                                                                             c.shape))])[0], raw[(c.id, c.key)]):
+                    raise ConvertError(f"{key} ({f}) differs from {c.key}, of which the release stores it as a copy",
+                                       "the checkpoint is inconsistent; re-download it")
         out: dict[int, torch.Tensor] = {}
         for c in chunks:
             t = raw[(c.id, c.key)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -70,6 +71,19 @@ def layer_names(cfg: ModelConfig, stack: str, layer: int) -> list[tuple[str, str
         return [(hf, f"decoder.layers.{layer}.{lg}", part) for hf, lg, part in names]
     return ([(hf, f"mtp.layers.{layer}.{lg}", part) for hf, lg, part in MTP_NAMES]
             + [(hf, f"mtp.layers.{layer}.{MTP_LAYER}{lg}", part) for hf, lg, part in names])
+
+
+def mtp_copies(cfg: ModelConfig, found: Collection[str]) -> dict[str, list[str]]:
+    """The copies of the embedding and the output head stored with each MTP layer, by the key they copy
+    (they are compared with it on read, never read as the tensor itself)."""
+    out: dict[str, list[str]] = {}
+    for k in range(cfg.mtp_num_layers):
+        for suffix, name in MTP_COPIES:
+            key = f"model.layers.{cfg.num_layers + k}.{suffix}"
+            if key in found:
+                primary = "lm_head.weight" if name == OUTPUT and not cfg.tied else "model.embed_tokens.weight"
+                out.setdefault(primary, []).append(key)
+    return out
 
 
 def _get(hf: dict[str, Any], key: str, default: Any = None) -> Any:

@@ -126,6 +126,9 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
     return out
 
 
+MTP_LEGACY = "mtp_model_layer."  # megatron-core >= 0.17's state_dict name of MTP_LAYER
+
+
 def _mla_down_split(cfg: ModelConfig, stored: dict[str, tuple[tuple[int, ...], Any]]) -> bool:
     """Whether a legacy TP rank file holds a TP slice of MLA's kv down-projection (the local spec and
     Transformer Engine specs before ``duplicated`` TELinear) rather than all of it: its stored shape tells."""
@@ -185,7 +188,8 @@ def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:
             for k, v in ckpt[entry].items():
                 key = f"{entry}/{k}" if entries else k
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state"):
-                    tensors[key] = (tuple(v.shape), v.dtype)
+                    # megatron-core >= 0.17 names an MTP layer's TransformerLayer mtp_model_layer in state_dict
+                    tensors[key.replace("." + MTP_LEGACY, "." + MTP_LAYER)] = (tuple(v.shape), v.dtype)
                 else:
                     objects.append(key)
         return {"args": ckpt.get("args"), "iteration": ckpt.get("iteration"), "tensors": tensors,
@@ -285,7 +289,8 @@ class MegatronFormat(IterDirFormat):
             ckpt = load_pt(index.iter_dir / rel, self.trust_pickle)
             for c in group:
                 entry, key = split_chunk_key(c.key)
-                out[c.id] = ckpt[entry][key]
+                stored = ckpt[entry]
+                out[c.id] = stored[key] if key in stored else stored[key.replace("." + MTP_LAYER, "." + MTP_LEGACY)]
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:

@@ -175,13 +175,47 @@ def load_config(path):
         cfg.setdefault("moe_router_enable_expert_bias", False)
         cfg.setdefault("moe_router_score_function", "softmax")
         cfg.setdefault("moe_router_pre_softmax", False)
+        if any(cfg.get(k) is not None for k in MOE_ROUTER_EXTRA) or cfg.get("multi_latent_attention"):
+            for k, v in MOE_ROUTER_EXTRA.items():  # DeepSeek routing keys (only for configs that use them)
+                cfg.setdefault(k, v)
         freq = cfg["moe_layer_freq"]
         if isinstance(freq, bool) or not (
             (isinstance(freq, int) and freq >= 1)
             or (isinstance(freq, list) and len(freq) == cfg["num_layers"] and set(freq) <= {0, 1})
         ):
             raise SystemExit(f"moe_layer_freq {freq!r}: need an int >= 1 or a list of num_layers 0/1")
+    if cfg.get("multi_latent_attention"):  # MLA; other configs get no MLA keys
+        for k, v in MLA_DEFAULTS.items():
+            cfg.setdefault(k, v)
+        if cfg["num_query_groups"] != heads:
+            raise SystemExit("multi_latent_attention: num_query_groups must equal num_attention_heads")
+        if cfg["rope_type"] not in ("rope", "yarn"):
+            raise SystemExit(f"rope_type {cfg['rope_type']!r}: need 'rope' or 'yarn'")
+    if cfg.get("mtp_num_layers") is not None:
+        if not (isinstance(cfg["mtp_num_layers"], int) and cfg["mtp_num_layers"] >= 1):
+            raise SystemExit(f"mtp_num_layers {cfg['mtp_num_layers']!r}: need an int >= 1 (or null)")
+        cfg.setdefault("mtp_loss_scaling_factor", 0.1)
     return cfg
+
+
+# DeepSeek-style router keys (Megatron-LM names and defaults); set only when a config gives one of
+# them or uses MLA, so the args of older MoE configs stay as they were.
+MOE_ROUTER_EXTRA = {"moe_router_num_groups": None, "moe_router_group_topk": None,
+                    "moe_router_topk_scaling_factor": None, "moe_router_dtype": None}
+# Multi-Latent Attention keys (Megatron-LM names; defaults of MLATransformerConfig except rope_type,
+# which is plain RoPE here unless a config says "yarn").
+MLA_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
+                "v_head_dim": 128, "rope_type": "rope"}
+YARN_KEYS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim")
+
+
+def is_mla(cfg):
+    return bool(cfg.get("multi_latent_attention"))
+
+
+def has_mtp(cfg):
+    return cfg.get("mtp_num_layers") is not None
 
 
 def is_moe(cfg):
@@ -228,6 +262,9 @@ def make_args(cfg, tp, pp, first, last, iteration, ckpt_format, vpp=None, ep=1, 
         )
     if layout is not None:  # Megatron-LM derives V from the string; no per-stage flags with it
         d.update(pipeline_model_parallel_layout=layout)
+    if is_mla(cfg) or has_mtp(cfg):  # the MLA/MTP keys of cfg are already in d
+        d.setdefault("multi_latent_attention", False)
+        d.setdefault("mtp_num_layers", None)
     if is_moe(cfg):  # the MoE keys of cfg are already in d (moe_layer_freq as given: int or list)
         d.update(
             moe_grouped_gemm=False,
@@ -304,6 +341,27 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
             moe_token_dispatcher_type="allgather",  # alltoall builds torch.cuda.Stream() (token_dispatcher.py:445)
             moe_grouped_gemm=False,
         )
+        for k in MOE_ROUTER_EXTRA:  # DeepSeek routing (TransformerConfig has the same names)
+            if cfg.get(k) is not None:
+                extra[k] = cfg[k]
+    config_cls = TransformerConfig
+    if is_mla(cfg):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        apply_mla_shims()
+        config_cls = MLATransformerConfig
+        extra.update(
+            q_lora_rank=cfg["q_lora_rank"], kv_lora_rank=cfg["kv_lora_rank"], qk_head_dim=cfg["qk_head_dim"],
+            qk_pos_emb_head_dim=cfg["qk_pos_emb_head_dim"], v_head_dim=cfg["v_head_dim"],
+            rope_type=cfg["rope_type"], rotary_base=cfg["rotary_base"], rotary_percent=cfg["rotary_percent"],
+            apply_rope_fusion=False,
+        )
+        if cfg["rope_type"] == "rope":
+            extra.update(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)  # softmax scale 1/sqrt(d)
+        else:
+            extra.update({k: cfg[k] for k in YARN_KEYS if cfg.get(k) is not None})
+    if has_mtp(cfg):
+        extra.update(mtp_num_layers=cfg["mtp_num_layers"], mtp_loss_scaling_factor=cfg["mtp_loss_scaling_factor"])
     if first is not None:
         extra["num_layers_in_first_pipeline_stage"] = first
     if last is not None:
@@ -312,7 +370,7 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         extra["virtual_pipeline_model_parallel_size"] = vpp
     if layout is not None:
         extra["pipeline_model_parallel_layout"] = layout
-    config = TransformerConfig(
+    config = config_cls(
         num_layers=cfg["num_layers"],
         hidden_size=cfg["hidden_size"],
         ffn_hidden_size=cfg["ffn_hidden_size"],
@@ -336,12 +394,16 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         perform_initialization=True,
         **extra,
     )
-    if is_moe(cfg):
+    if is_moe(cfg) or is_mla(cfg):
         # the block spec gives mixed dense/MoE layers (get_gpt_layer_local_spec(num_experts=N) makes
-        # every layer MoE); qk_layernorm comes from config.qk_layernorm
+        # every layer MoE) and MLA layers from config.multi_latent_attention; qk_layernorm (MLA: the
+        # q/kv layernorms) comes from config.qk_layernorm
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=cfg["normalization"], vp_stage=vp_stage
         )
+        if is_mla(cfg):
+            for layer_spec in spec.layer_specs:
+                use_mla_core_attention(layer_spec)
     else:
         spec = get_gpt_layer_local_spec(
             normalization=cfg["normalization"], qk_layernorm=cfg["qk_layernorm"]
@@ -361,8 +423,75 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         rope_scaling=cfg.get("use_rope_scaling", False),
         rope_scaling_factor=cfg.get("rope_scaling_factor", 8.0),
         vp_stage=vp_stage,
+        **({"mtp_block_spec": mtp_spec(config, spec, cfg, vp_stage)} if has_mtp(cfg) else {}),
     )
     return model
+
+
+def mtp_spec(config, spec, cfg, vp_stage):
+    """The MTP block spec as Megatron-LM's gpt_builders makes it: megatron-core's
+    get_gpt_mtp_block_spec over this stage's decoder block spec (its last layer spec is the MTP
+    layer's transformer layer), or, on a stage without decoder layers, over the layer spec a
+    Megatron-LM run would use (MoE if the config has experts). None on stages without MTP."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    if hasattr(spec, "layer_specs") and not spec.layer_specs:
+        spec = get_gpt_layer_local_spec(
+            num_experts=cfg.get("num_experts"), moe_grouped_gemm=False, qk_layernorm=cfg["qk_layernorm"],
+            multi_latent_attention=is_mla(cfg), normalization=cfg["normalization"])
+        if is_mla(cfg):
+            use_mla_core_attention(spec)
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+
+
+def apply_mla_shims():
+    """CPU shims for megatron-core's MLA without Transformer Engine, applied only when an MLA model
+    is built (see FIELD_NOTES): megatron-core 0.16.1 imports TE names even without TE (its
+    multi_latent_attention sets HAVE_TE = True and then isinstance-checks linear_proj against a
+    stand-in TELinear) -> HAVE_TE = False there when transformer_engine is not importable.
+    (torch.cuda.current_device -> "cpu", which MLA's RoPE needs, is in apply_cpu_shims.)"""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        mla.HAVE_TE = False
+
+
+_MLA_DPA = None
+
+
+def mla_core_attention_cls():
+    """The local DotProductAttention with MLA's k_channels/v_channels: megatron-core's MLA passes
+    k_channels=qk_head_dim+qk_pos_emb_head_dim and v_channels=v_head_dim (only TE's attention takes
+    them); the local one sizes its output by kv_channels * heads, so this subclass sizes it by
+    v_channels (the scores are q.k with the softmax_scale MLA passes)."""
+    global _MLA_DPA
+    if _MLA_DPA is None:
+        from megatron.core import parallel_state
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        class MLADotProductAttention(DotProductAttention):
+            def __init__(self, *args, k_channels=None, v_channels=None, **kw):
+                super().__init__(*args, **kw)
+                if v_channels is not None:
+                    tp = self.pg_collection.tp.size() if getattr(self, "pg_collection", None) is not None \
+                        else parallel_state.get_tensor_model_parallel_world_size()
+                    self.hidden_size_per_partition = v_channels * self.config.num_attention_heads // tp
+                    self.hidden_size_per_attention_head = v_channels
+
+        _MLA_DPA = MLADotProductAttention
+    return _MLA_DPA
+
+
+def use_mla_core_attention(layer_spec):
+    """Swap the local DotProductAttention of an MLA layer spec for mla_core_attention_cls()."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    sub = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
+    sub = getattr(sub, "submodules", None)
+    if sub is not None and getattr(sub, "core_attention", None) is DotProductAttention:
+        sub.core_attention = mla_core_attention_cls()
 
 
 def build_chunks(cfg, tp, pp, first=None, last=None, vpp=None, parallel_output=True, ep=1, etp=None,
@@ -372,6 +501,19 @@ def build_chunks(cfg, tp, pp, first=None, last=None, vpp=None, parallel_output=T
         return [build_model(cfg, tp, pp, first, last, parallel_output, ep=ep, etp=etp, layout=layout)]
     return [build_model(cfg, tp, pp, first, last, parallel_output, vpp=vpp, vp_stage=v, ep=ep, etp=etp,
                         layout=layout) for v in range(vpp)]
+
+
+def sharded_sd(model):
+    """model.sharded_state_dict() as Megatron-LM asks for it. With MTP on a stage without the
+    embedding (PP > 1), megatron-core's GPTModel ties the stage's embedding replica through
+    metadata["dp_cp_group"] (gpt_model.py sharded_state_dict), so MTP models get that metadata;
+    other models are asked exactly as before (no metadata)."""
+    if getattr(model.config, "mtp_num_layers", None) is None:
+        return model.sharded_state_dict()
+    from megatron.core import parallel_state
+
+    return model.sharded_state_dict(
+        metadata={"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)})
 
 
 def model_keys(vpp):
@@ -422,6 +564,9 @@ def randomize(model, cfg, seed):
     with torch.no_grad():
         for name, p in model.named_parameters():
             key_name = global_param_name(model, name)
+            # megatron-core >= 0.17 names the MTP layer's transformer layer mtp_model_layer (0.16:
+            # transformer_layer; torch_dist keys keep transformer_layer): the same values in both
+            key_name = key_name.replace(".mtp_model_layer.", ".transformer_layer.")
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 key_name = "embedding.word_embeddings.weight"
             sharded = bool(getattr(p, "tensor_model_parallel", False))
@@ -520,7 +665,7 @@ def load_chunks(chunks, path, fmt, pp, vpp, cfg=None, tp=None, ep=1, etp=None):
     if fmt == "torch_dist":
         common = dist_checkpointing.load_common_state_dict(iterdir)
         loaded = dist_checkpointing.load(
-            {k: c.sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}, iterdir,
+            {k: sharded_sd(c) for k, c in zip(keys, chunks, strict=True)}, iterdir,
             strict=StrictHandling.RAISE_ALL
         )
         for k, c in zip(keys, chunks, strict=True):  # a chunk with no tensors (layout string) loads nothing
@@ -575,7 +720,7 @@ def cmd_make(a, cfg):
             os.makedirs(d, exist_ok=True)
         dist.barrier()
         args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch_dist", a.vpp, a.ep, a.etp, a.pipeline_layout)
-        state = {k: c.sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}
+        state = {k: sharded_sd(c) for k, c in zip(keys, chunks, strict=True)}
         state.update({
             "args": args,
             "iteration": it,
@@ -646,6 +791,14 @@ def check_args(ck_args, cfg, a):
             "moe_router_score_function", "moe_router_pre_softmax",
         ):
             want[k] = cfg[k]
+        for k in MOE_ROUTER_EXTRA:
+            if k in cfg:
+                want[k] = cfg[k]
+    if is_mla(cfg):
+        for k in ("multi_latent_attention", "qk_layernorm", "rope_type", *MLA_DEFAULTS):
+            want[k] = cfg[k]
+    if has_mtp(cfg):
+        want["mtp_num_layers"] = cfg["mtp_num_layers"]
     want["pipeline_model_parallel_layout"] = a.pipeline_layout
     for k, v in want.items():
         got = getattr(ck_args, k, None if k == "pipeline_model_parallel_layout" else "<absent>")
@@ -655,6 +808,10 @@ def check_args(ck_args, cfg, a):
             continue  # None means "= tp" (megatron-core model_parallel_config.py:413)
         if got != v:
             probs.append(f"args.{k}={got!r} expected {v!r}")
+    if not is_mla(cfg) and getattr(ck_args, "multi_latent_attention", False):
+        probs.append("args.multi_latent_attention=True for a config without MLA")
+    if not has_mtp(cfg) and getattr(ck_args, "mtp_num_layers", None) is not None:
+        probs.append(f"args.mtp_num_layers={ck_args.mtp_num_layers!r} for a config without MTP")
     return probs
 
 
@@ -788,7 +945,7 @@ def cmd_layout(a, cfg):
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 
     def describe(model):
-        ssd = model.sharded_state_dict()
+        ssd = sharded_sd(model)
         apply_factories(ssd)
         tensors, objects = [], []
         for v in nested_values(ssd):

@@ -905,20 +905,97 @@ def cmd_logits(a, cfg):
     randomize(model, cfg, 3_000_017)
     load_into(model, a.ckpt, a.ckpt_format, 1, cfg, a.tp, a.ep, a.etp)
     model.eval()
-    g = torch.Generator().manual_seed(a.seed)  # same tokens on every rank (TP/EP/DP)
-    b, s = 2, min(16, cfg["seq_length"])
-    tokens = torch.randint(0, cfg["vocab_size"], (b, s), generator=g)
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
-    # local spec: causal mask type; a bool mask (True = masked) of shape [b, 1, s, s]
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s).expand(b, 1, s, s)
+    # same tokens on every rank (TP/EP/DP); local spec: causal mask type, a bool mask (True = masked)
+    # of shape [b, 1, s, s]
+    tokens, position_ids, mask = causal_inputs(cfg, a.seed)
     with torch.no_grad():
-        logits = model(tokens, position_ids, mask)  # [b, s, padded_vocab], gathered over TP
+        if has_mtp(cfg):  # megatron-core's MTP path needs labels; the main head's logits are the
+            logits = main_head_logits(model, tokens, position_ids, mask)  # output layer's last call
+        else:
+            logits = model(tokens, position_ids, mask)  # [b, s, padded_vocab], gathered over TP
     logits = logits[..., : cfg["vocab_size"]].contiguous()
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         torch.save({"tokens": tokens, "logits": logits}, a.out)
         print(f"ORACLE LOGITS {tuple(logits.shape)} -> {a.out}", flush=True)
     return 0
+
+
+def causal_inputs(cfg, seed):
+    """Seeded tokens (the same on every rank), position ids and the local spec's bool causal mask."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    b, s = 2, min(16, cfg["seq_length"])
+    tokens = torch.randint(0, cfg["vocab_size"], (b, s), generator=g)
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s).expand(b, 1, s, s)
+    return tokens, position_ids, mask
+
+
+def next_token_labels(tokens):
+    """labels[i] = tokens[i + 1]; the last position gets token 0 (it is left out of the losses)."""
+    import torch
+
+    return torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
+
+
+def main_head_logits(model, tokens, position_ids, mask):
+    """Main-head logits [b, s, v] of an MTP model: megatron-core's forward with MTP needs labels and
+    then returns losses, so run it with next-token labels and keep the output layer's last call
+    (megatron-core calls it for the MTP depths first, then for the main head). A copy: megatron-core's
+    vocab-parallel cross-entropy then works on the logits in place."""
+    calls = []
+    h = model.output_layer.register_forward_hook(lambda mod, inp, out: calls.append(out[0].detach().clone()))
+    try:
+        model(tokens, position_ids, mask, labels=next_token_labels(tokens))
+    finally:
+        h.remove()
+    return calls[-1].transpose(0, 1)  # [s, b, v] -> [b, s, v]
+
+
+def cmd_mtp(a, cfg):
+    """Forward WITH labels, so megatron-core's MTP path (mtp block, its output-layer calls and
+    per-token losses) runs; prints `ORACLE MTP depth=K loss=X ... main_loss=Y` (mean token losses
+    from megatron-core's own compute_language_model_loss; depth K's labels are the tokens shifted
+    by K + 1, the last K + 1 positions left out) and fails if any loss is not finite. TP/EP, no PP."""
+    import torch
+    import torch.distributed as dist
+
+    if not has_mtp(cfg):
+        raise SystemExit("mtp needs a config with mtp_num_layers")
+    if a.pp != 1 or a.vpp is not None:
+        raise SystemExit("mtp needs --pp 1 and no --vpp")
+    model = build_model(cfg, a.tp, 1, parallel_output=True, ep=a.ep, etp=a.etp)
+    randomize(model, cfg, 3_000_017)
+    load_into(model, a.ckpt, a.ckpt_format, 1, cfg, a.tp, a.ep, a.etp)
+    model.eval()
+    tokens, position_ids, mask = causal_inputs(cfg, a.seed)
+    losses = []
+    inner = model.compute_language_model_loss
+
+    def recording(labels, logits):
+        out = inner(labels, logits)
+        losses.append(out.detach().clone())  # [b, s] per-token cross-entropy
+        return out
+
+    model.compute_language_model_loss = recording
+    try:
+        with torch.no_grad():
+            main = model(tokens, position_ids, mask, labels=next_token_labels(tokens))
+    finally:
+        del model.compute_language_model_loss
+    k = cfg["mtp_num_layers"]
+    if len(losses) != k + 1:
+        raise SystemExit(f"expected {k + 1} loss computations (MTP depths + main), saw {len(losses)}")
+    s = tokens.shape[1]
+    vals = [losses[d][:, : s - (d + 2)].double().mean().item() for d in range(k)]
+    main_loss = main[:, : s - 1].double().mean().item()
+    ok = all(math.isfinite(v) for v in vals + [main_loss])
+    if dist.get_rank() == 0:
+        depth = " ".join(f"depth={d + 1} loss={v:.6f}" for d, v in enumerate(vals))
+        print(f"ORACLE MTP {depth} main_loss={main_loss:.6f}" + ("" if ok else " NOT FINITE"), flush=True)
+    return 0 if ok else 1
 
 
 def cmd_dump(a, cfg):
@@ -1018,6 +1095,11 @@ def main(argv=None, serving=False):
     sp.add_argument("--ckpt-format", choices=fmts, default="auto")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=1234)
+    sp = sub.add_parser("mtp")
+    common(sp)
+    sp.add_argument("--ckpt", required=True)
+    sp.add_argument("--ckpt-format", choices=fmts, default="auto")
+    sp.add_argument("--seed", type=int, default=1234)
     sp = sub.add_parser("layout")
     common(sp)
     sp.add_argument("--out", required=True)
@@ -1037,7 +1119,7 @@ def main(argv=None, serving=False):
     init_parallel(a.tp, a.pp, a.vpp, a.ep, a.etp, cfg)
     try:
         rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits, "layout": cmd_layout,
-              "dump": cmd_dump}[a.cmd](a, cfg)
+              "dump": cmd_dump, "mtp": cmd_mtp}[a.cmd](a, cfg)
         dist.barrier()
     finally:
         end_parallel(serving)

@@ -16,6 +16,7 @@ it is tp * pp * dp for some dp >= 1, and megatron-core requires ep * etp to divi
       [--ref-format auto|torch_dist|megatron] [--check-args]
   torchrun --nproc_per_node=T tests/mcore_oracle.py logits --config C.json --tp T [--pp 1] \
       --ckpt X --out FILE.pt [--seed S] [--ckpt-format ...]
+  torchrun --nproc_per_node=T tests/mcore_oracle.py mtp --config C.json --tp T --ckpt X [--seed S]
   torchrun --nproc_per_node=N tests/mcore_oracle.py layout --config C.json --tp T --pp P \
       [--vpp V] [--first N] [--last M] --out FILE.json
   torchrun --nproc_per_node=T*P tests/mcore_oracle.py dump --config C.json --tp T --pp P --ckpt X --out DIR
@@ -77,6 +78,55 @@ get_checkpoint_name: _PPP only with pp > 1, _EEE = expert-parallel rank only wit
 attention TP rank); only expert-data-parallel rank 0 writes them, and the legacy format is refused
 when etp != tp (Megatron-LM cannot name those files). torch_dist saves dedupe DP replicas themselves.
 `layout` also records each rank's ep_rank and etp_rank.
+
+DeepSeek-style routing (MoE configs; keys set only when a config gives one, or uses MLA):
+moe_router_num_groups, moe_router_group_topk (group-limited top-k: megatron-core scores a group by
+the sum of its top (topk / group_topk) scores), moe_router_topk_scaling_factor, moe_router_dtype
+("fp32"/"fp64"/null); with moe_router_score_function "sigmoid" and moe_router_enable_expert_bias.
+args get them and `compare --check-args` checks them.
+
+Multi-Latent Attention (MLA): multi_latent_attention true with q_lora_rank (null = no q LoRA: one
+linear_q_proj), kv_lora_rank, qk_head_dim (the no-RoPE part), qk_pos_emb_head_dim, v_head_dim and
+rope_type ("rope": plain RoPE with rotary_base, softmax scale 1/sqrt(qk_head_dim + qk_pos_emb_head_dim);
+"yarn" passes rotary_scaling_factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
+mscale_all_dim through, untested); num_query_groups must equal the heads. Built with
+MLATransformerConfig and get_gpt_decoder_block_spec(use_transformer_engine=False) (also for dense
+MLA models); qk_layernorm true gives the q/kv layernorms. The CPU shims MLA needs (0.16.1:
+multi_latent_attention.HAVE_TE = False without TE; a local DotProductAttention that accepts MLA's
+k_channels/v_channels and sizes its output by v_head_dim; without q LoRA the spec's q_layernorm is
+IdentityOp, as 0.19 demands and 0.16 ignores) are applied only when an MLA model is built. MLA applies
+RoPE to de-interleaved rope dims (rope_utils: t[..., 0::2], t[..., 1::2]) like HF's
+rope_interleave=True, so HF DeepSeek weights need no RoPE permutation.
+The local MLA spec's tensors (0.16.1 and 0.19.2 alike; torch_dist key = legacy name here):
+  decoder.layers.L.input_layernorm.weight, .pre_mlp_layernorm.weight (NOT remapped to
+  linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight as in the GQA local spec; dense
+  layers too), .self_attention.{linear_q_down_proj, linear_q_up_proj | linear_q_proj,
+  linear_kv_down_proj, linear_kv_up_proj, linear_proj}.weight, .self_attention.{q_layernorm,
+  kv_layernorm}.weight. linear_q_down_proj [q_lora_rank, h] and linear_kv_down_proj
+  [kv_lora_rank + qk_pos_emb_head_dim, h] are ColumnParallelLinear in the local spec: their output
+  dim 0 IS split over TP (megatron-core gathers the output before the layernorm); the TE spec makes
+  them replicated TELinear instead. linear_q_up_proj [heads * (qk_head_dim + qk_pos_emb_head_dim),
+  q_lora_rank], linear_q_proj [same, h] and linear_kv_up_proj [heads * (qk_head_dim + v_head_dim),
+  kv_lora_rank] split dim 0 (per head: [nope; rope] and [k_nope; v]); linear_proj [h, heads *
+  v_head_dim] splits dim 1; the layernorms are replicated.
+
+Multi-Token Prediction (MTP): mtp_num_layers N (null = none; mtp_loss_scaling_factor default 0.1)
+builds megatron-core's MTP block (get_gpt_mtp_block_spec over the stage's block spec: the MTP
+layer's transformer layer is the last decoder layer's spec) on the last PP stage: keys
+mtp.layers.K.{enorm, hnorm, eh_proj [h, 2h], final_layernorm}.weight and
+mtp.layers.K.transformer_layer.<a decoder layer's names> (per MTP layer, no stacked layer axis;
+megatron-core >= 0.17 names the module mtp_model_layer, so its legacy state_dict says
+mtp.layers.K.mtp_model_layer.* while torch_dist keeps transformer_layer). With PP > 1 the last stage
+also holds an embedding replica (the MTP input embedding), saved in torch_dist as a replica of
+embedding.word_embeddings.weight and present in that stage's legacy state_dict; the models are
+then asked for sharded_state_dict(metadata={"dp_cp_group": ...}) (megatron-core needs it there).
+`make` randomises the MTP layers too (same values from 0.16 and 0.19 for one seed); `logits` returns
+the main head's logits (megatron-core's MTP forward needs labels: next-token labels are given and the
+output layer's last call is kept); `mtp` runs the forward with labels and prints
+"ORACLE MTP depth=1 loss=X main_loss=Y", exit 1 if a loss is not finite. args get
+multi_latent_attention, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim,
+rope_type and mtp_num_layers; `compare --check-args` checks them (and that a config without MLA/MTP
+has no multi_latent_attention / mtp_num_layers set in the checkpoint args).
 """
 
 import argparse
@@ -403,7 +453,7 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         )
         if is_mla(cfg):
             for layer_spec in spec.layer_specs:
-                use_mla_core_attention(layer_spec)
+                use_mla_core_attention(layer_spec, cfg["q_lora_rank"])
     else:
         spec = get_gpt_layer_local_spec(
             normalization=cfg["normalization"], qk_layernorm=cfg["qk_layernorm"]
@@ -440,7 +490,7 @@ def mtp_spec(config, spec, cfg, vp_stage):
             num_experts=cfg.get("num_experts"), moe_grouped_gemm=False, qk_layernorm=cfg["qk_layernorm"],
             multi_latent_attention=is_mla(cfg), normalization=cfg["normalization"])
         if is_mla(cfg):
-            use_mla_core_attention(spec)
+            use_mla_core_attention(spec, cfg["q_lora_rank"])
     return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
 
 
@@ -484,14 +534,21 @@ def mla_core_attention_cls():
     return _MLA_DPA
 
 
-def use_mla_core_attention(layer_spec):
-    """Swap the local DotProductAttention of an MLA layer spec for mla_core_attention_cls()."""
+def use_mla_core_attention(layer_spec, q_lora_rank="unset"):
+    """Swap the local DotProductAttention of an MLA layer spec for mla_core_attention_cls(). Without q
+    LoRA (q_lora_rank None) the spec's q_layernorm becomes IdentityOp: megatron-core builds no
+    q_layernorm then (0.16 ignores the spec's; 0.19 refuses a non-trivial one), so the keys are the same."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.identity_op import IdentityOp
 
     sub = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
     sub = getattr(sub, "submodules", None)
-    if sub is not None and getattr(sub, "core_attention", None) is DotProductAttention:
+    if sub is None:
+        return
+    if getattr(sub, "core_attention", None) is DotProductAttention:
         sub.core_attention = mla_core_attention_cls()
+    if q_lora_rank is None and hasattr(sub, "q_layernorm"):
+        sub.q_layernorm = IdentityOp
 
 
 def build_chunks(cfg, tp, pp, first=None, last=None, vpp=None, parallel_output=True, ep=1, etp=None,
@@ -532,6 +589,14 @@ def global_param_name(model, name):
     return f"decoder.layers.{layer_number - 1}.{m.group(2)}"
 
 
+def seed_name(model, name):
+    """The name a tensor's random values are keyed by: the global layer number, and the MTP layer's
+    transformer layer as `transformer_layer` (megatron-core >= 0.17 calls the module mtp_model_layer,
+    0.16 transformer_layer; torch_dist keys say transformer_layer in both), so both runtimes make the
+    same model from the same seed."""
+    return global_param_name(model, name).replace(".mtp_model_layer.", ".transformer_layer.")
+
+
 def randomize(model, cfg, seed):
     """Overwrite every parameter of `model` (or of each chunk in a list of VPP chunks) with seeded
     random values (norm weights ~1 +- 0.1, biases ~N(0, 0.1), matrices ~N(0, 1/hidden)).
@@ -563,10 +628,7 @@ def randomize(model, cfg, seed):
     scale = 1.0 / math.sqrt(cfg["hidden_size"])
     with torch.no_grad():
         for name, p in model.named_parameters():
-            key_name = global_param_name(model, name)
-            # megatron-core >= 0.17 names the MTP layer's transformer layer mtp_model_layer (0.16:
-            # transformer_layer; torch_dist keys keep transformer_layer): the same values in both
-            key_name = key_name.replace(".mtp_model_layer.", ".transformer_layer.")
+            key_name = seed_name(model, name)
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 key_name = "embedding.word_embeddings.weight"
             sharded = bool(getattr(p, "tensor_model_parallel", False))
@@ -590,7 +652,7 @@ def randomize(model, cfg, seed):
             for name, b in model.named_buffers():
                 if not name.endswith("router.expert_bias") or b is None:
                     continue
-                key = f"{seed}|0|-1|{global_param_name(model, name)}"
+                key = f"{seed}|0|-1|{seed_name(model, name)}"
                 g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
                 b.copy_((0.1 * torch.randn(b.shape, generator=g, dtype=torch.float32)).to(b.dtype))
 

@@ -94,7 +94,9 @@ MLATransformerConfig and get_gpt_decoder_block_spec(use_transformer_engine=False
 MLA models); qk_layernorm true gives the q/kv layernorms. The CPU shims MLA needs (0.16.1:
 multi_latent_attention.HAVE_TE = False without TE; a local DotProductAttention that accepts MLA's
 k_channels/v_channels and sizes its output by v_head_dim; without q LoRA the spec's q_layernorm is
-IdentityOp, as 0.19 demands and 0.16 ignores) are applied only when an MLA model is built. MLA applies
+IdentityOp, as 0.19 demands and 0.16 ignores, and 0.19's resolver keeps the spec's plain
+linear_q_proj instead of demanding a fused norm+linear the local backend lacks) are applied only when
+an MLA model is built. MLA applies
 RoPE to de-interleaved rope dims (rope_utils: t[..., 0::2], t[..., 1::2]) like HF's
 rope_interleave=True, so HF DeepSeek weights need no RoPE permutation.
 The local MLA spec's tensors (0.16.1 and 0.19.2 alike; torch_dist key = legacy name here):
@@ -506,6 +508,31 @@ def apply_mla_shims():
 
     if importlib.util.find_spec("transformer_engine") is None:
         mla.HAVE_TE = False
+        _local_q_proj_without_q_lora()
+
+
+def _local_q_proj_without_q_lora():
+    """megatron-core >= 0.19 (mla_qk_norm_config.QKNormConfigResolver): with qk_layernorm and no q LoRA it
+    insists on the backend's fused norm+linear for linear_q_proj (in the TE spec that norm is the fused
+    input layernorm); the local backend has none (and without TE the TE backend's is a stand-in), so no
+    local MLA model without q LoRA builds. Keep the spec's plain linear_q_proj (the local spec has a
+    separate input_layernorm): the 0.16 model, keys unchanged. Only without Transformer Engine."""
+    try:
+        from megatron.core.transformer import mla_qk_norm_config as qk
+    except ImportError:  # 0.16: no resolver
+        return
+    cls = qk.QKNormConfigResolver
+    if getattr(cls, "_oracle_patched", False):
+        return
+    orig = cls._mla_fused_linear_or_default
+
+    def pick(self, module_spec, module_name):
+        if module_name == "linear_q_proj" and module_spec is not None and not self._is_fused_norm_linear(module_spec):
+            return module_spec
+        return orig(self, module_spec, module_name)
+
+    cls._mla_fused_linear_or_default = pick
+    cls._oracle_patched = True
 
 
 _MLA_DPA = None

@@ -16,6 +16,7 @@ it is tp * pp * dp for some dp >= 1, and megatron-core requires ep * etp to divi
       [--ref-format auto|torch_dist|megatron] [--check-args]
   torchrun --nproc_per_node=T tests/mcore_oracle.py logits --config C.json --tp T [--pp 1] \
       --ckpt X --out FILE.pt [--seed S] [--ckpt-format ...]
+  torchrun --nproc_per_node=T tests/mcore_oracle.py mtp --config C.json --tp T --ckpt X [--seed S]
   torchrun --nproc_per_node=N tests/mcore_oracle.py layout --config C.json --tp T --pp P \
       [--vpp V] [--first N] [--last M] --out FILE.json
   torchrun --nproc_per_node=T*P tests/mcore_oracle.py dump --config C.json --tp T --pp P --ckpt X --out DIR
@@ -77,6 +78,57 @@ get_checkpoint_name: _PPP only with pp > 1, _EEE = expert-parallel rank only wit
 attention TP rank); only expert-data-parallel rank 0 writes them, and the legacy format is refused
 when etp != tp (Megatron-LM cannot name those files). torch_dist saves dedupe DP replicas themselves.
 `layout` also records each rank's ep_rank and etp_rank.
+
+DeepSeek-style routing (MoE configs; keys set only when a config gives one, or uses MLA):
+moe_router_num_groups, moe_router_group_topk (group-limited top-k: megatron-core scores a group by
+the sum of its top (topk / group_topk) scores), moe_router_topk_scaling_factor, moe_router_dtype
+("fp32"/"fp64"/null); with moe_router_score_function "sigmoid" and moe_router_enable_expert_bias.
+args get them and `compare --check-args` checks them.
+
+Multi-Latent Attention (MLA): multi_latent_attention true with q_lora_rank (null = no q LoRA: one
+linear_q_proj), kv_lora_rank, qk_head_dim (the no-RoPE part), qk_pos_emb_head_dim, v_head_dim and
+rope_type ("rope": plain RoPE with rotary_base, softmax scale 1/sqrt(qk_head_dim + qk_pos_emb_head_dim);
+"yarn" passes rotary_scaling_factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
+mscale_all_dim through, untested); num_query_groups must equal the heads. Built with
+MLATransformerConfig and get_gpt_decoder_block_spec(use_transformer_engine=False) (also for dense
+MLA models); qk_layernorm true gives the q/kv layernorms. The CPU shims MLA needs (0.16.1:
+multi_latent_attention.HAVE_TE = False without TE; a local DotProductAttention that accepts MLA's
+k_channels/v_channels and sizes its output by v_head_dim; without q LoRA the spec's q_layernorm is
+IdentityOp, as 0.19 demands and 0.16 ignores, and 0.19's resolver keeps the spec's plain
+linear_q_proj instead of demanding a fused norm+linear the local backend lacks) are applied only when
+an MLA model is built. MLA applies
+RoPE to de-interleaved rope dims (rope_utils: t[..., 0::2], t[..., 1::2]) like HF's
+rope_interleave=True, so HF DeepSeek weights need no RoPE permutation.
+The local MLA spec's tensors (0.16.1 and 0.19.2 alike; torch_dist key = legacy name here):
+  decoder.layers.L.input_layernorm.weight, .pre_mlp_layernorm.weight (NOT remapped to
+  linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight as in the GQA local spec; dense
+  layers too), .self_attention.{linear_q_down_proj, linear_q_up_proj | linear_q_proj,
+  linear_kv_down_proj, linear_kv_up_proj, linear_proj}.weight, .self_attention.{q_layernorm,
+  kv_layernorm}.weight. linear_q_down_proj [q_lora_rank, h] and linear_kv_down_proj
+  [kv_lora_rank + qk_pos_emb_head_dim, h] are ColumnParallelLinear in the local spec: their output
+  dim 0 IS split over TP (megatron-core gathers the output before the layernorm); the TE spec makes
+  them replicated TELinear instead. linear_q_up_proj [heads * (qk_head_dim + qk_pos_emb_head_dim),
+  q_lora_rank], linear_q_proj [same, h] and linear_kv_up_proj [heads * (qk_head_dim + v_head_dim),
+  kv_lora_rank] split dim 0 (per head: [nope; rope] and [k_nope; v]); linear_proj [h, heads *
+  v_head_dim] splits dim 1; the layernorms are replicated.
+
+Multi-Token Prediction (MTP): mtp_num_layers N (null = none; mtp_loss_scaling_factor default 0.1)
+builds megatron-core's MTP block (get_gpt_mtp_block_spec over the stage's block spec: the MTP
+layer's transformer layer is the last decoder layer's spec) on the last PP stage: keys
+mtp.layers.K.{enorm, hnorm, eh_proj [h, 2h], final_layernorm}.weight and
+mtp.layers.K.transformer_layer.<a decoder layer's names> (per MTP layer, no stacked layer axis;
+megatron-core >= 0.17 names the module mtp_model_layer, so its legacy state_dict says
+mtp.layers.K.mtp_model_layer.* while torch_dist keeps transformer_layer). With PP > 1 the last stage
+also holds an embedding replica (the MTP input embedding), saved in torch_dist as a replica of
+embedding.word_embeddings.weight and present in that stage's legacy state_dict; the models are
+then asked for sharded_state_dict(metadata={"dp_cp_group": ...}) (megatron-core needs it there).
+`make` randomises the MTP layers too (same values from 0.16 and 0.19 for one seed); `logits` returns
+the main head's logits (megatron-core's MTP forward needs labels: next-token labels are given and the
+output layer's last call is kept); `mtp` runs the forward with labels and prints
+"ORACLE MTP depth=1 loss=X main_loss=Y", exit 1 if a loss is not finite. args get
+multi_latent_attention, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim,
+rope_type and mtp_num_layers; `compare --check-args` checks them (and that a config without MLA/MTP
+has no multi_latent_attention / mtp_num_layers set in the checkpoint args).
 """
 
 import argparse
@@ -175,13 +227,47 @@ def load_config(path):
         cfg.setdefault("moe_router_enable_expert_bias", False)
         cfg.setdefault("moe_router_score_function", "softmax")
         cfg.setdefault("moe_router_pre_softmax", False)
+        if any(cfg.get(k) is not None for k in MOE_ROUTER_EXTRA) or cfg.get("multi_latent_attention"):
+            for k, v in MOE_ROUTER_EXTRA.items():  # DeepSeek routing keys (only for configs that use them)
+                cfg.setdefault(k, v)
         freq = cfg["moe_layer_freq"]
         if isinstance(freq, bool) or not (
             (isinstance(freq, int) and freq >= 1)
             or (isinstance(freq, list) and len(freq) == cfg["num_layers"] and set(freq) <= {0, 1})
         ):
             raise SystemExit(f"moe_layer_freq {freq!r}: need an int >= 1 or a list of num_layers 0/1")
+    if cfg.get("multi_latent_attention"):  # MLA; other configs get no MLA keys
+        for k, v in MLA_DEFAULTS.items():
+            cfg.setdefault(k, v)
+        if cfg["num_query_groups"] != heads:
+            raise SystemExit("multi_latent_attention: num_query_groups must equal num_attention_heads")
+        if cfg["rope_type"] not in ("rope", "yarn"):
+            raise SystemExit(f"rope_type {cfg['rope_type']!r}: need 'rope' or 'yarn'")
+    if cfg.get("mtp_num_layers") is not None:
+        if not (isinstance(cfg["mtp_num_layers"], int) and cfg["mtp_num_layers"] >= 1):
+            raise SystemExit(f"mtp_num_layers {cfg['mtp_num_layers']!r}: need an int >= 1 (or null)")
+        cfg.setdefault("mtp_loss_scaling_factor", 0.1)
     return cfg
+
+
+# DeepSeek-style router keys (Megatron-LM names and defaults); set only when a config gives one of
+# them or uses MLA, so the args of older MoE configs stay as they were.
+MOE_ROUTER_EXTRA = {"moe_router_num_groups": None, "moe_router_group_topk": None,
+                    "moe_router_topk_scaling_factor": None, "moe_router_dtype": None}
+# Multi-Latent Attention keys (Megatron-LM names; defaults of MLATransformerConfig except rope_type,
+# which is plain RoPE here unless a config says "yarn").
+MLA_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
+                "v_head_dim": 128, "rope_type": "rope"}
+YARN_KEYS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim")
+
+
+def is_mla(cfg):
+    return bool(cfg.get("multi_latent_attention"))
+
+
+def has_mtp(cfg):
+    return cfg.get("mtp_num_layers") is not None
 
 
 def is_moe(cfg):
@@ -228,6 +314,9 @@ def make_args(cfg, tp, pp, first, last, iteration, ckpt_format, vpp=None, ep=1, 
         )
     if layout is not None:  # Megatron-LM derives V from the string; no per-stage flags with it
         d.update(pipeline_model_parallel_layout=layout)
+    if is_mla(cfg) or has_mtp(cfg):  # the MLA/MTP keys of cfg are already in d
+        d.setdefault("multi_latent_attention", False)
+        d.setdefault("mtp_num_layers", None)
     if is_moe(cfg):  # the MoE keys of cfg are already in d (moe_layer_freq as given: int or list)
         d.update(
             moe_grouped_gemm=False,
@@ -304,6 +393,27 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
             moe_token_dispatcher_type="allgather",  # alltoall builds torch.cuda.Stream() (token_dispatcher.py:445)
             moe_grouped_gemm=False,
         )
+        for k in MOE_ROUTER_EXTRA:  # DeepSeek routing (TransformerConfig has the same names)
+            if cfg.get(k) is not None:
+                extra[k] = cfg[k]
+    config_cls = TransformerConfig
+    if is_mla(cfg):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        apply_mla_shims()
+        config_cls = MLATransformerConfig
+        extra.update(
+            q_lora_rank=cfg["q_lora_rank"], kv_lora_rank=cfg["kv_lora_rank"], qk_head_dim=cfg["qk_head_dim"],
+            qk_pos_emb_head_dim=cfg["qk_pos_emb_head_dim"], v_head_dim=cfg["v_head_dim"],
+            rope_type=cfg["rope_type"], rotary_base=cfg["rotary_base"], rotary_percent=cfg["rotary_percent"],
+            apply_rope_fusion=False,
+        )
+        if cfg["rope_type"] == "rope":
+            extra.update(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)  # softmax scale 1/sqrt(d)
+        else:
+            extra.update({k: cfg[k] for k in YARN_KEYS if cfg.get(k) is not None})
+    if has_mtp(cfg):
+        extra.update(mtp_num_layers=cfg["mtp_num_layers"], mtp_loss_scaling_factor=cfg["mtp_loss_scaling_factor"])
     if first is not None:
         extra["num_layers_in_first_pipeline_stage"] = first
     if last is not None:
@@ -312,7 +422,7 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         extra["virtual_pipeline_model_parallel_size"] = vpp
     if layout is not None:
         extra["pipeline_model_parallel_layout"] = layout
-    config = TransformerConfig(
+    config = config_cls(
         num_layers=cfg["num_layers"],
         hidden_size=cfg["hidden_size"],
         ffn_hidden_size=cfg["ffn_hidden_size"],
@@ -336,12 +446,16 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         perform_initialization=True,
         **extra,
     )
-    if is_moe(cfg):
+    if is_moe(cfg) or is_mla(cfg):
         # the block spec gives mixed dense/MoE layers (get_gpt_layer_local_spec(num_experts=N) makes
-        # every layer MoE); qk_layernorm comes from config.qk_layernorm
+        # every layer MoE) and MLA layers from config.multi_latent_attention; qk_layernorm (MLA: the
+        # q/kv layernorms) comes from config.qk_layernorm
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization=cfg["normalization"], vp_stage=vp_stage
         )
+        if is_mla(cfg):
+            for layer_spec in spec.layer_specs:
+                use_mla_core_attention(layer_spec, cfg["q_lora_rank"])
     else:
         spec = get_gpt_layer_local_spec(
             normalization=cfg["normalization"], qk_layernorm=cfg["qk_layernorm"]
@@ -361,8 +475,107 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         rope_scaling=cfg.get("use_rope_scaling", False),
         rope_scaling_factor=cfg.get("rope_scaling_factor", 8.0),
         vp_stage=vp_stage,
+        **({"mtp_block_spec": mtp_spec(config, spec, cfg, vp_stage)} if has_mtp(cfg) else {}),
     )
     return model
+
+
+def mtp_spec(config, spec, cfg, vp_stage):
+    """The MTP block spec as Megatron-LM's gpt_builders makes it: megatron-core's
+    get_gpt_mtp_block_spec over this stage's decoder block spec (its last layer spec is the MTP
+    layer's transformer layer), or, on a stage without decoder layers, over the layer spec a
+    Megatron-LM run would use (MoE if the config has experts). None on stages without MTP."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    if hasattr(spec, "layer_specs") and not spec.layer_specs:
+        spec = get_gpt_layer_local_spec(
+            num_experts=cfg.get("num_experts"), moe_grouped_gemm=False, qk_layernorm=cfg["qk_layernorm"],
+            multi_latent_attention=is_mla(cfg), normalization=cfg["normalization"])
+        if is_mla(cfg):
+            use_mla_core_attention(spec, cfg["q_lora_rank"])
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+
+
+def apply_mla_shims():
+    """CPU shims for megatron-core's MLA without Transformer Engine, applied only when an MLA model
+    is built (see FIELD_NOTES): megatron-core 0.16.1 imports TE names even without TE (its
+    multi_latent_attention sets HAVE_TE = True and then isinstance-checks linear_proj against a
+    stand-in TELinear) -> HAVE_TE = False there when transformer_engine is not importable.
+    (torch.cuda.current_device -> "cpu", which MLA's RoPE needs, is in apply_cpu_shims.)"""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        mla.HAVE_TE = False
+        _local_q_proj_without_q_lora()
+
+
+def _local_q_proj_without_q_lora():
+    """megatron-core >= 0.19 (mla_qk_norm_config.QKNormConfigResolver): with qk_layernorm and no q LoRA it
+    insists on the backend's fused norm+linear for linear_q_proj (in the TE spec that norm is the fused
+    input layernorm); the local backend has none (and without TE the TE backend's is a stand-in), so no
+    local MLA model without q LoRA builds. Keep the spec's plain linear_q_proj (the local spec has a
+    separate input_layernorm): the 0.16 model, keys unchanged. Only without Transformer Engine."""
+    try:
+        from megatron.core.transformer import mla_qk_norm_config as qk
+    except ImportError:  # 0.16: no resolver
+        return
+    cls = qk.QKNormConfigResolver
+    if getattr(cls, "_oracle_patched", False):
+        return
+    orig = cls._mla_fused_linear_or_default
+
+    def pick(self, module_spec, module_name):
+        if module_name == "linear_q_proj" and module_spec is not None and not self._is_fused_norm_linear(module_spec):
+            return module_spec
+        return orig(self, module_spec, module_name)
+
+    cls._mla_fused_linear_or_default = pick
+    cls._oracle_patched = True
+
+
+_MLA_DPA = None
+
+
+def mla_core_attention_cls():
+    """The local DotProductAttention with MLA's k_channels/v_channels: megatron-core's MLA passes
+    k_channels=qk_head_dim+qk_pos_emb_head_dim and v_channels=v_head_dim (only TE's attention takes
+    them); the local one sizes its output by kv_channels * heads, so this subclass sizes it by
+    v_channels (the scores are q.k with the softmax_scale MLA passes)."""
+    global _MLA_DPA
+    if _MLA_DPA is None:
+        from megatron.core import parallel_state
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        class MLADotProductAttention(DotProductAttention):
+            def __init__(self, *args, k_channels=None, v_channels=None, **kw):
+                super().__init__(*args, **kw)
+                if v_channels is not None:
+                    tp = self.pg_collection.tp.size() if getattr(self, "pg_collection", None) is not None \
+                        else parallel_state.get_tensor_model_parallel_world_size()
+                    self.hidden_size_per_partition = v_channels * self.config.num_attention_heads // tp
+                    self.hidden_size_per_attention_head = v_channels
+
+        _MLA_DPA = MLADotProductAttention
+    return _MLA_DPA
+
+
+def use_mla_core_attention(layer_spec, q_lora_rank="unset"):
+    """Swap the local DotProductAttention of an MLA layer spec for mla_core_attention_cls(). Without q
+    LoRA (q_lora_rank None) the spec's q_layernorm becomes IdentityOp: megatron-core builds no
+    q_layernorm then (0.16 ignores the spec's; 0.19 refuses a non-trivial one), so the keys are the same."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    sub = getattr(getattr(layer_spec, "submodules", None), "self_attention", None)
+    sub = getattr(sub, "submodules", None)
+    if sub is None:
+        return
+    if getattr(sub, "core_attention", None) is DotProductAttention:
+        sub.core_attention = mla_core_attention_cls()
+    if q_lora_rank is None and hasattr(sub, "q_layernorm"):
+        sub.q_layernorm = IdentityOp
 
 
 def build_chunks(cfg, tp, pp, first=None, last=None, vpp=None, parallel_output=True, ep=1, etp=None,
@@ -372,6 +585,19 @@ def build_chunks(cfg, tp, pp, first=None, last=None, vpp=None, parallel_output=T
         return [build_model(cfg, tp, pp, first, last, parallel_output, ep=ep, etp=etp, layout=layout)]
     return [build_model(cfg, tp, pp, first, last, parallel_output, vpp=vpp, vp_stage=v, ep=ep, etp=etp,
                         layout=layout) for v in range(vpp)]
+
+
+def sharded_sd(model):
+    """model.sharded_state_dict() as Megatron-LM asks for it. With MTP on a stage without the
+    embedding (PP > 1), megatron-core's GPTModel ties the stage's embedding replica through
+    metadata["dp_cp_group"] (gpt_model.py sharded_state_dict), so MTP models get that metadata;
+    other models are asked exactly as before (no metadata)."""
+    if getattr(model.config, "mtp_num_layers", None) is None:
+        return model.sharded_state_dict()
+    from megatron.core import parallel_state
+
+    return model.sharded_state_dict(
+        metadata={"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)})
 
 
 def model_keys(vpp):
@@ -388,6 +614,14 @@ def global_param_name(model, name):
     if layer_number is None:
         return name
     return f"decoder.layers.{layer_number - 1}.{m.group(2)}"
+
+
+def seed_name(model, name):
+    """The name a tensor's random values are keyed by: the global layer number, and the MTP layer's
+    transformer layer as `transformer_layer` (megatron-core >= 0.17 calls the module mtp_model_layer,
+    0.16 transformer_layer; torch_dist keys say transformer_layer in both), so both runtimes make the
+    same model from the same seed."""
+    return global_param_name(model, name).replace(".mtp_model_layer.", ".transformer_layer.")
 
 
 def randomize(model, cfg, seed):
@@ -421,7 +655,7 @@ def randomize(model, cfg, seed):
     scale = 1.0 / math.sqrt(cfg["hidden_size"])
     with torch.no_grad():
         for name, p in model.named_parameters():
-            key_name = global_param_name(model, name)
+            key_name = seed_name(model, name)
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 key_name = "embedding.word_embeddings.weight"
             sharded = bool(getattr(p, "tensor_model_parallel", False))
@@ -445,7 +679,7 @@ def randomize(model, cfg, seed):
             for name, b in model.named_buffers():
                 if not name.endswith("router.expert_bias") or b is None:
                     continue
-                key = f"{seed}|0|-1|{global_param_name(model, name)}"
+                key = f"{seed}|0|-1|{seed_name(model, name)}"
                 g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
                 b.copy_((0.1 * torch.randn(b.shape, generator=g, dtype=torch.float32)).to(b.dtype))
 
@@ -520,7 +754,7 @@ def load_chunks(chunks, path, fmt, pp, vpp, cfg=None, tp=None, ep=1, etp=None):
     if fmt == "torch_dist":
         common = dist_checkpointing.load_common_state_dict(iterdir)
         loaded = dist_checkpointing.load(
-            {k: c.sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}, iterdir,
+            {k: sharded_sd(c) for k, c in zip(keys, chunks, strict=True)}, iterdir,
             strict=StrictHandling.RAISE_ALL
         )
         for k, c in zip(keys, chunks, strict=True):  # a chunk with no tensors (layout string) loads nothing
@@ -575,7 +809,7 @@ def cmd_make(a, cfg):
             os.makedirs(d, exist_ok=True)
         dist.barrier()
         args = make_args(cfg, a.tp, a.pp, a.first, a.last, it, "torch_dist", a.vpp, a.ep, a.etp, a.pipeline_layout)
-        state = {k: c.sharded_state_dict() for k, c in zip(keys, chunks, strict=True)}
+        state = {k: sharded_sd(c) for k, c in zip(keys, chunks, strict=True)}
         state.update({
             "args": args,
             "iteration": it,
@@ -646,6 +880,14 @@ def check_args(ck_args, cfg, a):
             "moe_router_score_function", "moe_router_pre_softmax",
         ):
             want[k] = cfg[k]
+        for k in MOE_ROUTER_EXTRA:
+            if k in cfg:
+                want[k] = cfg[k]
+    if is_mla(cfg):
+        for k in ("multi_latent_attention", "qk_layernorm", "rope_type", *MLA_DEFAULTS):
+            want[k] = cfg[k]
+    if has_mtp(cfg):
+        want["mtp_num_layers"] = cfg["mtp_num_layers"]
     want["pipeline_model_parallel_layout"] = a.pipeline_layout
     for k, v in want.items():
         got = getattr(ck_args, k, None if k == "pipeline_model_parallel_layout" else "<absent>")
@@ -655,6 +897,10 @@ def check_args(ck_args, cfg, a):
             continue  # None means "= tp" (megatron-core model_parallel_config.py:413)
         if got != v:
             probs.append(f"args.{k}={got!r} expected {v!r}")
+    if not is_mla(cfg) and getattr(ck_args, "multi_latent_attention", False):
+        probs.append("args.multi_latent_attention=True for a config without MLA")
+    if not has_mtp(cfg) and getattr(ck_args, "mtp_num_layers", None) is not None:
+        probs.append(f"args.mtp_num_layers={ck_args.mtp_num_layers!r} for a config without MTP")
     return probs
 
 
@@ -748,20 +994,97 @@ def cmd_logits(a, cfg):
     randomize(model, cfg, 3_000_017)
     load_into(model, a.ckpt, a.ckpt_format, 1, cfg, a.tp, a.ep, a.etp)
     model.eval()
-    g = torch.Generator().manual_seed(a.seed)  # same tokens on every rank (TP/EP/DP)
-    b, s = 2, min(16, cfg["seq_length"])
-    tokens = torch.randint(0, cfg["vocab_size"], (b, s), generator=g)
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
-    # local spec: causal mask type; a bool mask (True = masked) of shape [b, 1, s, s]
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s).expand(b, 1, s, s)
+    # same tokens on every rank (TP/EP/DP); local spec: causal mask type, a bool mask (True = masked)
+    # of shape [b, 1, s, s]
+    tokens, position_ids, mask = causal_inputs(cfg, a.seed)
     with torch.no_grad():
-        logits = model(tokens, position_ids, mask)  # [b, s, padded_vocab], gathered over TP
+        if has_mtp(cfg):  # megatron-core's MTP path needs labels; the main head's logits are the
+            logits = main_head_logits(model, tokens, position_ids, mask)  # output layer's last call
+        else:
+            logits = model(tokens, position_ids, mask)  # [b, s, padded_vocab], gathered over TP
     logits = logits[..., : cfg["vocab_size"]].contiguous()
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         torch.save({"tokens": tokens, "logits": logits}, a.out)
         print(f"ORACLE LOGITS {tuple(logits.shape)} -> {a.out}", flush=True)
     return 0
+
+
+def causal_inputs(cfg, seed):
+    """Seeded tokens (the same on every rank), position ids and the local spec's bool causal mask."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    b, s = 2, min(16, cfg["seq_length"])
+    tokens = torch.randint(0, cfg["vocab_size"], (b, s), generator=g)
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s).expand(b, 1, s, s)
+    return tokens, position_ids, mask
+
+
+def next_token_labels(tokens):
+    """labels[i] = tokens[i + 1]; the last position gets token 0 (it is left out of the losses)."""
+    import torch
+
+    return torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)
+
+
+def main_head_logits(model, tokens, position_ids, mask):
+    """Main-head logits [b, s, v] of an MTP model: megatron-core's forward with MTP needs labels and
+    then returns losses, so run it with next-token labels and keep the output layer's last call
+    (megatron-core calls it for the MTP depths first, then for the main head). A copy: megatron-core's
+    vocab-parallel cross-entropy then works on the logits in place."""
+    calls = []
+    h = model.output_layer.register_forward_hook(lambda mod, inp, out: calls.append(out[0].detach().clone()))
+    try:
+        model(tokens, position_ids, mask, labels=next_token_labels(tokens))
+    finally:
+        h.remove()
+    return calls[-1].transpose(0, 1)  # [s, b, v] -> [b, s, v]
+
+
+def cmd_mtp(a, cfg):
+    """Forward WITH labels, so megatron-core's MTP path (mtp block, its output-layer calls and
+    per-token losses) runs; prints `ORACLE MTP depth=K loss=X ... main_loss=Y` (mean token losses
+    from megatron-core's own compute_language_model_loss; depth K's labels are the tokens shifted
+    by K + 1, the last K + 1 positions left out) and fails if any loss is not finite. TP/EP, no PP."""
+    import torch
+    import torch.distributed as dist
+
+    if not has_mtp(cfg):
+        raise SystemExit("mtp needs a config with mtp_num_layers")
+    if a.pp != 1 or a.vpp is not None:
+        raise SystemExit("mtp needs --pp 1 and no --vpp")
+    model = build_model(cfg, a.tp, 1, parallel_output=True, ep=a.ep, etp=a.etp)
+    randomize(model, cfg, 3_000_017)
+    load_into(model, a.ckpt, a.ckpt_format, 1, cfg, a.tp, a.ep, a.etp)
+    model.eval()
+    tokens, position_ids, mask = causal_inputs(cfg, a.seed)
+    losses = []
+    inner = model.compute_language_model_loss
+
+    def recording(labels, logits):
+        out = inner(labels, logits)
+        losses.append(out.detach().clone())  # [b, s] per-token cross-entropy
+        return out
+
+    model.compute_language_model_loss = recording
+    try:
+        with torch.no_grad():
+            main = model(tokens, position_ids, mask, labels=next_token_labels(tokens))
+    finally:
+        del model.compute_language_model_loss
+    k = cfg["mtp_num_layers"]
+    if len(losses) != k + 1:
+        raise SystemExit(f"expected {k + 1} loss computations (MTP depths + main), saw {len(losses)}")
+    s = tokens.shape[1]
+    vals = [losses[d][:, : s - (d + 2)].double().mean().item() for d in range(k)]
+    main_loss = main[:, : s - 1].double().mean().item()
+    ok = all(math.isfinite(v) for v in vals + [main_loss])
+    if dist.get_rank() == 0:
+        depth = " ".join(f"depth={d + 1} loss={v:.6f}" for d, v in enumerate(vals))
+        print(f"ORACLE MTP {depth} main_loss={main_loss:.6f}" + ("" if ok else " NOT FINITE"), flush=True)
+    return 0 if ok else 1
 
 
 def cmd_dump(a, cfg):
@@ -788,7 +1111,7 @@ def cmd_layout(a, cfg):
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 
     def describe(model):
-        ssd = model.sharded_state_dict()
+        ssd = sharded_sd(model)
         apply_factories(ssd)
         tensors, objects = [], []
         for v in nested_values(ssd):
@@ -861,6 +1184,11 @@ def main(argv=None, serving=False):
     sp.add_argument("--ckpt-format", choices=fmts, default="auto")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=1234)
+    sp = sub.add_parser("mtp")
+    common(sp)
+    sp.add_argument("--ckpt", required=True)
+    sp.add_argument("--ckpt-format", choices=fmts, default="auto")
+    sp.add_argument("--seed", type=int, default=1234)
     sp = sub.add_parser("layout")
     common(sp)
     sp.add_argument("--out", required=True)
@@ -880,7 +1208,7 @@ def main(argv=None, serving=False):
     init_parallel(a.tp, a.pp, a.vpp, a.ep, a.etp, cfg)
     try:
         rc = {"make": cmd_make, "compare": cmd_compare, "logits": cmd_logits, "layout": cmd_layout,
-              "dump": cmd_dump}[a.cmd](a, cfg)
+              "dump": cmd_dump, "mtp": cmd_mtp}[a.cmd](a, cfg)
         dist.barrier()
     finally:
         end_parallel(serving)

@@ -175,7 +175,8 @@ def deepseek_oracle_config(hf: dict) -> dict:
             "moe_shared_expert_intermediate_size": (hf["moe_intermediate_size"] * hf["n_shared_experts"]
                                                     if hf.get("n_shared_experts") else None),
             "moe_shared_expert_gate": False,
-            "moe_layer_freq": [int(layer >= k) for layer in range(layers)], "moe_router_topk": hf["num_experts_per_tok"],
+            "moe_layer_freq": [int(layer >= k) for layer in range(layers)],
+            "moe_router_topk": hf["num_experts_per_tok"],
             "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
             "moe_router_pre_softmax": False, "moe_router_num_groups": groups if groups > 1 else None,
             "moe_router_group_topk": group_topk if groups > 1 else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_layout import cfg as dense_cfg
 
 from dist_convert.bench.plan_scale import CASES, DEEPSEEK_V3, plan_case
 from dist_convert.errors import ConvertError
@@ -17,7 +18,6 @@ from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 
 from hf_models import dequant_fp8
-from test_layout import cfg as dense_cfg
 
 MLA = dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
            v_head_dim=16, qk_layernorm=True, num_query_groups=4, num_layers=3, num_experts=8, moe_ffn_hidden_size=32,
@@ -50,8 +50,9 @@ def test_mla_torch_dist_keys_follow_each_spec():
     te = set(dist_groups(cfg(spec="te")))
     local = set(dist_groups(cfg(spec="local", mla_down_split=True)))
     p = "decoder.layers.0."
-    assert {p + "self_attention.linear_q_up_proj.layer_norm_weight", p + "self_attention.linear_kv_up_proj.layer_norm_weight",
-            p + "input_layernorm.weight", p + "mlp.linear_fc1.layer_norm_weight"} <= te
+    assert {p + "self_attention.linear_q_up_proj.layer_norm_weight",
+            p + "self_attention.linear_kv_up_proj.layer_norm_weight", p + "input_layernorm.weight",
+            p + "mlp.linear_fc1.layer_norm_weight"} <= te
     assert {p + "self_attention.q_layernorm.weight", p + "self_attention.kv_layernorm.weight",
             p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"} <= local
     assert "decoder.layers.1.pre_mlp_layernorm.weight" in te  # an MoE layer keeps its own norm

@@ -70,3 +70,32 @@ def test_table_matches_megatron_core(tmp_path, name, layout):
         got = {k: list(shape) for k, (shape, _) in entries.items()}
         got.update({k: None for k in extra_state_keys(cfg, layout, r["pp_rank"], "local")})
         assert got == r["state_dict"], (r["tp_rank"], r["pp_rank"])
+
+
+@pytest.mark.parametrize("q_lora", [32, None], ids=["q-lora", "q-proj"])
+def test_mla_mtp_table_matches_megatron_core(tmp_path, q_lora):
+    """DeepSeek-class (MLA + dense and MoE layers + an MTP layer on the last stage), megatron-core's local spec:
+    its keys differ from TE's and its down-projections are column-parallel."""
+    import argparse
+
+    from dist_convert.config import config_from_args
+
+    from hf_models import DEEPSEEK, deepseek_oracle_config
+
+    cfg_dict = deepseek_oracle_config({**DEEPSEEK, "q_lora_rank": q_lora, "num_nextn_predict_layers": 1,
+                                       "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+                                       "rms_norm_eps": 1e-6, "max_position_embeddings": 64})
+    layout = Layout(2, 2, first=1)
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps(cfg_dict))
+    out = tmp_path / "layout.json"
+    oracle("layout", 4, "--config", str(config), "--tp", "2", "--pp", "2", "--first", "1", "--out", str(out))
+    ranks = json.loads(out.read_text())
+    cfg = config_from_args(argparse.Namespace(**cfg_dict), None, "local", 2)
+    assert cfg.mla and cfg.mla_down_split and cfg.mtp_num_layers == 1
+    assert_torch_dist_matches(ranks, cfg, layout)
+    for r in ranks:
+        entries = rank_entries(cfg, layout, r["tp_rank"], r["pp_rank"], "local")
+        got = {k: list(shape) for k, (shape, _) in entries.items()}
+        got.update({k: None for k in extra_state_keys(cfg, layout, r["pp_rank"], "local")})
+        assert got == r["state_dict"], (r["tp_rank"], r["pp_rank"])

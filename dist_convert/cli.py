@@ -62,6 +62,7 @@ def format_options(ns: argparse.Namespace) -> FormatOptions:
                          nemo_style=getattr(ns, "nemo_style", None),
                          torch_dist_style=getattr(ns, "torch_dist_style", None), allow_missing=tuple(ns.allow_missing),
                          dtype=_CAST.get(getattr(ns, "dtype", "keep")),
+                         quantize=None if getattr(ns, "quantize", "none") == "none" else ns.quantize,
                          ignore_unexpected=tuple(ns.ignore_unexpected))
 
 
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vocabulary padding multiple per TP rank (default: the source's; 128 from hf)")
     r.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9,
                    help="hf target: bytes per *.safetensors shard (default 5GB)")
+    r.add_argument("--quantize", choices=("none", "fp8-block"), default="none",
+                   help="hf target: fp8-block writes linear weights as float8_e4m3fn with 128x128-block fp32 "
+                        "<name>_scale_inv, as DeepSeek-V3's FP8 release stores them (default: none)")
     r.add_argument("--tokenizer-dir", type=Path, default=None,
                    help="hf, bridge, nemo2 targets: copy tokenizer files from here (default: the source's)")
     r.add_argument("--tokenizer-model", type=Path, default=None,

@@ -154,6 +154,9 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     if f.nemo_style and dst_fmt.name != "nemo":
         raise ConvertError(f"--nemo-style applies to .nemo targets, not {dst_fmt.name}",
                            "drop --nemo-style or pass --dst-format nemo")
+    if f.quantize and dst_fmt.name != "hf":
+        raise ConvertError(f"--quantize {f.quantize} applies to hf targets, not {dst_fmt.name}",
+                           "drop --quantize or pass --dst-format hf")
     if f.torch_dist_style and dst_fmt.name != "torch_dist":
         raise ConvertError(f"--torch-dist-style applies to torch_dist targets, not {dst_fmt.name}",
                            "drop --torch-dist-style or pass --dst-format torch_dist")

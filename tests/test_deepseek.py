@@ -114,6 +114,17 @@ def test_fp8_release_dequantizes_to_the_formula(ds, tmp_path):
     for k, t in got.items():
         want = dequant_fp8(q[k], q[k + "_scale_inv"]).to(torch.bfloat16) if k in scaled else q[k]
         assert t.dtype == want.dtype and torch.equal(t, want), k
+    # dequantized in fp32 and written back with --quantize fp8-block (sharded): the release, bit for bit
+    td32, again = tmp_path / "td32", tmp_path / "fp8"
+    ok(run_cli("reshard", str(src), str(td32), "--target-tp", "2", "--dst-format", "torch_dist", "--dtype", "fp32",
+               nproc=2))
+    ok(run_cli("reshard", str(td32), str(again), "--dst-format", "hf", "--quantize", "fp8-block", "--max-shard-size",
+               "200KB", nproc=2))
+    back = tensors(again)
+    assert set(back) == set(q) and len(list(again.glob("*.safetensors"))) > 1
+    for k, t in q.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k].view(torch.uint8), t.view(torch.uint8)), k
+    assert json.loads((again / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
 
 
 def _edit_fp8(src: Path, dst: Path, edit) -> Path:
@@ -130,6 +141,7 @@ def _edit_fp8(src: Path, dst: Path, edit) -> Path:
     ("wrong grid", ("_scale_inv has shape", "float32 grid")),
     ("attention bias", ("attention_bias", "megatron-core")),
     ("mtp copy differs", ("model.layers.3.shared_head.head.weight", "differs from lm_head.weight")),
+    ("quantize torch_dist", ("--quantize fp8-block applies to hf targets", "--dst-format hf")),
 ])
 def test_bad_deepseek_input_is_refused(ds, tmp_path, case, needles):
     src = tmp_path / "src"
@@ -142,6 +154,8 @@ def test_bad_deepseek_input_is_refused(ds, tmp_path, case, needles):
         t = load_file(src / "model-mtp.safetensors")
         t["model.layers.3.shared_head.head.weight"][5, 7] += 1.0
         save_file(t, src / "model-mtp.safetensors")
+    elif case == "quantize torch_dist":
+        src = ds / "fp8"
     else:
         name = "model.layers.0.self_attn.kv_b_proj.weight_scale_inv"
 
@@ -152,5 +166,6 @@ def test_bad_deepseek_input_is_refused(ds, tmp_path, case, needles):
                 else:
                     t[name] = torch.ones(t[name].shape[0] + 1, t[name].shape[1])
         _edit_fp8(ds / "fp8", src, edit)
-    assert_refused(run_cli("reshard", str(src), str(tmp_path / "dst"), "--dst-format", "torch_dist"), tmp_path,
+    extra = ["--quantize", "fp8-block"] if case.startswith("quantize") else []
+    assert_refused(run_cli("reshard", str(src), str(tmp_path / "dst"), "--dst-format", "torch_dist", *extra), tmp_path,
                    *needles)

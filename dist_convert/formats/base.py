@@ -37,6 +37,7 @@ class FormatOptions:
     nemo_style: str | None = None  # nemo target: "mcore" | "legacy" | "megatron_legacy" (None: the source's)
     torch_dist_style: str | None = None  # torch_dist target: "0.16" (common.pt) | "0.19" (None: the source's or 0.16)
     dtype: torch.dtype | None = None  # --dtype: what hf reads dequantize FP8 weights to (None: bf16)
+    quantize: str | None = None  # hf target: "fp8-block" writes block-scaled FP8 weights (--quantize)
     allow_missing: tuple[str, ...] = ()  # globs: source tensors that may be missing (left out of the conversion)
     ignore_unexpected: tuple[str, ...] = ()  # globs: unknown source tensors to skip
 
@@ -186,6 +187,7 @@ class KeyPolicy:
     Readers report each file's surprises here and pass their index through ``finish``."""
 
     dtype: torch.dtype | None = None  # --dtype: what hf reads dequantize FP8 weights to (None: bf16)
+    quantize: str | None = None  # hf target: "fp8-block" writes block-scaled FP8 weights (--quantize)
     allow_missing: tuple[str, ...] = ()
     ignore_unexpected: tuple[str, ...] = ()
     ignored: list[str] = field(default_factory=list)  # "where: key" of skipped unknown tensors

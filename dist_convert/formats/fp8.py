@@ -15,6 +15,17 @@ from ..layout.boxes import Box
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"
 DEFAULT_BLOCK = (128, 128)
+# what ``--quantize fp8-block`` writes into config.json (DeepSeek-V3's)
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": list(DEFAULT_BLOCK)}
+# HF weights the releases keep in high precision: embeddings, output heads, norms, routers
+_KEEP = ("embed_tokens.", "lm_head.", "shared_head.head.", "norm.", "layernorm.", "mlp.gate.weight",
+         "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
+
+
+def quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether an FP8 release stores HF tensor ``name`` in FP8: every 2-D linear weight but the ``_KEEP`` ones."""
+    return len(shape) == 2 and name.endswith(".weight") and not any(k in name for k in _KEEP)
 
 
 def block_size(hf: dict[str, Any]) -> tuple[int, int]:

@@ -340,7 +340,21 @@ class HFFormat:
 
     def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
         return FileAtATime(files, lambda f, tensors: write_file(
-            out_dir / f.name, [(t.key, x) for t, x in zip(f.tensors, tensors, strict=True)]))
+            out_dir / f.name, [kv for t, x in zip(f.tensors, tensors, strict=True) for kv in self._stored(t.key, x)]))
+
+    def _stored_sizes(self, t: TargetTensor) -> list[tuple[str, int]]:
+        """(name, bytes) of what ``_stored`` writes for target tensor ``t``."""
+        if self.options.quantize and fp8.quantizable(t.key, t.shape):
+            rows, cols = fp8.scale_grid(t.shape, fp8.DEFAULT_BLOCK)
+            return [(t.key, t.shape[0] * t.shape[1]), (t.key + fp8.SCALE_SUFFIX, 4 * rows * cols)]
+        return [(t.key, t.nbytes)]
+
+    def _stored(self, key: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """What the file holds for one tensor: itself, or with ``--quantize fp8-block`` its FP8 values and scales."""
+        if self.options.quantize and fp8.quantizable(key, tuple(x.shape)):
+            q, scale = fp8.quantize(x)
+            return [(key, q), (key + fp8.SCALE_SUFFIX, scale)]
+        return [(key, x)]
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0: the shard index, config.json and tokenizer files."""
@@ -348,8 +362,9 @@ class HFFormat:
         dtypes = {t.dtype for f in files for t in f.tensors}
         dtype = dtypes.pop() if len(dtypes) == 1 else (target.dtype or torch.float32)
         if len(files) > 1:
-            weight_map = {t.key: f.name for f in files for t in f.tensors}
-            total = sum(f.nbytes for f in files)
+            stored = [(f.name, k, n) for f in files for t in f.tensors for k, n in self._stored_sizes(t)]
+            weight_map = {k: name for name, k, _ in stored}
+            total = sum(n for _, _, n in stored)
             write_durable(out_dir / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                       indent=2))
         origin = getattr(target.args, "hf_model_id", None)  # Megatron-Bridge: the HF model it was imported from
@@ -357,7 +372,12 @@ class HFFormat:
                   Path(origin) if isinstance(origin, str) and Path(origin).is_dir() else None):
             if d is not None:
                 copy_tokenizer_files(d, out_dir)
-        write_durable(out_dir / CONFIG, json.dumps(hf_from_config(target.cfg, target.args, dtype), indent=2))
+        hf = hf_from_config(target.cfg, target.args, dtype)
+        if self.options.quantize:
+            hf["quantization_config"] = fp8.QUANTIZATION_CONFIG
+        else:
+            hf.pop("quantization_config", None)  # dequantized on read: the target holds plain weights
+        write_durable(out_dir / CONFIG, json.dumps(hf, indent=2))
 
 
     def package(self, tmp: Path, dst: Path) -> Path:

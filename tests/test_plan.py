@@ -286,3 +286,24 @@ def test_tensors_are_handed_over_once_complete_and_not_held():
     assert len(handed) == sum(len(f.tensors) for f in files) and not out.tensors
     assert_targets_hold(handed, files, model)
     assert len(plan.waves) > 5 and max(held) <= 4
+
+
+def test_box_index_finds_exactly_the_overlapping_boxes():
+    """BoxIndex (the planner's overlap query) against brute force, over random cuts, replicas and queries."""
+    import random
+
+    from dist_convert.layout.boxes import Box, BoxIndex
+
+    rng = random.Random(0)
+    for _ in range(200):
+        shape = (rng.randint(1, 40), rng.randint(1, 40))
+        boxes = []
+        for _ in range(rng.randint(1, 12)):
+            r0, c0 = rng.randrange(shape[0]), rng.randrange(shape[1])
+            boxes.append(Box((r0, c0), (rng.randint(1, shape[0] - r0), rng.randint(1, shape[1] - c0))))
+        index = BoxIndex([(b, i) for i, b in enumerate(boxes)])
+        for _ in range(10):
+            r0, c0 = rng.randrange(shape[0]), rng.randrange(shape[1])
+            q = Box((r0, c0), (rng.randint(1, shape[0] - r0), rng.randint(1, shape[1] - c0)))
+            want = {(i, b.intersect(q)) for i, b in enumerate(boxes) if b.intersect(q) is not None}
+            assert {(v, inter) for _, inter, v in index.overlapping(q)} == want

@@ -174,9 +174,6 @@ EXTRA_STATE_MODULES = {
     "te": ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj",
            "mlp.linear_fc1", "mlp.linear_fc2"),
 }
-MLA_EXTRA_STATE = ("self_attention.linear_q_proj", "self_attention.linear_q_down_proj",
-                   "self_attention.linear_q_up_proj", "self_attention.linear_kv_down_proj",
-                   "self_attention.linear_kv_up_proj")
 
 CROSS_EXTRA_STATE_MODULES = {
     "local": ("cross_attention.linear_q", "cross_attention.linear_kv", "cross_attention.linear_proj"),

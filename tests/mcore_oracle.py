@@ -984,16 +984,23 @@ def cmd_compare(a, cfg):
     return 1 if any(g[0] for g in gathered) else 0
 
 
+def loaded_model(a, cfg, cmd, parallel_output):
+    """The model at (--tp, --ep, PP=1) with --ckpt loaded strictly, in eval mode (randomised first, so
+    nothing the checkpoint lacks can pass as loaded)."""
+    if a.pp != 1 or a.vpp is not None:
+        raise SystemExit(f"{cmd} needs --pp 1 and no --vpp")
+    model = build_model(cfg, a.tp, 1, parallel_output=parallel_output, ep=a.ep, etp=a.etp)
+    randomize(model, cfg, 3_000_017)
+    load_into(model, a.ckpt, a.ckpt_format, 1, cfg, a.tp, a.ep, a.etp)
+    model.eval()
+    return model
+
+
 def cmd_logits(a, cfg):
     import torch
     import torch.distributed as dist
 
-    if a.pp != 1 or a.vpp is not None:
-        raise SystemExit("logits needs --pp 1 and no --vpp")
-    model = build_model(cfg, a.tp, 1, parallel_output=False, ep=a.ep, etp=a.etp)
-    randomize(model, cfg, 3_000_017)
-    load_into(model, a.ckpt, a.ckpt_format, 1, cfg, a.tp, a.ep, a.etp)
-    model.eval()
+    model = loaded_model(a, cfg, "logits", parallel_output=False)
     # same tokens on every rank (TP/EP/DP); local spec: causal mask type, a bool mask (True = masked)
     # of shape [b, 1, s, s]
     tokens, position_ids, mask = causal_inputs(cfg, a.seed)
@@ -1053,12 +1060,7 @@ def cmd_mtp(a, cfg):
 
     if not has_mtp(cfg):
         raise SystemExit("mtp needs a config with mtp_num_layers")
-    if a.pp != 1 or a.vpp is not None:
-        raise SystemExit("mtp needs --pp 1 and no --vpp")
-    model = build_model(cfg, a.tp, 1, parallel_output=True, ep=a.ep, etp=a.etp)
-    randomize(model, cfg, 3_000_017)
-    load_into(model, a.ckpt, a.ckpt_format, 1, cfg, a.tp, a.ep, a.etp)
-    model.eval()
+    model = loaded_model(a, cfg, "mtp", parallel_output=True)
     tokens, position_ids, mask = causal_inputs(cfg, a.seed)
     losses = []
     inner = model.compute_language_model_loss

@@ -47,6 +47,15 @@ def assert_torch_dist_matches(ranks: list[dict], cfg: ModelConfig, layout: Layou
     assert {k for f in files for k in f.objects} == want_objects
 
 
+def assert_legacy_matches(ranks: list[dict], cfg: ModelConfig, layout: Layout) -> None:
+    """Each legacy rank file holds exactly megatron-core's model.state_dict() of that rank, same shapes."""
+    for r in ranks:
+        entries = rank_entries(cfg, layout, r["tp_rank"], r["pp_rank"], "local")
+        got = {k: list(shape) for k, (shape, _) in entries.items()}
+        got.update({k: None for k in extra_state_keys(cfg, layout, r["pp_rank"], "local")})
+        assert got == r["state_dict"], (r["tp_rank"], r["pp_rank"])
+
+
 LAYOUTS = [("A", Layout(2, 2)), ("B", Layout(2, 2, first=2)), ("B", Layout(4, 1))]
 
 
@@ -63,13 +72,7 @@ def test_table_matches_megatron_core(tmp_path, name, layout):
     cfg = model_config(cfg_dict)
 
     assert_torch_dist_matches(ranks, cfg, layout)
-
-    # legacy: each rank file holds exactly model.state_dict() of that rank, with the same shapes
-    for r in ranks:
-        entries = rank_entries(cfg, layout, r["tp_rank"], r["pp_rank"], "local")
-        got = {k: list(shape) for k, (shape, _) in entries.items()}
-        got.update({k: None for k in extra_state_keys(cfg, layout, r["pp_rank"], "local")})
-        assert got == r["state_dict"], (r["tp_rank"], r["pp_rank"])
+    assert_legacy_matches(ranks, cfg, layout)
 
 
 @pytest.mark.parametrize("q_lora", [32, None], ids=["q-lora", "q-proj"])
@@ -94,8 +97,4 @@ def test_mla_mtp_table_matches_megatron_core(tmp_path, q_lora):
     cfg = config_from_args(argparse.Namespace(**cfg_dict), None, "local", 2)
     assert cfg.mla and cfg.mla_down_split and cfg.mtp_num_layers == 1
     assert_torch_dist_matches(ranks, cfg, layout)
-    for r in ranks:
-        entries = rank_entries(cfg, layout, r["tp_rank"], r["pp_rank"], "local")
-        got = {k: list(shape) for k, (shape, _) in entries.items()}
-        got.update({k: None for k in extra_state_keys(cfg, layout, r["pp_rank"], "local")})
-        assert got == r["state_dict"], (r["tp_rank"], r["pp_rank"])
+    assert_legacy_matches(ranks, cfg, layout)

@@ -34,8 +34,8 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed by every loader
 
-# HF name (per-layer suffix after ``model.layers.N.``) -> (megatron-core logical suffix, part of it)
-LAYER_NAMES: tuple[tuple[str, str, str | None], ...] = (
+# HF name (per-layer suffix after ``model.layers.N.``) -> (megatron-core logical suffix, part of it): attention
+ATTENTION_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("input_layernorm.weight", "input_layernorm.weight", None),
     ("self_attn.q_proj.weight", "self_attention.linear_qkv.weight", "q"),
     ("self_attn.k_proj.weight", "self_attention.linear_qkv.weight", "k"),
@@ -46,11 +46,15 @@ LAYER_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", None),
     ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", None),
     ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", None),
+)
+# the rest of a layer, in every family (MLA's too): the MLP norm and a dense layer's MLP
+MLP_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", None),
     ("mlp.gate_proj.weight", "mlp.linear_fc1.weight", "gate"),
     ("mlp.up_proj.weight", "mlp.linear_fc1.weight", "up"),
     ("mlp.down_proj.weight", "mlp.linear_fc2.weight", None),
 )
+LAYER_NAMES = ATTENTION_NAMES + MLP_NAMES
 # MoE layers (Qwen2-MoE's shared expert; the router and routed experts are named per family, see moe_names)
 SHARED_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.linear_fc1.weight", "gate"),
@@ -116,7 +120,7 @@ def hf_tensors(cfg, fam: Family | None = None) -> dict[str, tuple[tuple[int, ...
         for layer in range(count):
             hf = f"model.layers.{layer if stack == 'decoder' else cfg.num_layers + layer}."
             if cfg.mla:
-                names = hf_deepseek.layer_names(cfg, stack, layer)
+                names = hf_deepseek.layer_names(cfg, stack, layer, MLP_NAMES)
             else:
                 names = [(h, f"{LAYER_PREFIX}{layer}.{lg}", part)
                          for h, lg, part in LAYER_NAMES + (moe if cfg.is_moe_layer(layer) else ())]

@@ -32,10 +32,6 @@ MLA_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("self_attn.kv_a_layernorm.weight", "self_attention.kv_layernorm.weight", None),
     ("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight", None),
     ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", None),
-    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", None),
-    ("mlp.gate_proj.weight", "mlp.linear_fc1.weight", "gate"),
-    ("mlp.up_proj.weight", "mlp.linear_fc1.weight", "up"),
-    ("mlp.down_proj.weight", "mlp.linear_fc2.weight", None),
 )
 SHARED_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.linear_fc1.weight", "gate"),
@@ -63,10 +59,11 @@ def moe_names(num_experts: int) -> tuple[tuple[str, str, str | None], ...]:
     return tuple(out) + SHARED_NAMES
 
 
-def layer_names(cfg: ModelConfig, stack: str, layer: int) -> list[tuple[str, str, str | None]]:
-    """(HF suffix, logical name, part) of every tensor of one decoder or MTP layer; HF numbers MTP
-    layer k as decoder layer ``num_layers + k``."""
-    names = MLA_NAMES + (moe_names(cfg.num_experts) if cfg.layer_is_moe(stack, layer) else ())
+def layer_names(cfg: ModelConfig, stack: str, layer: int,
+                mlp_names: tuple[tuple[str, str, str | None], ...]) -> list[tuple[str, str, str | None]]:
+    """(HF suffix, logical name, part) of every tensor of one decoder or MTP layer (``mlp_names``: the MLP
+    norm and dense MLP, as every family names them); HF numbers MTP layer k as decoder layer ``num_layers + k``."""
+    names = MLA_NAMES + mlp_names + (moe_names(cfg.num_experts) if cfg.layer_is_moe(stack, layer) else ())
     if stack == "decoder":
         return [(hf, f"decoder.layers.{layer}.{lg}", part) for hf, lg, part in names]
     return ([(hf, f"mtp.layers.{layer}.{lg}", part) for hf, lg, part in MTP_NAMES]

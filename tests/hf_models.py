@@ -42,7 +42,12 @@ FAMILIES = {
     # expert, no gate); q LoRA; interleaved plain RoPE on the 8 rope dims; untied; vocab 150 (not a multiple
     # of 128). num_mtp_layers 0: transformers writes num_nextn_predict_layers 1 by default (add_mtp_layer).
     "deepseek_v3": ("DeepseekV3Config", DEEPSEEK),
-    "deepseek_v2_lite": ("DeepseekV3Config", {**DEEPSEEK, "q_lora_rank": None}),  # no q LoRA: q_proj
+    # DeepSeek-V2-Lite style, made with DeepseekV2Config: no q LoRA (q_proj), softmax scores, greedy top-2
+    # without renormalising, x1.5, no correction bias
+    "deepseek_v2_lite": ("DeepseekV2Config", {**{k: v for k, v in DEEPSEEK.items()
+                                                 if k not in ("num_mtp_layers", "rope_interleave", "norm_topk_prob")},
+                                              "q_lora_rank": None, "n_group": None, "topk_group": None,
+                                              "topk_method": "greedy", "routed_scaling_factor": 1.5}),
     # dims > 128 so the FP8 test sees partial 128x128 blocks (dense 200, experts 160)
     "deepseek_v3_fp8": ("DeepseekV3Config", {**DEEPSEEK, "intermediate_size": 200, "moe_intermediate_size": 160}),
 }
@@ -88,7 +93,7 @@ def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
 def oracle_config(path: Path) -> dict:
     """The megatron-core oracle's config (Megatron-LM names) for an HF model directory."""
     hf = json.loads((path / "config.json").read_text())
-    if hf["model_type"] == "deepseek_v3":
+    if hf["model_type"] in ("deepseek_v3", "deepseek_v2"):
         return deepseek_oracle_config(hf)
     rope = hf.get("rope_parameters") or {}
     heads = hf["num_attention_heads"]
@@ -153,9 +158,13 @@ def deepseek_oracle_config(hf: dict) -> dict:
         raise ValueError(f"deepseek oracle config: rope_type {rope.get('rope_type')!r} not mapped (plain rope only)")
     if not hf.get("rope_interleave", True):
         raise ValueError("deepseek oracle config: rope_interleave False is not megatron-core's MLA RoPE")
-    if hf["num_experts_per_tok"] > 1 and not hf.get("norm_topk_prob", True):
+    v2 = hf["model_type"] == "deepseek_v2"  # transformers' V2 router: softmax, greedy top-k, scaled, never
+    # renormalised: megatron-core's pre-softmax top-k with the scaling factor
+    if v2 and hf.get("topk_method", "greedy") != "greedy":
+        raise ValueError("deepseek oracle config: V2 group_limited_greedy scores groups by their max (not mapped)")
+    if not v2 and hf["num_experts_per_tok"] > 1 and not hf.get("norm_topk_prob", True):
         raise ValueError("deepseek oracle config: norm_topk_prob False (megatron-core renormalises sigmoid top-k)")
-    groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    groups, group_topk = (1, 1) if v2 else (hf.get("n_group") or 1, hf.get("topk_group") or 1)
     if groups > 1 and hf["num_experts_per_tok"] // group_topk != 2:
         raise ValueError("deepseek oracle config: group score rules differ unless top-k / topk_group == 2")
     k = hf.get("first_k_dense_replace") or 0
@@ -177,8 +186,8 @@ def deepseek_oracle_config(hf: dict) -> dict:
             "moe_shared_expert_gate": False,
             "moe_layer_freq": [int(layer >= k) for layer in range(layers)],
             "moe_router_topk": hf["num_experts_per_tok"],
-            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-            "moe_router_pre_softmax": False, "moe_router_num_groups": groups if groups > 1 else None,
+            "moe_router_score_function": "softmax" if v2 else "sigmoid", "moe_router_enable_expert_bias": not v2,
+            "moe_router_pre_softmax": v2, "moe_router_num_groups": groups if groups > 1 else None,
             "moe_router_group_topk": group_topk if groups > 1 else None,
             "moe_router_topk_scaling_factor": hf.get("routed_scaling_factor") or None, "moe_router_dtype": "fp32",
             "mtp_num_layers": mtp or None}

@@ -36,7 +36,7 @@ def write_config(path: Path, cfg: dict) -> str:
 # (HF model, target format, TP, world): imports megatron-core must load strictly and run to transformers' logits
 LOGITS = [
     ("deepseek_v3", "torch_dist", 2, 2),  # q LoRA, MTP layer (its forward runs too), down-projections split over TP
-    ("deepseek_v2_lite", "megatron", 2, None),  # q_proj, legacy rank files, one process
+    ("deepseek_v2_lite", "megatron", 2, None),  # DeepseekV2: q_proj, softmax routing; legacy files, one process
 ]
 
 
@@ -58,6 +58,14 @@ def test_import_gives_transformers_logits_in_megatron_core(ds, tmp_path, name, f
     torch.testing.assert_close(got["logits"], want, rtol=1e-4, atol=1e-4)
     if cfg.get("mtp_num_layers"):
         assert "ORACLE MTP depth=1" in oracle("mtp", tp, "--config", config, "--tp", str(tp), "--ckpt", str(dst)).stdout
+    back = tmp_path / "hf"  # and back: the same architecture and config, every tensor bit for bit
+    ok(run_cli("reshard", str(dst), str(back), "--dst-format", "hf", nproc=world))
+    a, b = tensors(src), tensors(back)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    hf, again = (json.loads((d / "config.json").read_text()) for d in (src, back))
+    for k in ("architectures", "q_lora_rank", "n_routed_experts", "num_experts_per_tok", "routed_scaling_factor",
+              "first_k_dense_replace", "n_shared_experts"):
+        assert again[k] == hf[k], k
 
 
 # (runtime, TP, PP of megatron-core's save, the sources converted: (format, target EP, world))
@@ -142,6 +150,7 @@ def _edit_fp8(src: Path, dst: Path, edit) -> Path:
     ("attention bias", ("attention_bias", "megatron-core")),
     ("mtp copy differs", ("model.layers.3.shared_head.head.weight", "differs from lm_head.weight")),
     ("quantize torch_dist", ("--quantize fp8-block applies to hf targets", "--dst-format hf")),
+    ("tp splits no heads", ("TP=8 does not divide num_attention_heads=4", "--target-tp")),
 ])
 def test_bad_deepseek_input_is_refused(ds, tmp_path, case, needles):
     src = tmp_path / "src"
@@ -156,6 +165,8 @@ def test_bad_deepseek_input_is_refused(ds, tmp_path, case, needles):
         save_file(t, src / "model-mtp.safetensors")
     elif case == "quantize torch_dist":
         src = ds / "fp8"
+    elif case == "tp splits no heads":
+        src = ds / "deepseek_v3"
     else:
         name = "model.layers.0.self_attn.kv_b_proj.weight_scale_inv"
 
@@ -166,6 +177,7 @@ def test_bad_deepseek_input_is_refused(ds, tmp_path, case, needles):
                 else:
                     t[name] = torch.ones(t[name].shape[0] + 1, t[name].shape[1])
         _edit_fp8(ds / "fp8", src, edit)
-    extra = ["--quantize", "fp8-block"] if case.startswith("quantize") else []
+    flags = {"quantize torch_dist": ["--quantize", "fp8-block"], "tp splits no heads": ["--target-tp", "8"]}
+    extra = flags.get(case, [])
     assert_refused(run_cli("reshard", str(src), str(tmp_path / "dst"), "--dst-format", "torch_dist", *extra), tmp_path,
                    *needles)

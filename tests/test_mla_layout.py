@@ -82,6 +82,18 @@ def test_local_spec_refuses_a_tp_that_cannot_split_the_down_projections():
     cfg(spec="te", q_lora_rank=30).check_layout(Layout(4, 1))  # replicated: any TP dividing the heads
 
 
+def test_legacy_rank_files_tell_split_down_projections_by_their_shape():
+    """Transformer Engine specs before TELinear's "duplicated" split MLA's down-projections over TP like the
+    local spec: a TP rank file's kv_down_proj rows say which (40 rows whole, 20 at TP=2 split)."""
+    from dist_convert.formats.megatron import _mla_down_split
+
+    key = "decoder.layers.0.self_attention.linear_kv_down_proj.weight"
+    c = cfg(spec="te")
+    assert not _mla_down_split(c, {key: ((40, 64), torch.bfloat16)})
+    assert _mla_down_split(c, {key: ((20, 64), torch.bfloat16)})
+    assert not _mla_down_split(dense_cfg(), {})
+
+
 def test_deepseek_v3_config_and_names():
     c, args, _ = config_from_hf(DEEPSEEK_V3, None)
     assert (c.num_experts, c.moe_layer_pattern[:4], c.mtp_num_layers) == (256, (0, 0, 0, 1), 1)

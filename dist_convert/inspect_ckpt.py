@@ -26,7 +26,9 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
         "layout": {"tp": index.layout.tp, "pp": index.layout.pp, "first_stage_layers": index.layout.first,
                    "last_stage_layers": index.layout.last, "vpp": index.layout.vpp,
                    "pipeline_split_rank": index.layout.split, "pipeline_layout": index.layout.pipeline_layout},
-        "stage_layers": [sum(n for p, *_, n in chunks if p == s) for s in range(index.layout.pp)],
+        "stage_layers": [sum(n for p, _, stack, _, n in chunks if p == s and stack != "mtp")
+                         for s in range(index.layout.pp)],
+        "mtp_stage": next((p for p, _, stack, _, _ in chunks if stack == "mtp"), None),
         "config": dataclasses.asdict(index.cfg),
         "logical_tensors": len(logical_tensors(index.cfg)),
         "stored_chunks": len(index.chunks),
@@ -46,7 +48,8 @@ def print_description(info: dict, as_json: bool) -> None:
     lay = info["layout"]
     rows = [("format", info["format"]), ("iteration", str(info["iteration"])),
             ("layout", f"TP={lay['tp']} PP={lay['pp']} stages={info['stage_layers']}"
-                       + (f" layout={lay['pipeline_layout']!r}" if lay["pipeline_layout"] else "")),
+                       + (f" layout={lay['pipeline_layout']!r}" if lay["pipeline_layout"] else "")
+                       + (f" MTP on stage {info['mtp_stage']}" if info["mtp_stage"] is not None else "")),
             ("logical tensors", str(info["logical_tensors"])), ("stored chunks", str(info["stored_chunks"])),
             ("bytes", human_bytes(info["bytes"])),
             ("dtypes", ", ".join(f"{k}: {v} chunks" for k, v in info["dtypes"].items()))]

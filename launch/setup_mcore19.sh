@@ -28,7 +28,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${PIP[@]}" --no-deps "megatron-bridge==0.6.2"
   "${PIP[@]}" "transformers>=5.8,<=5.12.1" accelerate omegaconf einops "hydra-core>=1.3.4,<1.4" tqdm regex six \
     "nvidia-modelopt==0.47.0" requests datasets "megatron-energon~=7.0" tensorboard
-  "${PIP[@]}" --no-deps --no-build-isolation -e .
+  # the editable install writes dist_convert.egg-info into the checkout: one at a time (launch/test.sh runs
+  # setup.sh and setup_mcore19.sh side by side)
+  flock pyproject.toml "${PIP[@]}" --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
 $V/bin/python -W ignore -c "import megatron.core, dist_convert; print(f'second runtime ready: megatron-core {megatron.core.__version__}')"

@@ -3,7 +3,7 @@ writer and the whole-model baseline in process; one end-to-end ``bench`` run at 
 checked: megatron-core's own method loads the synthetic checkpoint strictly (StrictHandling.RAISE_ALL)
 and its resharded save equals dist_convert's output, and so does the whole-model baseline's; the bridge
 method on a synthetic 2 MB hf source, with Megatron-Bridge in the second runtime (tests/workers.py
-RUNTIMES), reports its ratios only after its output was found equal to dist_convert's import."""
+runtime_python), reports its ratios only after its output was found equal to dist_convert's import."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,7 +30,7 @@ from dist_convert.layout.topology import Layout
 from dist_convert.runtime import Runtime
 
 from conftest import ok, run_cli
-from workers import RUNTIMES
+from workers import runtime_python
 
 MB, GB = 1 << 20, 1 << 30
 
@@ -210,7 +210,7 @@ def test_bridge_agreement_check_and_availability(tmp_path):
 
 
 def test_bench_bridge_method_against_dist_convert(tmp_path):
-    python = RUNTIMES["mcore19"]
+    python = runtime_python("mcore19")
     assert python.exists(), f"{python} is missing: run bash launch/setup_mcore19.sh (launch/test.sh does)"
     out = tmp_path / "bench.json"
     proc = ok(run_cli("bench", "--format", "hf", "--size", "2MB", "--methods", "dist_convert,mcore,bridge", "--ranks",

@@ -20,6 +20,25 @@ WORKER = ROOT / "tests" / "job_worker.py"
 # the interpreters a worker can run under: the default venv's, and the second runtime (Python 3.12 +
 # megatron-core 0.19.2, built by launch/setup_mcore19.sh)
 RUNTIMES = {"default": Path(sys.executable), "mcore19": ROOT / ".venv-mcore19" / "bin" / "python"}
+# launch/test.sh sets up .venv-mcore19 while the first tests run: it names the file that the set-up's exit
+# status is written to, and the first use of that runtime waits for it
+SETUP_STATUS = {"mcore19": "DIST_CONVERT_MCORE19_SETUP_STATUS"}
+SETUP_WAIT = 1800.0  # seconds: the set-up of a clean machine on a loaded 2-core one takes 5-7 minutes
+
+
+def runtime_python(runtime: str) -> Path:
+    """The interpreter of ``runtime``, once a set-up still running beside the tests (launch/test.sh) has finished."""
+    status = os.environ.get(SETUP_STATUS.get(runtime, ""), "")
+    if status:
+        path, deadline = Path(status), time.monotonic() + SETUP_WAIT
+        while not (path.is_file() and path.read_text().strip()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the set-up of {runtime} did not finish within {SETUP_WAIT:.0f} s ({path})")
+            time.sleep(1.0)
+        rc = path.read_text().strip()
+        if rc != "0":
+            raise RuntimeError(f"the set-up of {runtime} failed (exit {rc}): launch/test.sh prints its log at the end")
+    return RUNTIMES[runtime]
 START_TIMEOUT = 180.0  # seconds for a worker's ranks to import and connect (a loaded 2-core machine)
 
 
@@ -48,7 +67,7 @@ class Worker:
         server.settimeout(1.0)
         args = [str(WORKER), "--program", self.program, "--socket", str(self.spool / "sock"), "--spool",
                 str(self.spool)]
-        python = RUNTIMES[self.runtime]
+        python = runtime_python(self.runtime)
         if not python.exists():
             raise RuntimeError(f"{python} is missing: run bash launch/setup_mcore19.sh (launch/test.sh does)")
         cmd = ([str(python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}", *args]

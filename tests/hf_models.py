@@ -158,7 +158,7 @@ def deepseek_oracle_config(hf: dict) -> dict:
         raise ValueError(f"deepseek oracle config: rope_type {rope.get('rope_type')!r} not mapped (plain rope only)")
     if not hf.get("rope_interleave", True):
         raise ValueError("deepseek oracle config: rope_interleave False is not megatron-core's MLA RoPE")
-    v2 = hf["model_type"] == "deepseek_v2"  # transformers' V2 router: softmax, greedy top-k, scaled, never
+    v2 = hf.get("model_type") == "deepseek_v2"  # transformers' V2 router: softmax, greedy top-k, scaled, never
     # renormalised: megatron-core's pre-softmax top-k with the scaling factor
     if v2 and hf.get("topk_method", "greedy") != "greedy":
         raise ValueError("deepseek oracle config: V2 group_limited_greedy scores groups by their max (not mapped)")

@@ -181,3 +181,17 @@ def test_bad_deepseek_input_is_refused(ds, tmp_path, case, needles):
     extra = flags.get(case, [])
     assert_refused(run_cli("reshard", str(src), str(tmp_path / "dst"), "--dst-format", "torch_dist", *extra), tmp_path,
                    *needles)
+
+
+def test_qwen3_fp8_release_dequantizes_too(tmp_path):
+    """Block-scaled FP8 is not DeepSeek's alone: a Qwen3 FP8 release (same layout) imports the same way."""
+    src = quantize_fp8(make_hf_model(tmp_path, "qwen3"), tmp_path / "qwen3_fp8")
+    td, back = tmp_path / "td", tmp_path / "hf"
+    ok(run_cli("reshard", str(src), str(td), "--target-tp", "2", "--dst-format", "torch_dist", "--dtype", "fp32"))
+    ok(run_cli("reshard", str(td), str(back), "--dst-format", "hf"))
+    q, got = tensors(src), tensors(back)
+    scaled = [k for k in got if k + "_scale_inv" in q]
+    assert len(scaled) >= 14
+    for k, t in got.items():
+        want = dequant_fp8(q[k], q[k + "_scale_inv"]) if k in scaled else q[k]
+        assert torch.equal(t, want), k

@@ -111,6 +111,17 @@ def test_deepseek_v3_config_and_names():
         assert back[k] == DEEPSEEK_V3[k], k
 
 
+def test_kimi_k2_style_config_imports():
+    """Kimi-K2's config: DeepseekV3ForCausalLM with 384 experts in one group, one dense layer, YaRN factor 32."""
+    kimi = {**DEEPSEEK_V3, "model_type": "kimi_k2", "n_routed_experts": 384, "n_group": 1, "topk_group": 1,
+            "first_k_dense_replace": 1, "num_attention_heads": 64, "num_key_value_heads": 64,
+            "num_nextn_predict_layers": 0, "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "factor": 32.0}}
+    c, args, _ = config_from_hf(kimi, None)
+    assert (c.num_experts, c.moe_layer_pattern[:2], c.mtp_num_layers) == (384, (0, 1), 0)
+    assert getattr(args, "moe_router_num_groups", None) is None  # one group: no group-limited routing
+    assert hf_from_config(c, args, torch.bfloat16)["model_type"] == "kimi_k2"
+
+
 @pytest.mark.parametrize("change,needle", [
     ({"attention_bias": True}, "attention_bias"),
     ({"num_experts_per_tok": 6, "topk_group": 2}, "topk_group"),

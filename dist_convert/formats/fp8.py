@@ -19,7 +19,7 @@ DEFAULT_BLOCK = (128, 128)
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": list(DEFAULT_BLOCK)}
 # HF weights the releases keep in high precision: embeddings, output heads, norms, routers
-_KEEP = ("embed_tokens.", "lm_head.", "shared_head.head.", "norm.", "layernorm.", "mlp.gate.weight",
+_KEEP = ("embed_tokens.", "lm_head.", "shared_head.head.", "norm.", "mlp.gate.weight",
          "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
 
 

@@ -12,6 +12,8 @@ from .errors import ConvertError
 from .layout.topology import Layout
 from .mlm_args import complete_args
 
+DEFAULT_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -196,7 +198,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
         add_qkv_bias=bool(_get(args, "add_qkv_bias", False)) or bool(_get(args, "add_bias_linear", True)),
         untie_embeddings_and_output_weights=bool(_get(args, "untie_embeddings_and_output_weights", False)),
         vocab_size=int(true_vocab),
-        make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", 128)),
+        make_vocab_size_divisible_by=int(_get(args, "make_vocab_size_divisible_by", DEFAULT_DIVISIBLE_BY)),
         position_embedding_type=str(_get(args, "position_embedding_type", "learned_absolute")),
         max_position_embeddings=_get(args, "max_position_embeddings", None),
         qk_layernorm=bool(_get(args, "qk_layernorm", False)),

@@ -12,11 +12,9 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig, padded_vocab_size
+from ..config import DEFAULT_DIVISIBLE_BY, ModelConfig, padded_vocab_size
 from ..errors import ConvertError
 from . import hf_deepseek
-
-DEFAULT_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig, padded_vocab_size
+from ..config import DEFAULT_DIVISIBLE_BY, ModelConfig, padded_vocab_size
 from ..errors import ConvertError
 from ..layout.rules import EMBEDDING, MTP_LAYER, OUTPUT
 
-DEFAULT_DIVISIBLE_BY = 128
 # (HF suffix after model.layers.N., logical suffix, part) of an MLA layer's attention
 MLA_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("input_layernorm.weight", "input_layernorm.weight", None),

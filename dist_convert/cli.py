@@ -63,7 +63,7 @@ def format_options(ns: argparse.Namespace) -> FormatOptions:
                          torch_dist_style=getattr(ns, "torch_dist_style", None), allow_missing=tuple(ns.allow_missing),
                          dtype=_CAST.get(getattr(ns, "dtype", "keep")),
                          quantize=None if getattr(ns, "quantize", "none") == "none" else ns.quantize,
-                         ignore_unexpected=tuple(ns.ignore_unexpected))
+                         ignore_unexpected=tuple(ns.ignore_unexpected), optimizer=getattr(ns, "optimizer", False))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "convert the rest (same arguments and world size)")
     r.add_argument("--stats-json", type=Path, default=None,
                    help="rank 0 also writes the per-rank summary table here as JSON")
+    r.add_argument("--optimizer", action="store_true",
+                   help="convert the distributed optimizer's state too (master params and Adam moments; "
+                        "dp_reshardable, fully_reshardable, non-distributed or legacy distrib_optim.pt sources) into "
+                        "a torch_dist target in model space (fully_reshardable), so training resumes at the new "
+                        "layout; without it the optimizer state is dropped")
     _common(r)
 
     s = sub.add_parser("speculate", help="add EAGLE draft layers or Medusa heads with ModelOpt, save sharded")

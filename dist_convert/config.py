@@ -253,7 +253,7 @@ def _moe_from_args(args: argparse.Namespace, num_layers: int) -> dict[str, Any]:
 
 
 def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dtype: torch.dtype | None,
-                    ckpt_format: str | None = None) -> argparse.Namespace:
+                    ckpt_format: str | None = None, optimizer_saved: bool = False) -> argparse.Namespace:
     """The source args completed for the target (mlm_args.complete_args): every field Megatron-LM's and
     Megatron-Bridge's loaders read, the model fields from ``cfg`` and the layout fields from ``layout``."""
-    return complete_args(args, cfg, layout, dtype, ckpt_format)
+    return complete_args(args, cfg, layout, dtype, ckpt_format, optimizer_saved=optimizer_saved)

@@ -20,6 +20,7 @@ from .formats.base import Format, FormatOptions, data_dir
 from .integrity import Entry, Journal, fingerprint, refuse_incomplete
 from .layout.rules import logical_tensors
 from .layout.topology import Layout, pipeline_vpp
+from .optim.state import optimizer_numel
 from .plan import DEFAULT_BUDGET, Plan, make_plan, split_chunks, split_files
 from .runtime import Runtime, human_bytes, peak_rss_bytes
 from .staging import Staging, refuse_existing, stage, write_error
@@ -70,7 +71,9 @@ def sliced(index: SourceIndex, files: list[TargetFile], budget: int) -> SourceIn
 
 
 def logical_numel(index: SourceIndex) -> dict[str, int]:
-    return {name: numel(t.shape) for name, t in logical_tensors(index.cfg).items()}
+    """Every logical tensor the conversion covers (with --optimizer: the optimizer state's too)."""
+    out = {name: numel(t.shape) for name, t in logical_tensors(index.cfg).items()}
+    return out if index.optimizer is None else {**out, **optimizer_numel(index.cfg)}
 
 
 def source_dtypes(index: SourceIndex) -> dict[str, torch.dtype]:
@@ -157,6 +160,9 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     if f.quantize and dst_fmt.name != "hf":
         raise ConvertError(f"--quantize {f.quantize} applies to hf targets, not {dst_fmt.name}",
                            "drop --quantize or pass --dst-format hf")
+    if f.optimizer and dst_fmt.name != "torch_dist":
+        raise ConvertError(f"--optimizer writes the optimizer state into a torch_dist target, not {dst_fmt.name}",
+                           "pass --dst-format torch_dist, or drop --optimizer to convert the model alone")
     if f.torch_dist_style and dst_fmt.name != "torch_dist":
         raise ConvertError(f"--torch-dist-style applies to torch_dist targets, not {dst_fmt.name}",
                            "drop --torch-dist-style or pass --dst-format torch_dist")
@@ -176,8 +182,10 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         index.notes.append(f"the true vocabulary size is unknown: exporting all {cfg.vocab_size} (padded) rows; "
                            "pass --vocab-size to strip the padding")
     dtype = DTYPES[opts.dtype]
-    args = args_for_target(index.args, cfg, layout, dtype, MLM_CKPT_FORMAT.get(dst_fmt.name))
-    target = Target(cfg, layout, dtype, args, index.iteration, index.style if index.format == dst_fmt.name else None)
+    args = args_for_target(index.args, cfg, layout, dtype, MLM_CKPT_FORMAT.get(dst_fmt.name),
+                           optimizer_saved=index.optimizer is not None)
+    target = Target(cfg, layout, dtype, args, index.iteration, index.style if index.format == dst_fmt.name else None,
+                    optimizer=index.optimizer and index.optimizer.for_layout(cfg, layout))
     files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)
     if dst_fmt.any_writer:  # give every rank a part to write
         files = split_files(files, rt.world)

@@ -43,6 +43,7 @@ class SourceChunk:
     # what the reader dequantizes to
     scale: tuple[str, str, tuple[int, int]] | None = None
     twins: tuple[tuple[str, str], ...] = ()  # (file, key) of stored copies the reader checks equal (hf: MTP's)
+    flat: int | None = None  # bucket space (optimizer state): where in a stored 1-D tensor this chunk starts
 
     @property
     def nbytes(self) -> int:
@@ -61,6 +62,7 @@ class SourceIndex:
     notes: list[str] = field(default_factory=list)
     absent: frozenset[str] = frozenset()  # logical tensors the source lacks, left out (--allow-missing)
     style: str | None = None  # on-disk style where a format has several (torch_dist: "0.16" | "0.19")
+    optimizer: Any = None  # optim.OptimizerState of a source read with --optimizer (None: model only)
 
     @property
     def nbytes(self) -> int:
@@ -123,6 +125,7 @@ class Target:
     args: argparse.Namespace
     iteration: int | str
     style: str | None = None  # the source's on-disk style, kept when the format stays (torch_dist: "0.16" | "0.19")
+    optimizer: Any = None  # optim.OptimizerState to write with the model (--optimizer; None: model only)
 
 
 # Tensors megatron-core keeps in their own dtype whatever the params dtype (MoE router.expert_bias: fp32)
@@ -131,8 +134,9 @@ KEEP_DTYPE = (".mlp.router.expert_bias",)
 
 def target_dtype(target: Target, dtypes: dict[str, torch.dtype], logical: str) -> torch.dtype:
     """The dtype a target tensor holding ``logical`` is written in: ``--dtype``'s, else the source's;
-    tensors megatron-core keeps in their own dtype are never cast."""
-    return dtypes[logical] if target.dtype is None or logical.endswith(KEEP_DTYPE) else target.dtype
+    tensors megatron-core keeps in their own dtype (and optimizer state) are never cast."""
+    keep = target.dtype is None or logical.endswith(KEEP_DTYPE) or logical.startswith("optimizer.state.")
+    return dtypes[logical] if keep else target.dtype
 
 
 @dataclass

@@ -1103,7 +1103,8 @@ def cmd_dump(a, cfg):
 
 def cmd_layout(a, cfg):
     """Dump what megatron-core itself asks a checkpoint to hold at (tp, pp): the main-replica
-    ShardedTensors / ShardedObjects of ``sharded_state_dict()`` and the legacy ``state_dict()`` keys.
+    ShardedTensors / ShardedObjects of ``sharded_state_dict()``, the legacy ``state_dict()`` keys and the
+    trainable parameters in ``named_parameters()`` order (what DDP lays out in its buffers, reversed).
     With --vpp, each rank's entry has "chunks": one such dict per virtual stage (plus vp_stage,
     pre_process, post_process and the chunk's global 0-based decoder "layers")."""
     import torch
@@ -1123,7 +1124,8 @@ def cmd_layout(a, cfg):
             elif isinstance(v, ShardedObject) and main:
                 objects.append(v.unique_key)
         legacy = {k: (list(t.shape) if isinstance(t, torch.Tensor) else None) for k, t in model.state_dict().items()}
-        return {"tensors": tensors, "objects": objects, "state_dict": legacy}
+        params = [n for n, p in model.named_parameters() if p.requires_grad]  # DDP's buffer order (reversed)
+        return {"tensors": tensors, "objects": objects, "state_dict": legacy, "params": params}
 
     chunks = build_chunks(cfg, a.tp, a.pp, a.first, a.last, a.vpp, ep=a.ep, etp=a.etp, layout=a.pipeline_layout)
     mine = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),

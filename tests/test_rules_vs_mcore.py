@@ -1,6 +1,7 @@
 """The layout table checked against megatron-core's own ``sharded_state_dict()`` and ``state_dict()``:
 for several layouts, the torch_dist chunks and legacy rank files dist_convert would write are exactly
-the ones megatron-core asks for (keys, global shapes, offsets, local shapes, extra-state objects)."""
+the ones megatron-core asks for (keys, global shapes, offsets, local shapes, extra-state objects), and the
+parameter order the optimizer reader derives is megatron-core's own."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,8 @@ from dist_convert.formats.megatron import extra_state_keys, rank_entries
 from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
+from dist_convert.optim.buckets import module_order
+from dist_convert.optim.state import is_parameter
 
 from conftest import CONFIGS, oracle
 
@@ -48,12 +51,15 @@ def assert_torch_dist_matches(ranks: list[dict], cfg: ModelConfig, layout: Layou
 
 
 def assert_legacy_matches(ranks: list[dict], cfg: ModelConfig, layout: Layout) -> None:
-    """Each legacy rank file holds exactly megatron-core's model.state_dict() of that rank, same shapes."""
+    """Each legacy rank file holds exactly megatron-core's model.state_dict() of that rank, same shapes; its
+    parameters in megatron-core's named_parameters() order are what the optimizer reader lays out in buckets."""
     for r in ranks:
         entries = rank_entries(cfg, layout, r["tp_rank"], r["pp_rank"], "local")
         got = {k: list(shape) for k, (shape, _) in entries.items()}
         got.update({k: None for k in extra_state_keys(cfg, layout, r["pp_rank"], "local")})
         assert got == r["state_dict"], (r["tp_rank"], r["pp_rank"])
+        params = [k for k, (_, pieces) in entries.items() if all(is_parameter(p.logical) for p in pieces)]
+        assert module_order(params) == r["params"], (r["tp_rank"], r["pp_rank"])
 
 
 LAYOUTS = [("A", Layout(2, 2)), ("B", Layout(2, 2, first=2)), ("B", Layout(4, 1))]

@@ -180,7 +180,7 @@ def time_floor(files: list[Path], out: Path) -> Run:
 
 def parse_dist_convert(stats: Any) -> tuple[float, list[int], dict]:
     """``reshard --stats-json`` (one RankStats dict per rank) or the start-up probe's per-rank dicts."""
-    detail = {k: [s[k] for s in stats] for k in ("read_bytes", "sent_bytes") if k in stats[0]}
+    detail = {k: [s[k] for s in stats] for k in ("read_bytes", "written_bytes", "sent_bytes") if k in stats[0]}
     if "write_s" in stats[0]:
         detail["write_s"] = max(s["write_s"] for s in stats)
     return max(s["wall_s"] for s in stats), [s["peak_rss"] for s in stats], detail

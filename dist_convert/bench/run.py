@@ -51,6 +51,9 @@ def check_options(ns: argparse.Namespace) -> tuple[list[str], list[tuple[int, in
                              if ns.target_tp or ns.target_pp else parse_targets(DEFAULT_TARGETS))
     if min(min(t) for t in targets) < 1 or min(ns.src_tp, ns.src_pp) < 1:
         raise ConvertError("TP and PP must be >= 1", "fix --src-tp/--src-pp/--target-tp/--target-pp/--targets")
+    if ns.optimizer and (ns.src or ns.format != "torch_dist" or ns.sizes):
+        raise ConvertError("bench --optimizer writes a synthetic torch_dist checkpoint with optimizer state",
+                           "drop --src/--sizes and use --format torch_dist, or drop --optimizer")
     if ns.sizes and ns.src:
         raise ConvertError("--sizes makes synthetic checkpoints; --src names an existing one", "drop one of them")
     if ns.plot:
@@ -74,7 +77,8 @@ def make_source(ns: argparse.Namespace, size: int, targets: list[tuple[int, int]
     (work / f"src_{size}.config.json").write_text(json.dumps(shape.config()))  # for tests/mcore_oracle.py
     tp, pp = (1, 1) if ns.format == "hf" else (ns.src_tp, ns.src_pp)
     args = ("dist_convert.bench.synth", "--out", str(out), "--shape", shape_json(shape), "--format", ns.format,
-            "--tp", str(tp), "--pp", str(pp), "--dtype", ns.dtype, "--seed", str(ns.seed))
+            "--tp", str(tp), "--pp", str(pp), "--dtype", ns.dtype, "--seed", str(ns.seed),
+            *(("--optimizer",) if ns.optimizer else ()))
     cmd = measure.torchrun(tp * pp, *args) if tp * pp > 1 else measure.python_module(*args)
     _console.print(f"[bold]bench[/] writing a synthetic {ns.format} checkpoint at TP={tp} PP={pp}: "
                    f"{shape} ({ns.dtype}, {human_bytes(shape.nbytes(ITEMSIZE[ns.dtype]))})")
@@ -117,14 +121,16 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
                 return measure.time_job(cmd, stats, measure.parse_dist_convert, ns.timeout)
             out.append((Outcome("startup", f"start-up w={w}", w), start))
     if "dist_convert" in methods:
-        for w in ranks:
-            def dc(dst: Path, stats: Path, w: int = w) -> Run:  # one rank: one plain process, as the baseline
-                args = ("dist_convert", "reshard", str(src.path), str(dst), "--target-tp", str(tp), "--target-pp",
-                        str(pp), "--memory-budget", str(ns.memory_budget), "--stats-json", str(stats),
-                        *(bridge.DIST_CONVERT_HF_FLAGS if src.format == "hf" else ()))
+        # --optimizer: each world size also converts the optimizer state (method "optimizer", beside the weights)
+        for w, flags in [(w, f) for w in ranks for f in ((), ("--optimizer",))[:1 + bool(ns.optimizer)]]:
+            def dc(dst: Path, stats: Path, w: int = w, flags: tuple[str, ...] = flags) -> Run:  # one rank: a plain
+                args = ("dist_convert", "reshard", str(src.path), str(dst), "--target-tp", str(tp),  # process
+                        "--target-pp", str(pp), "--memory-budget", str(ns.memory_budget), "--stats-json", str(stats),
+                        *(bridge.DIST_CONVERT_HF_FLAGS if src.format == "hf" else ()), *flags)
                 cmd = measure.torchrun(w, *args) if w > 1 else measure.python_module(*args)
                 return measure.time_job(cmd, stats, measure.parse_dist_convert, ns.timeout)
-            out.append((Outcome("dist_convert", f"dist_convert w={w}", w), dc))
+            name = "optimizer" if flags else "dist_convert"
+            out.append((Outcome(name, f"dist_convert{' --optimizer' if flags else ''} w={w}", w), dc))
     if "whole_model" in methods:
         o = Outcome("whole_model", "whole-model w=1", 1)
         if src.format == "hf":

@@ -8,6 +8,9 @@ Launch (one rank per source rank file: world = TP * PP), from the repository roo
   torchrun --nproc_per_node=N -m dist_convert.bench.synth --out DIR --shape JSON --format torch_dist \
       --tp T --pp P [--dtype bf16] [--seed S]
 
+``--optimizer`` (torch_dist) adds a distributed Adam's state in model space, as megatron-core's
+fully_reshardable save stores it (``dist_convert reshard --optimizer`` converts it with the weights).
+
 ``--format hf`` (one process, ``--tp 1 --pp 1``) writes a Hugging Face Llama directory instead: dist_convert's
 own hf export of the same values (``config.json``, safetensors) and a word-level tokenizer of the
 vocabulary's size, so that a loader that reads the tokenizer (Megatron-Bridge does) finds one.
@@ -30,6 +33,7 @@ from ..formats.base import write_tracker
 from ..layout.boxes import Box
 from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
+from ..optim.state import STATES, OptimizerState, opt_name
 from ..runtime import Runtime, init_runtime
 from .shape import LlamaShape, make_args
 
@@ -69,18 +73,28 @@ def stored(t: TargetTensor, shapes: dict[str, tuple[int, ...]], values: Values) 
     return data
 
 
-def synthetic_target(shape: LlamaShape, dtype: torch.dtype, layout: Layout) -> Target:
+# the param groups of megatron-core's distributed Adam (weights with weight decay, the rest without)
+SYNTH_GROUPS = tuple({"wd_mult": wd, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
+                      "lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1 * wd, "step": ITERATION}
+                     for wd in (1.0, 0.0))
+
+
+def synthetic_target(shape: LlamaShape, dtype: torch.dtype, layout: Layout, optimizer: bool = False) -> Target:
+    """``optimizer``: with the model-space (fully_reshardable) optimizer state of a distributed Adam."""
     base = make_args(shape, dtype, ITERATION)
     cfg = config_from_args(base, None, "local", layout.tp)
     cfg.check_layout(layout, "source")
-    return Target(cfg, layout, dtype, args_for_target(base, cfg, layout, dtype), ITERATION)
+    state = OptimizerState(kind="fully_reshardable", groups=(SYNTH_GROUPS,), scheduler={"num_steps": ITERATION}) \
+        if optimizer else None
+    return Target(cfg, layout, dtype, args_for_target(base, cfg, layout, dtype, optimizer_saved=optimizer), ITERATION,
+                  optimizer=state)
 
 
 def write_synthetic(out: Path, shape: LlamaShape, dtype: torch.dtype, fmt_name: str, layout: Layout, seed: int,
-                    rt: Runtime) -> None:
+                    rt: Runtime, optimizer: bool = False) -> None:
     """Collective: every rank writes its share of the rank files (rank i: files i, i + world, ...)."""
     fmt = get_format(fmt_name)
-    target = synthetic_target(shape, dtype, layout)
+    target = synthetic_target(shape, dtype, layout, optimizer)
     tensors = logical_tensors(target.cfg)
     files = fmt.target_files(target, {name: dtype for name in tensors})
     iter_dir = out if fmt_name == "hf" else out / f"iter_{ITERATION:07d}"
@@ -88,7 +102,9 @@ def write_synthetic(out: Path, shape: LlamaShape, dtype: torch.dtype, fmt_name: 
         iter_dir.mkdir(parents=True, exist_ok=True)
     rt.barrier()
     mine = files[rt.rank::rt.world]
-    shapes, values = {n: t.shape for n, t in tensors.items()}, Values(seed, dtype)
+    shapes = {n: t.shape for n, t in tensors.items()}
+    shapes.update({opt_name(s, n): t.shape for n, t in tensors.items() for s in STATES})
+    values = Values(seed, dtype)
     writer = fmt.open_writer(target, iter_dir, mine, rt)
     written = []
     for f in mine:
@@ -127,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", action="store_true",
+                   help="torch_dist: add a distributed Adam's state in model space (fully_reshardable)")
     a = p.parse_args(argv)
     shape = LlamaShape(**json.loads(a.shape))
     rt = init_runtime("gloo")
     try:
-        write_synthetic(a.out, shape, DTYPES[a.dtype], a.format, Layout(a.tp, a.pp), a.seed, rt)
+        write_synthetic(a.out, shape, DTYPES[a.dtype], a.format, Layout(a.tp, a.pp), a.seed, rt, a.optimizer)
     finally:
         rt.close()
     return 0

@@ -40,6 +40,7 @@ class FormatOptions:
     quantize: str | None = None  # hf target: "fp8-block" writes block-scaled FP8 weights (--quantize)
     allow_missing: tuple[str, ...] = ()  # globs: source tensors that may be missing (left out of the conversion)
     ignore_unexpected: tuple[str, ...] = ()  # globs: unknown source tensors to skip
+    optimizer: bool = False  # --optimizer: read the source's optimizer state too (torch_dist, megatron sources)
 
 
 class Format(Protocol):
@@ -286,10 +287,14 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
             copy_durable(src / name, dst / name)
 
 
-def dropped_state_note(parts: list[str]) -> str | None:
-    """The one note line on the training state a conversion drops (None: the source holds none)."""
+def dropped_state_note(parts: list[str], optimizer_kept: bool = False) -> str | None:
+    """The one note line on the training state a conversion drops (None: the source holds none);
+    ``optimizer_kept``: --optimizer converts the optimizer state, so only the rest is dropped."""
     if not parts:
         return None
+    if optimizer_kept:
+        return (f"dropped the training state besides the optimizer's (not converted): {', '.join(parts)}; the "
+                "target's args say no_save_rng, so Megatron-LM loads it without RNG state")
     return (f"dropped the training state (not converted): {', '.join(parts)}; the target's args say no_save_optim "
             "and no_save_rng, so Megatron-LM loads it without optimizer or RNG state")
 

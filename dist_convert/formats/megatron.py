@@ -32,6 +32,8 @@ from ..layout.rules import (
     spec_suffix,
 )
 from ..layout.topology import Layout
+from ..optim import sources as optim_sources
+from ..optim.state import COUNTERS
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from .base import COMMON_TRAINING_STATE, FileAtATime, IterDirFormat, KeyPolicy, add_rank_file_chunks, dropped_state_note
@@ -193,7 +195,8 @@ def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:
                 else:
                     objects.append(key)
         return {"args": ckpt.get("args"), "iteration": ckpt.get("iteration"), "tensors": tensors,
-                "objects": objects, "chunks": len(entries),
+                "objects": objects, "chunks": len(entries), "optimizer": ckpt.get("optimizer"),
+                "scheduler": ckpt.get("opt_param_scheduler"), "counters": optim_sources.counters(ckpt),
                 "training": [k for k in COMMON_TRAINING_STATE if k in ckpt]
                 + [DISTRIB_OPTIM] * (path.parent / DISTRIB_OPTIM).is_file()}
     except ConvertError as e:
@@ -251,10 +254,20 @@ class MegatronFormat(IterDirFormat):
         for (t, p, e), f in files.items():  # expert rank 0 first: the other files' copies are replicas
             add_rank_file_chunks(chunks, f["rel"], rank_entries(cfg, layout, t, p, spec, e), f["tensors"],
                                  "the checkpoint's args", policy)
-        found = Counter(k for f in files.values() for k in f["training"])
-        note = dropped_state_note([k if k != DISTRIB_OPTIM or n == 1 else f"{k} ({n} files)" for k, n in found.items()])
+        optimizer = None
+        if self.options.optimizer:
+            for f in files.values():
+                f["order"] = list(f["tensors"])
+            found_opt, optimizer = optim_sources.legacy(cfg, layout, args, spec, iter_dir, files,
+                                                        lambda path: load_pt(path, self.trust_pickle), rank_entries,
+                                                        len(chunks))
+            chunks += found_opt
+        kept = ("optimizer", "opt_param_scheduler", DISTRIB_OPTIM, *COUNTERS) if optimizer is not None else ()
+        found = Counter(k for f in files.values() for k in f["training"] if k not in kept)
+        note = dropped_state_note([k if k != DISTRIB_OPTIM or n == 1 else f"{k} ({n} files)" for k, n in found.items()],
+                                  optimizer is not None)
         return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks,
-                                         [note] if note else []))
+                                         [note] if note else [], optimizer=optimizer))
 
     @staticmethod
     def _rank_files(iter_dir: Path, names: list[str], indexed: dict[str, dict[str, Any]],
@@ -287,6 +300,9 @@ class MegatronFormat(IterDirFormat):
             by_file.setdefault(c.file, []).append(c)
         for rel, group in by_file.items():
             ckpt = load_pt(index.iter_dir / rel, self.trust_pickle)
+            if rel.endswith(DISTRIB_OPTIM):  # bucket space: "optimizer/buffer/state" of the coalesced buckets
+                out.update((c.id, optim_sources.legacy_range(ckpt, c)) for c in group)
+                continue
             for c in group:
                 entry, key = split_chunk_key(c.key)
                 stored = ckpt[entry]

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..config import ModelConfig, config_from_args
-from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, numel, target_dtype
 from ..durable import save_durable, write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
@@ -44,9 +44,12 @@ from ..layout.rules import (
     torch_dist_key,
 )
 from ..layout.topology import Layout
+from ..optim import sources as optim_sources
+from ..optim.state import COUNTERS, STATES, OptimizerState, is_parameter, opt_name, optimizer_tensors, renamed
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from .base import COMMON_TRAINING_STATE, IterDirFormat, KeyPolicy, dropped_state_note, on_rank0
+from .megatron import rank_entries
 from .distcp import (
     ItemFileWriter,
     SafeFileSystemReader,
@@ -109,17 +112,20 @@ def read_common(iter_dir: Path, md: Any, trust_pickle: bool) -> tuple[dict[str, 
     return common, style
 
 
-def training_state_note(keys: Iterable[str], common: dict[str, Any]) -> str | None:
-    """One line on the training state the source holds and a conversion drops (None: none)."""
+def training_state_note(keys: Iterable[str], common: dict[str, Any], kept: bool = False) -> str | None:
+    """One line on the training state the source holds and a conversion drops (None: none); ``kept``:
+    the optimizer state (and its scheduler) is converted, not dropped."""
     counts: Counter[str] = Counter()
     for k in keys:
         for prefix, name in TRAINING_STATE.items():
-            if k.startswith(prefix):
+            if k.startswith(prefix) and not (kept and name == "optimizer"):
                 counts[name] += 1
     sharding = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
     parts = [f"{name} ({n} items{f', {sharding}' if name == 'optimizer' and sharding else ''})"
              for name, n in counts.items()]
-    return dropped_state_note(parts + [k for k in COMMON_TRAINING_STATE if k in common and k not in counts])
+    kept_common = ("optimizer", "opt_param_scheduler", *COUNTERS) if kept else ()
+    return dropped_state_note(parts + [k for k in COMMON_TRAINING_STATE
+                                       if k in common and k not in counts and k not in kept_common], kept)
 
 
 def open_weights(iter_dir: Path, trust_pickle: bool) -> tuple[Any, dict[str, Any], str]:
@@ -333,25 +339,69 @@ class TorchDistFormat(IterDirFormat):
                                        if k not in stored}, fix)
         chunks: list[SourceChunk] = []
         for key, g in groups.items():
-            if key not in stored:
+            if key in stored:
+                self._key_chunks(chunks, key, key, g, stored[key])
+        index = SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks, style=style)
+        if self.options.optimizer:
+            index.optimizer = self._optimizer_chunks(index, md, common, groups)
+        note = training_state_note(md.state_dict_metadata, common, kept=self.options.optimizer)
+        index.notes += [note] if note else []
+        return policy.finish(index)
+
+    def _key_chunks(self, chunks: list[SourceChunk], stored_key: str, key: str, g: DistGroup, meta: Any,
+                    state: str | None = None) -> None:
+        """Append the chunks of one stored key holding the tensors of torch_dist key ``key`` (``state``: an
+        optimizer state of them, under the same sharding)."""
+        t0 = next(iter(g.members.values()))
+        n = len(g.lead)
+        expect = g.lead + mcore_global_shape(t0.kind, t0.shape, int(meta.size[n]))
+        if tuple(meta.size) != expect or (t0.kind is Kind.VOCAB and meta.size[n] < t0.shape[0]):
+            raise ConvertError(f"{stored_key} has global shape {tuple(meta.size)}, expected {expect} from the args",
+                               "the args disagree with the stored tensors; pass --vocab-size if the vocabulary "
+                               "is the difference, else check the checkpoint")
+        for c in meta.chunks:
+            box = Box(tuple(c.offsets), tuple(c.sizes))
+            pieces = block_pieces(g, box)
+            chunks.append(SourceChunk(len(chunks), self.prefix + stored_key, self.prefix + stored_key, tuple(c.sizes),
+                                      meta.properties.dtype, renamed(pieces, state) if state else pieces,
+                                      offsets=tuple(c.offsets), sliceable=True, contiguous_cuts=True,
+                                      origin=tuple(c.offsets), origin_shape=tuple(c.sizes)))
+
+    def _optimizer_chunks(self, index: SourceIndex, md: Any, common: dict[str, Any],
+                          groups: dict[str, DistGroup]) -> OptimizerState:
+        """Add the optimizer state's chunks to ``index`` (--optimizer); its non-tensor state."""
+        where = str(index.iter_dir)
+        items = {k.removeprefix(self.prefix): v for k, v in md.state_dict_metadata.items()}
+        kind = optim_sources.sharding_kind(list(items))
+        if kind is None:
+            raise ConvertError(f"{where} holds no optimizer state", optim_sources.NO_STATE)
+        if kind == "dp_reshardable":
+            def read(key: str) -> Any:
+                return read_object(index.iter_dir, md, self.prefix + key, self.trust_pickle)
+
+            found, objects = optim_sources.dp_reshardable(index.cfg, index.layout, index.args, index.cfg.spec, items,
+                                                          read, rank_entries, len(index.chunks), where)
+            for c in found:
+                c.file = c.key = self.prefix + c.key
+            index.chunks += found
+            saved = [read(keys[0]) for _, keys in objects]
+            if any(s is None for s in saved):
+                raise ConvertError(f"{where}: the optimizer's param_groups object is missing",
+                                   f"the optimizer state is incomplete; {optim_sources.NO_STATE}")
+            groups_of = tuple(optim_sources._groups(s[0] if isinstance(s, list) else s, where) for s in saved)
+            return OptimizerState(kind=kind, groups=groups_of, scheduler=common.get("opt_param_scheduler"),
+                                  counters=optim_sources.counters(common))
+        param_state = "param" if kind == "fully_reshardable" else "fp32_param"
+        for key, g in groups.items():
+            if not all(is_parameter(t.name) for t in g.members.values()):
                 continue
-            meta = stored[key]
-            t0 = next(iter(g.members.values()))
-            n = len(g.lead)
-            expect = g.lead + mcore_global_shape(t0.kind, t0.shape, int(meta.size[n]))
-            if tuple(meta.size) != expect or (t0.kind is Kind.VOCAB and meta.size[n] < t0.shape[0]):
-                raise ConvertError(f"{key} has global shape {tuple(meta.size)}, expected {expect} from the args",
-                                   "the args disagree with the stored tensors; pass --vocab-size if the vocabulary "
-                                   "is the difference, else check the checkpoint")
-            for c in meta.chunks:
-                box = Box(tuple(c.offsets), tuple(c.sizes))
-                chunks.append(SourceChunk(len(chunks), self.prefix + key, self.prefix + key, tuple(c.sizes),
-                                          meta.properties.dtype, block_pieces(g, box), offsets=tuple(c.offsets),
-                                          sliceable=True, contiguous_cuts=True, origin=tuple(c.offsets),
-                                          origin_shape=tuple(c.sizes)))
-        note = training_state_note(md.state_dict_metadata, common)
-        return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks,
-                                         [note] if note else [], style=style))
+            for state in STATES:
+                stored_key = opt_name(param_state if state == "param" else state, key)
+                if stored_key in items:
+                    self._key_chunks(index.chunks, stored_key, key, g, items[stored_key], state)
+                elif state == "param" and kind == "non_distributed" and key in items:
+                    self._key_chunks(index.chunks, key, key, g, items[key], state)  # fp32: the weights themselves
+        return optim_sources.model_space_state(common, kind, where)
 
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         """Each chunk's bytes with one positioned read where the item is a plain stored tensor
@@ -359,7 +409,7 @@ class TorchDistFormat(IterDirFormat):
         out: dict[int, torch.Tensor] = {}
         fallback = []
         for c in chunks:
-            stored = self._locate(index, c)
+            stored = self._locate(index, c) if c.flat is None else None
             if stored is None:
                 fallback.append(c)
                 continue
@@ -386,10 +436,12 @@ class TorchDistFormat(IterDirFormat):
     def _read_dcp(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         if not chunks:
             return {}
-        out = {c.id: torch.empty(c.shape, dtype=c.dtype) for c in chunks}
+        # a bucket-space chunk (``flat``) is a range of a stored 1-D tensor, viewed as its parameter's shape
+        out = {c.id: torch.empty(c.shape if c.flat is None else (numel(c.shape),), dtype=c.dtype) for c in chunks}
         requests: dict[str, list[tuple[Box, torch.Tensor]]] = {}
         for c in chunks:
-            requests.setdefault(c.key, []).append((Box(c.offsets or (), c.shape), out[c.id]))
+            box = Box(c.offsets or (), c.shape) if c.flat is None else Box((c.flat,), (numel(c.shape),))
+            requests.setdefault(c.key, []).append((box, out[c.id]))
         try:
             with warnings.catch_warnings():  # no_dist=True is intended: every rank reads its own chunks
                 warnings.simplefilter("ignore", UserWarning)
@@ -400,7 +452,7 @@ class TorchDistFormat(IterDirFormat):
             msg = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__
             raise ConvertError(f"reading {index.iter_dir} failed ({msg})",
                                "a .distcp file is corrupt or truncated; re-copy the checkpoint") from None
-        return out
+        return {c.id: out[c.id].view(c.shape) for c in chunks}
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         """One file per target (tp, pp, ep) rank with its main-replica chunks, as megatron-core saves
@@ -434,6 +486,9 @@ class TorchDistFormat(IterDirFormat):
         if cfg.family == "t5":  # GPTModel drops its output layer's
             for m in OUTPUT_MODULES[cfg.family]:
                 objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
+        if target.optimizer is not None:  # model-space (fully_reshardable) optimizer state beside each chunk
+            for r in ranks:
+                tensors[r] += optimizer_tensors(tensors[r], self.prefix)
         return [TargetFile(i, f"tp{t}_pp{p}" + (f"_ep{e}" if layout.ep > 1 else ""), tensors[(t, p, e)],
                            {self.prefix + k: v for k, v in objects[(t, p, e)].items()})
                 for i, (t, p, e) in enumerate(ranks)]
@@ -443,8 +498,17 @@ class TorchDistFormat(IterDirFormat):
 
     def common_state(self, target: Target) -> dict[str, Any]:
         """The target's common (unsharded) state: Megatron-LM's args, checkpoint version and iteration."""
-        return {"args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
-                "iteration": 0 if target.iteration == "release" else target.iteration}
+        common = {"args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
+                  "iteration": 0 if target.iteration == "release" else target.iteration}
+        if target.optimizer is not None:  # what megatron-core's fully_reshardable save leaves in the common state
+            common["optimizer"] = target.optimizer.common()
+            if target.optimizer.scheduler is not None:
+                common["opt_param_scheduler"] = target.optimizer.scheduler
+            common.update(target.optimizer.counters)
+            common["content_metadata"] = {"distrib_optim_sharding_type": "fully_reshardable",
+                                          "distrib_optim_fully_reshardable_mem_efficient": False,
+                                          "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+        return common
 
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
         """``.metadata``, the common state (common.pt, or with style "0.19" its own DCP item in one more

@@ -2,7 +2,8 @@
 state, RNG state, rerun state and the common state, written by megatron-core (never dist_convert).
 
   torchrun --nproc_per_node=N tests/train_oracle.py make --config C.json --tp T [--pp P] [--ep E] \
-      --seed S --out ROOT [--save-kind dp_reshardable|fully_reshardable|torch ...] [--steps 2]
+      --seed S --out ROOT [--save-kind dp_reshardable|fully_reshardable|torch ...] [--steps 2] \
+      [--bucket-size B]
 
 World size N = tp * pp * dp for any dp >= 1 (dense or MoE: this oracle adds the data-parallel
 dimension mcore_oracle's dense `make` lacks). It builds the GPTModel of mcore_oracle (config loading,
@@ -35,6 +36,19 @@ writes what a checkpoint (a save root or an iteration dir, torch_dist or legacy)
 megatron-core and torch.distributed.checkpoint: {"format", "files" (relative paths), "keys" (torch_dist:
 the DCP items, tensors and objects; legacy: the top-level keys of the rank files), "common_keys" (the
 common state / rank file without the model), "args" (ARG_FIELDS of the stored args)}.
+
+`make --bucket-size B`: DDP with several buckets per gradient buffer. megatron-core splits a buffer
+into buckets (of about B parameters; one bucket on PP stages after the first) only with
+overlap_grad_reduce, so the DistributedDataParallelConfig gets overlap_grad_reduce=True and
+bucket_size=B (the backward hooks then launch each bucket's reduce-scatter asynchronously on gloo and
+finalize_model_grads waits for them; no shim is needed), and the saved args say so as Megatron-LM's
+argparse names them: overlap_grad_reduce=True, ddp_bucket_size=B. The args always carry the other
+DDP options that shape the buffers, as used here: ddp_num_buckets None,
+ddp_pad_buckets_for_high_nccl_busbw, ddp_reduce_scatter_with_fp32_accumulation and
+ddp_average_in_collective False, accumulate_allreduce_grads_in_fp32 False,
+num_distributed_optimizer_instances 1, overlap_param_gather(_with_optimizer_step) False,
+align_grad_reduce True. dp_reshardable then saves one optimizer.distributed....bucket_idx_K entry per
+bucket.
 
 `make`: rank 0 prints "TRAIN ORACLE SAVED kinds=... losses=..." at the end. The CPU device shims of
 mcore_oracle apply, plus a few for the optimizer (see training_shims); they are undone at the end of
@@ -165,8 +179,8 @@ def training_args(cfg, a, dp, ckpt_format, fully_reshardable):
         lr_decay_style="constant", lr_warmup_iters=0, weight_decay=0.01, start_weight_decay=0.01,
         end_weight_decay=0.01, weight_decay_incr_style="constant", adam_beta1=0.9, adam_beta2=0.999,
         adam_eps=1e-8, clip_grad=1.0, loss_scale=None, initial_loss_scale=4294967296,
-        use_distributed_optimizer=True, overlap_grad_reduce=False, overlap_param_gather=False,
-        accumulate_allreduce_grads_in_fp32=False, use_dist_ckpt=ckpt_format != "torch",
+        use_distributed_optimizer=True, overlap_param_gather=False, accumulate_allreduce_grads_in_fp32=False,
+        **ddp_args(a.bucket_size), use_dist_ckpt=ckpt_format != "torch",
         dist_ckpt_optim_fully_reshardable=fully_reshardable, distrib_optim_fully_reshardable_mem_efficient=False,
         ckpt_fully_parallel_save=True, ckpt_fully_parallel_load=False, ckpt_assume_constant_structure=False,
         async_save=False, save="", load=None, save_interval=a.steps, no_save_optim=None, no_save_rng=None,
@@ -176,17 +190,32 @@ def training_args(cfg, a, dp, ckpt_format, fully_reshardable):
     return args
 
 
+def ddp_args(bucket_size):
+    """What Megatron-LM's argparse records about the DDP options that shape the gradient buffers
+    (megatron/training/arguments.py; get_model turns them into the DistributedDataParallelConfig of
+    build_training): buckets only with --overlap-grad-reduce, of --ddp-bucket-size parameters."""
+    return dict(overlap_grad_reduce=bucket_size is not None, ddp_bucket_size=bucket_size, ddp_num_buckets=None,
+                ddp_pad_buckets_for_high_nccl_busbw=False, ddp_reduce_scatter_with_fp32_accumulation=False,
+                ddp_average_in_collective=False, num_distributed_optimizer_instances=1,
+                overlap_param_gather_with_optimizer_step=False, align_grad_reduce=True)
+
+
 def build_training(cfg, a):
     """The model in megatron-core DDP, its distributed optimizer and scheduler (as Megatron-LM's
-    get_model + get_megatron_optimizer + get_optimizer_param_scheduler)."""
+    get_model + get_megatron_optimizer + get_optimizer_param_scheduler). ``a.bucket_size``:
+    overlap_grad_reduce with buckets of about that many parameters (megatron-core splits a gradient
+    buffer into buckets only with overlap_grad_reduce; it keeps one bucket on PP stages after the first)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     model = mo.build_model(cfg, a.tp, a.pp, ep=a.ep)
     mo.randomize(model, cfg, a.seed)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=False,
-                                               overlap_grad_reduce=False, overlap_param_gather=False)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=False, overlap_grad_reduce=a.bucket_size is not None,
+        overlap_param_gather=False, bucket_size=a.bucket_size, pad_buckets_for_high_nccl_busbw=False,
+        average_in_collective=False, reduce_scatter_with_fp32_accumulation=False,
+        num_distributed_optimizer_instances=1)
     # megatron-core 0.19 computes the distributed optimizer's parameter layout inside DDP when not given
     # one (what Megatron-LM's wrap_model_chunks_with_ddp passes is the same computation)
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
@@ -204,7 +233,8 @@ def build_training(cfg, a):
 def train(cfg, a, ddp, optimizer, scheduler, dp):
     """``--steps`` steps of Megatron-LM's train_step (megatron/training/training.py): while the rerun
     state machine asks for it, zero the grad buffers and run forward_backward_func (the no-pipelining
-    schedule at PP=1; finalize_model_grads reduces over DP) on a RerunDataIterator; optimizer.step
+    schedule at PP=1; finalize_model_grads reduces over DP, waiting for the buckets' reduce-scatters
+    with overlap_grad_reduce) on a RerunDataIterator; optimizer.step
     (which all-gathers the updated parameters); scheduler.step. Returns DP rank 0's loss per step."""
     import functools
 
@@ -486,6 +516,8 @@ def main(argv=None, serving=False):
     sp.add_argument("--out", required=True, help="ROOT: ROOT/<save kind>/ and ROOT/reference/")
     sp.add_argument("--save-kind", action="append", choices=KINDS, default=None,
                     help="repeatable; default dp_reshardable")
+    sp.add_argument("--bucket-size", type=int, default=None,
+                    help="DDP buckets of about N parameters (overlap_grad_reduce); default: one bucket per buffer")
     sp = sub.add_parser("inspect")
     sp.add_argument("--ckpt", required=True)
     sp.add_argument("--out", required=True)

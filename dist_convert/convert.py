@@ -142,6 +142,21 @@ def check_vocab(opts: ReshardOptions, index: SourceIndex, cfg: ModelConfig, layo
             "pass --vocab-size with the tokenizer's vocabulary size")
 
 
+def carry_vocab_padding(opts: ReshardOptions, index: SourceIndex, cfg: ModelConfig, layout: Layout,
+                        rt: Runtime) -> tuple[SourceIndex, ModelConfig]:
+    """Resuming training (--optimizer): the vocabulary padding rows source and target share are trained values
+    (they enter the loss's softmax) that megatron-core keeps when it reshards, weights and optimizer state alike.
+    They travel as rows of the logical tensors: the source is indexed again with that many rows as its
+    vocabulary (the target's args keep the true one)."""
+    rows = min(index.cfg.padded_vocab(index.layout.tp), cfg.padded_vocab(layout.tp))
+    if rows == cfg.vocab_size:
+        return index, cfg
+    _, again = load_index(opts.src, opts.src_format, rt, rows, opts.formats)
+    again.notes.append(f"carrying the {rows - cfg.vocab_size} vocabulary padding rows source and target share "
+                       f"(rows {cfg.vocab_size}-{rows - 1}), as megatron-core's own resharding keeps them")
+    return again, cfg.replace(vocab_size=rows)
+
+
 def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     t0 = time.perf_counter()
     refuse_existing(opts.dst, opts.overwrite)
@@ -181,9 +196,13 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     elif not (opts.vocab_size or getattr(index.args, "vocab_size", None)):
         index.notes.append(f"the true vocabulary size is unknown: exporting all {cfg.vocab_size} (padded) rows; "
                            "pass --vocab-size to strip the padding")
+    true_vocab = cfg.vocab_size
+    if index.optimizer is not None:
+        index, cfg = carry_vocab_padding(opts, index, cfg, layout, rt)
     dtype = DTYPES[opts.dtype]
     args = args_for_target(index.args, cfg, layout, dtype, MLM_CKPT_FORMAT.get(dst_fmt.name),
                            optimizer_saved=index.optimizer is not None)
+    args.vocab_size = true_vocab
     target = Target(cfg, layout, dtype, args, index.iteration, index.style if index.format == dst_fmt.name else None,
                     optimizer=index.optimizer and index.optimizer.for_layout(cfg, layout))
     files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)

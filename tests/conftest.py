@@ -134,3 +134,6 @@ def gpt_a(tmp_path_factory) -> Source:
 @pytest.fixture(scope="session")
 def gpt_b(tmp_path_factory) -> Source:
     return make_source(tmp_path_factory.mktemp("src"), "B")
+
+
+from training_runs import trained  # noqa: E402,F401 - the session's training runs (after CONFIGS and oracle)

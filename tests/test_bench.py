@@ -153,6 +153,23 @@ def test_bench_end_to_end_reports_every_method(bench):
     assert bench["machine"]["cpus"] >= 1
 
 
+def test_bench_optimizer_reports_the_cost_beside_the_weights(tmp_path):
+    """``bench --optimizer``: a synthetic checkpoint with a distributed Adam's state in model space; each world
+    size converts it twice, weights only and with --optimizer (three fp32 tensors per bf16 parameter: 7x the
+    bytes), and both outputs hold the same weights."""
+    out = tmp_path / "bench.json"
+    ok(run_cli("bench", "--size", "4MB", "--optimizer", "--methods", "dist_convert", "--ranks", "2", "--reps", "1",
+               "--target-tp", "1", "--target-pp", "1", "--workdir", str(tmp_path), "--keep", "--json", str(out),
+               timeout=300))
+    rows = {r["method"]: r for r in json.loads(out.read_text())["targets"][0]["rows"]}
+    assert set(rows) == {"dist_convert", "optimizer"} and all(r["status"] == "ok" for r in rows.values())
+    read = {m: sum(r["runs"][0]["detail"]["read_bytes"]) for m, r in rows.items()}
+    written = {m: sum(r["runs"][0]["detail"]["written_bytes"]) for m, r in rows.items()}
+    assert read["optimizer"] == pytest.approx(7 * read["dist_convert"], rel=0.01), read
+    assert written["optimizer"] == pytest.approx(7 * written["dist_convert"], rel=0.01), written
+    assert cli_main(["verify", rows["dist_convert"]["output"], rows["optimizer"]["output"]]) == 0
+
+
 def _output(bench, method, world):
     return next(r["output"] for r in bench["targets"][0]["rows"] if (r["method"], r["world"]) == (method, world))
 

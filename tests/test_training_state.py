@@ -8,64 +8,12 @@ args (``no_save_optim``, ``no_save_rng``) with the new layout sizes, world size 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from training_runs import WORLD
 
-from conftest import CONFIGS, ok, oracle, run_cli
-
-MOE_M = {"num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
-         "swiglu": True, "normalization": "RMSNorm", "add_bias_linear": False, "vocab_size": 100,
-         "make_vocab_size_divisible_by": 16, "position_embedding_type": "rope", "max_position_embeddings": 32,
-         "seq_length": 32, "num_experts": 4, "moe_ffn_hidden_size": 16, "moe_shared_expert_intermediate_size": 24,
-         "moe_shared_expert_gate": True, "moe_layer_freq": [0, 1, 0, 1], "moe_router_topk": 2,
-         "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}
-
-# the training runs, each made once per session with every save kind it is used with:
-# (runtime, name) -> (config, tp, ep, save kinds); world 2 each (TP=2 DP=1; TP=1 DP=2 with EP=2; TP=1 DP=2)
-RUNS = {
-    ("default", "tp2"): (CONFIGS["A"][0], 2, 1, ("dp_reshardable", "fully_reshardable", "torch")),
-    ("default", "moe-ep2"): (MOE_M, 1, 2, ("dp_reshardable", "torch")),
-    ("mcore19", "tp2"): (CONFIGS["A"][0], 2, 1, ("dp_reshardable", "fully_reshardable", "torch")),
-    ("mcore19", "dp2"): (CONFIGS["A"][0], 1, 1, ("dp_reshardable", "fully_reshardable")),
-}
-WORLD = 2
-
-
-@dataclass(frozen=True, kw_only=True)
-class Run:
-    runtime: str
-    config: Path
-    root: Path
-    cfg: dict
-
-    def source(self, kind: str) -> Path:
-        return self.root / kind
-
-    @property
-    def reference(self) -> Path:
-        return self.root / "reference"
-
-
-@pytest.fixture(scope="session")
-def trained(tmp_path_factory):
-    """``trained(runtime, name)``: that training run's checkpoints, made at its first use."""
-    made: dict[tuple[str, str], Run] = {}
-
-    def get(runtime: str, name: str) -> Run:
-        if (runtime, name) not in made:
-            cfg, tp, ep, kinds = RUNS[runtime, name]
-            root = tmp_path_factory.mktemp(f"train-{runtime}-{name}")
-            config = root / "config.json"
-            config.write_text(json.dumps(cfg))
-            res = oracle("make", WORLD, "--config", str(config), "--tp", str(tp), "--ep", str(ep), "--seed", "4321",
-                         "--out", str(root), *[f"--save-kind={k}" for k in kinds], program="train", runtime=runtime)
-            assert "TRAIN ORACLE SAVED" in res.stdout, res.stdout[-2000:]
-            made[runtime, name] = Run(runtime=runtime, config=config, root=root, cfg=cfg)
-        return made[runtime, name]
-
-    return get
+from conftest import ok, oracle, run_cli
 
 
 def inspect(path: Path, runtime: str, tmp_path: Path, world: int = WORLD) -> dict:

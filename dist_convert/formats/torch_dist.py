@@ -45,11 +45,10 @@ from ..layout.rules import (
 )
 from ..layout.topology import Layout
 from ..optim import sources as optim_sources
-from ..optim.state import COUNTERS, STATES, OptimizerState, is_parameter, opt_name, optimizer_tensors, renamed
+from ..optim.state import COUNTERS, optimizer_tensors, renamed
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from .base import COMMON_TRAINING_STATE, IterDirFormat, KeyPolicy, dropped_state_note, on_rank0
-from .megatron import rank_entries
 from .distcp import (
     ItemFileWriter,
     SafeFileSystemReader,
@@ -340,15 +339,15 @@ class TorchDistFormat(IterDirFormat):
         chunks: list[SourceChunk] = []
         for key, g in groups.items():
             if key in stored:
-                self._key_chunks(chunks, key, key, g, stored[key])
+                self.key_chunks(chunks, key, key, g, stored[key])
         index = SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks, style=style)
         if self.options.optimizer:
-            index.optimizer = self._optimizer_chunks(index, md, common, groups)
+            index.optimizer = optim_sources.torch_dist_state(self, index, md, common, groups)
         note = training_state_note(md.state_dict_metadata, common, kept=self.options.optimizer)
         index.notes += [note] if note else []
         return policy.finish(index)
 
-    def _key_chunks(self, chunks: list[SourceChunk], stored_key: str, key: str, g: DistGroup, meta: Any,
+    def key_chunks(self, chunks: list[SourceChunk], stored_key: str, key: str, g: DistGroup, meta: Any,
                     state: str | None = None) -> None:
         """Append the chunks of one stored key holding the tensors of torch_dist key ``key`` (``state``: an
         optimizer state of them, under the same sharding)."""
@@ -366,42 +365,6 @@ class TorchDistFormat(IterDirFormat):
                                       meta.properties.dtype, renamed(pieces, state) if state else pieces,
                                       offsets=tuple(c.offsets), sliceable=True, contiguous_cuts=True,
                                       origin=tuple(c.offsets), origin_shape=tuple(c.sizes)))
-
-    def _optimizer_chunks(self, index: SourceIndex, md: Any, common: dict[str, Any],
-                          groups: dict[str, DistGroup]) -> OptimizerState:
-        """Add the optimizer state's chunks to ``index`` (--optimizer); its non-tensor state."""
-        where = str(index.iter_dir)
-        items = {k.removeprefix(self.prefix): v for k, v in md.state_dict_metadata.items()}
-        kind = optim_sources.sharding_kind(list(items))
-        if kind is None:
-            raise ConvertError(f"{where} holds no optimizer state", optim_sources.NO_STATE)
-        if kind == "dp_reshardable":
-            def read(key: str) -> Any:
-                return read_object(index.iter_dir, md, self.prefix + key, self.trust_pickle)
-
-            found, objects = optim_sources.dp_reshardable(index.cfg, index.layout, index.args, index.cfg.spec, items,
-                                                          read, rank_entries, len(index.chunks), where)
-            for c in found:
-                c.file = c.key = self.prefix + c.key
-            index.chunks += found
-            saved = [read(keys[0]) for _, keys in objects]
-            if any(s is None for s in saved):
-                raise ConvertError(f"{where}: the optimizer's param_groups object is missing",
-                                   f"the optimizer state is incomplete; {optim_sources.NO_STATE}")
-            groups_of = tuple(optim_sources._groups(s[0] if isinstance(s, list) else s, where) for s in saved)
-            return OptimizerState(kind=kind, groups=groups_of, scheduler=common.get("opt_param_scheduler"),
-                                  counters=optim_sources.counters(common))
-        param_state = "param" if kind == "fully_reshardable" else "fp32_param"
-        for key, g in groups.items():
-            if not all(is_parameter(t.name) for t in g.members.values()):
-                continue
-            for state in STATES:
-                stored_key = opt_name(param_state if state == "param" else state, key)
-                if stored_key in items:
-                    self._key_chunks(index.chunks, stored_key, key, g, items[stored_key], state)
-                elif state == "param" and kind == "non_distributed" and key in items:
-                    self._key_chunks(index.chunks, key, key, g, items[key], state)  # fp32: the weights themselves
-        return optim_sources.model_space_state(common, kind, where)
 
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         """Each chunk's bytes with one positioned read where the item is a plain stored tensor

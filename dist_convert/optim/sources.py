@@ -15,13 +15,32 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
-from ..datamodel import SourceChunk, numel
+from ..datamodel import SourceChunk, SourceIndex, numel
 from ..errors import ConvertError
 from ..layout.topology import Layout
-from .read import FIX, Entries, boundaries_checked, check_sizes, dp_group_idx, flat_chunks, parse_bucket_key, rank_buffers
-from .state import COUNTERS, OptimizerState, dist_optimizer_groups
+from .read import (
+    FIX,
+    Entries,
+    boundaries_checked,
+    check_sizes,
+    dp_group_idx,
+    flat_chunks,
+    parse_bucket_key,
+    rank_buffers,
+)
+from .state import COUNTERS, STATES, OptimizerState, dist_optimizer_groups, is_parameter, opt_name
 
 NO_STATE = "drop --optimizer to convert the model alone"
+
+
+def check_supported(cfg: ModelConfig, where: str, states: set[str]) -> None:
+    """Refuse what --optimizer does not convert yet: T5, and optimizers other than Adam (``states``: the
+    per-parameter states the source stores)."""
+    if cfg.family == "t5":
+        raise ConvertError(f"{where}: converting a T5 model's optimizer state is not supported yet", NO_STATE)
+    if states and not {"exp_avg", "exp_avg_sq"} <= states:
+        raise ConvertError(f"{where}: the optimizer stores {sorted(states)} per parameter; --optimizer converts "
+                           "Adam's (param, exp_avg, exp_avg_sq)", NO_STATE)
 
 
 def sharding_kind(keys: list[str]) -> str | None:
@@ -73,6 +92,7 @@ def dp_reshardable(cfg: ModelConfig, layout: Layout, args: Any, spec: str, store
     optimizer, its ``optimizer`` object key (param_groups). Checks the derived layout against each rank's
     ``per_bucket_numel(_unpadded)`` and the saved chunks."""
     parsed = {k: p for k in stored if (p := parse_bucket_key(k))}
+    check_supported(cfg, where, {p[5] for p in parsed.values()})
     optimizers = sorted({p[0] for p in parsed.values()})
     separate = len(optimizers) > 1
     if optimizers not in ([0], [0, 1]):
@@ -135,17 +155,23 @@ def dp_reshardable(cfg: ModelConfig, layout: Layout, args: Any, spec: str, store
     return chunks, objects
 
 
-def legacy(cfg: ModelConfig, layout: Layout, args: Any, spec: str, iter_dir: Path, files: dict[tuple[int, int, int], Any],
-           load: Callable[[Path], Any], rank_entries: Callable[..., Entries],
+def legacy(cfg: ModelConfig, layout: Layout, args: Any, spec: str, iter_dir: Path,
+           files: dict[tuple[int, int, int], Any], load: Callable[[Path], Any], rank_entries: Callable[..., Entries],
            first_id: int) -> tuple[list[SourceChunk], OptimizerState]:
     """Chunks of the legacy distributed optimizer's ``distrib_optim.pt`` files (``files``: the indexed rank
     files by (tp, pp, ep), each with its ``rel`` path, stored key ``order`` and saved ``optimizer``), each
     parameter placed in its buffer by the rank file's own parameter order."""
     chunks: list[SourceChunk] = []
     first = files[(0, 0, 0)]
-    saved = _entries_list(first["optimizer"])
     if first["optimizer"] is None:
         raise ConvertError(f"{iter_dir / first['rel']} holds no optimizer state", NO_STATE)
+    check_supported(cfg, str(iter_dir), set())
+    saved = _entries_list(first["optimizer"])
+    if not (iter_dir / first["rel"]).parent.joinpath("distrib_optim.pt").is_file() and any(
+            isinstance(e, dict) and "state" in e.get("optimizer", {}) for e in saved):
+        raise ConvertError(f"{iter_dir / first['rel']} holds a non-distributed optimizer's state; converting it from "
+                           "legacy rank files is not supported yet", f"{NO_STATE}, or save with "
+                           "--use-distributed-optimizer")
     separate = len(saved) > 1
     dense_dp = int(getattr(args, "data_parallel_size", 0) or 1) * int(getattr(args, "context_parallel_size", 1) or 1)
     expert_dp = max(1, dense_dp * layout.tp // (layout.expert_tp * layout.ep))
@@ -160,13 +186,14 @@ def legacy(cfg: ModelConfig, layout: Layout, args: Any, spec: str, iter_dir: Pat
         rank_order = {k: i for i, k in enumerate(f["order"])}
 
         def order(keys: list[str], rank_order: dict[str, int] = rank_order) -> list[str]:
-            return sorted(keys, key=lambda k: rank_order[k])
+            return sorted(keys, key=rank_order.__getitem__)
 
         for k, state in enumerate(stored):
             expert = separate and k == 1
             if state is None:
                 if e == 0 and not expert:
-                    raise ConvertError(f"{path} holds no dense optimizer state", f"re-copy the checkpoint, or {NO_STATE}")
+                    raise ConvertError(f"{path} holds no dense optimizer state",
+                                       f"re-copy the checkpoint, or {NO_STATE}")
                 continue  # the dense state lives in expert rank 0's file
             if e != 0 and not expert:
                 continue
@@ -198,3 +225,46 @@ def legacy_range(saved: Any, c: SourceChunk) -> torch.Tensor:
     (tensors,) = _entries_list(saved)[int(k)][int(g)].values()
     n = numel(c.shape)
     return tensors[state].narrow(0, c.flat, n).view(c.shape).clone()
+
+
+def torch_dist_state(fmt: Any, index: SourceIndex, md: Any, common: dict[str, Any],
+                     groups: dict[str, Any]) -> OptimizerState:
+    """Add a torch_dist source's optimizer state chunks to ``index`` (``fmt``: its TorchDistFormat; ``groups``:
+    its model keys' DistGroups); return the non-tensor state."""
+    from ..formats.distcp import read_object
+    from ..formats.megatron import rank_entries
+
+    where = str(index.iter_dir)
+    items = {k.removeprefix(fmt.prefix): v for k, v in md.state_dict_metadata.items()}
+    kind = sharding_kind(list(items))
+    if kind is None:
+        raise ConvertError(f"{where} holds no optimizer state", NO_STATE)
+    if kind != "dp_reshardable":
+        check_supported(index.cfg, where, {k.split(".")[2] for k in items if k.startswith("optimizer.state.")})
+    else:
+        def read(key: str) -> Any:
+            return read_object(index.iter_dir, md, fmt.prefix + key, fmt.trust_pickle)
+
+        found, objects = dp_reshardable(index.cfg, index.layout, index.args, index.cfg.spec, items, read,
+                                        rank_entries, len(index.chunks), where)
+        for c in found:
+            c.file = c.key = fmt.prefix + c.key
+        index.chunks += found
+        saved = [read(keys[0]) for _, keys in objects]
+        if any(s is None for s in saved):
+            raise ConvertError(f"{where}: the optimizer's param_groups object is missing",
+                               f"the optimizer state is incomplete; {NO_STATE}")
+        groups_of = tuple(_groups(s[0] if isinstance(s, list) else s, where) for s in saved)
+        return OptimizerState(kind=kind, groups=groups_of, scheduler=common.get("opt_param_scheduler"),
+                              counters=counters(common))
+    param_state = "param" if kind == "fully_reshardable" else "fp32_param"
+    for key, g in groups.items():
+        if not all(is_parameter(t.name) for t in g.members.values()):
+            continue
+        for state in STATES:
+            stored_key = opt_name(param_state if state == "param" else state, key)
+            if stored_key in items:
+                fmt.key_chunks(index.chunks, stored_key, key, g, items[stored_key], state)
+            elif state == "param" and kind == "non_distributed" and key in items:
+                fmt.key_chunks(index.chunks, key, key, g, items[key], state)  # fp32: the weights themselves
+    return model_space_state(common, kind, where)

@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from .config import ModelConfig
 from .errors import ConvertError
 from .layout.boxes import Piece
 from .layout.topology import Layout
+
+if TYPE_CHECKING:
+    from .optim.state import OptimizerState
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -62,7 +65,7 @@ class SourceIndex:
     notes: list[str] = field(default_factory=list)
     absent: frozenset[str] = frozenset()  # logical tensors the source lacks, left out (--allow-missing)
     style: str | None = None  # on-disk style where a format has several (torch_dist: "0.16" | "0.19")
-    optimizer: Any = None  # optim.OptimizerState of a source read with --optimizer (None: model only)
+    optimizer: OptimizerState | None = None  # of a source read with --optimizer (None: the model only)
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +128,7 @@ class Target:
     args: argparse.Namespace
     iteration: int | str
     style: str | None = None  # the source's on-disk style, kept when the format stays (torch_dist: "0.16" | "0.19")
-    optimizer: Any = None  # optim.OptimizerState to write with the model (--optimizer; None: model only)
+    optimizer: OptimizerState | None = None  # to write with the model (--optimizer; None: the model only)
 
 
 # Tensors megatron-core keeps in their own dtype whatever the params dtype (MoE router.expert_bias: fp32)

@@ -157,9 +157,19 @@ def carry_vocab_padding(opts: ReshardOptions, index: SourceIndex, cfg: ModelConf
     return again, cfg.replace(vocab_size=rows)
 
 
-def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
-    t0 = time.perf_counter()
-    refuse_existing(opts.dst, opts.overwrite)
+@dataclass(frozen=True)
+class Prepared:
+    """What a conversion is before it runs: the source index, the target and its files (split for ``world``)."""
+
+    src_fmt: Format
+    dst_fmt: Format
+    index: SourceIndex
+    target: Target
+    files: list[TargetFile]
+
+
+def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
+    """Collective (the index): check the options, index the source, lay out the target and its files."""
     if opts.dtype not in DTYPES:
         raise ConvertError(f"unknown --dtype {opts.dtype}", f"use one of {', '.join(DTYPES)}")
     f = opts.formats
@@ -207,7 +217,16 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
                     optimizer=index.optimizer and index.optimizer.for_layout(cfg, layout))
     files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)
     if dst_fmt.any_writer:  # give every rank a part to write
-        files = split_files(files, rt.world)
+        files = split_files(files, world)
+    return Prepared(src_fmt, dst_fmt, index, target, files)
+
+
+def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
+    t0 = time.perf_counter()
+    refuse_existing(opts.dst, opts.overwrite)
+    p = prepare(opts, rt, rt.world)
+    src_fmt, dst_fmt, index, target, files = p.src_fmt, p.dst_fmt, p.index, p.target, p.files
+    layout = target.layout
     run = {"dst_format": dst_fmt.name, "src": str(opts.src.resolve()), "src_format": index.format,
            "iteration": index.iteration, "files": len(files)}
     marker = {**run, "world": rt.world, "fingerprint": fingerprint(files, run)}

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .bench.args import add_bench_parser
+from .defaults import DEFAULT_BUDGET
 from .errors import ConvertError
-from .formats.base import FormatOptions
-from .plan import DEFAULT_BUDGET
-from .runtime import Runtime, collective_failure, init_runtime
+
+if TYPE_CHECKING:  # torch, the formats and the runtime are imported when a command runs, not to parse
+    from .formats.base import FormatOptions
+    from .runtime import Runtime
+
 
 FORMAT_CHOICES = ("auto", "torch_dist", "fsdp_dtensor", "megatron", "hf", "nemo", "nemo2", "bridge")
 
@@ -29,6 +32,9 @@ def parse_size(text: str) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="start N local worker processes (as torchrun --standalone --nproc_per_node=N would) and "
+                        "run in them; without it: one process, or the ranks of the torchrun job it runs in")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="collective backend (auto: nccl when CUDA is available, else gloo)")
     p.add_argument("--timeout", type=float, default=1800.0,
@@ -49,11 +55,13 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(repeatable; default: refuse unknown tensors)")
 
 
-_CAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype (keep: None)
-
-
 def format_options(ns: argparse.Namespace) -> FormatOptions:
     """Reader/writer options from the flags of any subcommand (flags it lacks keep their defaults)."""
+    import torch
+
+    from .formats.base import FormatOptions
+
+    cast = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype (keep: None)
     d = FormatOptions()
     return FormatOptions(trust_pickle=ns.trust_pickle, max_shard_size=getattr(ns, "max_shard_size", d.max_shard_size),
                          tokenizer_dir=getattr(ns, "tokenizer_dir", None),
@@ -61,18 +69,13 @@ def format_options(ns: argparse.Namespace) -> FormatOptions:
                          tokenizer_vocab_file=getattr(ns, "tokenizer_vocab_file", None),
                          nemo_style=getattr(ns, "nemo_style", None),
                          torch_dist_style=getattr(ns, "torch_dist_style", None), allow_missing=tuple(ns.allow_missing),
-                         dtype=_CAST.get(getattr(ns, "dtype", "keep")),
+                         dtype=cast.get(getattr(ns, "dtype", "keep")),
                          quantize=None if getattr(ns, "quantize", "none") == "none" else ns.quantize,
                          ignore_unexpected=tuple(ns.ignore_unexpected), optimizer=getattr(ns, "optimizer", False))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dist_convert", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-
-    r = sub.add_parser("reshard", help="change TP/PP layout and/or format of a GPT checkpoint")
-    r.add_argument("src", type=Path)
-    r.add_argument("dst", type=Path)
+def _target_flags(r: argparse.ArgumentParser) -> None:
+    """The flags that say what a reshard produces (``reshard`` and ``plan``)."""
     r.add_argument("--src-format", choices=FORMAT_CHOICES, default="auto")
     r.add_argument("--dst-format", choices=FORMAT_CHOICES[1:], default=None, help="default: the source format")
     r.add_argument("--target-tp", type=int, default=None, help="default: the source TP")
@@ -117,6 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch_dist target: where the common state (args) goes. 0.16: common.pt, which megatron-core "
                         "0.14-0.20 all load; 0.19: a common_state item inside the DCP, as megatron-core 0.19+ saves "
                         "(0.16-0.18 cannot load it). Default: the source's style, else 0.16")
+    r.add_argument("--optimizer", action="store_true",
+                   help="convert the distributed optimizer's state too (master params and Adam moments; "
+                        "dp_reshardable, fully_reshardable, non-distributed or legacy distrib_optim.pt sources) into "
+                        "a torch_dist target in model space (fully_reshardable), so training resumes at the new "
+                        "layout; without it the optimizer state is dropped")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dist_convert", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("reshard", help="change TP/PP layout and/or format of a GPT checkpoint")
+    r.add_argument("src", type=Path)
+    r.add_argument("dst", type=Path)
+    _target_flags(r)
     r.add_argument("--overwrite", action="store_true",
                    help="replace an existing DST (and discard an interrupted run's DST.dist_convert_tmp)")
     r.add_argument("--resume", action="store_true",
@@ -124,12 +142,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "convert the rest (same arguments and world size)")
     r.add_argument("--stats-json", type=Path, default=None,
                    help="rank 0 also writes the per-rank summary table here as JSON")
-    r.add_argument("--optimizer", action="store_true",
-                   help="convert the distributed optimizer's state too (master params and Adam moments; "
-                        "dp_reshardable, fully_reshardable, non-distributed or legacy distrib_optim.pt sources) into "
-                        "a torch_dist target in model space (fully_reshardable), so training resumes at the new "
-                        "layout; without it the optimizer state is dropped")
     _common(r)
+
+    pl = sub.add_parser("plan", help="what a reshard would read, write, send and hold per rank at a world size, "
+                                     "and how long it would take (one process; nothing converted)")
+    pl.add_argument("src", type=Path)
+    _target_flags(pl)
+    pl.add_argument("--world", type=int, required=True, help="ranks of the planned run")
+    pl.add_argument("--read-gbps", type=float, default=1.0, help="storage read speed per rank, GB/s (default 1)")
+    pl.add_argument("--write-gbps", type=float, default=None, help="storage write speed per rank (default: read's)")
+    pl.add_argument("--network-gbps", type=float, default=10.0,
+                    help="exchange speed per rank, GB/s (default 10: NCCL within a node; gloo is ~0.5-2)")
+    pl.add_argument("--json", type=Path, default=None, help="also write every figure here")
+    _common(pl)
 
     s = sub.add_parser("speculate", help="add EAGLE draft layers or Medusa heads with ModelOpt, save sharded")
     s.add_argument("src", type=Path)
@@ -178,17 +203,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(ns: argparse.Namespace, rt: Runtime) -> int:
-    if ns.cmd == "reshard":
+    if ns.cmd in ("reshard", "plan"):
         from .convert import ReshardOptions, reshard
         formats = format_options(ns)
-        opts = ReshardOptions(src=ns.src, dst=ns.dst, src_format=ns.src_format, dst_format=ns.dst_format,
+        opts = ReshardOptions(src=ns.src, dst=getattr(ns, "dst", None), src_format=ns.src_format,
+                              dst_format=ns.dst_format,
                               target_tp=ns.target_tp, target_pp=ns.target_pp, target_first=ns.target_first,
                               target_last=ns.target_last, target_spec=ns.target_spec, target_vpp=ns.target_vpp,
                               vocab_size=ns.vocab_size, dtype=ns.dtype, memory_budget=ns.memory_budget,
-                              overwrite=ns.overwrite, vocab_divisible_by=ns.vocab_divisible_by, formats=formats,
-                              target_split=ns.target_split, stats_json=ns.stats_json, resume=ns.resume,
-                              target_ep=ns.target_ep, target_etp=ns.target_etp,
+                              overwrite=getattr(ns, "overwrite", False), vocab_divisible_by=ns.vocab_divisible_by,
+                              formats=formats, target_split=ns.target_split, stats_json=getattr(ns, "stats_json", None),
+                              resume=getattr(ns, "resume", False), target_ep=ns.target_ep, target_etp=ns.target_etp,
                               target_pipeline_layout=ns.target_pipeline_layout)
+        if ns.cmd == "plan":
+            from .estimate import estimate, print_estimate
+            if ns.world < 1:
+                raise ConvertError(f"--world {ns.world} is not a positive number of ranks", "pass --world 1 or more")
+            est = estimate(opts, rt, ns.world, ns.read_gbps, ns.write_gbps or ns.read_gbps, ns.network_gbps)
+            if rt.rank == 0:
+                print_estimate(est, ns.json)
+            return 0
         reshard(opts, rt)
         return 0
     if ns.cmd == "speculate":
@@ -244,6 +278,11 @@ def main(argv: list[str] | None = None, runtime: Runtime | None = None) -> int:
     if ns.cmd == "bench":  # one process that launches its own torchrun jobs
         from .bench.run import bench_main
         return bench_main(ns)
+    if getattr(ns, "nproc", None) is not None and runtime is None and "LOCAL_RANK" not in os.environ:
+        from .launch import self_launch
+        return self_launch(ns.nproc, list(sys.argv[1:] if argv is None else argv))
+    from .runtime import collective_failure, init_runtime
+
     rt = runtime
     if rt is None:
         try:

@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,6 +258,38 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     return {"plan": plan, "stats": stats}
 
 
+class BackgroundWrites:
+    """Completed target tensors written in a thread, in order, while the next waves are read and exchanged;
+    at most ``depth`` wait. A write's error is raised by the next ``put`` (so the run stops at the next wave)
+    and kept in ``error``."""
+
+    def __init__(self, write: Callable[[int, int, torch.Tensor], None], depth: int = 2) -> None:
+        self.write, self.depth = write, depth
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="write")
+        self.pending: deque[Future] = deque()
+        self.error: ConvertError | None = None
+
+    def _reap(self, keep: int) -> None:
+        while len(self.pending) > keep:
+            try:
+                self.pending.popleft().result()
+            except ConvertError as e:
+                self.error = self.error or e
+
+    def put(self, fid: int, j: int, tensor: torch.Tensor) -> None:
+        self._reap(self.depth)
+        if self.error is not None:
+            raise self.error
+        self.pending.append(self.pool.submit(self.write, fid, j, tensor))
+
+    def drain(self) -> None:
+        """Wait for every write (their errors in ``error``; other exceptions propagate)."""
+        try:
+            self._reap(0)
+        finally:
+            self.pool.shutdown(wait=True)
+
+
 def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt: Format, dst_fmt: Format,
                   files: list[TargetFile], plan: Plan, rt: Runtime) -> tuple[dict[str, int], float, list[TargetFile]]:
     """Collective: exchange this rank's tensors and write each as soon as it is complete (the writer
@@ -278,7 +312,7 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
             journal.add(w)
             faults.reached("file", rt.rank)
 
-    def done(fid: int, j: int, tensor: torch.Tensor) -> None:
+    def write(fid: int, j: int, tensor: torch.Tensor) -> None:
         nonlocal write_s
         tw = time.perf_counter()
         try:
@@ -287,12 +321,16 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
             raise write_error(e, tmp_iter / by_id[fid].name) from e
         write_s += time.perf_counter() - tw
 
-    out = Assembly(my_files, plan, rt.rank, done)
+    background = BackgroundWrites(write)
+    out = Assembly(my_files, plan, rt.rank, background.put)
     try:
-        counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out)
-        tw = time.perf_counter()
-        out.finish()
-        error = out.error
+        try:
+            counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out)
+            tw = time.perf_counter()
+            out.finish()
+        finally:
+            background.drain()
+        error = out.error or background.error
         if error is None:
             try:
                 finished(writer.close())

@@ -149,3 +149,4 @@ class WrittenFile:
     file: int  # TargetFile id
     name: str  # its path relative to the writer's directory
     record: dict[str, Any] = field(default_factory=dict)  # what ``finalize`` needs of it (JSON; journaled)
+    sha256: str | None = None  # its checksum when the writer hashed it while writing (else it is read back)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -81,19 +82,24 @@ def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadF
             what: str = "converting") -> dict[str, int]:
     """Collective. Fills this rank's target tensors in ``out``. Returns byte counters."""
     stats = {"read": 0, "sent": 0, "received": 0, "copied": 0}
-    with rt.progress(plan.moved_bytes, what) as bar:
-        for wave in plan.waves:
+
+    def mine(i: int) -> list[SourceChunk]:
+        return [chunks[c] for c in plan.waves[i].reads.get(rt.rank, [])] if i < len(plan.waves) else []
+
+    # the next wave's chunks are read in a thread while this wave is exchanged and written
+    with rt.progress(plan.moved_bytes, what) as bar, ThreadPoolExecutor(1, thread_name_prefix="read") as reader:
+        ahead: Future | None = reader.submit(read, mine(0)) if plan.waves else None
+        for i, wave in enumerate(plan.waves):
             faults.reached("wave", rt.rank)
-            mine = [chunks[c] for c in wave.reads.get(rt.rank, [])]
             error = out.error
             data = {}
-            if error is None:
-                try:
-                    data = read(mine)
-                except ConvertError as e:
-                    error = e
+            try:
+                data = ahead.result() if ahead is not None else {}
+            except ConvertError as e:
+                error = error or e
+            ahead = reader.submit(read, mine(i + 1)) if error is None and i + 1 < len(plan.waves) else None
             stop_on_error(rt, error)
-            stats["read"] += sum(c.nbytes for c in mine)
+            stats["read"] += sum(c.nbytes for c in mine(i))
             _run_wave(wave.transfers, data, rt, out, stats)
             del data
             bar.advance(sum(t.nbytes for t in wave.transfers))

@@ -81,7 +81,7 @@ class Journal:
     def add(self, w: WrittenFile) -> Entry:
         name = f"{self.prefix}/{w.name}" if self.prefix else w.name
         path = self.root / name
-        entry = Entry(w.file, name, path.stat().st_size, file_sha256(path), w.record)
+        entry = Entry(w.file, name, path.stat().st_size, w.sha256 or file_sha256(path), w.record)
         self.fh.write(json.dumps(asdict(entry)) + "\n")
         self.fh.flush()
         os.fsync(self.fh.fileno())

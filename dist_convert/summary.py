@@ -1,4 +1,4 @@
-"""The end-of-run table: per rank tensors, bytes read/written/moved, times and peak memory."""
+"""The end-of-run table: per rank tensors, bytes read/written/moved, times, throughput and peak memory."""
 from __future__ import annotations
 
 import os
@@ -30,17 +30,24 @@ def node_name() -> str:
     return os.environ.get("DIST_CONVERT_NODE") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def throughput(s: RankStats) -> float:
+    """A rank's GB/s (2**30 bytes): the bytes it read and wrote over its wall time."""
+    return (s.read_bytes + s.written_bytes) / s.wall_s / 2**30 if s.wall_s > 0 else 0.0
+
+
 def print_summary(rt: Runtime, stats: list[RankStats], title: str) -> None:
     if rt.rank != 0:
         return
     table = Table(title=title)
     multi_node = len({s.node for s in stats}) > 1  # then a last column says where each rank ran
-    for col in ("rank", "files", "tensors", "read", "written", "sent", "received", "write s", "wall s", "peak RSS"):
+    for col in ("rank", "files", "tensors", "read", "written", "sent", "received", "write s", "wall s", "GB/s",
+                "peak RSS"):
         table.add_column(col, justify="right")
     if multi_node:
         table.add_column("node")
     for s in stats:
         table.add_row(str(s.rank), str(s.files), str(s.tensors), human_bytes(s.read_bytes),
                       human_bytes(s.written_bytes), human_bytes(s.sent_bytes), human_bytes(s.received_bytes),
-                      f"{s.write_s:.2f}", f"{s.wall_s:.2f}", human_bytes(s.peak_rss), *([s.node] if multi_node else []))
+                      f"{s.write_s:.2f}", f"{s.wall_s:.2f}", f"{throughput(s):.3g}", human_bytes(s.peak_rss),
+                      *([s.node] if multi_node else []))
     _console.print(table)

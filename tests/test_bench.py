@@ -81,15 +81,17 @@ def test_target_math():
     assert not report.cost_linear(sizes, [1.0, 2.5, 6.0])  # super-linear
     floor = Outcome("floor", "floor", None, [Run(1.0), Run(2.0), Run(1.5)])
     base = Outcome("whole_model", "w", 1, [Run(9.0, 8.0, [GB])])
-    dc = Outcome("dist_convert", "d", 2, [Run(1.9, 1.0, [100 * MB, 300 * MB])])
+    dc = Outcome("dist_convert", "d", 2, [Run(1.9, 1.0, [100 * MB, 300 * MB])], predicted_rss=250 * MB)
     start = Outcome("startup", "s", 2, [Run(0.4, 0.3, [90 * MB, 90 * MB])])
     rows = report.target_rows([floor, dc, base, start], GB)
     assert rows[0]["wall_s"] == 1.5 and rows[0]["x_floor"] == 1.0
-    assert rows[1]["checks"] == {"floor": "PASS", "speedup": "PASS", "rss": "PASS"}
+    assert rows[1]["checks"] == {"floor": "PASS", "speedup": "PASS", "rss": "PASS", "plan": "PASS"}  # 250 vs 300 MB
+    dc.predicted_rss = 230 * MB  # more than 20% off the measured 300 MB
+    assert report.target_rows([floor, dc, base, start], GB)[1]["checks"]["plan"] == "FAIL"
     assert rows[1]["peak_rss_per_rank"] == 300 * MB and rows[1]["gb_per_s"] == pytest.approx(1 / 1.9)
     assert rows[1]["net_s"] == pytest.approx(1.5) and rows[1]["net_x_floor"] == pytest.approx(1.0)
     assert rows[3]["net_s"] is None and rows[3]["checks"]["floor"] is None
-    assert rows[2]["checks"] == {"floor": None, "speedup": None, "rss": "PASS"}  # 1 GB <= 1.2 GB + 300 MB
+    assert rows[2]["checks"] == {"floor": None, "speedup": None, "rss": "PASS", "plan": None}  # 1 GB <= 1.5 GB
 
 
 @pytest.mark.parametrize("fmt", ["megatron", "torch_dist"])
@@ -126,7 +128,7 @@ def bench(tmp_path_factory):
     assert "wall/floor" in proc.stderr  # the table
     md = (tmp / "bench.md").read_text().splitlines()
     rows = [ln for ln in md if ln.startswith("| dist_convert w=")]
-    assert len(rows) == 2 and all(len(r.split("|")) == 12 for r in rows)  # 10 columns each
+    assert len(rows) == 2 and all(len(r.split("|")) == 14 for r in rows)  # 12 columns each
     return json.loads(out.read_text())
 
 

@@ -51,6 +51,7 @@ class Outcome:
     reason: str | None = None
     output: str | None = None  # kept output directory (--keep, or until the bridge agreement check)
     agreement: dict[str, Any] | None = None  # bridge: its output compared with dist_convert's (bridge.compare)
+    predicted_rss: int | None = None  # dist_convert: the busiest rank's peak RSS as `dist_convert plan` predicts it
 
     @property
     def wall_s(self) -> float | None:

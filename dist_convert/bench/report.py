@@ -17,6 +17,7 @@ from .measure import Outcome
 
 FLOOR_FACTOR = 1.3
 SPEEDUP = 3.0
+PLAN_TOLERANCE = 0.2  # `dist_convert plan`'s predicted peak RSS within this fraction of the measured one
 RSS_FACTOR = 1.2
 RSS_BASE = 300 << 20  # a process with torch imported
 FLAT_SLOPE = 0.1  # memory flat: RSS grows by < 10% of the growth of a rank's share of the checkpoint
@@ -69,12 +70,14 @@ def row(o: Outcome, nbytes: int, floor: Outcome | None, baseline: Outcome | None
     wall, inproc, rss = o.wall_s, o.inproc_s, o.peak_rss
     floor_s = floor.wall_s if floor else None
     net = wall - startup.wall_s if o.method == "dist_convert" and wall and startup and startup.wall_s else None
-    checks: dict[str, str | None] = {"floor": None, "speedup": None, "rss": None}
+    checks: dict[str, str | None] = {"floor": None, "speedup": None, "rss": None, "plan": None}
     if o.method == "dist_convert" and wall is not None:
         checks["floor"] = _verdict(within_floor(wall, floor_s)) if floor_s else None
         checks["speedup"] = _verdict(fast_enough(wall, baseline.wall_s)) if baseline and baseline.wall_s else None
     if rss is not None and o.world:
         checks["rss"] = _verdict(rss_ok(rss, nbytes, o.world))
+    if rss is not None and o.predicted_rss:
+        checks["plan"] = _verdict(abs(rss - o.predicted_rss) <= PLAN_TOLERANCE * rss)
     return {"method": o.method, "label": o.label, "world": o.world, "status": o.status, "reason": o.reason,
             "wall_s": wall, "inproc_s": inproc,
             "gb_per_s": nbytes / wall / 2**30 if wall else None,  # GB = 2**30 bytes, as human_bytes prints
@@ -82,6 +85,7 @@ def row(o: Outcome, nbytes: int, floor: Outcome | None, baseline: Outcome | None
             "inproc_x_floor": inproc / floor_s if inproc and floor_s else None,
             "net_s": net, "net_x_floor": net / floor_s if net and floor_s else None,
             "peak_rss_per_rank": rss, "rss_limit": rss_limit(nbytes, o.world) if o.world else None,
+            "predicted_rss": o.predicted_rss,
             "checks": checks, "runs": [r.__dict__ for r in o.runs], "output": o.output, "agreement": o.agreement}
 
 
@@ -99,7 +103,7 @@ def _num(v: float | None, fmt: str = "{:.2f}") -> str:
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
     table = Table(title=title)
     for col in ("method", "wall s", "in-proc s", "GB/s", "wall/floor", "net/floor", "RSS/rank", "RSS limit",
-                f"≤{FLOOR_FACTOR}x floor", f"≥{SPEEDUP:g}x whole", "RSS≤limit"):
+                f"≤{FLOOR_FACTOR}x floor", f"≥{SPEEDUP:g}x whole", "RSS≤limit", "plan"):
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     notes = []
     for r in rows:
@@ -107,7 +111,7 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
             table.add_row(r["label"], r["status"])
             notes.append(f"{r['label']}: {r['status']}: {r['reason']}")
             continue
-        checks = [_color(r["checks"][k]) for k in ("floor", "speedup", "rss")]
+        checks = [_color(r["checks"][k]) for k in ("floor", "speedup", "rss", "plan")]
         table.add_row(r["label"], _num(r["wall_s"]), _num(r["inproc_s"]), _num(r["gb_per_s"], "{:.3g}"),
                       _num(r["x_floor"]),
                       _num(r["net_x_floor"]),
@@ -125,7 +129,8 @@ def markdown(result: dict[str, Any]) -> str:
            f"TP={src['tp']} PP={src['pp']}, {src['files']} files). Machine: {m['cpus']} CPUs, {m['platform']}, "
            f"torch {m['torch']}.", ""]
     head = ["method", "wall s", "in-process s", "wall / floor", "net / floor", "peak RSS / rank", "RSS limit",
-            f"wall ≤ {FLOOR_FACTOR}x floor", f"≥ {SPEEDUP:g}x whole-model", "RSS ≤ limit"]
+            "plan's RSS", f"wall ≤ {FLOOR_FACTOR}x floor", f"≥ {SPEEDUP:g}x whole-model", "RSS ≤ limit",
+            f"plan within {PLAN_TOLERANCE:.0%}"]
     for t in result["targets"]:
         out += [f"**{src['format']} TP={src['tp']} PP={src['pp']} -> {t['name']}**", "",
                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -136,8 +141,9 @@ def markdown(result: dict[str, Any]) -> str:
             c = r["checks"]
             cells = [r["label"], _num(r["wall_s"]), _num(r["inproc_s"]), _num(r["x_floor"]), _num(r["net_x_floor"]),
                      human_bytes(r["peak_rss_per_rank"]) if r["peak_rss_per_rank"] else "",
-                     human_bytes(r["rss_limit"]) if r["rss_limit"] else "", c["floor"] or "", c["speedup"] or "",
-                     c["rss"] or ""]
+                     human_bytes(r["rss_limit"]) if r["rss_limit"] else "",
+                     human_bytes(r["predicted_rss"]) if r.get("predicted_rss") else "", c["floor"] or "",
+                     c["speedup"] or "", c["rss"] or "", c.get("plan") or ""]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
         if t.get("bridge"):

@@ -198,6 +198,9 @@ def measure_target(src: Source, tp: int, pp: int, ranks: list[int], methods: lis
             else:
                 measure.remove(dst)
     outcomes = [o for o, _ in todo]
+    for o in outcomes:
+        if o.method in ("dist_convert", "optimizer") and o.status == "ok" and o.world:
+            o.predicted_rss = predicted_rss(src, tp, pp, o.world, o.method == "optimizer", ns, base)
     if compared:
         bridge.check_agreement(outcomes)
         for o in outcomes:
@@ -205,6 +208,22 @@ def measure_target(src: Source, tp: int, pp: int, ranks: list[int], methods: lis
                 measure.remove(Path(o.output))
                 o.output = None
     return outcomes
+
+
+def predicted_rss(src: Source, tp: int, pp: int, world: int, optimizer: bool, ns: argparse.Namespace,
+                  work: Path) -> int | None:
+    """The busiest rank's peak RSS that ``dist_convert plan`` predicts for this run (None: the plan failed)."""
+    out = work / f"plan_w{world}{'_opt' if optimizer else ''}.json"
+    cmd = measure.python_module("dist_convert", "plan", str(src.path), "--target-tp", str(tp), "--target-pp", str(pp),
+                                "--world", str(world), "--memory-budget", str(ns.memory_budget), "--json", str(out),
+                                *(bridge.DIST_CONVERT_HF_FLAGS if src.format == "hf" else ()),
+                                *(("--optimizer",) if optimizer else ()))
+    try:
+        measure.run_command(cmd, ns.timeout)
+    except MethodFailed as e:
+        _console.print(f"  [red]plan failed[/]: {e}")
+        return None
+    return max(r["predicted_peak_rss"] for r in json.loads(out.read_text())["ranks"])
 
 
 def machine() -> dict[str, Any]:

@@ -1,35 +1,43 @@
-"""Checkpoint formats behind one reader/writer protocol (see base.py)."""
+"""Checkpoint formats behind one reader/writer protocol (see base.py). Each format's module is imported
+when it is first needed (a conversion between formats that do not use torch.distributed.checkpoint never
+imports it)."""
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import ConvertError
-from .base import Format, FormatOptions
-from .bridge import BridgeFormat
-from .fsdp_dtensor import FsdpDtensorFormat
-from .hf import HFFormat
-from .megatron import MegatronFormat
-from .nemo import NemoFormat
-from .nemo2 import Nemo2Format
-from .torch_dist import TorchDistFormat
 
+if TYPE_CHECKING:
+    from .base import Format, FormatOptions
+
+# name -> (module, class), in detection order: hf first (config.json + safetensors: nothing else has them);
 # bridge before torch_dist (a Bridge iteration is a torch_dist save plus run_config.yaml); nemo before
-# megatron: an extracted .nemo at TP>1 PP=1 also has mp_rank_XX/ directories
-FORMATS: dict[str, type] = {f.name: f for f in (Nemo2Format, BridgeFormat, TorchDistFormat, FsdpDtensorFormat,
-                                                      NemoFormat, MegatronFormat, HFFormat)}
+# megatron (an extracted .nemo at TP>1 PP=1 also has mp_rank_XX/ directories)
+FORMATS: dict[str, tuple[str, str]] = {
+    "hf": ("hf", "HFFormat"), "nemo2": ("nemo2", "Nemo2Format"), "bridge": ("bridge", "BridgeFormat"),
+    "torch_dist": ("torch_dist", "TorchDistFormat"), "fsdp_dtensor": ("fsdp_dtensor", "FsdpDtensorFormat"),
+    "nemo": ("nemo", "NemoFormat"), "megatron": ("megatron", "MegatronFormat"),
+}
+
+
+def format_class(name: str) -> type:
+    module, cls = FORMATS[name]
+    return getattr(importlib.import_module(f".{module}", __name__), cls)
 
 
 def get_format(name: str, options: FormatOptions | None = None) -> Format:
     if name not in FORMATS:
         raise ConvertError(f"unknown format {name!r}", f"use one of: {', '.join(FORMATS)}")
-    return FORMATS[name](options)
+    return format_class(name)(options)
 
 
 def detect_format(path: Path, options: FormatOptions | None = None) -> Format:
     if not path.exists():
         raise ConvertError(f"checkpoint {path} does not exist", "check the SRC path")
-    for cls in FORMATS.values():
-        fmt = cls(options)
+    for name in FORMATS:
+        fmt = format_class(name)(options)
         if fmt.detect(path):
             return fmt
     raise ConvertError(f"{path} is not a checkpoint in a known format ({', '.join(FORMATS)})",

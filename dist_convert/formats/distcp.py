@@ -17,6 +17,7 @@ DCP's own ``FileSystemWriter.finish``, so the metadata is exactly what ``dcp.sav
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import pickle
@@ -283,14 +284,46 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float64, torch.float3
                                                        torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
+class HashingFile(io.RawIOBase):
+    """A file written front to back, hashed (SHA-256) as it is written: no reading it back for its checksum."""
+
+    def __init__(self, path: Path) -> None:
+        self.raw, self.digest, self.pos = open(path, "wb", buffering=0), hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self.digest.update(view)
+        n = 0
+        while n < len(view):
+            n += self.raw.write(view[n:])
+        self.pos += n
+        return n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
+
+
 class ItemFileWriter:
-    """One ``.distcp`` file: items appended as they come, fsynced on close. ``items`` records each
-    (JSON: it is journaled, so a resumed run can write ``.metadata`` for files an earlier run made)."""
+    """One ``.distcp`` file: items appended as they come, hashed as written, fsynced on close. ``items``
+    records each (JSON: it is journaled, so a resumed run can write ``.metadata`` for files an earlier run
+    made); ``sha256`` is the file's checksum once closed."""
 
     def __init__(self, iter_dir: Path, rel: str) -> None:
         self.rel = rel
-        self.fh = open(iter_dir / rel, "wb")
+        self.fh = HashingFile(iter_dir / rel)
         self.items: list[dict[str, Any]] = []
+        self.sha256: str | None = None
 
     def put_tensor(self, key: str, offsets: tuple[int, ...], global_shape: tuple[int, ...], t: torch.Tensor) -> None:
         if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
@@ -312,9 +345,9 @@ class ItemFileWriter:
         self.items.append({"key": key, "file": self.rel, "at": offset, "length": len(payload)})
 
     def close(self) -> None:
-        self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
+        self.sha256 = self.fh.digest.hexdigest()
 
 
 def write_metadata(iter_dir: Path, items: list[dict[str, Any]]) -> None:

@@ -263,7 +263,7 @@ class StreamWriter:
     def _done(self, f: TargetFile) -> WrittenFile:
         w = self.open.pop(f.id)
         w.close()
-        return WrittenFile(f.id, w.rel, {"items": w.items})
+        return WrittenFile(f.id, w.rel, {"items": w.items}, sha256=w.sha256)
 
     def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> list[WrittenFile]:
         t = file.tensors[j]

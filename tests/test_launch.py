@@ -1,0 +1,60 @@
+"""Start-up and launch: the CLI parses without importing torch (``--help`` is instant), a conversion between
+formats that do not use torch.distributed.checkpoint never imports it, ``--nproc N`` starts its own workers
+(the same result as torchrun, one error line on failure), and ``dist_convert plan`` predicts exactly the
+bytes each rank of a real run reads and writes."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+from dist_convert.cli import main as cli_main
+
+from conftest import ENV, PY, ROOT, ok, run_cli
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+
+
+def test_parsing_imports_no_torch_and_formats_load_lazily():
+    ok(_python("import sys; from dist_convert.cli import build_parser; build_parser().parse_args(['reshard', 'a', "
+               "'b', '--target-tp', '2']); assert 'torch' not in sys.modules, 'torch imported to parse'"))
+    ok(_python("import sys; from dist_convert.formats import get_format; from dist_convert import convert; "
+               "get_format('hf'); get_format('megatron'); get_format('nemo'); "
+               "bad = [m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor') if m in sys.modules]; "
+               "assert not bad, bad"))
+
+
+def test_nproc_starts_its_own_workers(gpt_a, tmp_path):
+    """``--nproc 2`` from one plain process equals a torchrun launch of 2; a failure is one error line (the
+    workers'), no launcher traceback."""
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    flags = ["--target-tp", "1", "--target-pp", "2"]
+    cmd = [PY, "-m", "dist_convert", "reshard", str(gpt_a.torch_dist), str(mine), *flags, "--nproc", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ok(run_cli("reshard", str(gpt_a.torch_dist), str(theirs), *flags, nproc=2))
+    assert cli_main(["verify", str(mine), str(theirs)]) == 0
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)  # DST exists now
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dist_convert: error:") and "--overwrite" in lines[0], lines
+
+
+def test_plan_predicts_what_each_rank_reads_and_writes(gpt_a, tmp_path):
+    """``plan --world 2`` gives per rank the bytes the real 2-rank run reads and writes (the same planner), its
+    waves and a peak-memory and time estimate; ``--world`` must be positive."""
+    flags = ["--target-tp", "1", "--target-pp", "2", "--memory-budget", "64KB"]
+    est_path, stats_path = tmp_path / "plan.json", tmp_path / "stats.json"
+    assert cli_main(["plan", str(gpt_a.torch_dist), *flags, "--world", "2", "--read-gbps", "2", "--json",
+                     str(est_path)]) == 0
+    ok(run_cli("reshard", str(gpt_a.torch_dist), str(tmp_path / "dst"), *flags, "--stats-json", str(stats_path),
+               nproc=2))
+    est, stats = json.loads(est_path.read_text()), json.loads(stats_path.read_text())
+    assert est["world"] == 2 and est["waves"] > 1
+    for r, s in zip(est["ranks"], stats, strict=True):
+        assert (r["read_bytes"], r["written_bytes"]) == (s["read_bytes"], s["written_bytes"])
+        assert (r["sent_bytes"], r["received_bytes"]) == (s["sent_bytes"], s["received_bytes"])
+        assert r["predicted_peak_rss"] > r["peak_wave_bytes"] > 0
+    assert est["seconds"] >= max(r["read_bytes"] for r in est["ranks"]) / (2 * 2**30)
+    assert cli_main(["plan", str(gpt_a.torch_dist), "--world", "0"]) == 2

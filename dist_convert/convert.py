@@ -24,7 +24,7 @@ from .layout.rules import logical_tensors
 from .layout.topology import Layout, pipeline_vpp
 from .optim.state import optimizer_numel
 from .plan import DEFAULT_BUDGET, Plan, make_plan, split_chunks, split_files
-from .runtime import Runtime, human_bytes, peak_rss_bytes
+from .runtime import Runtime, human_bytes, local_ranks, overlap_io, peak_rss_bytes
 from .staging import Staging, refuse_existing, stage, write_error
 from .summary import RankStats, print_summary
 
@@ -259,12 +259,12 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
 
 
 class BackgroundWrites:
-    """Completed target tensors written in a thread, in order, while the next waves are read and exchanged;
-    at most ``depth`` wait. A write's error is raised by the next ``put`` (so the run stops at the next wave)
-    and kept in ``error``."""
+    """Completed target tensors written in a thread (``threaded``: with a core to spare, runtime.overlap_io),
+    in order, while the next waves are read and exchanged; at most ``depth`` wait. A write's error is raised
+    by the next ``put`` (so the run stops at the next wave) and kept in ``error``."""
 
-    def __init__(self, write: Callable[[int, int, torch.Tensor], None], depth: int = 2) -> None:
-        self.write, self.depth = write, depth
+    def __init__(self, write: Callable[[int, int, torch.Tensor], None], depth: int = 2, threaded: bool = True) -> None:
+        self.write, self.depth, self.threaded = write, depth, threaded
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="write")
         self.pending: deque[Future] = deque()
         self.error: ConvertError | None = None
@@ -277,6 +277,9 @@ class BackgroundWrites:
                 self.error = self.error or e
 
     def put(self, fid: int, j: int, tensor: torch.Tensor) -> None:
+        if not self.threaded:
+            self.write(fid, j, tensor)
+            return
         self._reap(self.depth)
         if self.error is not None:
             raise self.error
@@ -321,11 +324,13 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
             raise write_error(e, tmp_iter / by_id[fid].name) from e
         write_s += time.perf_counter() - tw
 
-    background = BackgroundWrites(write)
+    overlap = overlap_io(local_ranks(rt))
+    background = BackgroundWrites(write, threaded=overlap)
     out = Assembly(my_files, plan, rt.rank, background.put)
     try:
         try:
-            counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out)
+            counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out,
+                               read_ahead=overlap)
             tw = time.perf_counter()
             out.finish()
         finally:

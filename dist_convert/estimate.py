@@ -2,7 +2,8 @@
 tensors read): per rank the bytes read, written, sent and received, the waves, the predicted peak memory,
 and a time estimate from storage and network speeds.
 
-The memory model: in a wave a rank holds the chunks it reads (and the next wave's, read meanwhile), the send
+The memory model: in a wave a rank holds the chunks it reads (and the next wave's, read meanwhile when it has
+a core to spare: runtime.overlap_io), the send
 buffers it packs from them, the receive buffers of what other ranks send it, and the target tensors it
 assembles (kept until each is complete, then written); on top, what the process itself takes (the
 interpreter, torch, dist_convert and the index: measured in this process before planning).
@@ -17,7 +18,7 @@ from typing import Any
 
 from .convert import ReshardOptions, logical_numel, prepare, sliced
 from .plan import Plan, make_plan
-from .runtime import Runtime, human_bytes, peak_rss_bytes
+from .runtime import Runtime, human_bytes, overlap_io, peak_rss_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,9 +34,11 @@ class RankEstimate:
 
 
 def rank_estimates(plan: Plan, chunk_bytes: dict[int, int], tensor_bytes: dict[tuple[int, int], int],
-                   base_rss: int, read_gbps: float, write_gbps: float, net_gbps: float) -> list[RankEstimate]:
+                   base_rss: int, read_gbps: float, write_gbps: float, net_gbps: float,
+                   read_ahead: bool = False) -> list[RankEstimate]:
     """Pure: per-rank figures of ``plan`` (``chunk_bytes``: stored size of each source chunk read;
-    ``tensor_bytes``: size of each target tensor (file id, index))."""
+    ``tensor_bytes``: size of each target tensor (file id, index); ``read_ahead``: ranks read the next
+    wave while exchanging this one)."""
     world = plan.world
     sent, received = [0] * world, [0] * world
     peak = [0] * world
@@ -46,8 +49,8 @@ def rank_estimates(plan: Plan, chunk_bytes: dict[int, int], tensor_bytes: dict[t
     open_: list[set[tuple[int, int]]] = [set() for _ in range(world)]  # tensors being assembled, per writer
     for i, wave in enumerate(plan.waves):
         held = [0] * world
-        # this wave's chunks, and the next wave's, which a thread reads meanwhile (exchange.execute)
-        for w in plan.waves[i:i + 2]:
+        # this wave's chunks, and with read_ahead the next wave's, which a thread reads meanwhile
+        for w in plan.waves[i:i + 1 + read_ahead]:
             for rank, chunks in w.reads.items():
                 held[rank] += sum(chunk_bytes[c] for c in chunks)
         for t in wave.transfers:
@@ -78,7 +81,9 @@ def estimate(opts: ReshardOptions, rt: Runtime, world: int, read_gbps: float, wr
     plan = make_plan(index.chunks, p.files, world, opts.memory_budget, logical_numel(index), absent=index.absent)
     chunk_bytes = {c.id: c.nbytes for c in index.chunks}
     tensor_bytes = {(f.id, j): t.nbytes for f in p.files for j, t in enumerate(f.tensors)}
-    ranks = rank_estimates(plan, chunk_bytes, tensor_bytes, base, read_gbps, write_gbps, net_gbps)
+    # the run is assumed on this machine, all ranks on it (the bench's case): it reads ahead with cores to spare
+    ranks = rank_estimates(plan, chunk_bytes, tensor_bytes, base, read_gbps, write_gbps, net_gbps,
+                           overlap_io(world))
     return {"source": {"format": index.format, "layout": str(index.layout), "bytes": index.nbytes,
                        "chunks": len(index.chunks)},
             "target": {"format": p.dst_fmt.name, "layout": str(p.target.layout), "files": len(p.files),

@@ -79,25 +79,27 @@ def _order(t: Transfer) -> tuple:
 
 
 def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadFn, out: Assembly,
-            what: str = "converting") -> dict[str, int]:
-    """Collective. Fills this rank's target tensors in ``out``. Returns byte counters."""
+            what: str = "converting", read_ahead: bool = False) -> dict[str, int]:
+    """Collective. Fills this rank's target tensors in ``out``. Returns byte counters. ``read_ahead``: the
+    next wave's chunks are read in a thread while this wave is exchanged and written."""
     stats = {"read": 0, "sent": 0, "received": 0, "copied": 0}
 
     def mine(i: int) -> list[SourceChunk]:
         return [chunks[c] for c in plan.waves[i].reads.get(rt.rank, [])] if i < len(plan.waves) else []
 
-    # the next wave's chunks are read in a thread while this wave is exchanged and written
-    with rt.progress(plan.moved_bytes, what) as bar, ThreadPoolExecutor(1, thread_name_prefix="read") as reader:
-        ahead: Future | None = reader.submit(read, mine(0)) if plan.waves else None
+    with rt.progress(plan.moved_bytes, what) as bar, ThreadPoolExecutor(1, thread_name_prefix="read") as pool:
+        ahead: Future | None = pool.submit(read, mine(0)) if read_ahead and plan.waves else None
         for i, wave in enumerate(plan.waves):
             faults.reached("wave", rt.rank)
             error = out.error
             data = {}
-            try:
-                data = ahead.result() if ahead is not None else {}
-            except ConvertError as e:
-                error = error or e
-            ahead = reader.submit(read, mine(i + 1)) if error is None and i + 1 < len(plan.waves) else None
+            if error is None:
+                try:
+                    data = ahead.result() if ahead is not None else read(mine(i))
+                except ConvertError as e:
+                    error = e
+            ahead = pool.submit(read, mine(i + 1)) if read_ahead and error is None and i + 1 < len(plan.waves) \
+                else None
             stop_on_error(rt, error)
             stats["read"] += sum(c.nbytes for c in mine(i))
             _run_wave(wave.transfers, data, rt, out, stats)

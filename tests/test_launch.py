@@ -58,3 +58,16 @@ def test_plan_predicts_what_each_rank_reads_and_writes(gpt_a, tmp_path):
         assert r["predicted_peak_rss"] > r["peak_wave_bytes"] > 0
     assert est["seconds"] >= max(r["read_bytes"] for r in est["ranks"]) / (2 * 2**30)
     assert cli_main(["plan", str(gpt_a.torch_dist), "--world", "0"]) == 2
+
+
+def test_overlapped_io_gives_the_same_target(gpt_a, tmp_path, monkeypatch):
+    """With cores to spare a rank reads the next wave in a thread and writes in another (off on this 2-core
+    machine, runtime.overlap_io); forced on, the target is the same and its checksums hold."""
+    import dist_convert.convert as convert
+
+    flags = ["--target-tp", "1", "--target-pp", "2", "--memory-budget", "64KB"]
+    assert cli_main(["reshard", str(gpt_a.torch_dist), str(tmp_path / "inline"), *flags]) == 0
+    monkeypatch.setattr(convert, "overlap_io", lambda local_ranks: True)
+    assert cli_main(["reshard", str(gpt_a.torch_dist), str(tmp_path / "overlapped"), *flags]) == 0
+    assert cli_main(["verify", str(tmp_path / "inline"), str(tmp_path / "overlapped")]) == 0
+    assert cli_main(["verify", str(tmp_path / "overlapped"), "--checksums"]) == 0

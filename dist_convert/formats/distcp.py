@@ -288,7 +288,8 @@ class HashingFile(io.RawIOBase):
     """A file written front to back, hashed (SHA-256) as it is written: no reading it back for its checksum."""
 
     def __init__(self, path: Path) -> None:
-        self.raw, self.digest, self.pos = open(path, "wb", buffering=0), hashlib.sha256(), 0
+        # buffered: torch.save writes a zip archive in many small pieces (large ones pass straight through)
+        self.raw, self.digest, self.pos = open(path, "wb", buffering=1 << 20), hashlib.sha256(), 0
 
     def writable(self) -> bool:
         return True
@@ -307,6 +308,10 @@ class HashingFile(io.RawIOBase):
 
     def fileno(self) -> int:
         return self.raw.fileno()
+
+    def flush(self) -> None:
+        if not self.raw.closed:
+            self.raw.flush()
 
     def close(self) -> None:
         if not self.closed:
@@ -345,6 +350,7 @@ class ItemFileWriter:
         self.items.append({"key": key, "file": self.rel, "at": offset, "length": len(payload)})
 
     def close(self) -> None:
+        self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
         self.sha256 = self.fh.digest.hexdigest()

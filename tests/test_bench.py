@@ -124,7 +124,7 @@ def bench(tmp_path_factory):
     out = tmp / "bench.json"
     proc = ok(run_cli("bench", "--size", "8MB", "--reps", "1", "--ranks", "1,2", "--target-tp", "1", "--target-pp", "2",
                       "--workdir", str(tmp), "--keep", "--json", str(out), "--markdown", str(tmp / "bench.md"),
-                      timeout=600))
+                      "--no-predict", timeout=600))  # plan's prediction: test_bench_optimizer_...
     assert "wall/floor" in proc.stderr  # the table
     md = (tmp / "bench.md").read_text().splitlines()
     rows = [ln for ln in md if ln.startswith("| dist_convert w=")]
@@ -155,21 +155,33 @@ def test_bench_end_to_end_reports_every_method(bench):
     assert bench["machine"]["cpus"] >= 1
 
 
-def test_bench_optimizer_reports_the_cost_beside_the_weights(tmp_path):
-    """``bench --optimizer``: a synthetic checkpoint with a distributed Adam's state in model space; each world
-    size converts it twice, weights only and with --optimizer (three fp32 tensors per bf16 parameter: 7x the
-    bytes), and both outputs hold the same weights."""
-    out = tmp_path / "bench.json"
-    ok(run_cli("bench", "--size", "4MB", "--optimizer", "--methods", "dist_convert", "--ranks", "2", "--reps", "1",
-               "--target-tp", "1", "--target-pp", "1", "--workdir", str(tmp_path), "--keep", "--json", str(out),
-               timeout=300))
-    rows = {r["method"]: r for r in json.loads(out.read_text())["targets"][0]["rows"]}
-    assert set(rows) == {"dist_convert", "optimizer"} and all(r["status"] == "ok" for r in rows.values())
-    read = {m: sum(r["runs"][0]["detail"]["read_bytes"]) for m, r in rows.items()}
-    written = {m: sum(r["runs"][0]["detail"]["written_bytes"]) for m, r in rows.items()}
-    assert read["optimizer"] == pytest.approx(7 * read["dist_convert"], rel=0.01), read
-    assert written["optimizer"] == pytest.approx(7 * written["dist_convert"], rel=0.01), written
-    assert cli_main(["verify", rows["dist_convert"]["output"], rows["optimizer"]["output"]]) == 0
+def test_bench_optimizer_source_costs_seven_times_the_weights(tmp_path):
+    """``bench --optimizer``'s source: the synthetic writer adds a distributed Adam's state in model space; a
+    reshard with --optimizer reads and writes 7x the bytes of the weights-only one (three fp32 tensors per bf16
+    parameter), both hold the same weights, and the bench's `dist_convert plan` prediction runs for it."""
+    from argparse import Namespace
+
+    from dist_convert.bench.run import Source, jobs, predicted_rss
+
+    shape = LlamaShape(num_layers=2, hidden_size=32, ffn_hidden_size=96, num_attention_heads=8, num_query_groups=4,
+                       vocab_size=1000)
+    write_synthetic(tmp_path / "src", shape, torch.bfloat16, "torch_dist", Layout(2, 1), 0, Runtime(), optimizer=True)
+    stats = {}
+    for name, extra in (("weights", []), ("optimizer", ["--optimizer"])):
+        out = tmp_path / f"{name}.json"
+        assert cli_main(["reshard", str(tmp_path / "src"), str(tmp_path / name), "--target-tp", "1", "--stats-json",
+                         str(out), *extra]) == 0
+        stats[name] = json.loads(out.read_text())[0]
+    for key in ("read_bytes", "written_bytes"):
+        # about 7x: with --optimizer the shared vocabulary padding rows travel too (8 of 1008 here)
+        assert stats["optimizer"][key] == pytest.approx(7 * stats["weights"][key], rel=0.03), (key, stats)
+    assert cli_main(["verify", str(tmp_path / "weights"), str(tmp_path / "optimizer")]) == 0
+    src = Source(tmp_path / "src", "torch_dist", 2, 1, 0, [], "tiny")
+    ns = Namespace(optimizer=True, memory_budget=256 << 20, timeout=300.0)
+    labels = [o.label for o, _ in jobs(src, 1, 1, [1, 2], ["dist_convert"], ns)]
+    assert labels == ["dist_convert w=1", "dist_convert --optimizer w=1", "dist_convert w=2",
+                      "dist_convert --optimizer w=2"]
+    assert predicted_rss(src, 1, 1, 1, True, ns, tmp_path) > 100 * MB  # a process's own footprint and more
 
 
 def _output(bench, method, world):

@@ -60,6 +60,8 @@ def add_bench_parser(sub: Any, parse_size: Callable[[str], int], default_budget:
                    help="python of an environment with Megatron-Bridge, for --methods bridge (default: this one)")
     b.add_argument("--memory-budget", type=parse_size, default=default_budget, help="passed to dist_convert")
     b.add_argument("--seed", type=int, default=0, help="seed of the synthetic values")
+    b.add_argument("--no-predict", action="store_true",
+                   help="skip `dist_convert plan`'s memory prediction for each dist_convert run (one process each)")
     b.add_argument("--optimizer", action="store_true",
                    help="the synthetic torch_dist checkpoint also holds a distributed Adam's state (model space), "
                         "and each dist_convert world size runs twice: weights only, and with --optimizer")

@@ -199,7 +199,7 @@ def measure_target(src: Source, tp: int, pp: int, ranks: list[int], methods: lis
                 measure.remove(dst)
     outcomes = [o for o, _ in todo]
     for o in outcomes:
-        if o.method in ("dist_convert", "optimizer") and o.status == "ok" and o.world:
+        if o.method in ("dist_convert", "optimizer") and o.status == "ok" and o.world and not ns.no_predict:
             o.predicted_rss = predicted_rss(src, tp, pp, o.world, o.method == "optimizer", ns, base)
     if compared:
         bridge.check_agreement(outcomes)

@@ -110,13 +110,3 @@ def print_estimate(est: dict[str, Any], json_path: Path | None) -> None:
     Console(stderr=True).print(table)
     if json_path is not None:
         json_path.write_text(json.dumps(est, indent=1, default=str))
-
-
-def summarize(est: dict[str, Any]) -> dict[str, Any]:
-    """The busiest rank's figures (what a job must be sized for)."""
-    worst: dict[str, Any] = defaultdict(int)
-    for r in est["ranks"]:
-        for k, v in r.items():
-            if k != "rank":
-                worst[k] = max(worst[k], v)
-    return dict(worst)

@@ -8,7 +8,7 @@ if not __package__:  # run as a directory: import the package, not its modules, 
     sys.path = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.path.insert(0, os.path.dirname(here))
 
-from dist_convert.cli import main  # noqa: E402
+from dist_convert.cli import entry  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

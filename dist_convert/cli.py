@@ -307,5 +307,21 @@ def main(argv: list[str] | None = None, runtime: Runtime | None = None) -> int:
             rt.close()
 
 
+def leave(code: int) -> None:
+    """Exit with ``code`` without the interpreter's teardown, which takes 0.4 s once torch is imported
+    (measured on 2 cores): every file is closed and every thread joined by then; only the streams flush."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def entry() -> None:
+    """The ``dist_convert`` command (and ``python -m dist_convert``)."""
+    leave(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

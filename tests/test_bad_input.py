@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from dist_convert.errors import ConvertError
 from dist_convert.formats import get_format
 from dist_convert.formats.base import FormatOptions
+from dist_convert.formats import dcp_meta
 from dist_convert.formats.distcp import load_metadata
 from dist_convert.runtime import Runtime
 
@@ -162,8 +163,7 @@ def _td_keys(it: Path) -> None:
     md = load_metadata(it)
     sdm = md.state_dict_metadata
     sdm["decoder.layers.mlp.router.weight"] = sdm.pop("decoder.final_layernorm.weight")
-    with open(it / ".metadata", "wb") as fh:
-        pickle.dump(md, fh)
+    (it / ".metadata").write_bytes(dcp_meta.dumps(md))
 
 
 def _hf_keys(d: Path) -> None:

@@ -16,11 +16,15 @@ def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
 
 
-def test_parsing_imports_no_torch_and_formats_load_lazily():
-    ok(_python("import sys; from dist_convert.cli import build_parser; build_parser().parse_args(['reshard', 'a', "
-               "'b', '--target-tp', '2']); assert 'torch' not in sys.modules, 'torch imported to parse'; "
-               "from dist_convert.formats import get_format; from dist_convert import convert; "
-               "get_format('hf'); get_format('megatron'); get_format('nemo'); "
+def test_parsing_imports_no_torch_and_formats_load_lazily(gpt_a, tmp_path):
+    """Parsing imports no torch; no format imports torch.distributed.checkpoint or DTensor, and neither does a
+    torch_dist reshard and verify (the ``.metadata`` through formats/dcp_meta.py)."""
+    dst = tmp_path / "dst"
+    ok(_python("import sys; from dist_convert.cli import build_parser, main; build_parser().parse_args(['reshard', "
+               "'a', 'b', '--target-tp', '2']); assert 'torch' not in sys.modules, 'torch imported to parse'; "
+               "from dist_convert.formats import FORMATS, get_format; [get_format(f) for f in FORMATS]; "
+               f"assert main(['reshard', '{gpt_a.torch_dist}', '{dst}', '--target-tp', '1', '--target-pp', '2']) == 0; "
+               f"assert main(['verify', '{gpt_a.torch_dist}', '{dst}']) == 0; "
                "bad = [m for m in ('torch.distributed.checkpoint', 'torch.distributed.tensor') if m in sys.modules]; "
                "assert not bad, bad"))
 

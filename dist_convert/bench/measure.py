@@ -43,7 +43,7 @@ class Run:
 class Outcome:
     """One method at one target: its runs (median reported) or why it did not run."""
 
-    method: str  # floor | startup | dist_convert | whole_model | mcore | bridge
+    method: str  # floor | help | startup | startup_torchrun | dist_convert | optimizer | whole_model | mcore | bridge
     label: str
     world: int | None
     runs: list[Run] = field(default_factory=list)

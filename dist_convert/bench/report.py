@@ -1,9 +1,11 @@
-"""The issue's targets as pure functions, and the bench's tables (with Megatron-Bridge / dist_convert
+"""The performance targets as pure functions, and the bench's tables (with Megatron-Bridge / dist_convert
 ratios when the bridge method ran), JSON and plot.
 
-Targets (issue 7): wall time at 2 ranks <= 1.3x the I/O floor; >= 3x faster than the whole-model
-baseline; peak RSS per rank <= 1.2 x (checkpoint bytes / world size) + 300 MB; memory flat as the
-checkpoint grows with a fixed --memory-budget; cost linear in size."""
+Targets (issue 22), at 2 ranks where a ratio needs a second method: the time beyond start-up (wall less a
+launch that converts nothing) <= 1.3x the I/O floor; wall <= 0.6x the whole-model path's and <= 0.4x
+megatron-core's load + save; a 2-rank launch that converts nothing <= 2.5 s and ``dist_convert --help``
+<= 1 s; at every world size peak RSS per rank <= 1.2 x (checkpoint bytes / world size) + 300 MB and plan's
+prediction of it within 20%; over ``--sizes``, memory flat (slope <= 0.05) and cost linear."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,25 +17,31 @@ from ..errors import ConvertError
 from ..runtime import _console, human_bytes
 from .measure import Outcome
 
-FLOOR_FACTOR = 1.3
-SPEEDUP = 3.0
+TARGET_WORLD = 2  # the world size the ratio targets are stated at
+FLOOR_FACTOR = 1.3  # time beyond start-up <= 1.3x the I/O floor
+WHOLE_FACTOR = 0.6  # wall <= 0.6x the whole-model single-process path's wall
+MCORE_FACTOR = 0.4  # wall <= 0.4x megatron-core's load + save
+LAUNCH_S = 2.5  # a TARGET_WORLD-rank launch that converts nothing
+HELP_S = 1.0  # dist_convert --help
 PLAN_TOLERANCE = 0.2  # `dist_convert plan`'s predicted peak RSS within this fraction of the measured one
 RSS_FACTOR = 1.2
 RSS_BASE = 300 << 20  # a process with torch imported
-FLAT_SLOPE = 0.1  # memory flat: RSS grows by < 10% of the growth of a rank's share of the checkpoint
+FLAT_SLOPE = 0.05  # memory flat: RSS grows by <= 5% of the growth of a rank's share of the checkpoint
 LINEAR_SLACK = 1.2  # cost linear: seconds per byte at the largest size <= 1.2x that at the smallest
+CHECKS = {"floor": f"net≤{FLOOR_FACTOR}x floor", "whole": f"≤{WHOLE_FACTOR}x whole", "mcore": f"≤{MCORE_FACTOR}x mcore",
+          "launch": f"launch≤{LAUNCH_S}s, help≤{HELP_S:g}s", "rss": "RSS≤limit", "plan": f"plan ±{PLAN_TOLERANCE:.0%}"}
 
 
 def rss_limit(nbytes: int, world: int) -> int:
     return int(RSS_FACTOR * nbytes / world + RSS_BASE)
 
 
-def within_floor(wall_s: float, floor_s: float) -> bool:
-    return wall_s <= FLOOR_FACTOR * floor_s
+def within_floor(net_s: float, floor_s: float) -> bool:
+    return net_s <= FLOOR_FACTOR * floor_s
 
 
-def fast_enough(wall_s: float, baseline_s: float) -> bool:
-    return baseline_s >= SPEEDUP * wall_s
+def at_most(wall_s: float, baseline_s: float, factor: float) -> bool:
+    return wall_s <= factor * baseline_s
 
 
 def rss_ok(peak_rss: int, nbytes: int, world: int) -> bool:
@@ -63,18 +71,26 @@ def _verdict(ok: bool | None) -> str | None:
     return None if ok is None else ("PASS" if ok else "FAIL")
 
 
-def row(o: Outcome, nbytes: int, floor: Outcome | None, baseline: Outcome | None,
-        startup: Outcome | None = None) -> dict[str, Any]:
+def _ratio_check(wall: float | None, base: Outcome | None, factor: float) -> str | None:
+    return _verdict(at_most(wall, base.wall_s, factor)) if wall is not None and base and base.wall_s else None
+
+
+def row(o: Outcome, nbytes: int, others: dict[str, Outcome], startup: Outcome | None = None) -> dict[str, Any]:
     """One method's numbers, ratios and target checks (None where a number or check does not apply).
-    ``net_s`` is a dist_convert run's wall time less the start-up of a launch at the same world size."""
+    ``others``: the floor, whole_model and mcore outcomes of the same target (the ones that ran). ``net_s``
+    is a dist_convert run's wall time less the start-up of a launch at the same world size."""
     wall, inproc, rss = o.wall_s, o.inproc_s, o.peak_rss
+    floor = others.get("floor")
     floor_s = floor.wall_s if floor else None
     net = wall - startup.wall_s if o.method == "dist_convert" and wall and startup and startup.wall_s else None
-    checks: dict[str, str | None] = {"floor": None, "speedup": None, "rss": None, "plan": None}
-    if o.method == "dist_convert" and wall is not None:
-        checks["floor"] = _verdict(within_floor(wall, floor_s)) if floor_s else None
-        checks["speedup"] = _verdict(fast_enough(wall, baseline.wall_s)) if baseline and baseline.wall_s else None
-    if rss is not None and o.world:
+    checks: dict[str, str | None] = dict.fromkeys(CHECKS)
+    if o.method == "dist_convert" and o.world == TARGET_WORLD:
+        checks["floor"] = _verdict(within_floor(net, floor_s)) if net is not None and floor_s else None
+        checks["whole"] = _ratio_check(wall, others.get("whole_model"), WHOLE_FACTOR)
+        checks["mcore"] = _ratio_check(wall, others.get("mcore"), MCORE_FACTOR)
+    if wall is not None and (o.method == "help" or (o.method == "startup" and o.world == TARGET_WORLD)):
+        checks["launch"] = _verdict(wall <= (HELP_S if o.method == "help" else LAUNCH_S))
+    if rss is not None and o.world and o.method in ("dist_convert", "optimizer"):
         checks["rss"] = _verdict(rss_ok(rss, nbytes, o.world))
     if rss is not None and o.predicted_rss:
         checks["plan"] = _verdict(abs(rss - o.predicted_rss) <= PLAN_TOLERANCE * rss)
@@ -84,26 +100,41 @@ def row(o: Outcome, nbytes: int, floor: Outcome | None, baseline: Outcome | None
             "x_floor": wall / floor_s if wall and floor_s else None,
             "inproc_x_floor": inproc / floor_s if inproc and floor_s else None,
             "net_s": net, "net_x_floor": net / floor_s if net and floor_s else None,
-            "peak_rss_per_rank": rss, "rss_limit": rss_limit(nbytes, o.world) if o.world else None,
+            "peak_rss_per_rank": rss, "rss_limit": rss_limit(nbytes, o.world) if o.world and rss else None,
             "predicted_rss": o.predicted_rss,
             "checks": checks, "runs": [r.__dict__ for r in o.runs], "output": o.output, "agreement": o.agreement}
 
 
 def target_rows(outcomes: list[Outcome], nbytes: int) -> list[dict[str, Any]]:
-    floor = next((o for o in outcomes if o.method == "floor" and o.runs), None)
-    baseline = next((o for o in outcomes if o.method == "whole_model" and o.runs), None)
+    others = {o.method: o for o in outcomes if o.method in ("floor", "whole_model", "mcore") and o.runs}
     startup = {o.world: o for o in outcomes if o.method == "startup" and o.runs}
-    return [row(o, nbytes, floor, baseline, startup.get(o.world)) for o in outcomes]
+    return [row(o, nbytes, others, startup.get(o.world)) for o in outcomes]
+
+
+def tally(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """How many target checks passed and failed."""
+    verdicts = [v for r in rows for v in r["checks"].values() if v]
+    return {"PASS": verdicts.count("PASS"), "FAIL": verdicts.count("FAIL")}
 
 
 def _num(v: float | None, fmt: str = "{:.2f}") -> str:
     return "" if v is None else fmt.format(v)
 
 
+def _cells(r: dict[str, Any]) -> list[str]:
+    return [r["label"], _num(r["wall_s"]), _num(r["inproc_s"]), _num(r["gb_per_s"], "{:.3g}"), _num(r["x_floor"]),
+            _num(r["net_x_floor"]), human_bytes(r["peak_rss_per_rank"]) if r["peak_rss_per_rank"] is not None else "",
+            human_bytes(r["rss_limit"]) if r["rss_limit"] is not None else "",
+            human_bytes(r["predicted_rss"]) if r.get("predicted_rss") else ""]
+
+
+HEAD = ("method", "wall s", "in-proc s", "GB/s", "wall/floor", "net/floor", "RSS/rank", "RSS limit", "plan's RSS",
+        *CHECKS.values())
+
+
 def print_table(title: str, rows: list[dict[str, Any]]) -> None:
     table = Table(title=title)
-    for col in ("method", "wall s", "in-proc s", "GB/s", "wall/floor", "net/floor", "RSS/rank", "RSS limit",
-                f"≤{FLOOR_FACTOR}x floor", f"≥{SPEEDUP:g}x whole", "RSS≤limit", "plan"):
+    for col in HEAD:
         table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     notes = []
     for r in rows:
@@ -111,15 +142,12 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
             table.add_row(r["label"], r["status"])
             notes.append(f"{r['label']}: {r['status']}: {r['reason']}")
             continue
-        checks = [_color(r["checks"][k]) for k in ("floor", "speedup", "rss", "plan")]
-        table.add_row(r["label"], _num(r["wall_s"]), _num(r["inproc_s"]), _num(r["gb_per_s"], "{:.3g}"),
-                      _num(r["x_floor"]),
-                      _num(r["net_x_floor"]),
-                      human_bytes(r["peak_rss_per_rank"]) if r["peak_rss_per_rank"] is not None else "",
-                      human_bytes(r["rss_limit"]) if r["rss_limit"] is not None else "", *checks)
-    _console.print(table)
+        table.add_row(*_cells(r), *(_color(r["checks"][k]) for k in CHECKS))
+    _console.print(table, width=max(_console.width, 200))
     for note in notes:
         _console.print(note)
+    t = tally(rows)
+    _console.print(f"targets: {t['PASS']} PASS, {t['FAIL']} FAIL")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -128,24 +156,16 @@ def markdown(result: dict[str, Any]) -> str:
     out = [f"Source: synthetic {src['shape']} ({src['dtype']}, {human_bytes(src['bytes'])}, {src['format']} "
            f"TP={src['tp']} PP={src['pp']}, {src['files']} files). Machine: {m['cpus']} CPUs, {m['platform']}, "
            f"torch {m['torch']}.", ""]
-    head = ["method", "wall s", "in-process s", "wall / floor", "net / floor", "peak RSS / rank", "RSS limit",
-            "plan's RSS", f"wall ≤ {FLOOR_FACTOR}x floor", f"≥ {SPEEDUP:g}x whole-model", "RSS ≤ limit",
-            f"plan within {PLAN_TOLERANCE:.0%}"]
     for t in result["targets"]:
         out += [f"**{src['format']} TP={src['tp']} PP={src['pp']} -> {t['name']}**", "",
-                "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
         for r in t["rows"]:
             if r["status"] != "ok":
-                out.append(f"| {r['label']} | {r['status']}: {r['reason']} |" + " |" * (len(head) - 2))
+                out.append(f"| {r['label']} | {r['status']}: {r['reason']} |" + " |" * (len(HEAD) - 2))
                 continue
-            c = r["checks"]
-            cells = [r["label"], _num(r["wall_s"]), _num(r["inproc_s"]), _num(r["x_floor"]), _num(r["net_x_floor"]),
-                     human_bytes(r["peak_rss_per_rank"]) if r["peak_rss_per_rank"] else "",
-                     human_bytes(r["rss_limit"]) if r["rss_limit"] else "",
-                     human_bytes(r["predicted_rss"]) if r.get("predicted_rss") else "", c["floor"] or "",
-                     c["speedup"] or "", c["rss"] or "", c.get("plan") or ""]
-            out.append("| " + " | ".join(cells) + " |")
-        out.append("")
+            out.append("| " + " | ".join([*_cells(r), *(r["checks"][k] or "" for k in CHECKS)]) + " |")
+        tl = tally(t["rows"])
+        out += ["", f"Targets: {tl['PASS']} PASS, {tl['FAIL']} FAIL.", ""]
         if t.get("bridge"):
             out += ["| " + " | ".join(BRIDGE_HEAD) + " |", "|" + "---|" * len(BRIDGE_HEAD)]
             out += ["| " + " | ".join(_bridge_cells(c)) + " |" for c in t["bridge"]]
@@ -224,17 +244,17 @@ def check_plot_available() -> None:
                            "install it (e.g. .venv/bin/pip install matplotlib) or drop --plot")
 
 
-def _axes() -> tuple[Any, Any, Any]:
+def _axes(panels: int = 2) -> tuple[Any, list[Any]]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    return fig, ax_t, ax_m
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
+    return fig, list(axes)
 
 
-def _save(fig: Any, axes: tuple[Any, Any], path: str) -> None:
+def _save(fig: Any, axes: list[Any], path: str) -> None:
     for ax in axes:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
@@ -242,9 +262,15 @@ def _save(fig: Any, axes: tuple[Any, Any], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _per_rank(r: dict[str, Any]) -> float:
+    """Throughput per rank: source bytes / wall s / ranks, in GB/s."""
+    return r["gb_per_s"] / (r["world"] or 1)
+
+
 def plot_sizes(path: str, rows: list[dict[str, Any]]) -> None:
-    """--sizes: wall and in-process seconds, and peak RSS per rank, against the checkpoint size."""
-    fig, ax_t, ax_m = _axes()
+    """--sizes: wall and in-process seconds, and peak RSS per rank, against the checkpoint size; throughput per
+    rank against ranks, one line per size."""
+    fig, (ax_t, ax_m, ax_r) = _axes(3)
     for w in sorted({r["world"] for r in rows}):
         ok = [r for r in rows if r["world"] == w and r["status"] == "ok"]
         gib = [r["bytes"] / 2**30 for r in ok]
@@ -252,34 +278,40 @@ def plot_sizes(path: str, rows: list[dict[str, Any]]) -> None:
         ax_t.plot(gib, [r["inproc_s"] for r in ok], "o--", label=f"dist_convert w={w} in-process")
         ax_m.plot(gib, [r["peak_rss_per_rank"] / 2**30 for r in ok], "o-", label=f"dist_convert w={w}")
         ax_m.plot(gib, [r["rss_limit"] / 2**30 for r in ok], ":", label=f"RSS target w={w}")
-    ax_t.plot([r["bytes"] / 2**30 for r in rows], [r["floor_s"] for r in rows], "k:", label="I/O floor")
+    floors = {r["bytes"]: r["floor_s"] for r in rows}
+    ax_t.plot([b / 2**30 for b in floors], list(floors.values()), "k:", label="I/O floor")
+    for size in dict.fromkeys(r["size"] for r in rows):
+        ok = sorted((r for r in rows if r["size"] == size and r["status"] == "ok"), key=lambda r: r["world"])
+        ax_r.plot([r["world"] for r in ok], [_per_rank(r) for r in ok], "o-", label=f"dist_convert {size}")
     ax_t.set(xlabel="checkpoint GB", ylabel="s", title="time")
     ax_m.set(xlabel="checkpoint GB", ylabel="GB", title="peak RSS per rank")
-    _save(fig, (ax_t, ax_m), path)
+    ax_r.set(xlabel="ranks", ylabel="GB/s per rank (source bytes / wall s / ranks)", title="throughput per rank")
+    ax_r.xaxis.get_major_locator().set_params(integer=True)
+    _save(fig, [ax_t, ax_m, ax_r], path)
 
 
 def plot(path: str, targets: list[dict[str, Any]]) -> None:
-    """Throughput (GB/s of wall time) and peak RSS per rank against ranks, one line per target."""
-    fig, ax_t, ax_m = _axes()
+    """Throughput per rank (GB/s of wall time / ranks) and peak RSS per rank against ranks, one line per target."""
+    fig, (ax_t, ax_m) = _axes()
     for t in targets:
         rows = [r for r in t["rows"] if r["status"] == "ok"]
         dc = sorted((r for r in rows if r["method"] == "dist_convert"), key=lambda r: r["world"])
-        line = ax_t.plot([r["world"] for r in dc], [r["gb_per_s"] for r in dc], "o-", label=f"dist_convert {t['name']}")
+        line = ax_t.plot([r["world"] for r in dc], [_per_rank(r) for r in dc], "o-", label=f"dist_convert {t['name']}")
         color = line[0].get_color()
         ax_m.plot([r["world"] for r in dc], [r["peak_rss_per_rank"] / 2**30 for r in dc], "o-", color=color,
                   label=f"dist_convert {t['name']}")
         for r in rows:
-            marker = {"floor": None, "whole_model": "s", "mcore": "^", "bridge": "D"}.get(r["method"])
+            marker = {"whole_model": "s", "mcore": "^", "bridge": "D"}.get(r["method"])
             if r["method"] == "floor":
-                ax_t.axhline(r["gb_per_s"], color=color, ls=":", label=f"I/O floor {t['name']}")
+                ax_t.axhline(r["gb_per_s"], color=color, ls=":", label=f"I/O floor (one process) {t['name']}")
             elif marker:
-                ax_t.plot([r["world"]], [r["gb_per_s"]], marker, color=color, label=f"{r['method']} {t['name']}")
+                ax_t.plot([r["world"]], [_per_rank(r)], marker, color=color, label=f"{r['method']} {t['name']}")
                 ax_m.plot([r["world"]], [r["peak_rss_per_rank"] / 2**30], marker, color=color,
                           label=f"{r['method']} {t['name']}")
         ax_m.plot([r["world"] for r in dc], [r["rss_limit"] / 2**30 for r in dc], "--", color=color, alpha=0.5,
                   label=f"RSS target {t['name']}")
-    ax_t.set(xlabel="ranks", ylabel="GB/s (source bytes / wall s)", title="throughput")
+    ax_t.set(xlabel="ranks", ylabel="GB/s per rank (source bytes / wall s / ranks)", title="throughput per rank")
     ax_m.set(xlabel="ranks", ylabel="GB", title="peak RSS per rank")
     for ax in (ax_t, ax_m):
         ax.xaxis.get_major_locator().set_params(integer=True)
-    _save(fig, (ax_t, ax_m), path)
+    _save(fig, [ax_t, ax_m], path)

@@ -114,20 +114,28 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
     if "floor" in methods:
         out.append((Outcome("floor", "I/O floor", None), lambda dst, _: measure.time_floor(src.files, dst)))
     if "startup" in methods:
-        for w in ranks:
-            def start(dst: Path, stats: Path, w: int = w) -> Run:
+        def helped(dst: Path, stats: Path) -> Run:
+            return Run(measure.run_command(measure.python_module("dist_convert", "--help"), ns.timeout))
+        out.append((Outcome("help", "dist_convert --help", None), helped))
+        launchers = ("nproc", "torchrun") if "torchrun" in methods else ("nproc",)  # torchrun: for reference
+        for w, launcher in [(w, k) for w in ranks for k in launchers[:1 + (w > 1)]]:
+            def start(dst: Path, stats: Path, w: int = w, launcher: str = launcher) -> Run:
                 args = ("dist_convert.bench.startup", "--stats-json", str(stats))
-                cmd = measure.torchrun(w, *args) if w > 1 else measure.python_module(*args)
+                cmd = measure.torchrun(w, *args) if launcher == "torchrun" else \
+                    measure.python_module(*args, *(("--nproc", str(w)) if w > 1 else ()))
                 return measure.time_job(cmd, stats, measure.parse_dist_convert, ns.timeout)
-            out.append((Outcome("startup", f"start-up w={w}", w), start))
+            name = "startup" if launcher == "nproc" else "startup_torchrun"
+            out.append((Outcome(name, f"start-up{' torchrun' if name != 'startup' else ''} w={w}", w), start))
     if "dist_convert" in methods:
-        # --optimizer: each world size also converts the optimizer state (method "optimizer", beside the weights)
+        # one process, or `--nproc w` (dist_convert's own launch); --optimizer: each world size also converts the
+        # optimizer state (method "optimizer", beside the weights)
         for w, flags in [(w, f) for w in ranks for f in ((), ("--optimizer",))[:1 + bool(ns.optimizer)]]:
-            def dc(dst: Path, stats: Path, w: int = w, flags: tuple[str, ...] = flags) -> Run:  # one rank: a plain
-                args = ("dist_convert", "reshard", str(src.path), str(dst), "--target-tp", str(tp),  # process
-                        "--target-pp", str(pp), "--memory-budget", str(ns.memory_budget), "--stats-json", str(stats),
-                        *(bridge.DIST_CONVERT_HF_FLAGS if src.format == "hf" else ()), *flags)
-                cmd = measure.torchrun(w, *args) if w > 1 else measure.python_module(*args)
+            def dc(dst: Path, stats: Path, w: int = w, flags: tuple[str, ...] = flags) -> Run:
+                cmd = measure.python_module(
+                    "dist_convert", "reshard", str(src.path), str(dst), "--target-tp", str(tp), "--target-pp", str(pp),
+                    "--memory-budget", str(ns.memory_budget), "--stats-json", str(stats),
+                    *(bridge.DIST_CONVERT_HF_FLAGS if src.format == "hf" else ()), *flags,
+                    *(("--nproc", str(w)) if w > 1 else ()))
                 return measure.time_job(cmd, stats, measure.parse_dist_convert, ns.timeout)
             name = "optimizer" if flags else "dist_convert"
             out.append((Outcome(name, f"dist_convert{' --optimizer' if flags else ''} w={w}", w), dc))

@@ -1,13 +1,13 @@
 """The fixed cost of a dist_convert launch, timed by ``bench`` as its own method: start the
 interpreter, import the CLI with every format, join the process group, and leave it.
 
+  python -m dist_convert.bench.startup --stats-json FILE [--nproc N]   (dist_convert's own launch)
   torchrun --nproc_per_node=N -m dist_convert.bench.startup --stats-json FILE
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     p = argparse.ArgumentParser(prog="python -m dist_convert.bench.startup", description=__doc__)
     p.add_argument("--stats-json", type=Path, required=True)
+    p.add_argument("--nproc", type=int, default=None, help="start N local workers as `dist_convert --nproc` does")
     a = p.parse_args(argv)
+    if a.nproc is not None:
+        from ..launch import run_workers
+        return run_workers(a.nproc, ["-m", "dist_convert.bench.startup", "--stats-json", str(a.stats_json)])
     from .. import cli  # noqa: F401 - the import is what is timed
     from ..runtime import init_runtime, peak_rss_bytes
 
@@ -35,4 +39,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..cli import leave
+    leave(main())

@@ -6,14 +6,15 @@ contiguous span of it is read with one positioned read into a fresh buffer, no u
 rank reads only the rows it needs. Anything unusual (transforms, compression, views) reports
 ``None`` and the caller falls back to ``dcp.load``.
 
-Metadata: ``.metadata`` is a pickle, which DCP's ``FileSystemReader.read_metadata`` loads with plain
-``pickle``; here it is loaded by a restricted unpickler that builds only DCP's metadata classes
-(``load_metadata``; ``--trust-pickle`` hands it to DCP), and checked against the ``.distcp`` files
-before anything is read (``check_storage``).
+Metadata: ``.metadata`` is a pickle of DCP's metadata classes, read and written by ``dcp_meta`` without
+importing DCP: reading builds stand-ins of those classes through an allow-list (``--trust-pickle``: any
+global), checked against the ``.distcp`` files before anything is read (``check_storage``); rank 0 writes it
+from every rank's results as ``FileSystemWriter.finish`` does (the same classes and fields).
 
 Writing: a rank appends items to its own file as they become ready (streaming: a tensor can be
-freed as soon as it is written), then rank 0 writes ``.metadata`` from every rank's results with
-DCP's own ``FileSystemWriter.finish``, so the metadata is exactly what ``dcp.save`` produces.
+freed as soon as it is written), then rank 0 writes ``.metadata``.
+
+Only the fallback read (``dcp_reader``, for items stored with transforms or as views) imports DCP.
 """
 from __future__ import annotations
 
@@ -29,62 +30,34 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
+
+from ..durable import fsync_dir, write_durable
+from ..errors import ConvertError
+from ..layout.boxes import Box
+from ..safe_load import load_pt
+from . import dcp_meta
+from .dcp_meta import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageInfo,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.storage import WriteResult
-
-from ..durable import fsync_dir, fsync_file
-from ..errors import ConvertError
-from ..layout.boxes import Box
-from ..safe_load import load_pt
 
 METADATA = ".metadata"
-# every global a DCP .metadata pickle needs (torch 2.x FileSystemWriter; torch dtypes are allowed too)
-_METADATA_GLOBALS: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
-    "torch.distributed.checkpoint.planner": frozenset({"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch.serialization": frozenset({"_get_layout"}),  # torch.layout values (torch.strided)
-    "torch": frozenset({"Size"}),
-    "collections": frozenset({"OrderedDict"}),
-    "pathlib": frozenset({"PosixPath", "PurePosixPath"}),  # StorageMeta.checkpoint_id as FileSystemWriter saves it
-}
-
-
-class _Untrusted(pickle.UnpicklingError):
-    """A global outside the allow-list."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_GLOBALS.get(module, ()) or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise _Untrusted(f"{module}.{name}")
 
 
 def load_metadata(iter_dir: Path, trust_pickle: bool = False) -> Metadata:
-    """``iter_dir/.metadata``, unpickled with only DCP's metadata classes allowed (``trust_pickle``:
-    by DCP's own reader, which unpickles anything); every failure is a ``ConvertError``."""
+    """``iter_dir/.metadata`` as ``dcp_meta`` stand-ins, unpickled with only DCP's metadata classes allowed
+    (``trust_pickle``: any global); every failure is a ``ConvertError``."""
     path = iter_dir / METADATA
     try:
-        if trust_pickle:
-            md = FileSystemReader(str(iter_dir)).read_metadata()
-        else:
-            with open(path, "rb") as fh:
-                md = _MetadataUnpickler(fh).load()
-    except _Untrusted as e:
+        with open(path, "rb") as fh:
+            md = dcp_meta.loads(fh, trust_pickle)
+    except dcp_meta.Untrusted as e:
         raise ConvertError(f"{path} references {e}, outside the allow-list of DCP metadata classes",
                            "pass --trust-pickle only if you trust this checkpoint") from None
     except Exception as e:  # noqa: BLE001 - a corrupt pickle fails in many ways: all are the same user error
@@ -99,17 +72,23 @@ def load_metadata(iter_dir: Path, trust_pickle: bool = False) -> Metadata:
     return md
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader with ``.metadata`` loaded by ``load_metadata``."""
+def dcp_reader(iter_dir: Path, trust_pickle: bool = False) -> Any:
+    """DCP's own ``FileSystemReader`` of ``iter_dir`` with ``.metadata`` checked by ``load_metadata`` first
+    (and then loaded as DCP's real classes, which its planners need)."""
+    from torch.distributed.checkpoint import FileSystemReader
 
-    def __init__(self, iter_dir: Path, trust_pickle: bool = False) -> None:
-        super().__init__(str(iter_dir))
-        self.iter_dir, self.trust_pickle = iter_dir, trust_pickle
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            load_metadata(iter_dir, trust_pickle)  # the allow-list, and one error line
+            with open(iter_dir / METADATA, "rb") as fh:
+                md = pickle.load(fh)  # noqa: S301 - checked above: only DCP's metadata classes
+            if getattr(md, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta as DcpStorageMeta
+                md.storage_meta = DcpStorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = load_metadata(self.iter_dir, self.trust_pickle)
-        md.storage_meta.load_id = self.load_id
-        return md
+    return SafeFileSystemReader(str(iter_dir))
 
 
 def read_object(iter_dir: Path, md: Metadata, key: str, trust_pickle: bool) -> Any:
@@ -357,10 +336,10 @@ class ItemFileWriter:
 
 
 def write_metadata(iter_dir: Path, items: list[dict[str, Any]]) -> None:
-    """Rank 0: ``.metadata`` for every file's items (``ItemFileWriter.items``), through DCP's own writer
-    (which fsyncs it and renames it into place), fsynced again with its directory entry."""
+    """Rank 0: ``.metadata`` for every file's items (``ItemFileWriter.items``) as DCP's ``FileSystemWriter``
+    writes it (fsynced under a temporary name, renamed into place), fsynced with its directory entry."""
     sdm: dict[str, Any] = {}
-    results: list[WriteResult] = []
+    storage: dict[MetadataIndex, StorageInfo] = {}
     for it in items:
         if "offsets" in it:
             offsets = torch.Size(it["offsets"])
@@ -371,9 +350,9 @@ def write_metadata(iter_dir: Path, items: list[dict[str, Any]]) -> None:
         else:
             sdm[it["key"]] = BytesStorageMetadata()
             index = MetadataIndex(it["key"])
-        results.append(WriteResult(index=index, size_in_bytes=it["length"],
-                                   storage_data=_StorageInfo(it["file"], it["at"], it["length"])))
-    writer = FileSystemWriter(str(iter_dir), single_file_per_rank=True)
-    writer.finish(Metadata(state_dict_metadata=sdm), [results])
-    fsync_file(iter_dir / METADATA)
+        storage[index] = StorageInfo(it["file"], it["at"], it["length"])
+    md = dcp_meta.finished(Metadata(state_dict_metadata=sdm, storage_data=storage), iter_dir)
+    tmp = iter_dir / f"{METADATA}.tmp"
+    write_durable(tmp, dcp_meta.dumps(md))
+    os.replace(tmp, iter_dir / METADATA)
     fsync_dir(iter_dir)

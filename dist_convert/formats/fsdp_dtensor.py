@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..config import ModelConfig, config_from_args
 from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
@@ -35,6 +34,7 @@ from ..layout.rules import LogicalTensor, expert_key, is_grouped_expert_key, log
 from ..layout.topology import Layout
 from ..runtime import Runtime
 from .base import IterDirFormat, KeyPolicy, on_rank0
+from .dcp_meta import TensorStorageMetadata
 from .distcp import METADATA, check_storage, load_metadata, read_object, write_metadata
 from .torch_dist import StreamWriter, TorchDistFormat
 

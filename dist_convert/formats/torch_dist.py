@@ -13,7 +13,6 @@ import argparse
 import io
 import itertools
 import json
-import warnings
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,11 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..config import ModelConfig, config_from_args
 from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, numel, target_dtype
@@ -49,9 +43,9 @@ from ..optim.state import COUNTERS, optimizer_tensors, renamed
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from .base import COMMON_TRAINING_STATE, IterDirFormat, KeyPolicy, dropped_state_note, on_rank0
+from .dcp_meta import MetadataIndex, TensorStorageMetadata
 from .distcp import (
     ItemFileWriter,
-    SafeFileSystemReader,
     StoredTensor,
     check_storage,
     load_metadata,
@@ -203,43 +197,6 @@ def expert_objects(cfg: ModelConfig, stack: str, layer: int, layers: int, expert
     if stack == "mtp":
         prefix += MTP_LAYER
     return {f"{prefix}mlp.experts.experts.linear_fc{j}._extra_state/{shard}": [None] for j in (1, 2)}
-
-
-class _BoxLoadPlanner(LoadPlanner):
-    """Reads whole stored chunks (no resharding by DCP): requests are {key: [(box, out tensor)]}."""
-
-    def __init__(self, requests: dict[str, list[tuple[Box, torch.Tensor]]]) -> None:
-        self.requests = requests
-
-    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
-        self.metadata = metadata
-
-    def create_local_plan(self) -> LoadPlan:
-        items: list[ReadItem] = []
-        for key, reqs in self.requests.items():
-            md = self.metadata.state_dict_metadata[key]
-            wanted = [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b, _ in reqs]
-            items += create_read_items_for_chunk_list(key, md, wanted)
-        return LoadPlan(items)
-
-    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
-        return global_plan
-
-    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
-        return central_plan
-
-    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        raise AssertionError("no byte items are requested")
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        _, out = self.requests[read_item.dest_index.fqn][read_item.dest_index.index]
-        view = out
-        for dim, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
-            view = view.narrow(dim, o, n)
-        return view
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        return None
 
 
 class StreamWriter:
@@ -399,22 +356,15 @@ class TorchDistFormat(IterDirFormat):
     def _read_dcp(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         if not chunks:
             return {}
+        from .dcp_read import read_boxes
+
         # a bucket-space chunk (``flat``) is a range of a stored 1-D tensor, viewed as its parameter's shape
         out = {c.id: torch.empty(c.shape if c.flat is None else (numel(c.shape),), dtype=c.dtype) for c in chunks}
         requests: dict[str, list[tuple[Box, torch.Tensor]]] = {}
         for c in chunks:
             box = Box(c.offsets or (), c.shape) if c.flat is None else Box((c.flat,), (numel(c.shape),))
             requests.setdefault(c.key, []).append((box, out[c.id]))
-        try:
-            with warnings.catch_warnings():  # no_dist=True is intended: every rank reads its own chunks
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load({}, storage_reader=SafeFileSystemReader(index.iter_dir, self.trust_pickle),
-                         planner=_BoxLoadPlanner(requests), no_dist=True)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every cause
-            cause = next(iter(e.failures.values()), e) if isinstance(e, CheckpointException) else e
-            msg = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else type(cause).__name__
-            raise ConvertError(f"reading {index.iter_dir} failed ({msg})",
-                               "a .distcp file is corrupt or truncated; re-copy the checkpoint") from None
+        read_boxes(index.iter_dir, self.trust_pickle, requests)
         return {c.id: out[c.id].view(c.shape) for c in chunks}
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:

@@ -23,7 +23,7 @@ from .integrity import Entry, Journal, fingerprint, refuse_incomplete
 from .layout.rules import logical_tensors
 from .layout.topology import Layout, pipeline_vpp
 from .optim.state import optimizer_numel
-from .plan import DEFAULT_BUDGET, Plan, make_plan, split_chunks, split_files
+from .plan import DEFAULT_BUDGET, Plan, block_bytes, make_plan, split_chunks, split_files
 from .runtime import Runtime, human_bytes, local_ranks, overlap_io, peak_rss_bytes
 from .staging import Staging, refuse_existing, stage, write_error
 from .summary import RankStats, print_summary
@@ -244,7 +244,8 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
                f"{len(plan.waves)} waves)")
         for note in index.notes:
             rt.log(f"note: {note}")
-        counters, write_s, my_files = _convert_into(staging, target, index, src_fmt, dst_fmt, files, plan, rt)
+        counters, write_s, my_files = _convert_into(staging, target, index, src_fmt, dst_fmt, files, plan, rt,
+                                                    opts.memory_budget)
         artifact = dst_fmt.package(staging.tmp, opts.dst) if rt.rank == 0 else staging.tmp
     staging.commit(artifact)
     mine = RankStats(rank=rt.rank, files=len(my_files), tensors=sum(len(f.tensors) for f in my_files),
@@ -263,7 +264,8 @@ class BackgroundWrites:
     in order, while the next waves are read and exchanged; at most ``depth`` wait. A write's error is raised
     by the next ``put`` (so the run stops at the next wave) and kept in ``error``."""
 
-    def __init__(self, write: Callable[[int, int, torch.Tensor], None], depth: int = 2, threaded: bool = True) -> None:
+    def __init__(self, write: Callable[[int, int, int | None, torch.Tensor], None], depth: int = 2,
+                 threaded: bool = True) -> None:
         self.write, self.depth, self.threaded = write, depth, threaded
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="write")
         self.pending: deque[Future] = deque()
@@ -276,14 +278,14 @@ class BackgroundWrites:
             except ConvertError as e:
                 self.error = self.error or e
 
-    def put(self, fid: int, j: int, tensor: torch.Tensor) -> None:
+    def put(self, fid: int, j: int, first_row: int | None, tensor: torch.Tensor) -> None:
         if not self.threaded:
-            self.write(fid, j, tensor)
+            self.write(fid, j, first_row, tensor)
             return
         self._reap(self.depth)
         if self.error is not None:
             raise self.error
-        self.pending.append(self.pool.submit(self.write, fid, j, tensor))
+        self.pending.append(self.pool.submit(self.write, fid, j, first_row, tensor))
 
     def drain(self) -> None:
         """Wait for every write (their errors in ``error``; other exceptions propagate)."""
@@ -294,7 +296,8 @@ class BackgroundWrites:
 
 
 def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt: Format, dst_fmt: Format,
-                  files: list[TargetFile], plan: Plan, rt: Runtime) -> tuple[dict[str, int], float, list[TargetFile]]:
+                  files: list[TargetFile], plan: Plan, rt: Runtime,
+                  budget: int) -> tuple[dict[str, int], float, list[TargetFile]]:
     """Collective: exchange this rank's tensors and write each as soon as it is complete (the writer
     streams tensors or whole files; each finished file is journaled with its checksum), then rank 0
     writes metadata, tracker and checksum manifest last."""
@@ -315,18 +318,20 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
             journal.add(w)
             faults.reached("file", rt.rank)
 
-    def write(fid: int, j: int, tensor: torch.Tensor) -> None:
+    def write(fid: int, j: int, first_row: int | None, tensor: torch.Tensor) -> None:
         nonlocal write_s
         tw = time.perf_counter()
         try:
-            finished(writer.put(by_id[fid], j, tensor))
+            finished(writer.put(by_id[fid], j, tensor) if first_row is None else
+                     writer.put_rows(by_id[fid], j, first_row, tensor))
         except Exception as e:  # noqa: BLE001 - a failed write stops every rank at the next wave
             raise write_error(e, tmp_iter / by_id[fid].name) from e
         write_s += time.perf_counter() - tw
 
     overlap = overlap_io(local_ranks(rt))
     background = BackgroundWrites(write, threaded=overlap)
-    out = Assembly(my_files, plan, rt.rank, background.put)
+    # a writer that takes row blocks (torch_dist) gets large tensors in blocks: memory stays flat as they grow
+    out = Assembly(my_files, plan, rt.rank, background.put, block_bytes=block_bytes(budget) if dst_fmt.row_blocks else None)
     try:
         try:
             counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out,

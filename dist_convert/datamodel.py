@@ -29,6 +29,12 @@ def numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def row_axis(shape: tuple[int, ...]) -> int | None:
+    """The axis a tensor is cut into row blocks along: the first longer than 1 (torch_dist stacks a layer's
+    tensor as [1, rows, ...]); None when there is none."""
+    return next((d for d, n in enumerate(shape) if n > 1), None)
+
+
 @dataclass
 class SourceChunk:
     id: int

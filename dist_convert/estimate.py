@@ -5,7 +5,7 @@ and a time estimate from storage and network speeds.
 The memory model: in a wave a rank holds the chunks it reads (and the next wave's, read meanwhile when it has
 a core to spare: runtime.overlap_io), the send
 buffers it packs from them, the receive buffers of what other ranks send it, and the target tensors it
-assembles (kept until each is complete, then written); on top, what the process itself takes (the
+assembles (kept until each is complete, then written; a DCP target's large tensors in row blocks); on top, what the process itself takes (the
 interpreter, torch, dist_convert and the index: measured in this process before planning).
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from .convert import ReshardOptions, logical_numel, prepare, sliced
-from .plan import Plan, make_plan
+from .datamodel import SourceChunk, TargetTensor, numel
+from .plan import Plan, block_bytes, block_shape, block_spans, make_plan, row_blocks, tensor_boxes
 from .runtime import Runtime, human_bytes, overlap_io, peak_rss_bytes
 
 
@@ -33,36 +34,49 @@ class RankEstimate:
     seconds: float  # read + write at the given speeds, exchange at the network speed
 
 
-def rank_estimates(plan: Plan, chunk_bytes: dict[int, int], tensor_bytes: dict[tuple[int, int], int],
+def rank_estimates(plan: Plan, chunks: dict[int, SourceChunk], tensors: dict[tuple[int, int], TargetTensor],
                    base_rss: int, read_gbps: float, write_gbps: float, net_gbps: float,
-                   read_ahead: bool = False) -> list[RankEstimate]:
-    """Pure: per-rank figures of ``plan`` (``chunk_bytes``: stored size of each source chunk read;
-    ``tensor_bytes``: size of each target tensor (file id, index); ``read_ahead``: ranks read the next
-    wave while exchanging this one)."""
+                   read_ahead: bool = False, block_limit: int | None = None) -> list[RankEstimate]:
+    """Pure: per-rank figures of ``plan`` (``chunks``: the source chunks by id; ``tensors``: each target tensor
+    by (file id, index); ``read_ahead``: ranks read the next wave while exchanging this one; ``block_limit``:
+    larger target tensors are assembled in row blocks of this size, and a block one transfer fills in its dtype
+    is that transfer's own buffer, as exchange.Assembly does)."""
     world = plan.world
     sent, received = [0] * world, [0] * world
     peak = [0] * world
-    missing: dict[tuple[int, int], int] = defaultdict(int)  # bytes a target tensor still waits for
+    boxes = tensor_boxes(plan)
+    blocks = {k: row_blocks(t.shape, t.dtype.itemsize, block_limit, boxes.get(k, ())) for k, t in tensors.items()}
+
+    def block_nbytes(f: int, j: int, b: int) -> int:
+        return numel(block_shape(tensors[(f, j)].shape, blocks[(f, j)], b)) * tensors[(f, j)].dtype.itemsize
+
+    missing: dict[tuple[int, int, int], int] = defaultdict(int)  # bytes a block still waits for
     for wave in plan.waves:
         for t in wave.transfers:
-            missing[(t.file, t.tensor)] += t.nbytes
-    open_: list[set[tuple[int, int]]] = [set() for _ in range(world)]  # tensors being assembled, per writer
+            for b, _, _, nbytes in block_spans(t, blocks[(t.file, t.tensor)]):
+                missing[(t.file, t.tensor, b)] += nbytes
+    open_: list[set[tuple[int, int, int]]] = [set() for _ in range(world)]  # blocks being assembled, per writer
     for i, wave in enumerate(plan.waves):
         held = [0] * world
         # this wave's chunks, and with read_ahead the next wave's, which a thread reads meanwhile
         for w in plan.waves[i:i + 1 + read_ahead]:
-            for rank, chunks in w.reads.items():
-                held[rank] += sum(chunk_bytes[c] for c in chunks)
+            for rank, ids in w.reads.items():
+                held[rank] += sum(chunks[c].nbytes for c in ids)
         for t in wave.transfers:
             if t.reader != t.writer:
                 sent[t.reader] += t.nbytes
                 received[t.writer] += t.nbytes
                 held[t.reader] += t.nbytes  # the packed send buffer
                 held[t.writer] += t.nbytes  # the receive buffer
-            open_[t.writer].add((t.file, t.tensor))
-            missing[(t.file, t.tensor)] -= t.nbytes
+            for b, _, _, nbytes in block_spans(t, blocks[(t.file, t.tensor)]):
+                key = (t.file, t.tensor, b)
+                whole = block_limit is not None and key not in open_[t.writer] and nbytes == missing[key] \
+                    == block_nbytes(*key) and chunks[t.chunk].dtype == t.dtype
+                if not whole:  # else the transfer's own bytes are the block: nothing is allocated
+                    open_[t.writer].add(key)
+                missing[key] -= nbytes
         for rank in range(world):
-            held[rank] += sum(tensor_bytes[k] for k in open_[rank])
+            held[rank] += sum(block_nbytes(*k) for k in open_[rank])
             peak[rank] = max(peak[rank], held[rank])
             open_[rank] = {k for k in open_[rank] if missing[k] > 0}  # complete ones are written and freed
     gb = 2**30
@@ -79,11 +93,10 @@ def estimate(opts: ReshardOptions, rt: Runtime, world: int, read_gbps: float, wr
     index = sliced(p.index, p.files, opts.memory_budget)
     base = peak_rss_bytes()  # what a rank holds before its first wave: the imports and the index
     plan = make_plan(index.chunks, p.files, world, opts.memory_budget, logical_numel(index), absent=index.absent)
-    chunk_bytes = {c.id: c.nbytes for c in index.chunks}
-    tensor_bytes = {(f.id, j): t.nbytes for f in p.files for j, t in enumerate(f.tensors)}
+    tensors = {(f.id, j): t for f in p.files for j, t in enumerate(f.tensors)}
     # the run is assumed on this machine, all ranks on it (the bench's case): it reads ahead with cores to spare
-    ranks = rank_estimates(plan, chunk_bytes, tensor_bytes, base, read_gbps, write_gbps, net_gbps,
-                           overlap_io(world))
+    ranks = rank_estimates(plan, {c.id: c for c in index.chunks}, tensors, base, read_gbps, write_gbps, net_gbps,
+                           overlap_io(world), block_bytes(opts.memory_budget) if p.dst_fmt.row_blocks else None)
     return {"source": {"format": index.format, "layout": str(index.layout), "bytes": index.nbytes,
                        "chunks": len(index.chunks)},
             "target": {"format": p.dst_fmt.name, "layout": str(p.target.layout), "files": len(p.files),

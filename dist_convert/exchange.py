@@ -10,66 +10,103 @@ import torch
 import torch.distributed as dist
 
 from . import faults
-from .datamodel import SourceChunk, TargetFile
+from .datamodel import SourceChunk, TargetFile, numel
 from .errors import ConvertError
-from .plan import Plan, Transfer, aligned
+from .plan import Plan, Transfer, aligned, block_count, block_shape, block_spans, row_blocks, tensor_boxes
 from .runtime import Runtime
 
 ReadFn = Callable[[list[SourceChunk]], dict[int, torch.Tensor]]
 
 
-Done = Callable[[int, int, torch.Tensor], None]
+Done = Callable[[int, int, "int | None", torch.Tensor], None]  # (file, tensor, first row or None: whole, data)
+Block = tuple[int, int, int]  # (file id, tensor index, row block)
 
 
 class Assembly:
-    """This rank's target tensors. Each is allocated zero-filled when first touched (zeros stay where
-    nothing maps: vocabulary padding) and, when ``done`` is given, handed to it as soon as every byte
-    the plan sends it has arrived, then dropped: memory holds only tensors still being assembled.
-    Without ``done`` every tensor is kept in ``tensors``; ``into`` gives preallocated ones to fill."""
+    """This rank's target tensors. Each is allocated when first touched, zero-filled unless the plan fills all
+    of it (zeros stay where nothing maps: vocabulary padding), and, when ``done`` is given, handed to it as soon
+    as every byte the plan sends it has arrived, then dropped: memory holds only tensors still being assembled.
+
+    ``block_bytes`` (with ``done``, for a writer that writes what it gets at once): a larger tensor is
+    assembled in row blocks (plan.row_blocks), each handed over on its own with its first row, so memory
+    holds only the blocks being filled however large a tensor is; and a block that one transfer fills whole,
+    in its dtype, is handed over as the transfer's own bytes (the read or receive buffer), never copied.
+    Without ``done`` every tensor is kept whole in ``tensors``; ``into`` gives preallocated ones to fill."""
 
     def __init__(self, files: list[TargetFile], plan: Plan, rank: int, done: Done | None = None,
-                 into: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
+                 into: dict[tuple[int, int], torch.Tensor] | None = None, block_bytes: int | None = None) -> None:
         self.specs = {(f.id, j): t for f in files for j, t in enumerate(f.tensors)}
-        self.missing: dict[tuple[int, int], int] = defaultdict(int)
+        self.passthrough = block_bytes is not None and done is not None
+        limit = block_bytes if self.passthrough else None
+        boxes = tensor_boxes(plan, rank)
+        self.row_blocks = {k: row_blocks(t.shape, t.dtype.itemsize, limit, boxes.get(k, ())) for k, t in self.specs.items()}
+        self.missing: dict[Block, int] = defaultdict(int)
         for w in plan.waves:
             for t in w.transfers:
                 if t.writer == rank:
-                    self.missing[(t.file, t.tensor)] += t.nbytes
+                    for b, _, _, nbytes in block_spans(t, self.row_blocks[(t.file, t.tensor)]):
+                        self.missing[(t.file, t.tensor, b)] += nbytes
         self.done = done
-        self.tensors: dict[tuple[int, int], torch.Tensor] = dict(into or {})
-        self.handed: set[tuple[int, int]] = set()
+        self.blocks: dict[Block, torch.Tensor] = {(*k, 0): v for k, v in (into or {}).items()}
+        self.handed: set[Block] = set()
         self.error: ConvertError | None = None  # the first error of ``done``: the run stops at the next wave
 
-    def _hand(self, key: tuple[int, int]) -> None:
-        tensor = self.tensors.pop(key)
+    @property
+    def tensors(self) -> dict[tuple[int, int], torch.Tensor]:
+        """The whole tensors held (without ``done``: all of them once ``finish`` ran)."""
+        return {(f, j): t for (f, j, _), t in self.blocks.items()}
+
+    def _shape(self, key: Block) -> tuple[int, ...]:
+        return block_shape(self.specs[key[:2]].shape, self.row_blocks[key[:2]], key[2])
+
+    def _block(self, key: Block) -> torch.Tensor:
+        """Allocated at first touch: uninitialised when the plan fills every byte of it, else zero-filled."""
+        if key not in self.blocks:
+            spec, shape = self.specs[key[:2]], self._shape(key)
+            full = self.missing.get(key, 0) == numel(shape) * spec.dtype.itemsize
+            self.blocks[key] = (torch.empty if full else torch.zeros)(shape, dtype=spec.dtype)
+        return self.blocks[key]
+
+    def _hand(self, key: Block) -> None:
+        tensor = self.blocks.pop(key)
         self.handed.add(key)
         if self.error is None and self.done is not None:
+            blocks = self.row_blocks[key[:2]]
             try:
-                self.done(key[0], key[1], tensor)
+                self.done(key[0], key[1], None if blocks is None else blocks.starts[key[2]], tensor)
             except ConvertError as e:
                 self.error = e
 
-    def view(self, t: Transfer) -> torch.Tensor:
-        """Where transfer ``t`` lands."""
-        key = (t.file, t.tensor)
-        if key not in self.tensors:
-            spec = self.specs[key]
-            self.tensors[key] = torch.zeros(spec.shape, dtype=spec.dtype)
-        return self.tensors[key][t.dst_box.slices()]
-
-    def filled(self, t: Transfer) -> None:
-        key = (t.file, t.tensor)
-        self.missing[key] -= t.nbytes
-        if self.missing[key] == 0 and self.done is not None:
-            self._hand(key)
+    def put(self, t: Transfer, src: torch.Tensor) -> None:
+        """Transfer ``t`` arrived as ``src`` (shaped as its destination box): copied (and cast) into place, or
+        handed over as it is when it is a whole block."""
+        blocks, box = self.row_blocks[(t.file, t.tensor)], t.dst_box
+        for b, lo, hi, nbytes in block_spans(t, blocks):
+            key = (t.file, t.tensor, b)
+            where = box.slices()
+            part = src
+            if blocks is not None:  # the transfer's rows in this block, and where they go in it
+                d, first = blocks.axis, blocks.starts[b]
+                part = src.narrow(d, lo - box.offsets[d], hi - lo)
+                where = (*where[:d], slice(lo - first, hi - first), *where[d + 1:])
+            if (self.passthrough and key not in self.blocks and nbytes == self.missing[key]
+                    and part.dtype == self.specs[key[:2]].dtype and tuple(part.shape) == self._shape(key)
+                    and part.is_contiguous()):
+                self.blocks[key] = part  # the one transfer that fills this block
+            else:
+                self._block(key)[where].copy_(part)
+            self.missing[key] -= nbytes
+            if self.missing[key] == 0 and self.done is not None:
+                self._hand(key)
 
     def finish(self) -> dict[tuple[int, int], torch.Tensor]:
-        """Every tensor not handed over yet (zeros where nothing touched it): handed over, or returned."""
-        for key, spec in self.specs.items():
-            if key not in self.handed and key not in self.tensors:
-                self.tensors[key] = torch.zeros(spec.shape, dtype=spec.dtype)
+        """Every block not handed over yet (zeros where nothing touched it): handed over, or returned."""
+        for k in self.specs:
+            for b in range(block_count(self.row_blocks[k])):
+                if (*k, b) not in self.handed:
+                    self._block((*k, b))
         if self.done is not None:
-            for key in sorted(self.tensors):
+            for key in sorted(self.blocks):
                 self._hand(key)
         return self.tensors
 
@@ -119,10 +156,10 @@ def stop_on_error(rt: Runtime, error: ConvertError | None) -> None:
     raise ConvertError("another rank failed (see its error above)", "fix that cause and rerun")
 
 
-def _piece(src: torch.Tensor, t: Transfer, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
-    """View of the transfer's box in a source chunk, shaped as its destination (only size-1 axes
+def _piece(src: torch.Tensor, t: Transfer) -> torch.Tensor:
+    """View of the transfer's box in a source chunk, shaped as its destination box (only size-1 axes
     differ, so this stays a view); ``copy_`` then casts and copies in one pass."""
-    return src[t.src_box.slices()].reshape(shape)
+    return src[t.src_box.slices()].reshape(t.dst_box.sizes)
 
 
 def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runtime, out: Assembly,
@@ -131,9 +168,7 @@ def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runt
     recv: dict[int, list[Transfer]] = defaultdict(list)
     for t in transfers:
         if t.reader == rt.rank and t.writer == rt.rank:
-            dst = out.view(t)
-            dst.copy_(_piece(data[t.chunk], t, dst.shape))
-            out.filled(t)
+            out.put(t, _piece(data[t.chunk], t))
             stats["copied"] += t.nbytes
         elif t.reader == rt.rank:
             send[t.writer].append(t)
@@ -158,7 +193,5 @@ def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runt
     pos = 0
     for r in range(rt.world):
         for t in sorted(recv[r], key=_order):
-            dst = out.view(t)
-            dst.copy_(recvbuf[pos:pos + t.nbytes].view(t.dtype).reshape(dst.shape))
-            out.filled(t)
+            out.put(t, recvbuf[pos:pos + t.nbytes].view(t.dtype).view(t.dst_box.sizes))
             pos += aligned(t.nbytes)

@@ -2,6 +2,7 @@
 transfers and writes, in waves that respect a memory budget. No processes, no I/O."""
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import defaultdict, deque
 from collections.abc import Collection, Iterable
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .datamodel import SourceChunk, TargetFile
+from .datamodel import SourceChunk, TargetFile, numel, row_axis
 from .defaults import DEFAULT_BUDGET  # noqa: F401 - the engine's name for it
 from .errors import ConvertError
 from .layout.boxes import Box, BoxIndex, Piece, piece_box
@@ -57,6 +58,79 @@ class Plan:
     @property
     def moved_bytes(self) -> int:
         return sum(t.nbytes for w in self.waves for t in w.transfers)
+
+
+BLOCK_MIN = 1 << 16  # bytes: the smallest row block (only a tensor larger than this is assembled in blocks)
+
+
+def block_bytes(budget: int) -> int:
+    """The row blocks a large target tensor is assembled in: an eighth of the wave budget (reads are cut to a
+    quarter), at least BLOCK_MIN."""
+    return max(BLOCK_MIN, budget // 8)
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """How a target tensor is assembled in row blocks: along ``axis`` (datamodel.row_axis), block ``b`` holding
+    rows ``starts[b]`` up to the next start (the last up to ``rows``)."""
+
+    axis: int
+    starts: tuple[int, ...]
+    rows: int
+
+    def end(self, b: int) -> int:
+        return self.starts[b + 1] if b + 1 < len(self.starts) else self.rows
+
+
+def row_blocks(shape: tuple[int, ...], itemsize: int, limit: int | None,
+               boxes: Iterable[Box] = ()) -> RowBlocks | None:
+    """The row blocks a target tensor of ``shape`` is assembled in: cut where the transfers into it (their
+    ``boxes``) start and end, so that a transfer of whole rows can be a block of its own, and into blocks of at
+    most ``limit`` bytes (at least one row); None: it is assembled whole (no limit, no axis longer than 1, under
+    BLOCK_MIN bytes, or one block would hold it)."""
+    d = row_axis(shape)
+    if limit is None or d is None or numel(shape) * itemsize < BLOCK_MIN:
+        return None
+    rows = shape[d]
+    per = max(1, limit // max(1, itemsize * numel(shape[d + 1:])))
+    cuts = sorted({0, *(x for b in boxes for x in (b.offsets[d], b.offsets[d] + b.sizes[d]) if 0 < x < rows)})
+    starts = tuple(r for a, e in zip(cuts, [*cuts[1:], rows]) for r in range(a, e, per))
+    return RowBlocks(d, starts, rows) if len(starts) > 1 else None
+
+
+def tensor_boxes(plan: Plan, rank: int | None = None) -> dict[tuple[int, int], list[Box]]:
+    """The box each transfer fills in its target tensor, per (file, tensor) (``rank``: only the tensors that
+    rank writes)."""
+    out: dict[tuple[int, int], list[Box]] = defaultdict(list)
+    for w in plan.waves:
+        for t in w.transfers:
+            if rank is None or t.writer == rank:
+                out[(t.file, t.tensor)].append(t.dst_box)
+    return out
+
+
+def block_spans(t: Transfer, blocks: RowBlocks | None) -> list[tuple[int, int, int, int]]:
+    """(block, first row, end row, bytes) of each row block that transfer ``t`` fills in its target tensor
+    (blocks None: the one block, the whole tensor; rows then mean nothing)."""
+    if blocks is None:
+        return [(0, 0, 0, t.nbytes)]
+    d, box = blocks.axis, t.dst_box
+    lo, hi = box.offsets[d], box.offsets[d] + box.sizes[d]
+    return [(b, max(lo, blocks.starts[b]), min(hi, blocks.end(b)),
+             t.nbytes * (min(hi, blocks.end(b)) - max(lo, blocks.starts[b])) // box.sizes[d])
+            for b in range(bisect.bisect_right(blocks.starts, lo) - 1, bisect.bisect_left(blocks.starts, hi))]
+
+
+def block_shape(shape: tuple[int, ...], blocks: RowBlocks | None, b: int) -> tuple[int, ...]:
+    """Shape of row block ``b`` of a target tensor of ``shape`` (blocks None: the whole tensor)."""
+    if blocks is None:
+        return shape
+    d = blocks.axis
+    return (*shape[:d], blocks.end(b) - blocks.starts[b], *shape[d + 1:])
+
+
+def block_count(blocks: RowBlocks | None) -> int:
+    return 1 if blocks is None else len(blocks.starts)
 
 
 def select_source(chunks: list[SourceChunk], logical_numel: dict[str, int],

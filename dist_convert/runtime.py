@@ -1,6 +1,7 @@
 """Process group set-up (NCCL with CUDA, gloo on CPU), rank-0 logging, progress and summaries."""
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import resource
@@ -74,8 +75,24 @@ class Runtime:
                 dist.destroy_process_group()
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+MMAP_THRESHOLD = 8 << 20
+
+
+def map_large_allocations() -> None:
+    """glibc: allocations of 8 MB and more are mapped, and unmapped when freed, always. By default glibc raises
+    that threshold to the size of each such block freed (up to 32 MB), the heap then keeps blocks it never gives
+    back, and a rank's peak RSS grew with the model: at 4 GB and 2 ranks 517-577 MB per rank against 461 MB
+    with the threshold fixed, as fast within the noise (measured on 2 cores; 427 MB at 256 MB)."""
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def init_runtime(backend: str = "auto", timeout_s: float = 1800.0) -> Runtime:
     """Join the torchrun job (or run as one process without torchrun)."""
+    map_large_allocations()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
         if world != 1:

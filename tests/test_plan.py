@@ -1,6 +1,7 @@
 """Pure tests of the planner: every target byte covered exactly once, every source byte read once,
 bytes in flight per rank within the budget, reads balanced. Execution is simulated in memory."""
 import itertools
+from collections import defaultdict
 
 import pytest
 import torch
@@ -265,27 +266,42 @@ def test_split_files_give_every_rank_a_part():
     assert split_files(files, 2) == files
 
 
-def test_tensors_are_handed_over_once_complete_and_not_held():
+@pytest.mark.parametrize("block", [None, 512])
+def test_tensors_are_handed_over_once_complete_and_not_held(block):
     """The real exchange at one rank: every target tensor reaches the writer exactly once, complete,
-    and waves in target order keep few tensors in assembly at a time."""
+    and waves in target order keep few tensors in assembly at a time. With row blocks (``block`` bytes) each
+    block reaches it once instead, the blocks of a tensor tile its rows, and at most a few blocks are held
+    at a time, however large a tensor is."""
     model = logical_model(CFG)
     chunks, data = legacy_source(CFG, Layout(2, 2), model)
     files = MegatronFormat().target_files(Target(CFG, Layout(1, 1), None, None, 1), {n: torch.float32 for n in model})
     plan = make_plan(chunks, files, 1, 4 << 10, numel(CFG))
-    handed, held = {}, []
+    handed, held, blocks = {}, [], defaultdict(dict)
 
-    def done(fid, j, t):
-        assert (fid, j) not in handed
-        handed[(fid, j)] = t
-        held.append(len(out.tensors))
+    def done(fid, j, first_row, t):
+        if first_row is None:
+            assert (fid, j) not in handed
+            handed[(fid, j)] = t
+        else:
+            assert first_row not in blocks[(fid, j)]
+            blocks[(fid, j)][first_row] = t
+        held.append(sum(b.nbytes for b in out.blocks.values()))
 
-    out = Assembly(files, plan, 0, done)
+    out = Assembly(files, plan, 0, done, block_bytes=block)
     by_id = {c.id: c for c in chunks}
     execute(plan, Runtime(), by_id, lambda cs: {c.id: data[c.id] for c in cs}, out)
     out.finish()
-    assert len(handed) == sum(len(f.tensors) for f in files) and not out.tensors
+    assert not out.blocks
+    for key, parts in blocks.items():
+        rows = [parts[r] for r in sorted(parts)]
+        assert all(b.nbytes <= block for b in rows) and sum(b.shape[0] for b in rows) == files[key[0]].tensors[key[1]].shape[0]
+        handed[key] = torch.cat(rows)
+    assert len(handed) == sum(len(f.tensors) for f in files)
     assert_targets_hold(handed, files, model)
-    assert len(plan.waves) > 5 and max(held) <= 4
+    biggest = max(t.nbytes for f in files for t in f.tensors)
+    assert len(plan.waves) > 5 and (max(held) <= 4 * biggest if block is None else bool(blocks))
+    if block:
+        assert max(held) <= (4 << 10) + 4 * block < biggest, (max(held), biggest)  # the budget, not the tensor
 
 
 def test_box_index_finds_exactly_the_overlapping_boxes():

@@ -48,6 +48,7 @@ class Format(Protocol):
     iteration_dirs: bool  # Megatron-LM layout: files under iter_NNNNNNN/ plus a tracker file
     sharded: bool  # stores TP/PP shards (False: whole tensors, e.g. hf)
     any_writer: bool  # a target file is only a group of chunks: any rank may write any part of it (DCP)
+    row_blocks: bool  # its writer takes a large tensor in row blocks, in any order (``put_rows``)
 
     def detect(self, path: Path) -> bool: ...
 
@@ -141,6 +142,7 @@ class IterDirFormat:
     iteration_dirs = True
     sharded = True
     any_writer = False
+    row_blocks = False
     looks_like: Callable[[Path], bool]  # is ``path`` an iteration directory of this format?
 
     def __init__(self, options: FormatOptions | None = None) -> None:

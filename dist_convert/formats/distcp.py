@@ -263,76 +263,158 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float64, torch.float3
                                                        torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
-class HashingFile(io.RawIOBase):
-    """A file written front to back, hashed (SHA-256) as it is written: no reading it back for its checksum."""
+READ_BACK = 16 << 20  # bytes per read when hashing what was written ahead of the rest
+TEMPLATE_MIN = 1 << 16  # smaller tensors are torch.saved whole (plan.BLOCK_MIN: none comes in row blocks)
+
+
+class PositionedFile:
+    """A file written with positioned writes in any order, hashed (SHA-256) front to back as it is written:
+    bytes written ahead of the ones before them (row blocks of a tensor completing out of order) are read
+    back from the page cache when their turn comes; written in order, nothing is read back."""
 
     def __init__(self, path: Path) -> None:
-        # buffered: torch.save writes a zip archive in many small pieces (large ones pass straight through)
-        self.raw, self.digest, self.pos = open(path, "wb", buffering=1 << 20), hashlib.sha256(), 0
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.digest, self.hashed, self.end = hashlib.sha256(), 0, 0
+        self.early: dict[int, int] = {}  # start -> end of spans written ahead of ``hashed``
+
+    def reserve(self, n: int) -> int:
+        """Room for ``n`` bytes at the end of the file; their offset."""
+        at, self.end = self.end, self.end + n
+        return at
+
+    def append(self, data: Any) -> int:
+        at = self.reserve(memoryview(data).nbytes)
+        self.pwrite(data, at)
+        return at
+
+    def pwrite(self, data: Any, at: int) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], at + done)
+        if at != self.hashed:
+            self.early[at] = at + len(view)
+            return
+        self.digest.update(view)
+        self.hashed += len(view)
+        while self.hashed in self.early:  # catch up on what was written ahead
+            stop = self.early.pop(self.hashed)
+            while self.hashed < stop:
+                block = os.pread(self.fd, min(READ_BACK, stop - self.hashed), self.hashed)
+                if not block:
+                    raise EOFError("the file ends before what was written to it")
+                self.digest.update(block)
+                self.hashed += len(block)
+
+    def close(self) -> str:
+        """Fsync and close; the file's SHA-256 (every reserved byte must have been written)."""
+        try:
+            assert self.hashed == self.end and not self.early, f"bytes {self.hashed}-{self.end} never written"
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+        return self.digest.hexdigest()
+
+
+class _Template(io.RawIOBase):
+    """What ``torch.save`` writes for a tensor of ``nbytes`` data bytes, less the data: the bytes before it
+    (``head``) and after it (``tail``). The tensor saved is ``torch.empty``: its pages are never touched, so
+    the template costs no memory however large the tensor."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.pos, self.parts, self.data_writes = nbytes, 0, [bytearray()], 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        self.digest.update(view)
-        n = 0
-        while n < len(view):
-            n += self.raw.write(view[n:])
-        self.pos += n
-        return n
+        view = memoryview(b)
+        if view.nbytes == self.nbytes:
+            self.data_writes += 1
+            self.parts.append(bytearray())
+        else:
+            self.parts[-1] += view.cast("B")
+        self.pos += view.nbytes
+        return view.nbytes
 
     def tell(self) -> int:
         return self.pos
 
-    def fileno(self) -> int:
-        return self.raw.fileno()
 
-    def flush(self) -> None:
-        if not self.raw.closed:
-            self.raw.flush()
+def save_template(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, int, bytes]:
+    """(head, data bytes, tail) of ``torch.save`` of a contiguous tensor of ``shape`` and ``dtype`` (CRC32 off:
+    torch.load does not check it), for a tensor of at least TEMPLATE_MIN bytes written in parts."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    assert nbytes >= TEMPLATE_MIN, nbytes
+    rec = _Template(nbytes)
+    _save_raw(torch.empty(shape, dtype=dtype), rec)
+    assert rec.data_writes == 1 and len(rec.parts) == 2, "torch.save wrote the tensor's bytes in pieces"
+    return bytes(rec.parts[0]), nbytes, bytes(rec.parts[1])
 
-    def close(self) -> None:
-        if not self.closed:
-            self.raw.close()
-        super().close()
+
+def _save_raw(t: torch.Tensor, fh: Any) -> None:
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)  # as fast as a raw write; torch.load does not check it
+    try:
+        torch.save(t, fh)
+    finally:
+        torch.serialization.set_crc32_options(crc)
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 class ItemFileWriter:
-    """One ``.distcp`` file: items appended as they come, hashed as written, fsynced on close. ``items``
-    records each (JSON: it is journaled, so a resumed run can write ``.metadata`` for files an earlier run
-    made); ``sha256`` is the file's checksum once closed."""
+    """One ``.distcp`` file: items appended as they come (a large tensor's bytes may follow in row blocks,
+    in any order), hashed as written, fsynced on close. ``items`` records each (JSON: it is journaled, so a
+    resumed run can write ``.metadata`` for files an earlier run made); ``sha256`` is the file's checksum
+    once closed."""
 
     def __init__(self, iter_dir: Path, rel: str) -> None:
         self.rel = rel
-        self.fh = HashingFile(iter_dir / rel)
+        self.fh = PositionedFile(iter_dir / rel)
         self.items: list[dict[str, Any]] = []
         self.sha256: str | None = None
 
+    def _record(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...], global_shape: tuple[int, ...],
+                dtype: torch.dtype, at: int) -> None:
+        self.items.append({"key": key, "offsets": list(offsets), "sizes": list(shape),
+                           "global_shape": list(global_shape), "dtype": str(dtype).removeprefix("torch."),
+                           "file": self.rel, "at": at, "length": self.fh.end - at})
+
+    def reserve_tensor(self, key: str, offsets: tuple[int, ...], global_shape: tuple[int, ...],
+                       shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        """A tensor item (at least TEMPLATE_MIN bytes) whose bytes come later (``write_data``): its blob as
+        ``torch.save`` lays it out, with room for the data; returns the data's offset in the file."""
+        head, nbytes, tail = save_template(shape, dtype)
+        at = self.fh.append(head)
+        data_at = self.fh.reserve(nbytes)
+        self.fh.append(tail)
+        self._record(key, offsets, shape, global_shape, dtype, at)
+        return data_at
+
+    def write_data(self, data_at: int, offset: int, t: torch.Tensor) -> None:
+        """The bytes of ``t`` (C order) at byte ``offset`` of a reserved tensor's data."""
+        self.fh.pwrite(_raw_bytes(t.contiguous()), data_at + offset)
+
     def put_tensor(self, key: str, offsets: tuple[int, ...], global_shape: tuple[int, ...], t: torch.Tensor) -> None:
+        if t.numel() * t.element_size() >= TEMPLATE_MIN:
+            self.write_data(self.reserve_tensor(key, offsets, global_shape, tuple(t.shape), t.dtype), 0, t)
+            return
         if not t.is_contiguous() or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             t = t.clone(memory_format=torch.contiguous_format)  # torch.save would store a view's whole storage
-        offset = self.fh.tell()
-        crc = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)  # as fast as a raw write; torch.load does not check it
-        try:
-            torch.save(t, self.fh)
-        finally:
-            torch.serialization.set_crc32_options(crc)
-        self.items.append({"key": key, "offsets": list(offsets), "sizes": list(t.shape),
-                           "global_shape": list(global_shape), "dtype": str(t.dtype).removeprefix("torch."),
-                           "file": self.rel, "at": offset, "length": self.fh.tell() - offset})
+        buf = io.BytesIO()
+        _save_raw(t, buf)
+        at = self.fh.append(buf.getbuffer())
+        self._record(key, offsets, tuple(t.shape), global_shape, t.dtype, at)
 
     def put_bytes(self, key: str, payload: bytes) -> None:
-        offset = self.fh.tell()
-        self.fh.write(payload)
-        self.items.append({"key": key, "file": self.rel, "at": offset, "length": len(payload)})
+        at = self.fh.append(payload)
+        self.items.append({"key": key, "file": self.rel, "at": at, "length": len(payload)})
 
     def close(self) -> None:
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        self.fh.close()
-        self.sha256 = self.fh.digest.hexdigest()
+        self.sha256 = self.fh.close()
 
 
 def write_metadata(iter_dir: Path, items: list[dict[str, Any]]) -> None:

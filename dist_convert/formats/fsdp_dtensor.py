@@ -130,6 +130,7 @@ class FsdpDtensorFormat(IterDirFormat):
     name = "fsdp_dtensor"
     looks_like = staticmethod(_looks_like)
     any_writer = True
+    row_blocks = True  # StreamWriter
 
     def __init__(self, options=None) -> None:
         super().__init__(options)

@@ -215,6 +215,7 @@ class HFFormat:
     iteration_dirs = False
     sharded = False
     any_writer = False
+    row_blocks = False
 
     def __init__(self, options: FormatOptions | None = None) -> None:
         self.options = options or FormatOptions()

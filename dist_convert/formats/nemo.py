@@ -153,6 +153,7 @@ class NemoFormat:
     iteration_dirs = False
     sharded = True
     any_writer = False
+    row_blocks = False
 
     def __init__(self, options: FormatOptions | None = None) -> None:
         self.options = options or FormatOptions()

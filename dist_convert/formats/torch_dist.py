@@ -22,7 +22,17 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig, config_from_args
-from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, numel, target_dtype
+from ..datamodel import (
+    SourceChunk,
+    SourceIndex,
+    Target,
+    TargetFile,
+    TargetTensor,
+    WrittenFile,
+    numel,
+    row_axis,
+    target_dtype,
+)
 from ..durable import save_durable, write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
@@ -201,12 +211,14 @@ def expert_objects(cfg: ModelConfig, stack: str, layer: int, layers: int, expert
 
 class StreamWriter:
     """One ``__<file id>_0.distcp`` per target file, opened at its first tensor (objects go first);
-    each tensor is appended as soon as it is complete; the file is closed (fsynced) with its last."""
+    each tensor is appended as soon as it is complete, or its blob is laid out at its first row block
+    and each block written in place as it completes; the file is closed (fsynced) with its last."""
 
     def __init__(self, iter_dir: Path, files: list[TargetFile]) -> None:
         self.iter_dir, self.files = iter_dir, files
         self.open: dict[int, ItemFileWriter] = {}
         self.left = {f.id: len(f.tensors) for f in files}
+        self.rows_left: dict[tuple[int, int], tuple[int, int]] = {}  # (file, tensor) -> (data offset, rows due)
 
     def _file(self, f: TargetFile) -> ItemFileWriter:
         if f.id not in self.open:
@@ -222,12 +234,34 @@ class StreamWriter:
         w.close()
         return WrittenFile(f.id, w.rel, {"items": w.items}, sha256=w.sha256)
 
+    def _tensor_done(self, f: TargetFile) -> list[WrittenFile]:
+        self.left[f.id] -= 1
+        return [] if self.left[f.id] else [self._done(f)]
+
     def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> list[WrittenFile]:
         t = file.tensors[j]
         assert t.offsets is not None and t.global_shape is not None
         self._file(file).put_tensor(t.key, t.offsets, t.global_shape, tensor)
-        self.left[file.id] -= 1
-        return [self._done(file)] if self.left[file.id] == 0 else []
+        return self._tensor_done(file)
+
+    def put_rows(self, file: TargetFile, j: int, first_row: int, block: torch.Tensor) -> list[WrittenFile]:
+        """Rows ``first_row ...`` of tensor ``j`` along its row axis (datamodel.row_axis; blocks in any order;
+        the tensor is done with its last row)."""
+        t = file.tensors[j]
+        assert t.offsets is not None and t.global_shape is not None
+        d = row_axis(t.shape)
+        assert d is not None, t.shape
+        w = self._file(file)
+        key = (file.id, j)
+        if key not in self.rows_left:
+            self.rows_left[key] = (w.reserve_tensor(t.key, t.offsets, t.global_shape, t.shape, t.dtype), t.shape[d])
+        data_at, due = self.rows_left[key]
+        w.write_data(data_at, first_row * (t.nbytes // t.shape[d]), block)
+        if due - block.shape[d]:
+            self.rows_left[key] = (data_at, due - block.shape[d])
+            return []
+        del self.rows_left[key]
+        return self._tensor_done(file)
 
     def close(self) -> list[WrittenFile]:
         """The files without tensors (objects only)."""
@@ -244,6 +278,7 @@ class TorchDistFormat(IterDirFormat):
     name = "torch_dist"
     looks_like = staticmethod(_looks_like)
     any_writer = True
+    row_blocks = True  # StreamWriter.put_rows
     prefix = ""  # of every model key (NeMo 2: "module.")
 
     def __init__(self, options=None) -> None:

@@ -330,8 +330,10 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
 
     overlap = overlap_io(local_ranks(rt))
     background = BackgroundWrites(write, threaded=overlap)
-    # a writer that takes row blocks (torch_dist) gets large tensors in blocks: memory stays flat as they grow
-    out = Assembly(my_files, plan, rt.rank, background.put, block_bytes=block_bytes(budget) if dst_fmt.row_blocks else None)
+    # a writer that takes row blocks (DCP formats) gets tensors in blocks: memory stays flat as they grow, and a
+    # block one transfer fills is written from the read or receive buffer itself
+    blocks = block_bytes(budget) if dst_fmt.row_blocks else None
+    out = Assembly(my_files, plan, rt.rank, background.put, block_bytes=blocks)
     try:
         try:
             counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out,

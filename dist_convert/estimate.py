@@ -3,10 +3,10 @@ tensors read): per rank the bytes read, written, sent and received, the waves, t
 and a time estimate from storage and network speeds.
 
 The memory model: in a wave a rank holds the chunks it reads (and the next wave's, read meanwhile when it has
-a core to spare: runtime.overlap_io), the send
-buffers it packs from them, the receive buffers of what other ranks send it, and the target tensors it
-assembles (kept until each is complete, then written; a DCP target's large tensors in row blocks); on top, what the process itself takes (the
-interpreter, torch, dist_convert and the index: measured in this process before planning).
+a core to spare: runtime.overlap_io), the send buffers it packs from them, the receive buffers of what other
+ranks send it, and the target tensors it assembles (kept until each is complete, then written; a DCP target's
+in row blocks, and a block one transfer fills is that transfer's buffer); on top, what the process itself takes
+(the interpreter, torch, dist_convert and the index: measured in this process before planning).
 """
 from __future__ import annotations
 

@@ -39,7 +39,8 @@ class Assembly:
         self.passthrough = block_bytes is not None and done is not None
         limit = block_bytes if self.passthrough else None
         boxes = tensor_boxes(plan, rank)
-        self.row_blocks = {k: row_blocks(t.shape, t.dtype.itemsize, limit, boxes.get(k, ())) for k, t in self.specs.items()}
+        self.row_blocks = {k: row_blocks(t.shape, t.dtype.itemsize, limit, boxes.get(k, ()))
+                           for k, t in self.specs.items()}
         self.missing: dict[Block, int] = defaultdict(int)
         for w in plan.waves:
             for t in w.transfers:

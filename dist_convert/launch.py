@@ -75,7 +75,7 @@ def _stop(procs: list[subprocess.Popen], codes: list[int | None]) -> None:
     peer's failure prints its own error), then SIGTERM, then SIGKILL."""
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
         if sig is not None:
-            for p, c in zip(procs, codes):
+            for p, c in zip(procs, codes, strict=True):
                 if c is None and p.poll() is None:
                     p.send_signal(sig)
         _wait_all(procs, codes, GRACE_S)

@@ -94,7 +94,7 @@ def row_blocks(shape: tuple[int, ...], itemsize: int, limit: int | None,
     rows = shape[d]
     per = max(1, limit // max(1, itemsize * numel(shape[d + 1:])))
     cuts = sorted({0, *(x for b in boxes for x in (b.offsets[d], b.offsets[d] + b.sizes[d]) if 0 < x < rows)})
-    starts = tuple(r for a, e in zip(cuts, [*cuts[1:], rows]) for r in range(a, e, per))
+    starts = tuple(r for a, e in zip(cuts, [*cuts[1:], rows], strict=True) for r in range(a, e, per))
     return RowBlocks(d, starts, rows) if len(starts) > 1 else None
 
 
@@ -148,15 +148,15 @@ def select_source(chunks: list[SourceChunk], logical_numel: dict[str, int],
             seen.add((p.logical, p.lbox))
             kept.setdefault(c.id, []).append(p)
             covered[p.logical].append(p.lbox)
-    for name, numel in logical_numel.items():
+    for name, count in logical_numel.items():
         if name in absent:
             continue
         boxes = covered.get(name, [])
         total = sum(b.numel for b in boxes)
         overlap = any(a.intersect(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
-        if total != numel or overlap:
+        if total != count or overlap:
             raise ConvertError(f"source shards of {name} {'overlap' if overlap else 'do not cover it'} "
-                               f"({total} of {numel} elements)",
+                               f"({total} of {count} elements)",
                                "the checkpoint is incomplete or its rank files disagree; re-copy it")
     unknown = set(covered) - set(logical_numel)
     if unknown:

@@ -13,9 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dist_convert.errors import ConvertError
-from dist_convert.formats import get_format
+from dist_convert.formats import dcp_meta, get_format
 from dist_convert.formats.base import FormatOptions
-from dist_convert.formats import dcp_meta
 from dist_convert.formats.distcp import load_metadata
 from dist_convert.runtime import Runtime
 

@@ -294,7 +294,8 @@ def test_tensors_are_handed_over_once_complete_and_not_held(block):
     assert not out.blocks
     for key, parts in blocks.items():
         rows = [parts[r] for r in sorted(parts)]
-        assert all(b.nbytes <= block for b in rows) and sum(b.shape[0] for b in rows) == files[key[0]].tensors[key[1]].shape[0]
+        assert all(b.nbytes <= block for b in rows)
+        assert sum(b.shape[0] for b in rows) == files[key[0]].tensors[key[1]].shape[0]
         handed[key] = torch.cat(rows)
     assert len(handed) == sum(len(f.tensors) for f in files)
     assert_targets_hold(handed, files, model)

@@ -118,7 +118,7 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
             return Run(measure.run_command(measure.python_module("dist_convert", "--help"), ns.timeout))
         out.append((Outcome("help", "dist_convert --help", None), helped))
         launchers = ("nproc", "torchrun") if "torchrun" in methods else ("nproc",)  # torchrun: for reference
-        for w, launcher in [(w, k) for w in ranks for k in launchers[:1 + (w > 1)]]:
+        for w, launcher in [(n, k) for n in ranks for k in launchers[:1 + (n > 1)]]:
             def start(dst: Path, stats: Path, w: int = w, launcher: str = launcher) -> Run:
                 args = ("dist_convert.bench.startup", "--stats-json", str(stats))
                 cmd = measure.torchrun(w, *args) if launcher == "torchrun" else \

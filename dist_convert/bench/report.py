@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from rich.console import Console
 from rich.table import Table
 
 from ..errors import ConvertError
@@ -143,7 +144,8 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
             notes.append(f"{r['label']}: {r['status']}: {r['reason']}")
             continue
         table.add_row(*_cells(r), *(_color(r["checks"][k]) for k in CHECKS))
-    _console.print(table, width=max(_console.width, 200))
+    # a log or a pipe gets the whole table unwrapped; a terminal, its own width
+    (_console if _console.is_terminal else Console(stderr=True, highlight=False, width=220)).print(table)
     for note in notes:
         _console.print(note)
     t = tally(rows)

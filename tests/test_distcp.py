@@ -139,10 +139,12 @@ def _same(real, ours) -> None:
 
 
 @pytest.mark.parametrize("source", ["megatron-core", "dcp.save"])
-def test_metadata_stand_ins_round_trip_dcp_metadata(gpt_a, tmp_path, source):
+@pytest.mark.parametrize("python", [True, False], ids=["python-pickler", "as-dcp"])
+def test_metadata_stand_ins_round_trip_dcp_metadata(gpt_a, tmp_path, source, python):
     """``dcp_meta`` reads a real ``.metadata`` (megatron-core 0.16.1's save, or ``dcp.save``'s) into stand-ins
-    with every value DCP's own reader gives, and ``dumps`` of them loads with plain pickle as DCP's own
-    classes, equal to the original."""
+    with every value DCP's own reader gives, and ``dumps`` of them (by the Python pickler under DCP's names, or
+    rebuilt as DCP's objects for the C pickler) loads with plain pickle as DCP's own classes, equal to the
+    original."""
     from dist_convert.formats import dcp_meta
 
     if source == "dcp.save":
@@ -154,7 +156,7 @@ def test_metadata_stand_ins_round_trip_dcp_metadata(gpt_a, tmp_path, source):
     with open(path, "rb") as fh:
         ours = dcp_meta.loads(fh)
     _same(real, ours)
-    again = pickle.loads(dcp_meta.dumps(ours))
+    again = pickle.loads(dcp_meta.dumps(ours, python=python))
     assert type(again) is type(real) and again == real
     assert type(next(iter(again.storage_data.values()))) is _StorageInfo
 

@@ -260,7 +260,7 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
 
 
 class BackgroundWrites:
-    """Completed target tensors written in a thread (``threaded``: with a core to spare, runtime.overlap_io),
+    """Completed target tensors written in a thread (``threaded``: with cores to spare, runtime.overlap_io),
     in order, while the next waves are read and exchanged; at most ``depth`` wait. A write's error is raised
     by the next ``put`` (so the run stops at the next wave) and kept in ``error``."""
 

@@ -3,7 +3,7 @@ tensors read): per rank the bytes read, written, sent and received, the waves, t
 and a time estimate from storage and network speeds.
 
 The memory model: in a wave a rank holds the chunks it reads (and the next wave's, read meanwhile when it has
-a core to spare: runtime.overlap_io), the send buffers it packs from them, the receive buffers of what other
+cores to spare: runtime.overlap_io), the send buffers it packs from them, the receive buffers of what other
 ranks send it, and the target tensors it assembles (kept until each is complete, then written; a DCP target's
 in row blocks, and a block one transfer fills is that transfer's buffer); on top, what the process itself takes
 (the interpreter, torch, dist_convert and the index: measured in this process before planning).
@@ -76,9 +76,12 @@ def rank_estimates(plan: Plan, chunks: dict[int, SourceChunk], tensors: dict[tup
                     open_[t.writer].add(key)
                 missing[key] -= nbytes
         for rank in range(world):
-            held[rank] += sum(block_nbytes(*k) for k in open_[rank])
+            # blocks still waiting at the wave's end, and the largest completed in it (each is written and
+            # freed the moment it completes)
+            done = [block_nbytes(*k) for k in open_[rank] if missing[k] == 0]
+            held[rank] += sum(block_nbytes(*k) for k in open_[rank] if missing[k] > 0) + max(done, default=0)
             peak[rank] = max(peak[rank], held[rank])
-            open_[rank] = {k for k in open_[rank] if missing[k] > 0}  # complete ones are written and freed
+            open_[rank] = {k for k in open_[rank] if missing[k] > 0}
     gb = 2**30
     return [RankEstimate(rank=r, read_bytes=plan.read_bytes[r], written_bytes=plan.write_bytes[r], sent_bytes=sent[r],
                          received_bytes=received[r], peak_wave_bytes=peak[r], predicted_peak_rss=base_rss + peak[r],

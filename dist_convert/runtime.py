@@ -140,11 +140,16 @@ def ensure_process_group(rt: Runtime) -> None:
     rt.group, rt.backend = dist.group.WORLD, "gloo"
 
 
+OVERLAP_CORES = 4  # cores per local rank from which a rank reads ahead and writes in threads
+
+
 def overlap_io(local_ranks: int) -> bool:
     """Whether a rank reads ahead and writes in a thread (exchange.execute, convert.BackgroundWrites): only
-    with a core to spare per local rank. Measured on 2 cores at 2 ranks (1 GB, TP=2 -> TP=1 PP=2, page cache
-    warm), the threads gained nothing (3.8-4.9 s against 3.7-4.4 s) and cost 130 MB per rank."""
-    return (os.cpu_count() or 1) // max(1, local_ranks) >= 2
+    with OVERLAP_CORES cores per local rank. Measured on 2 cores (1 GB, TP=2 -> TP=1 PP=2, page cache warm),
+    the threads gained nothing: at 2 ranks 3.8-4.9 s against 3.7-4.4 s inline and 130 MB more per rank; at
+    1 rank, once blocks are written from the read buffers, 3.5-5.7 s against 3.8-3.9 s and 634-662 MB against
+    412-422 MB (queued writes keep their waves' buffers)."""
+    return (os.cpu_count() or 1) // max(1, local_ranks) >= OVERLAP_CORES
 
 
 def local_ranks(rt: Runtime) -> int:

@@ -73,18 +73,13 @@ def load_metadata(iter_dir: Path, trust_pickle: bool = False) -> Metadata:
 
 
 def dcp_reader(iter_dir: Path, trust_pickle: bool = False) -> Any:
-    """DCP's own ``FileSystemReader`` of ``iter_dir`` with ``.metadata`` checked by ``load_metadata`` first
-    (and then loaded as DCP's real classes, which its planners need)."""
+    """DCP's own ``FileSystemReader`` of ``iter_dir`` with ``.metadata`` read by ``load_metadata`` (the
+    allow-list, one error line) and rebuilt as DCP's own classes, which its planners need."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            load_metadata(iter_dir, trust_pickle)  # the allow-list, and one error line
-            with open(iter_dir / METADATA, "rb") as fh:
-                md = pickle.load(fh)  # noqa: S301 - checked above: only DCP's metadata classes
-            if getattr(md, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta as DcpStorageMeta
-                md.storage_meta = DcpStorageMeta()
+            md = dcp_meta.as_dcp(load_metadata(iter_dir, trust_pickle))
             md.storage_meta.load_id = self.load_id
             return md
 

@@ -38,6 +38,7 @@ from ..config import ModelConfig
 from ..datamodel import Target, TargetFile, TargetTensor, target_dtype
 from ..errors import ConvertError
 from ..layout.boxes import Box, Piece
+from ..layout.fused import QKV, glu
 from ..layout.rules import EMBEDDING, OUTPUT
 from ..layout.topology import Layout
 from .megatron import rank_entries, rank_target_files
@@ -128,9 +129,9 @@ def move_rows(pieces: list[Piece], moves: list[tuple[int, int, int]]) -> list[Pi
 
 
 def qkv_moves(heads: int, head_dim: int) -> list[tuple[int, int, int]]:
-    """megatron-core rows of one TP rank (head h: [q_h; k_h; v_h]) -> ``megatron_legacy`` rows ([q; k; v])."""
-    return [(h * 3 * head_dim + s * head_dim, s * heads * head_dim + h * head_dim, head_dim)
-            for h in range(heads) for s in range(3)]
+    """megatron-core rows of one TP rank (head h: [q_h; k_h; v_h]; no GQA in legacy NeMo, one group per
+    head) -> ``megatron_legacy`` rows ([all q; all k; all v])."""
+    return QKV(heads=heads, groups=heads, head_dim=head_dim).moves(QKV.parts)
 
 
 def legacy_name(key: str, tied_copy: bool) -> str:
@@ -159,10 +160,10 @@ def legacy_entries(cfg: ModelConfig, layout: Layout, t: int, p: int, style: Nemo
         if style.megatron_legacy and ".self_attention.linear_qkv." in key:
             out[name] = (shape, move_rows(pieces, qkv_moves(heads, cfg.kv_channels)))
         elif style.split_glu and ".mlp.linear_fc1." in key:
-            half = shape[0] // 2
-            part = (half,) + shape[1:]
-            out[name] = (part, move_rows(pieces, [(0, 0, half)]))
-            out[name.replace(".dense_h_to_4h.", ".dense_h_to_4h_2.")] = (part, move_rows(pieces, [(half, 0, half)]))
+            local = glu(shape[0])  # this rank's [gate_r; up_r]
+            part = local.part_shape(shape, "gate")
+            out[name] = (part, move_rows(pieces, local.moves(("gate",))))
+            out[name.replace(".dense_h_to_4h.", ".dense_h_to_4h_2.")] = (part, move_rows(pieces, local.moves(("up",))))
         else:
             out[name] = (shape, pieces)
     return out
@@ -274,6 +275,8 @@ def nemo_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name:
         for key, (shape, pieces) in legacy_entries(cfg, layout, t, p, style).items():
             # a rank holding only vocabulary padding rows has no pieces: its dtype is the embedding's
             logical = pieces[0].logical if pieces else (OUTPUT if key.endswith("output_layer.weight") else EMBEDDING)
-            tensors.append(TargetTensor(key, shape, target_dtype(target, dtypes, logical), pieces))
-        files.append(TargetFile(len(files), file_name(t, p, 0), tensors, dict(style.buffers(cfg))))
+            tensors.append(TargetTensor(key=key, shape=shape, dtype=target_dtype(target, dtypes, logical),
+                                        pieces=pieces))
+        files.append(TargetFile(id=len(files), name=file_name(t, p, 0), tensors=tensors,
+                                objects=dict(style.buffers(cfg))))
     return files

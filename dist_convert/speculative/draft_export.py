@@ -4,7 +4,7 @@
 ``layers.N.*``; Medusa: ``medusa_heads.H.L.linear`` and ``medusa_heads.H.<layers>`` for the head's
 lm_head). ModelOpt 0.47's exporter cannot be used here: it needs the Hub, slices TP shards as if
 they were whole tensors at TP > 1, and has no Medusa rules; the draft is gathered over TP here and
-split with the same q/k/v and gate/up algebra as the hf format.
+split with the q/k/v and gate/up parts every format takes from ``layout/fused.py``.
 """
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ import torch.distributed as dist
 from ..config import ModelConfig
 from ..durable import write_durable
 from ..errors import ConvertError
-from ..formats.hf import LAYER_NAMES, part_pieces
-from ..formats.hf_config import hf_from_config
 from ..formats.safetensors_io import write_file
+from ..layout.fused import fused_for, glu
+from ..models import hf_from_config
+from ..models.base import ATTENTION_NAMES, DENSE_MLP, MLP_NORM
 from ..runtime import Runtime
 from ..staging import stage
 
@@ -32,7 +33,7 @@ _MEDUSA = re.compile(r"^medusa_heads\.(\d+)\.(medusa_layers\.(\d+)\.linear\.(wei
 # megatron-core suffix in a draft decoder layer -> [(HF suffix, part of the fused tensor)]: the hf
 # format's table (a draft layer is a Llama layer; only its first input norm is named differently)
 _LAYER_PARTS: dict[str, list[tuple[str, str | None]]] = {}
-for _hf, _mcore, _part in LAYER_NAMES:
+for _hf, _mcore, _part in ATTENTION_NAMES + MLP_NORM + DENSE_MLP:
     _LAYER_PARTS.setdefault(_mcore, []).append((_hf, _part))
 
 
@@ -108,8 +109,7 @@ def gather_full(model: Any, gated: bool) -> dict[str, torch.Tensor]:
             parts = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(parts, t, group=group)
             if gated and name.endswith("linear_fc1.weight"):  # each rank holds [gate_r; up_r]
-                halves = [p.chunk(2, dim=0) for p in parts]
-                t = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+                t = glu(tp * t.shape[0]).unshard(parts)
             else:
                 t = torch.cat(parts, dim=dims[name])
         out[name] = t
@@ -124,15 +124,13 @@ def draft_tensors(full: dict[str, torch.Tensor], draft_cfg: Any, eagle3: bool, l
         t = full[name]
         if name.startswith("medusa_heads.") and name.endswith("lm_head.weight"):
             t = t[:vocab]
+        parts: dict[str, torch.Tensor] = {}  # t cut into q/k/v or gate/up
         for hf_name, part in serving_names(name, eagle3, layers):
             if part is None:
                 out.append((hf_name, t.contiguous()))
                 continue
-            shape, pieces = part_pieces(name, tuple(t.shape), part, draft_cfg)
-            piece = torch.empty(shape, dtype=t.dtype)
-            for p in pieces:
-                piece[p.sbox.slices()] = t[p.lbox.slices()]
-            out.append((hf_name, piece))
+            parts = parts or fused_for(part, draft_cfg, t.shape[0]).split(t)
+            out.append((hf_name, parts[part]))
     return sorted(out)
 
 

@@ -1,0 +1,224 @@
+"""Typed fused tensors: megatron-core fuses tensors that HF, NeMo 1 legacy and the serving formats keep
+apart. Each fused tensor is declared once here, as named parts, each a set of row ranges (possibly one
+per group), and every format takes its q/k/v or gate/up from these declarations:
+
+* :class:`QKV`: ``linear_qkv``, group-major: for each query group g its ``heads // groups`` query heads,
+  then its key head, then its value head (``head_dim`` rows each).
+* :class:`GLU`: ``linear_fc1`` of a gated MLP (SwiGLU/GeGLU; dense, routed expert or shared expert),
+  ``[gate; up]``.
+
+All of it is row algebra on dim 0 of the logical tensor: :meth:`Fused.pieces` gives boxes (each rank
+reads only its slices), :meth:`Fused.moves` reorders stored rows, :meth:`Fused.tp_rows` gives what a
+tensor-parallel rank holds; :meth:`Fused.split`, :meth:`Fused.fuse` and :meth:`Fused.unshard` are the
+same algebra applied to whole tensors (the draft export, which gathers its small draft on one rank).
+
+A new fused tensor (MLA's ``linear_kv_down_proj`` = [kv | k_pe], Mamba's ``in_proj`` = [z|x|B|C|dt],
+Gated DeltaNet's q/k/v/z) is one more frozen dataclass naming its ``parts`` and its :meth:`Fused.blocks`;
+the default :meth:`Fused.tp_rows` already splits each part separately over TP (override it where
+megatron-core cuts the fused rows otherwise, as :class:`QKV` does).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from .boxes import Box, Piece, part_tp_rows
+
+Extent = tuple[int, int]  # (first row, number of rows) on dim 0
+Move = tuple[int, int, int]  # (source row, destination row, number of rows)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """Rows ``[start, start + rows)`` of a fused tensor hold rows of part ``part`` of group ``group``."""
+
+    part: str
+    group: int
+    start: int
+    rows: int
+
+
+def row_box(shape: tuple[int, ...], start: int, rows: int) -> Box:
+    """The box of ``rows`` whole rows (dim 0) of a tensor of ``shape``, from row ``start``."""
+    return Box(offsets=(start,) + (0,) * (len(shape) - 1), sizes=(rows,) + tuple(shape[1:]))
+
+
+class Fused(ABC):
+    """A fused tensor: named parts, each a list of row blocks (one per group where the part is per group).
+
+    Subclasses are frozen keyword-only dataclasses that set ``parts`` (in fused order) and define
+    :meth:`blocks`; everything else derives from the blocks. A part's own row order is the order of its
+    blocks in the fused tensor.
+    """
+
+    parts: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def blocks(self) -> list[Block]:
+        """Every block, in fused row order; together they tile rows ``[0, total_rows)``."""
+
+    @property
+    def total_rows(self) -> int:
+        return sum(b.rows for b in self.blocks())
+
+    def rows(self, part: str, group: int | None = None) -> list[Extent]:
+        """(fused row start, count) of ``part`` (of one group, or all), in the part's own row order."""
+        self._check(part)
+        return [(b.start, b.rows) for b in self.blocks() if b.part == part and group in (None, b.group)]
+
+    def part_rows(self, part: str) -> int:
+        """Rows of the tensor that holds ``part`` alone."""
+        return sum(n for _, n in self.rows(part))
+
+    def part_shape(self, lshape: tuple[int, ...], part: str) -> tuple[int, ...]:
+        """Shape of the tensor that holds ``part`` alone, for a fused logical tensor of shape ``lshape``."""
+        return (self.part_rows(part),) + tuple(lshape[1:])
+
+    def moves(self, order: Sequence[str]) -> list[Move]:
+        """Row moves ``(fused row, row, n)`` from the fused tensor to the tensor that stacks the parts
+        ``order`` (each in its own row order), sorted by fused row. ``moves(("gate",))`` takes the gate
+        alone; ``moves(("q", "k", "v"))`` gives NeMo's ``megatron_legacy`` [all q; all k; all v]."""
+        out, dst = [], 0
+        for part in order:
+            for start, n in self.rows(part):
+                out.append((start, dst, n))
+                dst += n
+        return sorted(out)
+
+    def pieces(self, logical: str, lshape: tuple[int, ...], part: str) -> tuple[tuple[int, ...], list[Piece]]:
+        """Shape of the tensor holding ``part`` of fused logical tensor ``logical`` (shape ``lshape``),
+        and its pieces: which rows of the logical tensor each of its row ranges is."""
+        self._check_rows(lshape[0])
+        shape = self.part_shape(lshape, part)
+        return shape, [Piece(logical=logical, lbox=row_box(lshape, src, n), sbox=row_box(shape, dst, n))
+                       for src, dst, n in self.moves((part,))]
+
+    def tp_rows(self, tp_rank: int, tp: int) -> list[Extent]:
+        """Fused rows tensor-parallel rank ``tp_rank`` of ``tp`` holds, in the order they are stacked in
+        its local tensor: by default each part is split into ``tp`` contiguous runs of its own rows
+        separately, and a rank holds its run of every part, in part order (``[gate_r; up_r]``)."""
+        for part in self.parts:
+            if self.part_rows(part) % tp:
+                raise ValueError(f"{type(self).__name__} part {part} of {self.part_rows(part)} rows does not "
+                                 f"split over TP={tp}")
+        return part_tp_rows([self.rows(part) for part in self.parts], tp_rank, tp)
+
+    def split(self, fused: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A whole fused tensor cut into its parts (new contiguous tensors), in part order."""
+        self._check_rows(fused.shape[0])
+        return {part: torch.cat([fused[s:s + n] for s, n in self.rows(part)]) for part in self.parts}
+
+    def fuse(self, **parts: torch.Tensor) -> torch.Tensor:
+        """The fused tensor of whole parts (the inverse of :meth:`split`)."""
+        if set(parts) != set(self.parts):
+            raise ValueError(f"{type(self).__name__} fuses parts {', '.join(self.parts)}, got {', '.join(parts)}")
+        first = parts[self.parts[0]]
+        out = first.new_empty((self.total_rows,) + tuple(first.shape[1:]))
+        for part, t in parts.items():
+            if t.shape[0] != self.part_rows(part):
+                raise ValueError(f"part {part} has {t.shape[0]} rows, expected {self.part_rows(part)}")
+            for src, dst, n in self.moves((part,)):
+                out[src:src + n] = t[dst:dst + n]
+        return out
+
+    def unshard(self, local: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole fused tensor from the local tensors of TP ranks 0..tp-1 (the inverse of :meth:`tp_rows`)."""
+        out = local[0].new_empty((self.total_rows,) + tuple(local[0].shape[1:]))
+        for r, t in enumerate(local):
+            row = 0
+            for start, n in self.tp_rows(r, len(local)):
+                out[start:start + n] = t[row:row + n]
+                row += n
+            if row != t.shape[0]:
+                raise ValueError(f"TP rank {r} holds {t.shape[0]} rows of {type(self).__name__}, expected {row}")
+        return out
+
+    def _check(self, part: str) -> None:
+        if part not in self.parts:
+            raise ValueError(f"{type(self).__name__} has parts {', '.join(self.parts)}, not {part}")
+
+    def _check_rows(self, rows: int) -> None:
+        if rows != self.total_rows:
+            raise ValueError(f"{self} has {self.total_rows} rows; the tensor has {rows}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QKV(Fused):
+    """megatron-core's ``linear_qkv`` (weight or bias): per query group, ``heads // groups`` query heads,
+    then one key and one value head, ``head_dim`` rows each. MHA: groups == heads; MQA: groups == 1."""
+
+    parts: ClassVar[tuple[str, ...]] = ("q", "k", "v")
+    heads: int
+    groups: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.groups < 1 or self.heads % self.groups:
+            raise ValueError(f"{self.heads} attention heads do not split into {self.groups} query groups")
+
+    def blocks(self) -> list[Block]:
+        d, per_group = self.head_dim, self.heads // self.groups
+        sizes = {"q": per_group * d, "k": d, "v": d}
+        out, row = [], 0
+        for g in range(self.groups):
+            for part in self.parts:
+                out.append(Block(part=part, group=g, start=row, rows=sizes[part]))
+                row += sizes[part]
+        return out
+
+    def tp_rows(self, tp_rank: int, tp: int) -> list[Extent]:
+        """Rank ``tp_rank`` holds the contiguous ``tp_rank``-th 1/tp of the group-major rows (whole groups
+        when TP divides the groups, part of one group when TP is a multiple of them)."""
+        n, rem = divmod(self.total_rows, tp)
+        if rem:
+            raise ValueError(f"{self} does not split over TP={tp}")
+        return [(tp_rank * n, n)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GLU(Fused):
+    """``linear_fc1`` of a gated MLP: ``[gate; up]``, ``ffn`` rows each. Under TP each rank holds
+    ``[gate_r; up_r]`` (the default :meth:`Fused.tp_rows`)."""
+
+    parts: ClassVar[tuple[str, ...]] = ("gate", "up")
+    ffn: int
+
+    def blocks(self) -> list[Block]:
+        return [Block(part="gate", group=0, start=0, rows=self.ffn),
+                Block(part="up", group=0, start=self.ffn, rows=self.ffn)]
+
+
+class HeadConfig(Protocol):
+    """What :func:`qkv` reads of a model config (a ModelConfig, or a draft model's config)."""
+
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+
+
+def qkv(cfg: HeadConfig) -> QKV:
+    """The ``linear_qkv`` of a model config."""
+    return QKV(heads=cfg.num_attention_heads, groups=cfg.num_query_groups, head_dim=cfg.kv_channels)
+
+
+def glu(rows: int) -> GLU:
+    """The ``[gate; up]`` ``linear_fc1`` of ``rows`` rows: a dense MLP's (``cfg.fc1_rows``), a routed
+    expert's (``cfg.expert_fc1_rows``) or the shared experts' (``cfg.shared_fc1_rows``) of a gated model."""
+    if rows % 2:
+        raise ValueError(f"a gated linear_fc1 has [gate; up] rows, an even count, not {rows}")
+    return GLU(ffn=rows // 2)
+
+
+OWNERS = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "glu", "up": "glu"}  # part -> its fused tensor
+
+
+def fused_for(part: str, cfg: HeadConfig, rows: int) -> Fused:
+    """The fused tensor of ``rows`` rows that part ``part`` (a name-table entry: q, k, v, gate, up) is of."""
+    owner = OWNERS.get(part)
+    if owner is None:
+        raise ValueError(f"no fused tensor has a part named {part} (known: {', '.join(OWNERS)})")
+    return qkv(cfg) if owner == "qkv" else glu(rows)

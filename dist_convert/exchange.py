@@ -12,7 +12,18 @@ import torch.distributed as dist
 from . import faults
 from .datamodel import SourceChunk, TargetFile, numel
 from .errors import ConvertError
-from .plan import Plan, Transfer, aligned, block_count, block_shape, block_spans, row_blocks, tensor_boxes
+from .layout.boxes import logical_view, write_logical
+from .plan import (
+    Plan,
+    Transfer,
+    aligned,
+    block_count,
+    block_shape,
+    block_spans,
+    row_blocks,
+    tensor_boxes,
+    transfer_rows,
+)
 from .runtime import Runtime
 
 ReadFn = Callable[[list[SourceChunk]], dict[int, torch.Tensor]]
@@ -79,7 +90,8 @@ class Assembly:
                 self.error = e
 
     def put(self, t: Transfer, src: torch.Tensor) -> None:
-        """Transfer ``t`` arrived as ``src`` (shaped as its destination box): copied (and cast) into place, or
+        """Transfer ``t`` arrived as ``src`` (shaped ``t.shape``: its destination box, or the logical block when
+        the target stores it with a view): copied (and cast) into place, through the target's view if any, or
         handed over as it is when it is a whole block."""
         blocks, box = self.row_blocks[(t.file, t.tensor)], t.dst_box
         for b, lo, hi, nbytes in block_spans(t, blocks):
@@ -88,14 +100,18 @@ class Assembly:
             part = src
             if blocks is not None:  # the transfer's rows in this block, and where they go in it
                 d, first = blocks.axis, blocks.starts[b]
-                part = src.narrow(d, lo - box.offsets[d], hi - lo)
+                rows = transfer_rows(t, d)
+                if rows.axis is not None:
+                    part = src.narrow(rows.axis, (lo - rows.start) // rows.step, (hi - lo - 1) // rows.step + 1)
                 where = (*where[:d], slice(lo - first, hi - first), *where[d + 1:])
-            if (self.passthrough and key not in self.blocks and nbytes == self.missing[key]
+            if (self.passthrough and t.dst_view is None and key not in self.blocks and nbytes == self.missing[key]
                     and part.dtype == self.specs[key[:2]].dtype and tuple(part.shape) == self._shape(key)
                     and part.is_contiguous()):
                 self.blocks[key] = part  # the one transfer that fills this block
-            else:
+            elif t.dst_view is None:
                 self._block(key)[where].copy_(part)
+            else:
+                write_logical(self._block(key)[where], t.dst_view, part)
             self.missing[key] -= nbytes
             if self.missing[key] == 0 and self.done is not None:
                 self._hand(key)
@@ -157,10 +173,35 @@ def stop_on_error(rt: Runtime, error: ConvertError | None) -> None:
     raise ConvertError("another rank failed (see its error above)", "fix that cause and rerun")
 
 
-def _piece(src: torch.Tensor, t: Transfer) -> torch.Tensor:
-    """View of the transfer's box in a source chunk, shaped as its destination box (only size-1 axes
-    differ, so this stays a view); ``copy_`` then casts and copies in one pass."""
-    return src[t.src_box.slices()].reshape(t.dst_box.sizes)
+def payload(src: torch.Tensor, t: Transfer) -> torch.Tensor:
+    """View of the transfer's box in a source chunk, shaped as its payload (``t.shape``): through the
+    source's view (strided, permuted) when it has one; otherwise only size-1 axes differ. Either way it
+    stays a view; ``copy_`` then casts and copies in one pass."""
+    block = src[t.src_box.slices()]
+    return (block if t.src_view is None else logical_view(block, t.src_view)).reshape(t.shape)
+
+
+def pack(send: dict[int, list[Transfer]], data: dict[int, torch.Tensor], world: int,
+         pin: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """The flat byte buffer this rank sends in a wave, and its bytes per destination rank: per rank in
+    order, each transfer's payload (``payload``: contiguous, cast to the target dtype) at an aligned offset."""
+    sizes = [sum(aligned(t.nbytes) for t in send.get(r, ())) for r in range(world)]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
+    pos = 0
+    for r in range(world):
+        for t in sorted(send.get(r, ()), key=_order):
+            buf[pos:pos + t.nbytes].view(t.dtype).view(t.shape).copy_(payload(data[t.chunk], t))
+            pos += aligned(t.nbytes)
+    return buf, sizes
+
+
+def unpack(recv: dict[int, list[Transfer]], buf: torch.Tensor, world: int, out: Assembly) -> None:
+    """Put each transfer of the received flat buffer (per source rank in order, as ``pack`` laid it out)."""
+    pos = 0
+    for r in range(world):
+        for t in sorted(recv.get(r, ()), key=_order):
+            out.put(t, buf[pos:pos + t.nbytes].view(t.dtype).view(t.shape))
+            pos += aligned(t.nbytes)
 
 
 def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runtime, out: Assembly,
@@ -169,7 +210,7 @@ def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runt
     recv: dict[int, list[Transfer]] = defaultdict(list)
     for t in transfers:
         if t.reader == rt.rank and t.writer == rt.rank:
-            out.put(t, _piece(data[t.chunk], t))
+            out.put(t, payload(data[t.chunk], t))
             stats["copied"] += t.nbytes
         elif t.reader == rt.rank:
             send[t.writer].append(t)
@@ -177,22 +218,10 @@ def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runt
             recv[t.reader].append(t)
     if not rt.distributed:
         return
-    in_sizes = [sum(aligned(t.nbytes) for t in send[r]) for r in range(rt.world)]
+    sendbuf, in_sizes = pack(send, data, rt.world, pin=rt.device.type == "cuda")
     out_sizes = [sum(aligned(t.nbytes) for t in recv[r]) for r in range(rt.world)]
-    sendbuf = torch.empty(sum(in_sizes), dtype=torch.uint8, pin_memory=rt.device.type == "cuda")
-    pos = 0
-    for r in range(rt.world):
-        for t in sorted(send[r], key=_order):
-            seg = sendbuf[pos:pos + t.nbytes].view(t.dtype).view(t.src_box.sizes)
-            seg.copy_(data[t.chunk][t.src_box.slices()])
-            pos += aligned(t.nbytes)
     recvbuf = torch.empty(sum(out_sizes), dtype=torch.uint8, device=rt.device)
     dist.all_to_all_single(recvbuf, sendbuf.to(rt.device, non_blocking=True), out_sizes, in_sizes, group=rt.group)
-    recvbuf = recvbuf.cpu()
     stats["sent"] += sum(in_sizes)
     stats["received"] += sum(out_sizes)
-    pos = 0
-    for r in range(rt.world):
-        for t in sorted(recv[r], key=_order):
-            out.put(t, recvbuf[pos:pos + t.nbytes].view(t.dtype).view(t.dst_box.sizes))
-            pos += aligned(t.nbytes)
+    unpack(recv, recvbuf.cpu(), rt.world, out)

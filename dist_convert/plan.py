@@ -7,14 +7,14 @@ import itertools
 from collections import defaultdict, deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .datamodel import SourceChunk, TargetFile, numel, row_axis
 from .defaults import DEFAULT_BUDGET  # noqa: F401 - the engine's name for it
 from .errors import ConvertError
-from .layout.boxes import Box, BoxIndex, Piece, piece_box
+from .layout.boxes import Box, BoxIndex, Piece, View, logical_sizes, piece_box, piece_within
 
 ALIGN = 16  # bytes: every segment of an exchange buffer starts aligned for any dtype
 
@@ -25,15 +25,26 @@ def aligned(n: int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class Transfer:
+    """One box of one logical tensor, from a source chunk to a target tensor. The payload it travels as is
+    contiguous, shaped ``shape``: the destination box, or, where the target stores it with a view, the logical
+    block (``src_view``: the sender applies the source's view when it packs it, so a receiver never sees it)."""
+
     chunk: int  # source chunk id
-    src_box: Box  # box within the stored source chunk
+    src_box: Box  # box within the stored source chunk (with src_view: the box covering its strided region)
     reader: int
     file: int  # target file id
     tensor: int  # index of the tensor in the target file
-    dst_box: Box  # box within the stored target tensor
+    dst_box: Box  # box within the stored target tensor (with dst_view: the box covering its strided region)
     writer: int
     nbytes: int  # payload bytes in the target dtype
     dtype: torch.dtype  # target dtype
+    src_view: View | None = None  # how the source chunk stores the logical block (layout.boxes.View)
+    dst_view: View | None = None  # how the target tensor stores it
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The payload's shape (C order): the destination box, or the logical block for a target view."""
+        return self.dst_box.sizes if self.dst_view is None else logical_sizes(self.dst_box, self.dst_view)
 
 
 @dataclass(kw_only=True)
@@ -109,16 +120,51 @@ def tensor_boxes(plan: Plan, rank: int | None = None) -> dict[tuple[int, int], l
     return out
 
 
-def block_spans(t: Transfer, blocks: RowBlocks | None) -> list[tuple[int, int, int, int]]:
-    """(block, first row, end row, bytes) of each row block that transfer ``t`` fills in its target tensor
-    (blocks None: the one block, the whole tensor; rows then mean nothing)."""
+class Span(NamedTuple):
+    """The part of a transfer that falls in one row block of its target tensor."""
+
+    block: int
+    lo: int  # its first row (target tensor coordinates)
+    hi: int  # one past its last row
+    nbytes: int
+
+
+class Rows(NamedTuple):
+    """How a transfer runs along one axis of its target tensor: ``count`` rows from ``start``, ``step`` apart,
+    that are rows of its payload along ``axis`` (None: an axis the payload lacks; then ``count`` is 1)."""
+
+    start: int
+    step: int
+    count: int
+    axis: int | None
+
+
+def transfer_rows(t: Transfer, d: int) -> Rows:
+    """How transfer ``t`` runs along axis ``d`` of its target tensor (plain: adjacent rows, payload axis ``d``)."""
+    v, box = t.dst_view, t.dst_box
+    if v is None:
+        return Rows(box.offsets[d], 1, box.sizes[d], d)
+    if d not in v.axes:
+        return Rows(box.offsets[d], 1, 1, None)
+    return Rows(box.offsets[d], v.steps[d], v.count(d, box.sizes[d]), v.axes.index(d))
+
+
+def block_spans(t: Transfer, blocks: RowBlocks | None) -> list[Span]:
+    """Each row block that transfer ``t`` fills in its target tensor, with the rows it fills there (the first
+    and one past the last, strided ones included) and their bytes (blocks None: the one block, the whole
+    tensor; rows then mean nothing). A block that a strided transfer steps over is not listed."""
     if blocks is None:
-        return [(0, 0, 0, t.nbytes)]
-    d, box = blocks.axis, t.dst_box
-    lo, hi = box.offsets[d], box.offsets[d] + box.sizes[d]
-    return [(b, max(lo, blocks.starts[b]), min(hi, blocks.end(b)),
-             t.nbytes * (min(hi, blocks.end(b)) - max(lo, blocks.starts[b])) // box.sizes[d])
-            for b in range(bisect.bisect_right(blocks.starts, lo) - 1, bisect.bisect_left(blocks.starts, hi))]
+        return [Span(0, 0, 0, t.nbytes)]
+    r = transfer_rows(t, blocks.axis)
+    hi = r.start + (r.count - 1) * r.step + 1
+    out = []
+    for b in range(bisect.bisect_right(blocks.starts, r.start) - 1, bisect.bisect_left(blocks.starts, hi)):
+        j0 = max(0, -((r.start - blocks.starts[b]) // r.step))  # the first of its rows in the block
+        j1 = min(r.count, -((r.start - blocks.end(b)) // r.step))
+        if j1 > j0:
+            out.append(Span(b, r.start + j0 * r.step, r.start + (j1 - 1) * r.step + 1,
+                            t.nbytes * (j1 - j0) // r.count))
+    return out
 
 
 def block_shape(shape: tuple[int, ...], blocks: RowBlocks | None, b: int) -> tuple[int, ...]:
@@ -196,7 +242,8 @@ def split_files(files: list[TargetFile], world: int) -> list[TargetFile]:
         for p in range(parts):
             tensors = [t for j, t in enumerate(f.tensors) if owner[j] == p]
             if tensors or p == 0:
-                out.append(TargetFile(len(out), f"{f.name}.{p}", tensors, f.objects if p == 0 else {}))
+                out.append(TargetFile(id=len(out), name=f"{f.name}.{p}", tensors=tensors,
+                                      objects=f.objects if p == 0 else {}))
     return out
 
 
@@ -215,9 +262,8 @@ def split_chunks(chunks: list[SourceChunk], files: list[TargetFile], max_bytes: 
         for sp in c.pieces:
             index = wanted.get(sp.logical)
             for _, inter, _ in index.overlapping(sp.lbox) if index is not None else ():
-                b = piece_box(sp, inter)
-                for d, (o, n) in enumerate(zip(b.offsets, b.sizes, strict=True)):
-                    cuts[d] |= {o, o + n}
+                for d, (o, e) in enumerate(_extent(piece_box(sp, inter), sp.view, c.shape)):
+                    cuts[d] |= {o, e}
         if c.contiguous_cuts:
             cuts = contiguous_cuts(cuts, c.shape)
         spans = [list(itertools.pairwise(sorted(s))) for s in cuts]
@@ -225,6 +271,18 @@ def split_chunks(chunks: list[SourceChunk], files: list[TargetFile], max_bytes: 
             for box in _row_blocks(Box(tuple(a for a, _ in cell), tuple(b - a for a, b in cell)),
                                    c.dtype.itemsize, max_bytes):
                 out.append(_sub_chunk(c, box, len(out)))
+    return out
+
+
+def _extent(box: Box, view: View | None, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Per axis, where to cut a chunk around ``box`` (a piece's covering box in it): at its ends, or, along
+    an axis ``view`` strides, at the whole periods of the step it touches, so that interleaved pieces (gate
+    on the even columns, up on the odd ones) share their cuts and a cell holds whole periods."""
+    out = []
+    for d, (o, n) in enumerate(zip(box.offsets, box.sizes, strict=True)):
+        k = 1 if view is None else view.steps[d]
+        lo = o - o % k
+        out.append((lo, min(shape[d], lo + view.count(d, n) * k)) if k > 1 else (o, o + n))
     return out
 
 
@@ -257,13 +315,9 @@ def _sub_chunk(c: SourceChunk, box: Box, cid: int) -> SourceChunk:
     """The part ``box`` (chunk coordinates) of chunk ``c``, with its pieces."""
     pieces = []
     for sp in c.pieces:
-        inter = sp.sbox.intersect(box)
-        if inter is not None:
-            k = len(inter.sizes) - len(sp.lbox.sizes)  # leading size-1 axes of the stored box (stacked layers)
-            lbox = Box(tuple(lo + i - so for lo, i, so in
-                             zip(sp.lbox.offsets, inter.offsets[k:], sp.sbox.offsets[k:], strict=True)),
-                       inter.sizes[k:])
-            pieces.append(Piece(sp.logical, lbox, inter.relative_to(box)))
+        part = piece_within(sp, box)
+        if part is not None:
+            pieces.append(replace(part, sbox=part.sbox.relative_to(box)))
     base = c.offsets or (0,) * len(c.shape)
     return replace(c, id=cid, shape=box.sizes, pieces=pieces,
                    offsets=tuple(a + b for a, b in zip(base, box.offsets, strict=True)))
@@ -277,6 +331,29 @@ def _by_logical(items: Iterable[tuple[str, Box, Any]]) -> dict[str, BoxIndex]:
     return {name: BoxIndex(group) for name, group in groups.items()}
 
 
+class Spot(NamedTuple):
+    """Where a target piece is: target file ``file``, its tensor ``tensor``, that tensor's piece ``index``."""
+
+    file: int
+    tensor: int
+    index: int
+    piece: Piece
+
+
+@dataclass(frozen=True, kw_only=True)
+class Route:
+    """A transfer before its reader is chosen: from a box of a source chunk to a box of a target tensor."""
+
+    file: int  # target file id
+    tensor: int  # index of the tensor in the file
+    src_box: Box
+    dst_box: Box
+    src_view: View | None
+    dst_view: View | None
+    nbytes: int  # in the target dtype
+    dtype: torch.dtype  # the target's
+
+
 def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, budget: int,
               logical_numel: dict[str, int], writer_of: dict[int, int] | None = None,
               absent: Collection[str] = frozenset()) -> Plan:
@@ -286,20 +363,23 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
     by_id = {c.id: c for c in chunks}
     by_file = {f.id: f for f in files}
     writer_of = writer_of or balance({f.id: f.nbytes for f in files}, world)
-    targets = _by_logical((p.logical, p.lbox, (f.id, j, k, p)) for f in files for j, t in enumerate(f.tensors)
+    targets = _by_logical((p.logical, p.lbox, Spot(f.id, j, k, p)) for f in files for j, t in enumerate(f.tensors)
                           for k, p in enumerate(t.pieces))
     # transfers per chunk (reader not yet known)
-    raw: dict[int, list[tuple[int, int, Box, Box, int, torch.dtype]]] = defaultdict(list)
+    raw: dict[int, list[Route]] = defaultdict(list)
     consumer_bytes: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for cid, pieces in kept.items():
         for sp in pieces:
             index = targets.get(sp.logical)
             found = index.overlapping(sp.lbox) if index is not None else []
-            for _, inter, (fid, j, _, tp) in sorted(found, key=lambda x: x[2][:3]):  # in target order
-                dtype = by_file[fid].tensors[j].dtype
-                nbytes = inter.numel * dtype.itemsize
-                raw[cid].append((fid, j, piece_box(sp, inter), piece_box(tp, inter), nbytes, dtype))
-                consumer_bytes[cid][writer_of[fid]] += nbytes
+            for o in sorted(found, key=lambda o: (o.value.file, o.value.tensor, o.value.index)):  # target order
+                spot: Spot = o.value
+                dtype = by_file[spot.file].tensors[spot.tensor].dtype
+                nbytes = o.inter.numel * dtype.itemsize
+                raw[cid].append(Route(file=spot.file, tensor=spot.tensor, src_box=piece_box(sp, o.inter),
+                                      dst_box=piece_box(spot.piece, o.inter), src_view=sp.view,
+                                      dst_view=spot.piece.view, nbytes=nbytes, dtype=dtype))
+                consumer_bytes[cid][writer_of[spot.file]] += nbytes
     prefer = {cid: max(cb, key=cb.get) for cid, cb in consumer_bytes.items()}
     sizes = {cid: by_id[cid].nbytes for cid in kept if cid in raw}  # chunks no target file needs are not read
     # read each chunk where most of it is written (sliceable chunks were cut per consumer), as long as
@@ -316,28 +396,28 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
                 write_bytes=write_bytes, skipped_chunks=len(chunks) - len(kept))
 
 
-def _chunk_cost(cid: int, raw: dict[int, list], reader: int, writer_of: dict[int, int],
+def _chunk_cost(cid: int, raw: dict[int, list[Route]], reader: int, writer_of: dict[int, int],
                 by_id: dict[int, SourceChunk]) -> dict[int, int]:
     """Bytes a chunk puts in memory per rank: the reader holds it (cast) and its send buffer; each
     writer the target tensor bytes it fills and, when it is not the reader, its receive buffer."""
-    cost = {reader: max(by_id[cid].nbytes, sum(x[4] for x in raw[cid]))}
-    for fid, _, _, _, nbytes, _ in raw[cid]:
-        w = writer_of[fid]
-        cost[w] = cost.get(w, 0) + nbytes
+    cost = {reader: max(by_id[cid].nbytes, sum(x.nbytes for x in raw[cid]))}
+    for x in raw[cid]:
+        w = writer_of[x.file]
+        cost[w] = cost.get(w, 0) + x.nbytes
         if w != reader:
-            cost[reader] += aligned(nbytes)
-            cost[w] += aligned(nbytes)
+            cost[reader] += aligned(x.nbytes)
+            cost[w] += aligned(x.nbytes)
     return cost
 
 
-def _waves(raw: dict[int, list], reader_of: dict[int, int], writer_of: dict[int, int],
+def _waves(raw: dict[int, list[Route]], reader_of: dict[int, int], writer_of: dict[int, int],
            by_id: dict[int, SourceChunk], world: int, budget: int) -> list[Wave]:
     """Pack chunks into waves, first fit: per rank, bytes read + sent + received stay within the
     budget (a chunk larger than the budget alone gets a wave of its own). Chunks are taken
     round-robin over readers so that every wave keeps all ranks reading."""
     queues: dict[int, deque[int]] = defaultdict(deque)
     # in target order, so that target tensors (and files) complete early and can be written and freed
-    for cid in sorted(reader_of, key=lambda c: (min(((x[0], x[1]) for x in raw[c]), default=(-1, -1)), c)):
+    for cid in sorted(reader_of, key=lambda c: (min(((x.file, x.tensor) for x in raw[c]), default=(-1, -1)), c)):
         queues[reader_of[cid]].append(cid)
     pending: list[int] = []
     while any(queues.values()):
@@ -355,9 +435,10 @@ def _waves(raw: dict[int, list], reader_of: dict[int, int], writer_of: dict[int,
                 continue
             r = reader_of[cid]
             wave.reads.setdefault(r, []).append(cid)
-            for fid, j, sbox, dbox, nbytes, dtype in raw[cid]:
-                wave.transfers.append(Transfer(chunk=cid, src_box=sbox, reader=r, file=fid, tensor=j, dst_box=dbox,
-                                               writer=writer_of[fid], nbytes=nbytes, dtype=dtype))
+            for x in raw[cid]:
+                wave.transfers.append(Transfer(chunk=cid, src_box=x.src_box, reader=r, file=x.file, tensor=x.tensor,
+                                               dst_box=x.dst_box, writer=writer_of[x.file], nbytes=x.nbytes,
+                                               dtype=x.dtype, src_view=x.src_view, dst_view=x.dst_view))
             for rank, c in cost.items():
                 used[rank] += c
         waves.append(wave)

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -53,16 +57,68 @@ class Kind(str, Enum):
     GLU = "glu"  # SwiGLU fc1: [gate; up], each half split on dim 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class View:
+    """How a piece's logical box lies in its stored tensor when it is not a plain box of the same shape:
+    logical axis ``i`` runs along stored axis ``axes[i]`` (a permutation: transposed storage), and consecutive
+    elements along stored axis ``a`` lie ``steps[a]`` apart (interleaved storage: every k-th column). Stored
+    axes no logical axis runs along have size 1 in the piece (a stacked layer or expert axis).
+
+    A piece with a view holds a *strided region* of its stored tensor: its ``sbox`` is the smallest box
+    covering the region (it starts at the first element; along stored axis ``a`` it spans
+    ``(n - 1) * steps[a] + 1`` elements for ``n`` logical ones), and the region is ``sbox`` sliced with
+    ``steps``. The covering box is what a reader reads (once); ``logical_view`` turns it into the logical
+    orientation, for reading and (``write_logical``) for writing. gpt-oss ``mlp.experts.gate_up_proj``
+    [E, H, 2F] (gate on the even columns, up on the odd ones, transposed) against megatron-core's fc1 [2F, H]
+    of expert ``e`` (logical [gate; up])::
+
+        v = View(axes=(2, 1), steps=(1, 1, 2))  # logical rows along stored axis 2 (step 2), columns along axis 1
+        gate = Piece(fc1_e, Box((0, 0), (F, H)), Box((e, 0, 0), (1, H, 2 * F - 1)), view=v)
+        up = Piece(fc1_e, Box((F, 0), (F, H)), Box((e, 0, 1), (1, H, 2 * F - 1)), view=v)
+    """
+
+    axes: tuple[int, ...]  # per logical axis: the stored axis it runs along
+    steps: tuple[int, ...]  # per stored axis: the distance between consecutive elements (1: adjacent)
+
+    def __post_init__(self) -> None:
+        if len(set(self.axes)) != len(self.axes) or any(not 0 <= a < len(self.steps) for a in self.axes) \
+                or any(k < 1 for k in self.steps):
+            raise ValueError(f"{self}: axes must be distinct stored axes and steps at least 1")
+
+    @staticmethod
+    def plain(stored_rank: int, logical_rank: int) -> View:
+        """The view of a piece without one: the logical axes are the trailing stored axes, adjacent."""
+        lead = stored_rank - logical_rank
+        return View(axes=tuple(range(lead, stored_rank)), steps=(1,) * stored_rank)
+
+    def count(self, axis: int, span: int) -> int:
+        """Elements of the region along stored ``axis`` in a covering box ``span`` long."""
+        return (span - 1) // self.steps[axis] + 1 if span > 0 else 0
+
+
 @dataclass(frozen=True)
 class Piece:
     """``lbox`` of logical tensor ``logical`` is stored at ``sbox`` of a stored tensor.
 
-    ``sbox`` may carry extra leading axes of size 1 (the layer axis of stacked torch_dist keys).
+    ``sbox`` may carry extra leading axes of size 1 (the layer axis of stacked torch_dist keys). With a
+    ``view`` (keyword only) the logical box is stored transposed and/or strided: ``sbox`` is then the box
+    covering that strided region (see ``View``); without one the boxes have the same sizes.
     """
 
     logical: str
     lbox: Box
     sbox: Box
+    view: View | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        v = self.view
+        if v is None:
+            return
+        if len(v.steps) != len(self.sbox.sizes) or len(v.axes) != len(self.lbox.sizes) \
+                or logical_sizes(self.sbox, v) != self.lbox.sizes \
+                or any(self.sbox.sizes[a] != 1 for a in range(len(v.steps)) if a not in v.axes):
+            raise ValueError(f"{self.logical}: stored box {self.sbox} does not cover logical box {self.lbox} "
+                             f"under {v} (along each stored axis (n - 1) * step + 1 elements, 1 off the view's axes)")
 
 
 def mcore_global_shape(kind: Kind, logical_shape: tuple[int, ...], padded_rows: int | None) -> tuple[int, ...]:
@@ -82,13 +138,29 @@ def tp_chunks(kind: Kind, global_shape: tuple[int, ...], tp_rank: int, tp: int) 
         n = global_shape[1] // tp
         return [Box((0, tp_rank * n) + (0,) * (len(global_shape) - 2), (global_shape[0], n) + global_shape[2:])]
     rest0 = (0,) * (len(global_shape) - 1)
-    if kind is Kind.GLU:
+    if kind is Kind.GLU:  # fused.GLU's parts: [gate; up]
         half = global_shape[0] // 2
-        n = half // tp
-        return [Box((tp_rank * n,) + rest0, (n,) + global_shape[1:]),
-                Box((half + tp_rank * n,) + rest0, (n,) + global_shape[1:])]
+        return [Box((lo,) + rest0, (n,) + global_shape[1:])
+                for lo, n in part_tp_rows([[(0, half)], [(half, half)]], tp_rank, tp)]
     n = global_shape[0] // tp  # COL, VOCAB
     return [Box((tp_rank * n,) + rest0, (n,) + global_shape[1:])]
+
+
+def part_tp_rows(parts: list[list[tuple[int, int]]], tp_rank: int, tp: int) -> list[tuple[int, int]]:
+    """Rows (start, count) that TP rank ``tp_rank`` of ``tp`` holds of a fused tensor whose parts are split
+    over TP separately (``parts``: each part's row extents, in the part's own row order): the rank's
+    contiguous 1/tp of every part's own rows, in part order (SwiGLU: ``[gate_r; up_r]``). Pure; the
+    ``tp_rows`` of ``layout/fused.py``'s fused tensors."""
+    out = []
+    for extents in parts:
+        share = sum(n for _, n in extents) // tp
+        lo, hi, pos = tp_rank * share, (tp_rank + 1) * share, 0
+        for start, n in extents:
+            a, b = max(lo, pos), min(hi, pos + n)
+            if a < b:
+                out.append((start + a - pos, b - a))
+            pos += n
+    return out
 
 
 def local_shape(chunks: list[Box]) -> tuple[int, ...]:
@@ -126,11 +198,82 @@ def local_pieces(logical: str, kind: Kind, global_shape: tuple[int, ...], logica
 
 
 def piece_box(piece: Piece, inner: Box) -> Box:
-    """Where ``inner`` (a sub-box of ``piece.lbox``) sits in the stored tensor of ``piece``."""
-    lead = len(piece.sbox.offsets) - len(inner.offsets)
-    offs = piece.sbox.offsets[:lead] + tuple(
-        s + (i - lo) for s, i, lo in zip(piece.sbox.offsets[lead:], inner.offsets, piece.lbox.offsets, strict=True))
-    return Box(offs, (1,) * lead + inner.sizes)
+    """Where ``inner`` (a sub-box of ``piece.lbox``) sits in the stored tensor of ``piece``: with a view, the
+    smallest box covering its strided region (the view itself stays the piece's)."""
+    v = piece.view
+    if v is None:
+        lead = len(piece.sbox.offsets) - len(inner.offsets)
+        offs = piece.sbox.offsets[:lead] + tuple(
+            s + (i - lo) for s, i, lo in zip(piece.sbox.offsets[lead:], inner.offsets, piece.lbox.offsets,
+                                             strict=True))
+        return Box(offs, (1,) * lead + inner.sizes)
+    offs, sizes = list(piece.sbox.offsets), [1] * len(v.steps)
+    for i, a in enumerate(v.axes):
+        offs[a] += (inner.offsets[i] - piece.lbox.offsets[i]) * v.steps[a]
+        sizes[a] = (inner.sizes[i] - 1) * v.steps[a] + 1
+    return Box(tuple(offs), tuple(sizes))
+
+
+def sub_piece(piece: Piece, inner: Box) -> Piece:
+    """The part of ``piece`` that holds ``inner`` (a sub-box of its logical box), with the same view."""
+    return Piece(piece.logical, inner, piece_box(piece, inner), view=piece.view)
+
+
+def piece_within(piece: Piece, box: Box) -> Piece | None:
+    """The part of ``piece`` whose stored elements lie in ``box`` (stored coordinates): its logical box and
+    the box covering those elements; None when none do. A box that cuts through a strided region keeps the
+    elements on its side (the covering box of the part starts and ends on one of them)."""
+    v = piece.view or View.plain(len(piece.sbox.sizes), len(piece.lbox.sizes))
+    s, lo, hi = piece.sbox.offsets, box.offsets, tuple(o + n for o, n in zip(box.offsets, box.sizes, strict=True))
+    if any(not lo[a] <= s[a] < hi[a] for a in range(len(s)) if a not in v.axes):
+        return None
+    loffs, lsizes = [], []
+    for i, a in enumerate(v.axes):
+        k, n = v.steps[a], piece.lbox.sizes[i]
+        j0, j1 = max(0, -((s[a] - lo[a]) // k)), min(n, -((s[a] - hi[a]) // k))  # ceil((lo - s) / k), ...
+        if j1 <= j0:
+            return None
+        loffs.append(piece.lbox.offsets[i] + j0)
+        lsizes.append(j1 - j0)
+    return sub_piece(piece, Box(tuple(loffs), tuple(lsizes)))
+
+
+def logical_sizes(box: Box, view: View | None) -> tuple[int, ...]:
+    """Sizes of the logical block a view's strided region covered by ``box`` holds, in logical axis order
+    (``view`` None: the box's sizes)."""
+    if view is None:
+        return box.sizes
+    return tuple(view.count(a, box.sizes[a]) for a in view.axes)
+
+
+def strided_slices(box: Box, view: View | None) -> tuple[slice, ...]:
+    """The exact elements of the strided region covered by ``box``, as slices of the stored tensor."""
+    if view is None:
+        return box.slices()
+    return tuple(slice(o, o + n, k) for o, n, k in zip(box.offsets, box.sizes, view.steps, strict=True))
+
+
+def logical_view(block: torch.Tensor, view: View) -> torch.Tensor:
+    """The stored ``block`` (the data of a piece's covering box) as its logical block: the strided elements,
+    permuted into logical axis order. A view of ``block`` (no copy), so it reads and, with ``copy_``, writes
+    (``write_logical``)."""
+    x = block[tuple(slice(None, None, k) if a in view.axes else 0 for a, k in enumerate(view.steps))]
+    kept = sorted(view.axes)  # x's axes, in stored order
+    return x.permute([kept.index(a) for a in view.axes])
+
+
+def write_logical(block: torch.Tensor, view: View, data: torch.Tensor) -> None:
+    """The inverse of ``logical_view``: ``data`` (logical orientation) written (and cast) into its strided
+    places in the stored ``block``; the elements between them are left as they are."""
+    logical_view(block, view).copy_(data)
+
+
+class Overlap(NamedTuple):
+    """An indexed box a query box intersects."""
+
+    box: Box  # the indexed box
+    inter: Box  # its intersection with the query
+    value: object  # what was indexed with it
 
 
 class BoxIndex:
@@ -147,15 +290,15 @@ class BoxIndex:
         self.starts = [b.offsets[d] if b.offsets else 0 for b, _ in self.items]
         self.longest = max((b.sizes[d] if b.sizes else 0 for b, _ in self.items), default=0)
 
-    def overlapping(self, box: Box) -> list[tuple[Box, Box, object]]:
+    def overlapping(self, box: Box) -> list[Overlap]:
         """(stored box, intersection, value) of every indexed box ``box`` intersects, in axis order."""
         if not box.offsets:
-            return [(b, b, v) for b, v in self.items]
+            return [Overlap(b, b, v) for b, v in self.items]
         lo, hi = box.offsets[self.axis], box.offsets[self.axis] + box.sizes[self.axis]
         out = []
         for i in range(bisect.bisect_right(self.starts, lo - self.longest), bisect.bisect_left(self.starts, hi)):
             b, v = self.items[i]
             inter = b.intersect(box)
             if inter is not None:
-                out.append((b, inter, v))
+                out.append(Overlap(b, inter, v))
         return out

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from .bench.args import add_bench_parser
 from .defaults import DEFAULT_BUDGET
 from .errors import ConvertError
+from .sizes import parse_size
 
 if TYPE_CHECKING:  # torch, the formats and the runtime are imported when a command runs, not to parse
     from .formats.base import FormatOptions
@@ -18,17 +19,6 @@ if TYPE_CHECKING:  # torch, the formats and the runtime are imported when a comm
 
 
 FORMAT_CHOICES = ("auto", "torch_dist", "fsdp_dtensor", "megatron", "hf", "nemo", "nemo2", "bridge")
-
-
-def parse_size(text: str) -> int:
-    units = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30,
-             "T": 1 << 40, "TB": 1 << 40}
-    t = text.strip().upper().replace("IB", "B")
-    num = t.rstrip("KMGTB")
-    try:
-        return int(float(num) * units[t[len(num):]])
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 512M or 2GB") from None
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -276,7 +266,7 @@ def main(argv: list[str] | None = None, runtime: Runtime | None = None) -> int:
     the torchrun job here and leaving it at the end."""
     ns = build_parser().parse_args(argv)
     if ns.cmd == "bench":  # one process that launches its own torchrun jobs
-        from .bench.run import bench_main
+        from .bench.main import bench_main
         return bench_main(ns)
     if getattr(ns, "nproc", None) is not None and runtime is None and "LOCAL_RANK" not in os.environ:
         from .launch import self_launch

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from . import faults
-from .config import ModelConfig, args_for_target
+from .config import ModelConfig
 from .datamodel import SourceIndex, Target, TargetFile, WrittenFile, numel, omit_absent
 from .errors import ConvertError
 from .exchange import Assembly, execute, stop_on_error
@@ -22,6 +22,7 @@ from .formats.base import Format, FormatOptions, data_dir
 from .integrity import Entry, Journal, fingerprint, refuse_incomplete
 from .layout.rules import logical_tensors
 from .layout.topology import Layout, pipeline_vpp
+from .mlm_args import args_for_target
 from .optim.state import optimizer_numel
 from .plan import DEFAULT_BUDGET, Plan, block_bytes, make_plan, split_chunks, split_files
 from .runtime import Runtime, human_bytes, local_ranks, overlap_io, peak_rss_bytes
@@ -93,7 +94,7 @@ def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> 
             raise ConvertError(f"--dst-format {dst_fmt.name} stores unsharded tensors; TP/PP/EP do not apply",
                                "drop --target-tp/--target-pp/--target-vpp/--target-ep/--target-etp/"
                                "--target-pipeline-layout (or set them to 1)")
-        return Layout(1, 1)
+        return Layout(tp=1, pp=1)
     pp = opts.target_pp or src.pp
     same_pp = pp == src.pp
     text = pipeline_layout_of(opts, src, pp)
@@ -109,9 +110,9 @@ def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> 
     tp = opts.target_tp or src.tp
     # ETP follows TP unless the source had one of its own (e.g. ETP=1 under TP=2) or --target-etp is given
     etp = opts.target_etp or (src.etp if src.etp is not None else tp)
-    layout = Layout(tp, pp, first if pp > 1 else None, last if pp > 1 else None,
-                    vpp if vpp != 1 else None, split if pp > 1 or opts.target_split else None,
-                    opts.target_ep or src.ep, None if etp == tp else etp, text)
+    layout = Layout(tp=tp, pp=pp, first=first if pp > 1 else None, last=last if pp > 1 else None,
+                    vpp=vpp if vpp != 1 else None, split=split if pp > 1 or opts.target_split else None,
+                    ep=opts.target_ep or src.ep, etp=None if etp == tp else etp, pipeline_layout=text)
     index.cfg.check_layout(layout)
     return layout
 
@@ -159,7 +160,7 @@ def carry_vocab_padding(opts: ReshardOptions, index: SourceIndex, cfg: ModelConf
     return again, cfg.replace(vocab_size=rows)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Prepared:
     """What a conversion is before it runs: the source index, the target and its files (split for ``world``)."""
 
@@ -215,12 +216,13 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
     args = args_for_target(index.args, cfg, layout, dtype, MLM_CKPT_FORMAT.get(dst_fmt.name),
                            optimizer_saved=index.optimizer is not None)
     args.vocab_size = true_vocab
-    target = Target(cfg, layout, dtype, args, index.iteration, index.style if index.format == dst_fmt.name else None,
+    target = Target(cfg=cfg, layout=layout, dtype=dtype, args=args, iteration=index.iteration,
+                    style=index.style if index.format == dst_fmt.name else None,
                     optimizer=index.optimizer and index.optimizer.for_layout(cfg, layout))
     files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)
     if dst_fmt.any_writer:  # give every rank a part to write
         files = split_files(files, world)
-    return Prepared(src_fmt, dst_fmt, index, target, files)
+    return Prepared(src_fmt=src_fmt, dst_fmt=dst_fmt, index=index, target=target, files=files)
 
 
 def reshard(opts: ReshardOptions, rt: Runtime) -> dict:

@@ -6,10 +6,11 @@ intersection (plan.py). The planner, the executor and integrity work on these al
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,8 +19,9 @@ from .errors import ConvertError
 from .layout.boxes import Piece
 from .layout.topology import Layout
 
-if TYPE_CHECKING:
-    from .optim.state import OptimizerState
+# what megatron-core records of the optimizer state's layout (content_metadata)
+OPTIMIZER_SHARDING = "fully_reshardable"
+OPTIMIZER_KINDS = ("dp_reshardable", "fully_reshardable", "non_distributed", "legacy")
 
 
 def numel(shape: tuple[int, ...]) -> int:
@@ -35,7 +37,40 @@ def row_axis(shape: tuple[int, ...]) -> int | None:
     return next((d for d, n in enumerate(shape) if n > 1), None)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class OptimizerState:
+    """The non-tensor optimizer state a source holds, as a target writes it.
+
+    ``groups``: the param_groups of each optimizer megatron-core chains (the dense parameters', then with
+    MoE the expert parameters'), as the distributed optimizer saves them (no ``params`` lists; each group
+    carries ``step``). ``scheduler``: the OptimizerParamScheduler state (None: the source has none).
+    ``counters``: Megatron-LM's training counters (floating-point operations, tokens) so far."""
+
+    kind: str  # how the source stored it (OPTIMIZER_KINDS)
+    groups: tuple[tuple[dict[str, Any], ...], ...]
+    scheduler: dict[str, Any] | None = None
+    counters: dict[str, Any] = field(default_factory=dict)  # optim.state.COUNTERS the source holds
+
+    def for_layout(self, cfg: ModelConfig, layout: Layout) -> OptimizerState:
+        """The state as a target at ``layout`` chains its optimizers: expert parameters have an optimizer of
+        their own when EP > 1 or expert-TP != TP (megatron-core 0.19; 0.16: EP > 1), else they join the dense
+        parameters' groups (``is_expert_parallel`` False)."""
+        dense = self.groups[0]
+        if not cfg.num_experts or not (layout.ep > 1 or layout.expert_tp != layout.tp):
+            return replace(self, groups=(dense,))
+        if len(self.groups) > 1:
+            return self
+        return replace(self, groups=(dense, tuple({**g, "is_expert_parallel": True} for g in dense)))
+
+    def common(self) -> Any:
+        """The target's ``optimizer`` entry of the common state: what megatron-core's DistributedOptimizer
+        (a ChainedOptimizer of two with MoE) leaves there when it saves fully_reshardable."""
+        entries = [{"optimizer": {"param_groups": [copy.deepcopy(g) for g in groups]},
+                    "param_state_sharding_type": OPTIMIZER_SHARDING} for groups in self.groups]
+        return entries[0] if len(entries) == 1 else dict(enumerate(entries))
+
+
+@dataclass(frozen=True, kw_only=True)
 class SourceChunk:
     id: int
     file: str  # path relative to the iteration directory
@@ -59,8 +94,12 @@ class SourceChunk:
         return numel(self.shape) * self.dtype.itemsize
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SourceIndex:
+    """Not frozen, by design: a source is indexed in steps. The format's reader builds the model's index, then
+    adds the optimizer state's chunks and record to it (``--optimizer``), and the reader and the engine append
+    notes as they find things to report (``KeyPolicy.finish``, ``convert``)."""
+
     format: str
     iter_dir: Path
     iteration: int | str  # "release" for release/ checkpoints
@@ -78,7 +117,7 @@ class SourceIndex:
         return sum(c.nbytes for c in self.chunks)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TargetTensor:
     key: str
     shape: tuple[int, ...]
@@ -92,7 +131,7 @@ class TargetTensor:
         return numel(self.shape) * self.dtype.itemsize
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TargetFile:
     id: int
     name: str  # a rank file (legacy) or a group of DCP chunks written by one rank
@@ -126,7 +165,7 @@ def omit_absent(files: list[TargetFile], absent: Collection[str]) -> list[Target
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Target:
     cfg: ModelConfig
     layout: Layout
@@ -148,7 +187,7 @@ def target_dtype(target: Target, dtypes: dict[str, torch.dtype], logical: str) -
     return dtypes[logical] if keep else target.dtype
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class WrittenFile:
     """A target file on disk, fsynced: what a writer reports when it finished one."""
 

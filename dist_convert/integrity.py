@@ -55,7 +55,7 @@ def fingerprint(files: list[TargetFile], what: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(desc, default=str).encode()).hexdigest()
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Entry:
     """A finished target file as journaled: ``name`` is relative to the target root."""
 
@@ -67,7 +67,7 @@ class Entry:
 
     def written(self, prefix: str) -> WrittenFile:
         """As the writer reported it (``name`` relative to the writer's directory ``prefix``)."""
-        return WrittenFile(self.file, self.name[len(prefix):].lstrip("/"), self.record)
+        return WrittenFile(file=self.file, name=self.name[len(prefix):].lstrip("/"), record=self.record)
 
 
 class Journal:
@@ -81,7 +81,8 @@ class Journal:
     def add(self, w: WrittenFile) -> Entry:
         name = f"{self.prefix}/{w.name}" if self.prefix else w.name
         path = self.root / name
-        entry = Entry(w.file, name, path.stat().st_size, w.sha256 or file_sha256(path), w.record)
+        entry = Entry(file=w.file, name=name, bytes=path.stat().st_size, sha256=w.sha256 or file_sha256(path),
+                      record=w.record)
         self.fh.write(json.dumps(asdict(entry)) + "\n")
         self.fh.flush()
         os.fsync(self.fh.fileno())

@@ -19,8 +19,11 @@ from .errors import ConvertError
 _console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 150)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Runtime:
+    """Not frozen: a handle on the job's processes, not a record (``ensure_process_group`` sets the group and
+    backend of one made before the process group existed)."""
+
     rank: int = 0
     world: int = 1
     local_rank: int = 0

@@ -17,7 +17,7 @@ from .plan import DEFAULT_BUDGET, balance, make_plan
 from .runtime import Runtime
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Mismatch:
     name: str
     detail: str
@@ -31,7 +31,9 @@ def logical_files(index: SourceIndex, names: list[str]) -> list[TargetFile]:
     for i, name in enumerate(names):
         shape = tensors[name].shape
         full = Box.full(shape)
-        files.append(TargetFile(i, name, [TargetTensor(name, shape, dtypes[name], [Piece(name, full, full)])]))
+        piece = Piece(logical=name, lbox=full, sbox=full)
+        tensor = TargetTensor(key=name, shape=shape, dtype=dtypes[name], pieces=[piece])
+        files.append(TargetFile(id=i, name=name, tensors=[tensor]))
     return files
 
 
@@ -78,9 +80,9 @@ def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: 
     fa, ia = load_index(path_a, fmt_a, rt, vocab_size, options)
     fb, ib = load_index(path_b, fmt_b, rt, vocab_size, options)
     ta, tb = logical_tensors(ia.cfg), logical_tensors(ib.cfg)
-    mismatches = [Mismatch(n, "only in A") for n in ta if n not in tb]
-    mismatches += [Mismatch(n, "only in B") for n in tb if n not in ta]
-    mismatches += [Mismatch(n, f"shape {ta[n].shape} vs {tb[n].shape}")
+    mismatches = [Mismatch(name=n, detail="only in A") for n in ta if n not in tb]
+    mismatches += [Mismatch(name=n, detail="only in B") for n in tb if n not in ta]
+    mismatches += [Mismatch(name=n, detail=f"shape {ta[n].shape} vs {tb[n].shape}")
                    for n in ta if n in tb and ta[n].shape != tb[n].shape]
     absent = ia.absent | ib.absent  # left out by --allow-missing: not compared
     names = [n for n in ta if n in tb and ta[n].shape == tb[n].shape and n not in absent]
@@ -92,7 +94,7 @@ def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: 
     writer_of = balance(sizes, rt.world)
     ga = _gather_logical(ia, fa, names, writer_of, rt, budget)
     gb = _gather_logical(ib, fb, names, writer_of, rt, budget)
-    local = [Mismatch(n, d) for n in ga if (d := compare(ga[n], gb[n], atol, rtol))]
+    local = [Mismatch(name=n, detail=d) for n in ga if (d := compare(ga[n], gb[n], atol, rtol))]
     for part in rt.all_gather_object(local):
         mismatches += part
     rt.log(f"compared {len(names)} logical tensors: {ia.format} {ia.layout} vs {ib.format} {ib.layout}")

@@ -44,7 +44,7 @@ def test_shape_is_llama_like_and_within_5_percent(size, itemsize):
     assert s.num_query_groups < s.num_attention_heads and s.hidden_size % s.num_attention_heads == 0  # GQA
     assert s.num_layers % 2 == 0 and s.ffn_hidden_size % 4 == 0 and s.vocab_size == 32000
     cfg = config_from_args(make_args(s, torch.bfloat16, 1), None, "local", 2)
-    for layout in (Layout(1, 2), Layout(4, 1), Layout(2, 1)):
+    for layout in (Layout(tp=1, pp=2), Layout(tp=4, pp=1), Layout(tp=2, pp=1)):
         cfg.check_layout(layout)
     assert cfg.swiglu and cfg.normalization == "RMSNorm" and not cfg.tied
     # the shape's byte count is the layout table's
@@ -79,13 +79,18 @@ def test_target_math():
     assert report.memory_slope(sizes, [400 * MB, 0, 784 * MB], 2) == pytest.approx(1.0)
     assert report.cost_linear(sizes, [2.0, 3.0, 5.0])  # start-up cost: sub-linear per byte
     assert not report.cost_linear(sizes, [1.0, 2.5, 6.0])  # super-linear
-    floor = Outcome("floor", "floor", None, [Run(1.0), Run(2.0), Run(1.5)])
-    base = Outcome("whole_model", "w", 1, [Run(9.0, 8.0, [GB])])
-    mcore = Outcome("mcore", "m", 2, [Run(10.0, 8.0, [GB, GB])])
-    dc = Outcome("dist_convert", "d", 2, [Run(3.9, 1.0, [100 * MB, 300 * MB])], predicted_rss=250 * MB)
-    dc1 = Outcome("dist_convert", "d1", 1, [Run(9.0, 1.0, [300 * MB])])
-    start = Outcome("startup", "s", 2, [Run(2.4, 2.0, [90 * MB, 90 * MB])])
-    slow_help = Outcome("help", "h", None, [Run(1.2)])
+    floor = Outcome(method="floor", label="floor", world=None, runs=[Run(wall_s=1.0), Run(wall_s=2.0), Run(wall_s=1.5)])
+    base = Outcome(method="whole_model", label="w", world=1,
+                   runs=[Run(wall_s=9.0, inproc_s=8.0, peak_rss_per_rank=[GB])])
+    mcore = Outcome(method="mcore", label="m", world=2,
+                    runs=[Run(wall_s=10.0, inproc_s=8.0, peak_rss_per_rank=[GB, GB])])
+    dc = Outcome(method="dist_convert", label="d", world=2,
+                 runs=[Run(wall_s=3.9, inproc_s=1.0, peak_rss_per_rank=[100 * MB, 300 * MB])], predicted_rss=250 * MB)
+    dc1 = Outcome(method="dist_convert", label="d1", world=1,
+                  runs=[Run(wall_s=9.0, inproc_s=1.0, peak_rss_per_rank=[300 * MB])])
+    start = Outcome(method="startup", label="s", world=2,
+                    runs=[Run(wall_s=2.4, inproc_s=2.0, peak_rss_per_rank=[90 * MB, 90 * MB])])
+    slow_help = Outcome(method="help", label="h", world=None, runs=[Run(wall_s=1.2)])
     rows = report.target_rows([floor, dc, base, start, mcore, dc1, slow_help], GB)
     assert rows[0]["wall_s"] == 1.5 and rows[0]["x_floor"] == 1.0
     # net 1.5 s <= 1.3 x 1.5; 3.9 <= 0.6 x 9.0; 3.9 <= 0.4 x 10; plan 250 MB within 20% of 300 MB
@@ -110,7 +115,7 @@ def test_target_math():
 def test_synthetic_writer_and_whole_model_baseline_in_process(tmp_path, fmt):
     shape = LlamaShape(num_layers=2, hidden_size=32, ffn_hidden_size=96, num_attention_heads=8, num_query_groups=4,
                        vocab_size=1000)
-    write_synthetic(tmp_path / "src", shape, torch.bfloat16, fmt, Layout(2, 2), 0, Runtime())
+    write_synthetic(tmp_path / "src", shape, torch.bfloat16, fmt, Layout(tp=2, pp=2), 0, Runtime())
     stats = whole_model(tmp_path / "src", tmp_path / "out", 4, 1)
     assert stats["wall_s"] > 0 and stats["peak_rss"] > 0
     assert cli_main(["verify", str(tmp_path / "src"), str(tmp_path / "out")]) == 0
@@ -179,7 +184,8 @@ def test_bench_optimizer_source_costs_seven_times_the_weights(tmp_path):
 
     shape = LlamaShape(num_layers=2, hidden_size=32, ffn_hidden_size=96, num_attention_heads=8, num_query_groups=4,
                        vocab_size=1000)
-    write_synthetic(tmp_path / "src", shape, torch.bfloat16, "torch_dist", Layout(2, 1), 0, Runtime(), optimizer=True)
+    write_synthetic(tmp_path / "src", shape, torch.bfloat16, "torch_dist", Layout(tp=2, pp=1), 0, Runtime(),
+                    optimizer=True)
     stats = {}
     for name, extra in (("weights", []), ("optimizer", ["--optimizer"])):
         out = tmp_path / f"{name}.json"
@@ -190,7 +196,7 @@ def test_bench_optimizer_source_costs_seven_times_the_weights(tmp_path):
         # about 7x: with --optimizer the shared vocabulary padding rows travel too (8 of 1008 here)
         assert stats["optimizer"][key] == pytest.approx(7 * stats["weights"][key], rel=0.03), (key, stats)
     assert cli_main(["verify", str(tmp_path / "weights"), str(tmp_path / "optimizer")]) == 0
-    src = Source(tmp_path / "src", "torch_dist", 2, 1, 0, [], "tiny")
+    src = Source(path=tmp_path / "src", format="torch_dist", tp=2, pp=1, nbytes=0, files=[], shape="tiny")
     ns = Namespace(optimizer=True, memory_budget=256 << 20, timeout=300.0)
     labels = [o.label for o, _ in jobs(src, 1, 1, [1, 2], ["dist_convert"], ns)]
     assert labels == ["dist_convert w=1", "dist_convert --optimizer w=1", "dist_convert w=2",

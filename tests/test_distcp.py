@@ -172,9 +172,10 @@ def test_row_blocks_written_out_of_order_load_as_whole_tensors(tmp_path):
 
     g = torch.Generator().manual_seed(1)
     big, small = torch.randn(300, 120, generator=g).to(torch.bfloat16), torch.randn(9, generator=g)
-    tensors = [TargetTensor("big", (300, 120), torch.bfloat16, [], (0, 0), (300, 120)),
-               TargetTensor("small", (9,), torch.float32, [], (0,), (9,))]
-    f = TargetFile(0, "f", tensors)
+    tensors = [TargetTensor(key="big", shape=(300, 120), dtype=torch.bfloat16, pieces=[], offsets=(0, 0),
+                            global_shape=(300, 120)),
+               TargetTensor(key="small", shape=(9,), dtype=torch.float32, pieces=[], offsets=(0,), global_shape=(9,))]
+    f = TargetFile(id=0, name="f", tensors=tensors)
     w = StreamWriter(tmp_path, [f])
     done = []
     for first in (256, 0, 128):  # out of order: blocks of 128 rows, the last one of 44

@@ -73,11 +73,12 @@ def test_pip_install_gives_a_working_console_script(tmp_path):
     assert all(cmd in out for cmd in ("reshard", "speculate", "inspect", "verify", "bench")), out
 
     ckpt = tmp_path / "ckpt"
-    write_synthetic(ckpt, SHAPE, torch.float32, "torch_dist", Layout(2, 1), 0, Runtime())
+    write_synthetic(ckpt, SHAPE, torch.float32, "torch_dist", Layout(tp=2, pp=1), 0, Runtime())
     info = json.loads(run([str(script), "inspect", str(ckpt), "--json"], work).stdout)
     assert info["format"] == "torch_dist" and info["iteration"] == 1000
     assert (info["layout"]["tp"], info["layout"]["pp"]) == (2, 1) and info["config"]["num_layers"] == 2
-    assert info["logical_tensors"] == len(logical_tensors(synthetic_target(SHAPE, torch.float32, Layout(2, 1)).cfg))
+    assert info["logical_tensors"] == len(logical_tensors(synthetic_target(SHAPE, torch.float32,
+                                                                           Layout(tp=2, pp=1)).cfg))
 
     dst = tmp_path / "dst"
     run([str(script), "reshard", str(ckpt), str(dst), "--dst-format", "megatron", "--target-tp", "1"], work)

@@ -91,7 +91,7 @@ def test_padded_vocab_rule():
 
 def test_piece_box_with_layer_axis():
     from dist_convert.layout.boxes import Piece
-    p = Piece("x", Box((4, 0), (4, 8)), Box((2, 0, 0), (1, 4, 8)))
+    p = Piece(logical="x", lbox=Box((4, 0), (4, 8)), sbox=Box((2, 0, 0), (1, 4, 8)))
     assert piece_box(p, Box((5, 2), (2, 3))) == Box((2, 1, 2), (1, 2, 3))
 
 
@@ -115,17 +115,18 @@ def test_table_shapes_and_names():
     assert t2["decoder.layers.0.mlp.linear_fc1.weight"].kind is Kind.COL
 
 
-@pytest.mark.parametrize("layout,sizes", [(Layout(1, 1), [8]), (Layout(1, 4), [2, 2, 2, 2]),
-                                          (Layout(1, 3, first=2), [2, 3, 3]), (Layout(1, 3, last=4), [2, 2, 4]),
-                                          (Layout(2, 4, first=1, last=1), [1, 3, 3, 1])])
+@pytest.mark.parametrize("layout,sizes", [(Layout(tp=1, pp=1), [8]), (Layout(tp=1, pp=4), [2, 2, 2, 2]),
+                                          (Layout(tp=1, pp=3, first=2), [2, 3, 3]),
+                                          (Layout(tp=1, pp=3, last=4), [2, 2, 4]),
+                                          (Layout(tp=2, pp=4, first=1, last=1), [1, 3, 3, 1])])
 def test_stage_sizes(layout, sizes):
     assert layout.stage_sizes(8) == sizes
     assert layout.stage_offsets(8) == [sum(sizes[:i]) for i in range(len(sizes))]
 
 
-@pytest.mark.parametrize("layout,flag", [(Layout(3, 1), "--target-tp"), (Layout(1, 9), "--target-pp"),
-                                         (Layout(1, 3, first=1), "--target-num-layers-in-first-stage"),
-                                         (Layout(1, 2, first=3, last=3), "--target-num-layers-in-first-stage")])
+@pytest.mark.parametrize("layout,flag", [(Layout(tp=3, pp=1), "--target-tp"), (Layout(tp=1, pp=9), "--target-pp"),
+                                         (Layout(tp=1, pp=3, first=1), "--target-num-layers-in-first-stage"),
+                                         (Layout(tp=1, pp=2, first=3, last=3), "--target-num-layers-in-first-stage")])
 def test_layout_validation_names_the_flag(layout, flag):
     with pytest.raises(ConvertError) as e:
         layout.validate(8, heads=4, groups=2, ffn=96)
@@ -136,7 +137,7 @@ def test_layout_validation_names_the_flag(layout, flag):
                                        ({"num_query_groups": 4, "ffn_hidden_size": 90}, "ffn_hidden_size=90")])
 def test_target_tp_must_divide_heads_and_ffn(kw, needle):
     with pytest.raises(ConvertError) as e:
-        cfg(**kw).check_layout(Layout(4, 1))
+        cfg(**kw).check_layout(Layout(tp=4, pp=1))
     assert f"target TP=4 does not divide {needle}; choose --target-tp among the divisors" in str(e.value)
 
 
@@ -146,10 +147,10 @@ def test_target_tp_divides_or_is_a_multiple_of_the_query_groups(heads, groups, t
     """megatron-core holds TP | groups and groups | TP (a rank then holds a contiguous part of one group)."""
     c = cfg(num_attention_heads=heads, num_query_groups=groups, ffn_hidden_size=96)
     if ok:
-        c.check_layout(Layout(tp, 1))
+        c.check_layout(Layout(tp=tp, pp=1))
         return
     with pytest.raises(ConvertError) as e:
-        c.check_layout(Layout(tp, 1))
+        c.check_layout(Layout(tp=tp, pp=1))
     assert (f"target TP={tp} neither divides num_query_groups={groups} nor is a multiple of it; choose --target-tp "
             f"among the divisors or multiples of {groups}") in str(e.value)
 
@@ -175,7 +176,7 @@ def test_config_from_megatron_lm_args():
 def test_virtual_pipeline_chunks_interleave_like_megatron_core():
     """Chunk v of pipeline rank p holds layers v*(L/V) + p*(L/(P*V)) onwards (megatron-core's
     get_transformer_layer_offset), every layer exactly once."""
-    layout = Layout(1, 2, vpp=3)
+    layout = Layout(tp=1, pp=2, vpp=3)
     chunks = layout.model_chunks(12)
     assert chunks == [(0, 0, 0, 2), (0, 1, 4, 2), (0, 2, 8, 2), (1, 0, 2, 2), (1, 1, 6, 2), (1, 2, 10, 2)]
     assert layout.stage_of_layer(12) == [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
@@ -187,18 +188,18 @@ def test_virtual_pipeline_rank_files_hold_model_chunks():
 
     from dist_convert.formats.megatron import rank_entries
 
-    last = rank_entries(CFG, Layout(1, 2, vpp=2), 0, 1, "local")
+    last = rank_entries(CFG, Layout(tp=1, pp=2, vpp=2), 0, 1, "local")
     assert "model1/output_layer.weight" in last and "model1/decoder.final_layernorm.weight" in last
     assert "model0/decoder.layers.0.mlp.linear_fc2.weight" in last
     assert not any(k.startswith("model0/") and "output" in k for k in last)
-    first = rank_entries(CFG, Layout(1, 2, vpp=2), 0, 0, "local")
+    first = rank_entries(CFG, Layout(tp=1, pp=2, vpp=2), 0, 0, "local")
     assert "model0/embedding.word_embeddings.weight" in first and "model1/embedding.word_embeddings.weight" not in first
 
 
 @pytest.mark.parametrize("layout,needle", [
-    (Layout(1, 2, vpp=3), "does not divide num_layers=8"),
-    (Layout(1, 1, vpp=2), "needs VPP >= 2 and PP >= 2"),
-    (Layout(1, 2, first=2, vpp=2), "uneven first/last"),
+    (Layout(tp=1, pp=2, vpp=3), "does not divide num_layers=8"),
+    (Layout(tp=1, pp=1, vpp=2), "needs VPP >= 2 and PP >= 2"),
+    (Layout(tp=1, pp=2, first=2, vpp=2), "uneven first/last"),
 ])
 def test_impossible_virtual_pipeline_layouts(layout, needle):
     with pytest.raises(ConvertError, match=needle):

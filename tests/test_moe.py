@@ -82,7 +82,7 @@ def test_moe_table_matches_megatron_core(tmp_path, name, tp, pp, ep, etp):
     ranks = json.loads(out.read_text())
     cfg = model_config({"untie_embeddings_and_output_weights": False, "max_position_embeddings": 32,
                         **cfg_dict}).replace(**_moe_from_args(argparse.Namespace(**cfg_dict), cfg_dict["num_layers"]))
-    layout = Layout(tp, pp, ep=ep, etp=etp)
+    layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp)
     assert_torch_dist_matches(ranks, cfg, layout)
     if etp is None:  # legacy files exist only with ETP = TP
         for r in ranks:

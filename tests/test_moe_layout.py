@@ -18,7 +18,10 @@ MOE = dict(num_experts=4, moe_ffn_hidden_size=16, moe_layer_pattern=(0, 1), moe_
 
 
 def _cfg(**kw) -> ModelConfig:
-    return ModelConfig(2, 32, 64, 4, 4, 8, True, "RMSNorm", False, False, False, 128, 16, "rope", None, False, "local",
+    return ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                       kv_channels=8, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
+                       untie_embeddings_and_output_weights=False, vocab_size=128, make_vocab_size_divisible_by=16,
+                       position_embedding_type="rope", max_position_embeddings=None, qk_layernorm=False, spec="local",
                        **MOE).replace(**kw)
 
 
@@ -136,7 +139,7 @@ def test_router_expert_bias_is_never_cast():
 
     cfg = _cfg(moe_router_expert_bias=True)
     dtypes = {n: torch.float32 for n in logical_tensors(cfg)}
-    target = Target(cfg, Layout(tp=2, ep=2), torch.bfloat16, None, 1)
+    target = Target(cfg=cfg, layout=Layout(tp=2, ep=2), dtype=torch.bfloat16, args=None, iteration=1)
     for fmt in (TorchDistFormat(), MegatronFormat()):
         got = {t.key: t.dtype for f in fmt.target_files(target, dtypes) for t in f.tensors}
         bias = {k: d for k, d in got.items() if k.endswith("router.expert_bias")}

@@ -306,10 +306,12 @@ def test_legacy_target_refuses_models_legacy_nemo_cannot_hold(change, needle):
                       untie_embeddings_and_output_weights=True, vocab_size=50, make_vocab_size_divisible_by=8,
                       position_embedding_type="learned_absolute", max_position_embeddings=16, qk_layernorm=False,
                       spec="local")
-    fine = nemo_target_files(Target(cfg, Layout(2, 1), torch.float32, argparse.Namespace(), "release"), {},
-                             lambda t, p, e: f"{t}_{p}", "megatron_legacy")
+    fine = nemo_target_files(Target(cfg=cfg, layout=Layout(tp=2, pp=1), dtype=torch.float32,
+                                    args=argparse.Namespace(), iteration="release"),
+                             {}, lambda t, p, e: f"{t}_{p}", "megatron_legacy")
     assert len(fine) == 2 and "model.language_model.output_layer.weight" in [t.key for t in fine[0].tensors]
-    target = Target(cfg.replace(**change), Layout(2, 1), torch.float32, argparse.Namespace(), "release")
+    target = Target(cfg=cfg.replace(**change), layout=Layout(tp=2, pp=1), dtype=torch.float32,
+                    args=argparse.Namespace(), iteration="release")
     for style in ("legacy", "megatron_legacy"):
         with pytest.raises(ConvertError) as e:
             nemo_target_files(target, {}, lambda t, p, e: f"{t}_{p}", style)

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from dist_convert.config import args_for_target
 from dist_convert.convert import ReshardOptions, target_layout
 from dist_convert.errors import ConvertError
 from dist_convert.layout import pipeline_layout as pl
 from dist_convert.layout.topology import Layout
+from dist_convert.mlm_args import args_for_target
 
 SYMBOL = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
 
@@ -93,7 +93,7 @@ def test_refused_like_megatron_core(text, pp, layers, mtp):
 
 
 def test_layout_follows_the_string():
-    lay = Layout(1, 2, vpp=2, pipeline_layout="Et|t|tt|ttL")
+    lay = Layout(tp=1, pp=2, vpp=2, pipeline_layout="Et|t|tt|ttL")
     assert lay.model_chunks(6) == [(0, 0, 0, 1), (0, 1, 2, 2), (1, 0, 1, 1), (1, 1, 4, 2)]
     assert lay.stack_chunks([("decoder", 6)])[1] == (0, 1, "decoder", 2, 2)
     assert lay.stage_sizes(6) == [3, 3]
@@ -101,7 +101,7 @@ def test_layout_follows_the_string():
     assert lay.chunks_per_rank == 2
     assert str(lay) == "TP=1 PP=2 VPP=2 layout='Et|t|tt|ttL'"
     lay.validate(6, 4, 2, 64)
-    uneven = Layout(2, 2, pipeline_layout="Et|tttL")
+    uneven = Layout(tp=2, pp=2, pipeline_layout="Et|tttL")
     assert uneven.model_chunks(4) == [(0, 0, 0, 1), (1, 0, 1, 3)]
     assert uneven.stage_sizes(4) == [1, 3] and uneven.stage_offsets(4) == [0, 1]
     uneven.validate(4, 4, 2, 64)
@@ -112,7 +112,7 @@ def test_legacy_rank_files_number_layers_by_the_string():
 
     from dist_convert.formats.megatron import rank_entries
 
-    lay = Layout(1, 2, pipeline_layout="Et|" + "t" * (CFG.num_layers - 1) + "L")
+    lay = Layout(tp=1, pp=2, pipeline_layout="Et|" + "t" * (CFG.num_layers - 1) + "L")
     last = rank_entries(CFG, lay, 0, 1, "local")
     first = rank_entries(CFG, lay, 0, 0, "local")
     assert {k.split(".")[2] for k in first if k.startswith("decoder.layers.")} == {"0"}
@@ -124,15 +124,15 @@ def test_legacy_rank_files_number_layers_by_the_string():
 
 
 @pytest.mark.parametrize("lay,layers,needle", [
-    (Layout(1, 2, pipeline_layout="Et|ttL"), 4, "places 3 decoder layers (t) but the model has num_layers=4"),
-    (Layout(1, 2, pipeline_layout="Et|tt|L"), 3, "not a multiple of PP=2"),
-    (Layout(1, 3, pipeline_layout="|Ett|ttL"), 4, "not supported yet"),
-    (Layout(1, 2, pipeline_layout="Et|tt|mL", vpp=None), 3, "stages"),
-    (Layout(1, 2, pipeline_layout="Et|tttmL"), 4, "places 1 MTP layers (m) but the model has 0"),
-    (Layout(1, 2, first=1, pipeline_layout="Et|tttL"), 4, "uneven first/last"),
-    (Layout(1, 2, vpp=2, pipeline_layout="Et|tttL"), 4, "VPP=1 at PP=2, not 2"),
-    (Layout(1, 1, vpp=2, pipeline_layout="Et|tttL"), 4, "need PP >= 2"),
-    (Layout(1, 2, pipeline_layout="Et|tyL"), 2, "unknown symbols 'y'"),
+    (Layout(tp=1, pp=2, pipeline_layout="Et|ttL"), 4, "places 3 decoder layers (t) but the model has num_layers=4"),
+    (Layout(tp=1, pp=2, pipeline_layout="Et|tt|L"), 3, "not a multiple of PP=2"),
+    (Layout(tp=1, pp=3, pipeline_layout="|Ett|ttL"), 4, "not supported yet"),
+    (Layout(tp=1, pp=2, pipeline_layout="Et|tt|mL", vpp=None), 3, "stages"),
+    (Layout(tp=1, pp=2, pipeline_layout="Et|tttmL"), 4, "places 1 MTP layers (m) but the model has 0"),
+    (Layout(tp=1, pp=2, first=1, pipeline_layout="Et|tttL"), 4, "uneven first/last"),
+    (Layout(tp=1, pp=2, vpp=2, pipeline_layout="Et|tttL"), 4, "VPP=1 at PP=2, not 2"),
+    (Layout(tp=1, pp=1, vpp=2, pipeline_layout="Et|tttL"), 4, "need PP >= 2"),
+    (Layout(tp=1, pp=2, pipeline_layout="Et|tyL"), 2, "unknown symbols 'y'"),
 ])
 def test_layout_refuses_strings(lay, layers, needle):
     with pytest.raises(ConvertError) as e:
@@ -143,14 +143,14 @@ def test_layout_refuses_strings(lay, layers, needle):
 
 def test_source_strings_name_the_source_args():
     with pytest.raises(ConvertError, match="the source's pipeline_model_parallel_layout"):
-        Layout(1, 2, pipeline_layout="Et|ttL").validate(4, 4, 2, 64, what="source")
+        Layout(tp=1, pp=2, pipeline_layout="Et|ttL").validate(4, 4, 2, 64, what="source")
 
 
 def test_from_args_reads_the_string_and_derives_vpp():
     args = argparse.Namespace(pipeline_model_parallel_layout="Et|t|t|tL", virtual_pipeline_model_parallel_size=2,
                               decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None)
-    assert Layout.from_args(args, 1, 2) == Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|tL")
-    assert Layout.from_args(args, 1, 4) == Layout(1, 4, pipeline_layout="Et|t|t|tL")
+    assert Layout.from_args(args, 1, 2) == Layout(tp=1, pp=2, vpp=2, pipeline_layout="Et|t|t|tL")
+    assert Layout.from_args(args, 1, 4) == Layout(tp=1, pp=4, pipeline_layout="Et|t|t|tL")
     assert Layout.from_args(argparse.Namespace(), 1, 2).pipeline_layout is None
 
 
@@ -163,17 +163,19 @@ SHARDED = SimpleNamespace(sharded=True, name="megatron")
 
 
 @pytest.mark.parametrize("src,kw,want", [
-    (Layout(1, 2), dict(target_pipeline_layout="Et|tttL"), Layout(1, 2, pipeline_layout="Et|tttL")),
-    (Layout(1, 2), dict(target_pipeline_layout="Et|t|t|tL"), Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|tL")),
-    (Layout(1, 2), dict(target_pipeline_layout="Et|t|t|tL", target_vpp=2),
-     Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|tL")),
-    (Layout(1, 2), dict(target_pp=4, target_pipeline_layout="Et|t|t|tL"), Layout(1, 4, pipeline_layout="Et|t|t|tL")),
-    (Layout(1, 2, pipeline_layout="Et|tttL"), dict(target_tp=2), Layout(2, 2, pipeline_layout="Et|tttL")),
-    (Layout(1, 2, pipeline_layout="Et|tttL"), dict(target_pp=4), Layout(1, 4)),
-    (Layout(1, 2, pipeline_layout="Et|tttL"), dict(target_first=1), Layout(1, 2, first=1)),
-    (Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|tL"), dict(target_vpp=1), Layout(1, 2)),
-    (Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|tL"), dict(target_pipeline_layout="none"), Layout(1, 2)),
-    (Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|tL"), dict(target_first=1), Layout(1, 2, first=1)),
+    (Layout(tp=1, pp=2), dict(target_pipeline_layout="Et|tttL"), Layout(tp=1, pp=2, pipeline_layout="Et|tttL")),
+    (Layout(tp=1, pp=2), dict(target_pipeline_layout="Et|t|t|tL"),
+     Layout(tp=1, pp=2, vpp=2, pipeline_layout="Et|t|t|tL")),
+    (Layout(tp=1, pp=2), dict(target_pipeline_layout="Et|t|t|tL", target_vpp=2),
+     Layout(tp=1, pp=2, vpp=2, pipeline_layout="Et|t|t|tL")),
+    (Layout(tp=1, pp=2), dict(target_pp=4, target_pipeline_layout="Et|t|t|tL"),
+     Layout(tp=1, pp=4, pipeline_layout="Et|t|t|tL")),
+    (Layout(tp=1, pp=2, pipeline_layout="Et|tttL"), dict(target_tp=2), Layout(tp=2, pp=2, pipeline_layout="Et|tttL")),
+    (Layout(tp=1, pp=2, pipeline_layout="Et|tttL"), dict(target_pp=4), Layout(tp=1, pp=4)),
+    (Layout(tp=1, pp=2, pipeline_layout="Et|tttL"), dict(target_first=1), Layout(tp=1, pp=2, first=1)),
+    (Layout(tp=1, pp=2, vpp=2, pipeline_layout="Et|t|t|tL"), dict(target_vpp=1), Layout(tp=1, pp=2)),
+    (Layout(tp=1, pp=2, vpp=2, pipeline_layout="Et|t|t|tL"), dict(target_pipeline_layout="none"), Layout(tp=1, pp=2)),
+    (Layout(tp=1, pp=2, vpp=2, pipeline_layout="Et|t|t|tL"), dict(target_first=1), Layout(tp=1, pp=2, first=1)),
 ])
 def test_target_layout_string(src, kw, want):
     assert target_layout(ReshardOptions(src="s", dst="d", **kw), _index(src), SHARDED) == want
@@ -187,9 +189,9 @@ def test_target_layout_string(src, kw, want):
 ])
 def test_target_layout_refusals(kw, needle):
     with pytest.raises(ConvertError, match=needle):
-        target_layout(ReshardOptions(src="s", dst="d", **kw), _index(Layout(1, 2)), SHARDED)
+        target_layout(ReshardOptions(src="s", dst="d", **kw), _index(Layout(tp=1, pp=2)), SHARDED)
     with pytest.raises(ConvertError, match="--target-pipeline-layout"):
-        target_layout(ReshardOptions(src="s", dst="d", target_pipeline_layout="Et|tttL"), _index(Layout(1, 2)),
+        target_layout(ReshardOptions(src="s", dst="d", target_pipeline_layout="Et|tttL"), _index(Layout(tp=1, pp=2)),
                       SimpleNamespace(sharded=False, name="hf"))
 
 
@@ -197,8 +199,9 @@ def test_target_args_carry_the_string():
     from test_layout import cfg
     src = argparse.Namespace(num_layers_per_virtual_pipeline_stage=2, decoder_first_pipeline_num_layers=1,
                              num_virtual_stages_per_pipeline_rank=None)
-    out = args_for_target(src, cfg(), Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|tL"), None)
+    out = args_for_target(src, cfg(), Layout(tp=1, pp=2, vpp=2, pipeline_layout="Et|t|t|tL"), None)
     assert out.pipeline_model_parallel_layout == "Et|t|t|tL" and out.virtual_pipeline_model_parallel_size == 2
     assert out.num_layers_per_virtual_pipeline_stage is None and out.decoder_first_pipeline_num_layers is None
-    plain = args_for_target(argparse.Namespace(pipeline_model_parallel_layout="Et|tttL"), cfg(), Layout(1, 2), None)
+    plain = args_for_target(argparse.Namespace(pipeline_model_parallel_layout="Et|tttL"), cfg(), Layout(tp=1, pp=2),
+                            None)
     assert plain.pipeline_model_parallel_layout is None

@@ -37,7 +37,8 @@ def legacy_source(cfg, layout, model):
                 local = torch.full(shape, 7.0)  # padding rows hold junk that must not leak
                 for pc in pieces:
                     local[pc.sbox.slices()] = model[pc.logical][pc.lbox.slices()].reshape(pc.sbox.sizes)
-                c = SourceChunk(len(chunks), f"mp_rank_{t:02d}_{p:03d}", key, shape, torch.float32, pieces)
+                c = SourceChunk(id=len(chunks), file=f"mp_rank_{t:02d}_{p:03d}", key=key, shape=shape,
+                                dtype=torch.float32, pieces=pieces)
                 chunks.append(c)
                 data[c.id] = local
     return chunks, data
@@ -91,8 +92,10 @@ def wave_peak_bytes(plan: Plan, by_id: dict[int, SourceChunk]) -> list[int]:
     return peak
 
 
-CASES = list(itertools.product([Layout(2, 2), Layout(1, 1), Layout(2, 1, None, None), Layout(1, 2, vpp=2)],
-                               [Layout(1, 4), Layout(2, 1), Layout(1, 3, first=2), Layout(2, 2), Layout(2, 2, vpp=2)],
+CASES = list(itertools.product([Layout(tp=2, pp=2), Layout(tp=1, pp=1), Layout(tp=2, pp=1, first=None, last=None),
+                                Layout(tp=1, pp=2, vpp=2)],
+                               [Layout(tp=1, pp=4), Layout(tp=2, pp=1), Layout(tp=1, pp=3, first=2), Layout(tp=2, pp=2),
+                                Layout(tp=2, pp=2, vpp=2)],
                                [1, 3, 4], ["megatron", "torch_dist"]))
 
 
@@ -101,7 +104,8 @@ def test_plan_covers_every_target_byte_once(src, dst, world, fmt):
     model = logical_model(CFG)
     chunks, data = legacy_source(CFG, src, model)
     writer = MegatronFormat() if fmt == "megatron" else TorchDistFormat()
-    files = writer.target_files(Target(CFG, dst, None, None, 1), {n: torch.float32 for n in model})
+    files = writer.target_files(Target(cfg=CFG, layout=dst, dtype=None, args=None, iteration=1),
+                                {n: torch.float32 for n in model})
     budget = 64 << 10
     plan = make_plan(chunks, files, world, budget, numel(CFG))
     # each needed source chunk is read by exactly one rank; replicas (TP copies of norms) are skipped
@@ -126,8 +130,9 @@ def test_plan_covers_every_target_byte_once(src, dst, world, fmt):
 
 def test_reads_are_balanced_and_each_byte_read_once():
     model = logical_model(CFG)
-    chunks, _ = legacy_source(CFG, Layout(2, 2), model)
-    files = MegatronFormat().target_files(Target(CFG, Layout(1, 1), None, None, 1), {n: torch.float32 for n in model})
+    chunks, _ = legacy_source(CFG, Layout(tp=2, pp=2), model)
+    files = MegatronFormat().target_files(Target(cfg=CFG, layout=Layout(tp=1, pp=1), dtype=None, args=None,
+                                                 iteration=1), {n: torch.float32 for n in model})
     plan = make_plan(chunks, files, 4, 1 << 30, numel(CFG))
     unique = sum(c.nbytes for c in chunks if c.id in plan.reader_of)
     assert sum(plan.read_bytes) == unique
@@ -142,8 +147,9 @@ def test_reads_are_balanced_and_each_byte_read_once():
 
 def test_budget_splits_waves():
     model = logical_model(CFG)
-    chunks, _ = legacy_source(CFG, Layout(2, 1), model)
-    files = TorchDistFormat().target_files(Target(CFG, Layout(1, 2), None, None, 1), {n: torch.float32 for n in model})
+    chunks, _ = legacy_source(CFG, Layout(tp=2, pp=1), model)
+    files = TorchDistFormat().target_files(Target(cfg=CFG, layout=Layout(tp=1, pp=2), dtype=None, args=None,
+                                                  iteration=1), {n: torch.float32 for n in model})
     big = make_plan(chunks, files, 2, 1 << 30, numel(CFG))
     small = make_plan(chunks, files, 2, 16 << 10, numel(CFG))
     assert len(big.waves) == 1 and len(small.waves) > 4
@@ -153,9 +159,10 @@ def test_budget_splits_waves():
 def test_missing_source_shard_is_refused():
     from dist_convert.errors import ConvertError
     model = logical_model(CFG)
-    chunks, _ = legacy_source(CFG, Layout(2, 1), model)
+    chunks, _ = legacy_source(CFG, Layout(tp=2, pp=1), model)
     chunks = [c for c in chunks if not (c.file.startswith("mp_rank_01") and "linear_proj.weight" in c.key)]
-    files = MegatronFormat().target_files(Target(CFG, Layout(1, 1), None, None, 1), {n: torch.float32 for n in model})
+    files = MegatronFormat().target_files(Target(cfg=CFG, layout=Layout(tp=1, pp=1), dtype=None, args=None,
+                                                 iteration=1), {n: torch.float32 for n in model})
     with pytest.raises(ConvertError, match="do not cover"):
         make_plan(chunks, files, 2, 1 << 30, numel(CFG))
 
@@ -167,11 +174,12 @@ def test_absent_tensors_are_neither_read_nor_written():
     from dist_convert.errors import ConvertError
     from dist_convert.layout.boxes import Box, Piece
     model = logical_model(CFG)
-    chunks, data = legacy_source(CFG, Layout(2, 2), model)
+    chunks, data = legacy_source(CFG, Layout(tp=2, pp=2), model)
     gone = "decoder.layers.1.mlp.linear_fc2.weight"
     chunks = [c for c in chunks if not (c.file == "mp_rank_01_000" and c.key == gone)]
     for fmt in (MegatronFormat(), TorchDistFormat()):
-        full = fmt.target_files(Target(CFG, Layout(1, 2), None, None, 1), {n: torch.float32 for n in model})
+        full = fmt.target_files(Target(cfg=CFG, layout=Layout(tp=1, pp=2), dtype=None, args=None, iteration=1),
+                                {n: torch.float32 for n in model})
         with pytest.raises(ConvertError, match=f"source shards of {gone} do not cover it"):
             make_plan(chunks, full, 2, 1 << 20, numel(CFG))
         files = omit_absent(full, {gone})
@@ -184,8 +192,10 @@ def test_absent_tensors_are_neither_read_nor_written():
         assert all(p.logical != gone for cid in plan.reader_of for p in by_id[cid].pieces)
         assert_targets_hold(simulate(plan, files, data), files, model)
         assert omit_absent(full, frozenset()) is full
-    a, b = Piece("a", Box((0,), (1,)), Box((0,), (1,))), Piece("b", Box((0,), (1,)), Box((1,), (1,)))
-    mixed = [TargetFile(0, "f", [TargetTensor("ab", (2,), torch.float32, [a, b])])]
+    a = Piece(logical="a", lbox=Box((0,), (1,)), sbox=Box((0,), (1,)))
+    b = Piece(logical="b", lbox=Box((0,), (1,)), sbox=Box((1,), (1,)))
+    mixed = [TargetFile(id=0, name="f",
+                        tensors=[TargetTensor(key="ab", shape=(2,), dtype=torch.float32, pieces=[a, b])])]
     with pytest.raises(ConvertError, match="holds a, which the source lacks, together with tensors it has"):
         omit_absent(mixed, {"a"})
     assert omit_absent(mixed, {"a", "b"})[0].tensors == []
@@ -194,9 +204,10 @@ def test_absent_tensors_are_neither_read_nor_written():
 def test_vocab_shard_that_is_all_padding_is_zero_filled():
     cfg = CFG.replace(num_query_groups=4, vocab_size=40)  # padded to 64 at TP=4: rank 3 holds rows 48..63
     model = logical_model(cfg)
-    chunks, data = legacy_source(cfg, Layout(1, 1), model)
+    chunks, data = legacy_source(cfg, Layout(tp=1, pp=1), model)
     for fmt in (MegatronFormat(), TorchDistFormat()):
-        files = fmt.target_files(Target(cfg, Layout(4, 1), None, None, 1), {n: torch.float32 for n in model})
+        files = fmt.target_files(Target(cfg=cfg, layout=Layout(tp=4, pp=1), dtype=None, args=None, iteration=1),
+                                 {n: torch.float32 for n in model})
         plan = make_plan(chunks, files, 2, 1 << 20, numel(cfg))
         out = simulate(plan, files, data)
         emb = [(f, j, t) for f in files for j, t in enumerate(f.tensors) if t.key == "embedding.word_embeddings.weight"]
@@ -213,15 +224,15 @@ def test_waves_are_packed_near_the_lower_bound_at_scale():
                       num_query_groups=8, kv_channels=128, normalization="RMSNorm", add_bias_linear=False,
                       add_qkv_bias=False, untie_embeddings_and_output_weights=True, vocab_size=128256,
                       make_vocab_size_divisible_by=128, position_embedding_type="rope")
-    src = Layout(8, 8)
+    src = Layout(tp=8, pp=8)
     chunks = []
     for p in range(src.pp):
         for t in range(src.tp):
             for key, (shape, pieces) in rank_entries(big, src, t, p, "local").items():
-                chunks.append(SourceChunk(len(chunks), f"{t}_{p}", key, shape, torch.bfloat16,
-                                          pieces))
+                chunks.append(SourceChunk(id=len(chunks), file=f"{t}_{p}", key=key, shape=shape, dtype=torch.bfloat16,
+                                          pieces=pieces))
     names = numel(big)
-    target = Target(big, Layout(4, 16), None, None, 1)
+    target = Target(cfg=big, layout=Layout(tp=4, pp=16), dtype=None, args=None, iteration=1)
     files = TorchDistFormat().target_files(target, {n: torch.bfloat16 for n in names})
     budget = 256 << 20
     plan = make_plan(chunks, files, 64, budget, names)
@@ -250,8 +261,9 @@ def test_waves_are_packed_near_the_lower_bound_at_scale():
 
 def test_split_files_give_every_rank_a_part():
     model = logical_model(CFG)
-    chunks, data = legacy_source(CFG, Layout(2, 1), model)
-    files = TorchDistFormat().target_files(Target(CFG, Layout(1, 2), None, None, 1), {n: torch.float32 for n in model})
+    chunks, data = legacy_source(CFG, Layout(tp=2, pp=1), model)
+    files = TorchDistFormat().target_files(Target(cfg=CFG, layout=Layout(tp=1, pp=2), dtype=None, args=None,
+                                                  iteration=1), {n: torch.float32 for n in model})
     parts = split_files(files, 4)
     assert len(files) == 2 and len(parts) == 4
     key = lambda t: (t.key, t.offsets)  # noqa: E731
@@ -276,8 +288,9 @@ def test_tensors_are_handed_over_once_complete_and_not_held(block, monkeypatch):
 
     monkeypatch.setattr(dist_convert.plan, "BLOCK_MIN", 0)  # a writer's floor; this model's tensors are smaller
     model = logical_model(CFG)
-    chunks, data = legacy_source(CFG, Layout(2, 2), model)
-    files = MegatronFormat().target_files(Target(CFG, Layout(1, 1), None, None, 1), {n: torch.float32 for n in model})
+    chunks, data = legacy_source(CFG, Layout(tp=2, pp=2), model)
+    files = MegatronFormat().target_files(Target(cfg=CFG, layout=Layout(tp=1, pp=1), dtype=None, args=None,
+                                                 iteration=1), {n: torch.float32 for n in model})
     plan = make_plan(chunks, files, 1, 4 << 10, numel(CFG))
     handed, held, blocks = {}, [], defaultdict(dict)
 

@@ -44,7 +44,8 @@ def assert_torch_dist_matches(ranks: list[dict], cfg: ModelConfig, layout: Layou
             want_tensors.add((key, tuple(gshape), tuple(offs), tuple(sizes)))
         want_objects.update(r["objects"])
     dtypes = dict.fromkeys(logical_tensors(cfg), torch.float32)
-    files = TorchDistFormat().target_files(Target(cfg, layout, torch.float32, None, 1), dtypes)
+    files = TorchDistFormat().target_files(Target(cfg=cfg, layout=layout, dtype=torch.float32, args=None, iteration=1),
+                                           dtypes)
     got_tensors = {(t.key, tuple(t.global_shape), tuple(t.offsets), tuple(t.shape)) for f in files for t in f.tensors}
     assert got_tensors == want_tensors
     assert {k for f in files for k in f.objects} == want_objects
@@ -62,7 +63,7 @@ def assert_legacy_matches(ranks: list[dict], cfg: ModelConfig, layout: Layout) -
         assert module_order(params) == r["params"], (r["tp_rank"], r["pp_rank"])
 
 
-LAYOUTS = [("A", Layout(2, 2)), ("B", Layout(2, 2, first=2)), ("B", Layout(4, 1))]
+LAYOUTS = [("A", Layout(tp=2, pp=2)), ("B", Layout(tp=2, pp=2, first=2)), ("B", Layout(tp=4, pp=1))]
 
 
 @pytest.mark.parametrize("name,layout", LAYOUTS, ids=[f"{n}-{lay.tp}x{lay.pp}" for n, lay in LAYOUTS])
@@ -94,7 +95,7 @@ def test_mla_mtp_table_matches_megatron_core(tmp_path, q_lora=32):
     cfg_dict = deepseek_oracle_config({**DEEPSEEK, "q_lora_rank": q_lora, "num_nextn_predict_layers": 1,
                                        "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
                                        "rms_norm_eps": 1e-6, "max_position_embeddings": 64})
-    layout = Layout(2, 2, first=1)
+    layout = Layout(tp=2, pp=2, first=1)
     config = tmp_path / "c.json"
     config.write_text(json.dumps(cfg_dict))
     out = tmp_path / "layout.json"

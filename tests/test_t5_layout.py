@@ -24,13 +24,13 @@ T5_REL = T5.replace(position_embedding_type="relative", untie_embeddings_and_out
 
 
 def test_stacks_sit_on_both_sides_of_the_split_rank():
-    assert Layout(1, 3, split=1).stack_chunks(T5.stacks) == [(0, 0, "encoder", 0, 2), (1, 0, "decoder", 0, 2),
+    assert Layout(tp=1, pp=3, split=1).stack_chunks(T5.stacks) == [(0, 0, "encoder", 0, 2), (1, 0, "decoder", 0, 2),
                                                              (2, 0, "decoder", 2, 2)]
-    assert Layout(2, 1).stack_chunks(T5.stacks) == [(0, 0, "encoder", 0, 2), (0, 0, "decoder", 0, 4)]
+    assert Layout(tp=2, pp=1).stack_chunks(T5.stacks) == [(0, 0, "encoder", 0, 2), (0, 0, "decoder", 0, 4)]
 
 
 def test_rank_files_hold_what_each_stage_needs():
-    keys = [set(rank_entries(T5, Layout(1, 3, split=1), 0, p, "local")) for p in range(3)]
+    keys = [set(rank_entries(T5, Layout(tp=1, pp=3, split=1), 0, p, "local")) for p in range(3)]
     top = [{k for k in ks if ".layers." not in k} for ks in keys]
     emb = {"embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "position_embeddings.weight"}
     assert top[0] == emb | {"encoder.final_layernorm.weight", "encoder.final_layernorm.bias"}
@@ -40,7 +40,8 @@ def test_rank_files_hold_what_each_stage_needs():
                       "decoder.final_layernorm.bias", "lm_head.output_layer.weight", "output_layer.weight"}
     assert "decoder.layers.1.cross_attention.linear_kv.weight" in keys[2]  # local layer numbers
     assert not any(k.startswith("encoder.layers") for k in keys[1] | keys[2])
-    rel = [{k for k in rank_entries(T5_REL, Layout(1, 3, split=2), 0, p, "local") if "relative" in k} for p in range(3)]
+    rel = [{k for k in rank_entries(T5_REL, Layout(tp=1, pp=3, split=2), 0, p, "local") if "relative" in k}
+           for p in range(3)]
     assert rel == [{"encoder_relative_pos_emb.relative_attention_bias.weight"}] * 2 + \
         [{"decoder_relative_pos_emb.relative_attention_bias.weight"}]
 
@@ -51,14 +52,15 @@ def test_cross_attention_kv_is_split_by_groups():
 
 
 @pytest.mark.parametrize("cfg", [T5, T5_REL], ids=["tied-learned", "untied-relative"])
-@pytest.mark.parametrize("src,dst,fmt", [(Layout(2, 1), Layout(1, 3, split=1), "megatron"),
-                                         (Layout(1, 2, split=1), Layout(2, 1), "torch_dist"),
-                                         (Layout(2, 3, split=2), Layout(1, 2, split=1), "megatron")])
+@pytest.mark.parametrize("src,dst,fmt", [(Layout(tp=2, pp=1), Layout(tp=1, pp=3, split=1), "megatron"),
+                                         (Layout(tp=1, pp=2, split=1), Layout(tp=2, pp=1), "torch_dist"),
+                                         (Layout(tp=2, pp=3, split=2), Layout(tp=1, pp=2, split=1), "megatron")])
 def test_plan_covers_t5_targets(cfg, src, dst, fmt):
     model = logical_model(cfg)
     chunks, data = legacy_source(cfg, src, model)
     writer = MegatronFormat() if fmt == "megatron" else TorchDistFormat()
-    files = writer.target_files(Target(cfg, dst, None, None, 1), {n: torch.float32 for n in model})
+    files = writer.target_files(Target(cfg=cfg, layout=dst, dtype=None, args=None, iteration=1),
+                                {n: torch.float32 for n in model})
     plan = make_plan(chunks, files, 3, 64 << 10, numel(cfg))
     assert_targets_hold(simulate(plan, files, data), files, model)
     written = {pc.logical for f in files for t in f.tensors for pc in t.pieces}
@@ -66,11 +68,11 @@ def test_plan_covers_t5_targets(cfg, src, dst, fmt):
 
 
 @pytest.mark.parametrize("layout,needle", [
-    (Layout(1, 2), "needs a pipeline split rank"),
-    (Layout(1, 2, split=2), "needs a pipeline split rank in [1, 1]"),
-    (Layout(1, 4, split=1), "not an even split"),  # 4 decoder layers over 3 stages
-    (Layout(1, 1, split=1), "needs PP > 1"),
-    (Layout(1, 2, vpp=2, split=1), "no virtual or uneven"),
+    (Layout(tp=1, pp=2), "needs a pipeline split rank"),
+    (Layout(tp=1, pp=2, split=2), "needs a pipeline split rank in [1, 1]"),
+    (Layout(tp=1, pp=4, split=1), "not an even split"),  # 4 decoder layers over 3 stages
+    (Layout(tp=1, pp=1, split=1), "needs PP > 1"),
+    (Layout(tp=1, pp=2, vpp=2, split=1), "no virtual or uneven"),
 ])
 def test_bad_t5_layouts_are_refused(layout, needle):
     with pytest.raises(ConvertError, match="pipeline-split-rank|split rank|virtual") as e:
@@ -81,7 +83,7 @@ def test_bad_t5_layouts_are_refused(layout, needle):
 def test_split_rank_on_a_gpt_model_is_refused():
     gpt = T5.replace(family="gpt", encoder_num_layers=0)
     with pytest.raises(ConvertError, match="only encoder-decoder"):
-        gpt.check_layout(Layout(1, 2, split=1))
+        gpt.check_layout(Layout(tp=1, pp=2, split=1))
 
 
 def test_split_rank_in_args_counts_only_for_encoder_decoder_models():

@@ -9,5 +9,6 @@ writer, launched under torchrun), ``baselines`` (the whole-model single-process 
 (megatron-core load + save under torchrun), ``bridge_job`` (Megatron-Bridge's HF import, run by path in
 the interpreter that has Bridge), ``bridge`` (that job's command, the check that its output equals
 dist_convert's, the ratios), ``measure`` (subprocesses, timing), ``report`` (pure check math, the tables,
-JSON and plot), ``run`` (the ``bench`` subcommand).
+JSON and plot), ``run`` (per target layout, every method), ``scaling`` (``--sizes``), ``main`` (the ``bench``
+subcommand: checks the options, runs ``run``, ``scaling`` or ``plan_scale``, reports).
 """

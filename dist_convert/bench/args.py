@@ -1,5 +1,5 @@
 """The ``bench`` subcommand's arguments, apart from its machinery: building the parser of every
-launch imports only this (``bench.run`` is imported when ``bench`` runs)."""
+launch imports only this (``bench.main`` is imported when ``bench`` runs)."""
 from __future__ import annotations
 
 import argparse

@@ -21,14 +21,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from ..config import args_for_target
 from ..convert import ReshardOptions, check_vocab, load_index, source_dtypes, target_layout
 from ..datamodel import SourceIndex, Target, TargetFile, WrittenFile
 from ..errors import ConvertError
 from ..formats.base import FormatOptions, iter_dir_name, write_tracker
-from ..formats.megatron import split_chunk_key
 from ..layout.boxes import Box
+from ..layout.rank_files import split_chunk_key
 from ..layout.rules import logical_tensors
+from ..mlm_args import args_for_target
 from ..runtime import Runtime, peak_rss_bytes
 from ..safe_load import load_pt
 from .measure import job_args
@@ -85,7 +85,8 @@ def whole_model(src: Path, dst: Path, target_tp: int, target_pp: int, trust_pick
     opts = ReshardOptions(src=src, dst=dst, target_tp=target_tp, target_pp=target_pp, formats=options)
     layout = target_layout(opts, index, fmt)
     check_vocab(opts, index, index.cfg, layout)
-    target = Target(index.cfg, layout, None, args_for_target(index.args, index.cfg, layout, None), index.iteration)
+    target = Target(cfg=index.cfg, layout=layout, dtype=None, args=args_for_target(index.args, index.cfg, layout, None),
+                    iteration=index.iteration)
     files = fmt.target_files(target, source_dtypes(index))
     shards = load_every_shard(index, trust_pickle)
     t_load = time.perf_counter()

@@ -31,17 +31,20 @@ REPO_ROOT = PACKAGE_PARENT if FROM_CHECKOUT else Path.cwd()
 COPY_BLOCK = 16 << 20
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
+    """Not frozen: ``measure_target`` adds to ``detail`` (the load average after the run) once it has it."""
+
     wall_s: float  # the whole command (start-up included) and the sync after it
     inproc_s: float | None = None  # the slowest rank's own time, from its report
     peak_rss_per_rank: list[int] = field(default_factory=list)
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Outcome:
-    """One method at one target: its runs (median reported) or why it did not run."""
+    """One method at one target: its runs (median reported) or why it did not run. Not frozen: it is filled in
+    as the method runs (runs, status and reason, the output kept, the predicted RSS, the agreement check)."""
 
     method: str  # floor | help | startup | startup_torchrun | dist_convert | optimizer | whole_model | mcore | bridge
     label: str
@@ -176,7 +179,7 @@ def time_floor(files: list[Path], out: Path) -> Run:
         dst.flush()
         os.fsync(dst.fileno())
     os.sync()
-    return Run(time.perf_counter() - t0)
+    return Run(wall_s=time.perf_counter() - t0)
 
 
 def parse_dist_convert(stats: Any) -> tuple[float, list[int], dict]:
@@ -205,7 +208,7 @@ def time_job(cmd: list[str], stats_path: Path, parse: Parser, timeout: float) ->
     if not stats_path.is_file():
         raise MethodFailed(f"the command wrote no stats to {stats_path}")
     inproc, rss, detail = parse(json.loads(stats_path.read_text()))
-    return Run(wall, inproc, rss, detail)
+    return Run(wall_s=wall, inproc_s=inproc, peak_rss_per_rank=rss, detail=detail)
 
 
 def drop_caches() -> None:

@@ -14,10 +14,10 @@ import torch
 
 from ..datamodel import SourceChunk, Target, TargetFile, numel
 from ..formats.hf import hf_tensors, pack_shards
-from ..formats.hf_config import config_from_hf
 from ..formats.torch_dist import TorchDistFormat
 from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
+from ..models import config_from_hf
 from ..plan import make_plan, split_chunks, split_files
 from ..runtime import human_bytes as human
 from ..runtime import peak_rss_bytes
@@ -37,13 +37,14 @@ DEEPSEEK_V3: dict[str, Any] = {
 HF_SHARDS = 163
 # the layouts planned: DeepSeek-V3's Megatron recipes (16 and 8 pipeline stages, MTP on the last)
 CASES: dict[str, tuple[Layout | None, Layout, int]] = {
-    "hf -> TP8 PP16 EP64": (None, Layout(8, 16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"), 128),
-    "TP8 PP16 EP64 -> TP4 PP8 EP32": (Layout(8, 16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"),
-                                      Layout(4, 8, ep=32, etp=1, pipeline_layout="Et*7|(tttttttt|)*6ttttttmL"), 128),
+    "hf -> TP8 PP16 EP64": (None, Layout(tp=8, pp=16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"), 128),
+    "TP8 PP16 EP64 -> TP4 PP8 EP32": (Layout(tp=8, pp=16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"),
+                                      Layout(tp=4, pp=8, ep=32, etp=1, pipeline_layout="Et*7|(tttttttt|)*6ttttttmL"),
+                                      128),
 }
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class PlanFigures:
     case: str
     world: int
@@ -67,15 +68,16 @@ def hf_chunks(cfg: Any, dtype: torch.dtype = torch.bfloat16, shards: int = HF_SH
     sizes = [(k, numel(shape) * dtype.itemsize) for k, (shape, _) in tensors.items()]
     packs = pack_shards(sizes, -(-sum(n for _, n in sizes) // shards))
     file_of = {k: i for i, names in enumerate(packs) for k in names}
-    return [SourceChunk(i, f"model-{file_of[k] + 1:05d}-of-{len(packs):05d}.safetensors", k, shape, dtype, pieces,
-                        (0,) * len(shape), sliceable=True) for i, (k, (shape, pieces)) in enumerate(tensors.items())]
+    return [SourceChunk(id=i, file=f"model-{file_of[k] + 1:05d}-of-{len(packs):05d}.safetensors", key=k, shape=shape,
+                        dtype=dtype, pieces=pieces, offsets=(0,) * len(shape), sliceable=True)
+            for i, (k, (shape, pieces)) in enumerate(tensors.items())]
 
 
 def torch_dist_chunks(target: Target, dtypes: dict[str, torch.dtype]) -> list[SourceChunk]:
     """The chunks ``TorchDistFormat`` indexes for a save at ``target.layout``: its stored chunks."""
     files = TorchDistFormat().target_files(target, dtypes)
-    return [SourceChunk(i, t.key, t.key, t.shape, t.dtype, t.pieces, offsets=t.offsets, sliceable=True,
-                        contiguous_cuts=True, origin=t.offsets, origin_shape=t.shape)
+    return [SourceChunk(id=i, file=t.key, key=t.key, shape=t.shape, dtype=t.dtype, pieces=t.pieces, offsets=t.offsets,
+                        sliceable=True, contiguous_cuts=True, origin=t.offsets, origin_shape=t.shape)
             for i, t in enumerate(t for f in files for t in f.tensors)]
 
 
@@ -89,17 +91,18 @@ def plan_case(case: str, budget: int = 4 << 30) -> PlanFigures:
         chunks = hf_chunks(cfg)
     else:
         cfg.check_layout(src_layout, "source")
-        chunks = torch_dist_chunks(Target(cfg, src_layout, None, args, 0), dtypes)
+        chunks = torch_dist_chunks(Target(cfg=cfg, layout=src_layout, dtype=None, args=args, iteration=0), dtypes)
     cfg.check_layout(dst_layout)
-    target = Target(cfg, dst_layout, None, args, 0)
+    target = Target(cfg=cfg, layout=dst_layout, dtype=None, args=args, iteration=0)
     files: list[TargetFile] = split_files(TorchDistFormat().target_files(target, dtypes), world)
     cut = split_chunks(chunks, files, budget // 4)
     lnumel = {n: numel(t.shape) for n, t in logical_tensors(cfg).items()}
     plan = make_plan(cut, files, world, budget, lnumel)
     elapsed = time.perf_counter() - t0
-    return PlanFigures(case, world, sum(lnumel.values()), len(chunks), len(cut), len(files), len(plan.waves), elapsed,
-                       max(plan.read_bytes), min(plan.read_bytes), max(plan.write_bytes), min(plan.write_bytes),
-                       budget, peak_rss_bytes())
+    return PlanFigures(case=case, world=world, params=sum(lnumel.values()), source_chunks=len(chunks),
+                       read_chunks=len(cut), target_files=len(files), waves=len(plan.waves), plan_s=elapsed,
+                       read_max=max(plan.read_bytes), read_min=min(plan.read_bytes), write_max=max(plan.write_bytes),
+                       write_min=min(plan.write_bytes), wave_bound=budget, planner_rss=peak_rss_bytes())
 
 
 def run_plan_scale() -> list[dict[str, Any]]:

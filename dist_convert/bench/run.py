@@ -1,23 +1,16 @@
-"""``python -m dist_convert bench``: make (or take) a checkpoint, then per target layout time the I/O floor,
-dist_convert at each world size, the whole-model baseline, megatron-core and (from a Hugging Face source)
-Megatron-Bridge's import, interleaved rep by rep."""
+"""``python -m dist_convert bench`` (run by ``bench.main``): make (or take) a checkpoint, then per target layout
+time the I/O floor, dist_convert at each world size, the whole-model baseline, megatron-core and (from a Hugging
+Face source) Megatron-Bridge's import, interleaved rep by rep."""
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
 import os
-import platform
-import socket
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from ..errors import ConvertError
 from ..runtime import _console, human_bytes
@@ -27,7 +20,7 @@ from .measure import MethodFailed, Outcome, Run
 from .shape import LlamaShape, choose_shape, lcm
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Source:
     path: Path
     format: str
@@ -87,7 +80,8 @@ def make_source(ns: argparse.Namespace, size: int, targets: list[tuple[int, int]
     except MethodFailed as e:
         raise ConvertError(f"writing the synthetic checkpoint failed ({e})", "check --src-tp/--src-pp/--size") from None
     files = measure.source_files(out)
-    return Source(out, ns.format, tp, pp, measure.total_bytes(files), files, str(shape), wall)
+    return Source(path=out, format=ns.format, tp=tp, pp=pp, nbytes=measure.total_bytes(files), files=files,
+                  shape=str(shape), make_s=wall)
 
 
 def existing_source(path: Path) -> Source:
@@ -102,7 +96,8 @@ def existing_source(path: Path) -> Source:
     files = measure.source_files(path)
     cfg = index.cfg
     shape = f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}"
-    return Source(path, fmt.name, index.layout.tp, index.layout.pp, measure.total_bytes(files), files, shape)
+    return Source(path=path, format=fmt.name, tp=index.layout.tp, pp=index.layout.pp, nbytes=measure.total_bytes(files),
+                  files=files, shape=shape)
 
 
 Job = tuple[Outcome, Callable[[Path, Path], Run]]
@@ -112,11 +107,12 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
     """Each method as (its outcome record, a function timing one run into (dst, stats file))."""
     out: list[Job] = []
     if "floor" in methods:
-        out.append((Outcome("floor", "I/O floor", None), lambda dst, _: measure.time_floor(src.files, dst)))
+        out.append((Outcome(method="floor", label="I/O floor", world=None),
+                    lambda dst, _: measure.time_floor(src.files, dst)))
     if "startup" in methods:
         def helped(dst: Path, stats: Path) -> Run:
-            return Run(measure.run_command(measure.python_module("dist_convert", "--help"), ns.timeout))
-        out.append((Outcome("help", "dist_convert --help", None), helped))
+            return Run(wall_s=measure.run_command(measure.python_module("dist_convert", "--help"), ns.timeout))
+        out.append((Outcome(method="help", label="dist_convert --help", world=None), helped))
         launchers = ("nproc", "torchrun") if "torchrun" in methods else ("nproc",)  # torchrun: for reference
         for w, launcher in [(n, k) for n in ranks for k in launchers[:1 + (n > 1)]]:
             def start(dst: Path, stats: Path, w: int = w, launcher: str = launcher) -> Run:
@@ -125,7 +121,8 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
                     measure.python_module(*args, *(("--nproc", str(w)) if w > 1 else ()))
                 return measure.time_job(cmd, stats, measure.parse_dist_convert, ns.timeout)
             name = "startup" if launcher == "nproc" else "startup_torchrun"
-            out.append((Outcome(name, f"start-up{' torchrun' if name != 'startup' else ''} w={w}", w), start))
+            out.append((Outcome(method=name, label=f"start-up{' torchrun' if name != 'startup' else ''} w={w}",
+                                world=w), start))
     if "dist_convert" in methods:
         # one process, or `--nproc w` (dist_convert's own launch); --optimizer: each world size also converts the
         # optimizer state (method "optimizer", beside the weights)
@@ -138,9 +135,10 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
                     *(("--nproc", str(w)) if w > 1 else ()))
                 return measure.time_job(cmd, stats, measure.parse_dist_convert, ns.timeout)
             name = "optimizer" if flags else "dist_convert"
-            out.append((Outcome(name, f"dist_convert{' --optimizer' if flags else ''} w={w}", w), dc))
+            out.append((Outcome(method=name, label=f"dist_convert{' --optimizer' if flags else ''} w={w}", world=w),
+                        dc))
     if "whole_model" in methods:
-        o = Outcome("whole_model", "whole-model w=1", 1)
+        o = Outcome(method="whole_model", label="whole-model w=1", world=1)
         if src.format == "hf":
             o.status, o.reason = "n/a", "the whole-model baseline converts torch_dist or megatron checkpoints"
 
@@ -150,7 +148,7 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
             return measure.time_job(cmd, stats, measure.parse_single, ns.timeout)
         out.append((o, whole))
     if "mcore" in methods:
-        o = Outcome("mcore", f"mcore load+save w={tp * pp}", tp * pp)
+        o = Outcome(method="mcore", label=f"mcore load+save w={tp * pp}", world=tp * pp)
         if src.format == "hf":
             o.status, o.reason = "n/a", "megatron-core loads Megatron checkpoints (for an hf source: --methods bridge)"
         elif src.format != "torch_dist":
@@ -164,7 +162,7 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
             return measure.time_job(cmd, stats, measure.parse_mcore, ns.timeout)
         out.append((o, mc))
     if "bridge" in methods:
-        o = Outcome("bridge", f"Megatron-Bridge import w={tp * pp}", tp * pp)
+        o = Outcome(method="bridge", label=f"Megatron-Bridge import w={tp * pp}", world=tp * pp)
         reason = bridge.why_not(ns.bridge_python, src.format)
         if reason:
             o.status, o.reason = "n/a", reason
@@ -232,57 +230,6 @@ def predicted_rss(src: Source, tp: int, pp: int, world: int, optimizer: bool, ns
         _console.print(f"  [red]plan failed[/]: {e}")
         return None
     return max(r["predicted_peak_rss"] for r in json.loads(out.read_text())["ranks"])
-
-
-def machine() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "loadavg_start": os.getloadavg()}
-
-
-def bench_main(ns: argparse.Namespace) -> int:
-    try:
-        return _bench(ns)
-    except ConvertError as e:
-        print(f"dist_convert: error: {e}", flush=True, file=sys.stderr)
-        return 2
-
-
-def _bench(ns: argparse.Namespace) -> int:
-    methods, targets = check_options(ns)
-    if ns.workdir:
-        ns.workdir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="dc_bench.", dir=ns.workdir)).resolve()  # jobs may run elsewhere
-    result: dict[str, Any] = {"machine": machine(), "workdir": str(work), "memory_budget": ns.memory_budget}
-    try:
-        if ns.plan_scale:
-            from .plan_scale import run_plan_scale
-            result["plan_scale"] = run_plan_scale()
-            failed = False
-        elif ns.sizes:
-            from .scaling import run_sizes
-            result["sizes"] = run_sizes(ns, targets[0], work)
-            failed = any(r["status"] != "ok" for r in result["sizes"]["rows"])
-        else:
-            result.update(run_targets(ns, methods, targets, work))
-            failed = any(r["status"] == "failed" for t in result["targets"] for r in t["rows"])
-            failed |= any(c["agree"] is False for t in result["targets"] for c in t.get("bridge", []))
-    finally:
-        if not ns.keep:
-            measure.remove(work)
-    m = result["machine"]
-    m["loadavg_end"] = os.getloadavg()
-    _console.print(f"machine: {m['cpus']} CPUs, load average {m['loadavg_start'][0]:.2f} at start, "
-                   f"{m['loadavg_end'][0]:.2f} at end (1 min)")
-    if ns.json:
-        ns.json.write_text(json.dumps(result, indent=1, default=str))
-    if ns.markdown and "targets" in result:
-        ns.markdown.write_text(report.markdown(result))
-    if ns.plot:
-        if "targets" in result:
-            report.plot(str(ns.plot), result["targets"])
-        else:
-            report.plot_sizes(str(ns.plot), result["sizes"]["rows"])
-    return 1 if failed else 0
 
 
 def run_targets(ns: argparse.Namespace, methods: list[str], targets: list[tuple[int, int]], work: Path) -> dict:

@@ -7,13 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConvertError
+from ..sizes import parse_size
 from . import measure, report
 from .run import make_source, measure_target
 
 
 def parse_sizes(text: str) -> list[tuple[str, int]]:
-    from ..cli import parse_size
-
     try:
         sizes = [(s.strip(), parse_size(s)) for s in text.split(",") if s.strip()]
     except argparse.ArgumentTypeError as e:

@@ -16,7 +16,7 @@ DIVISIBLE_BY = 128  # Megatron-LM's default make_vocab_size_divisible_by
 TOLERANCE = 0.02  # shapes within 2% of the size compete on Llama-likeness
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LlamaShape:
     num_layers: int
     hidden_size: int
@@ -80,7 +80,8 @@ def shape_for_hidden(hidden: int, tp_multiple: int) -> LlamaShape | None:
     if hidden % heads or (hidden // heads) % 2:
         return None
     ffn = _round_up(8 * hidden / 3, lcm([256 if hidden >= 1024 else 32, tp_multiple]))
-    return LlamaShape(0, hidden, ffn, heads, groups)
+    return LlamaShape(num_layers=0, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
+                      num_query_groups=groups)
 
 
 def hidden_sizes(limit: int = 32768) -> list[int]:
@@ -102,7 +103,8 @@ def choose_shape(nbytes: int, itemsize: int, tp_multiple: int = 4, pp_multiple: 
         if fixed > target * (1 + TOLERANCE) and candidates:
             break
         layers = max(pp_multiple, round((target - fixed) / base.layer_params / pp_multiple) * pp_multiple)
-        shape = LlamaShape(layers, hidden, base.ffn_hidden_size, base.num_attention_heads, base.num_query_groups)
+        shape = LlamaShape(num_layers=layers, hidden_size=hidden, ffn_hidden_size=base.ffn_hidden_size,
+                           num_attention_heads=base.num_attention_heads, num_query_groups=base.num_query_groups)
         err = abs(shape.params - target) / target
         candidates.append((err, abs(math.log(layers / (hidden / 128))), shape))
     if not candidates:
@@ -113,7 +115,7 @@ def choose_shape(nbytes: int, itemsize: int, tp_multiple: int = 4, pp_multiple: 
 
 
 def make_args(shape: LlamaShape, dtype: torch.dtype, iteration: int) -> argparse.Namespace:
-    """Megatron-LM ``args`` of the checkpoint (the layout fields are set by ``config.args_for_target``)."""
+    """Megatron-LM ``args`` of the checkpoint (the layout fields are set by ``mlm_args.args_for_target``)."""
     return argparse.Namespace(**shape.config(), transformer_impl="local", params_dtype=dtype,
                               bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, iteration=iteration,
                               use_rotary_position_embeddings=True, hidden_dropout=0.0, attention_dropout=0.0)

@@ -26,14 +26,15 @@ from pathlib import Path
 
 import torch
 
-from ..config import args_for_target, config_from_args
-from ..datamodel import Target, TargetTensor
+from ..config import config_from_args
+from ..datamodel import OptimizerState, Target, TargetTensor
 from ..formats import get_format
 from ..formats.base import write_tracker
 from ..layout.boxes import Box
 from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
-from ..optim.state import STATES, OptimizerState, opt_name
+from ..mlm_args import args_for_target
+from ..optim.state import STATES, opt_name
 from ..runtime import Runtime, init_runtime
 from .shape import LlamaShape, make_args
 
@@ -86,7 +87,8 @@ def synthetic_target(shape: LlamaShape, dtype: torch.dtype, layout: Layout, opti
     cfg.check_layout(layout, "source")
     state = OptimizerState(kind="fully_reshardable", groups=(SYNTH_GROUPS,), scheduler={"num_steps": ITERATION}) \
         if optimizer else None
-    return Target(cfg, layout, dtype, args_for_target(base, cfg, layout, dtype, optimizer_saved=optimizer), ITERATION,
+    return Target(cfg=cfg, layout=layout, dtype=dtype,
+                  args=args_for_target(base, cfg, layout, dtype, optimizer_saved=optimizer), iteration=ITERATION,
                   optimizer=state)
 
 
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = LlamaShape(**json.loads(a.shape))
     rt = init_runtime("gloo")
     try:
-        write_synthetic(a.out, shape, DTYPES[a.dtype], a.format, Layout(a.tp, a.pp), a.seed, rt, a.optimizer)
+        write_synthetic(a.out, shape, DTYPES[a.dtype], a.format, Layout(tp=a.tp, pp=a.pp), a.seed, rt, a.optimizer)
     finally:
         rt.close()
     return 0

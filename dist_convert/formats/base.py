@@ -96,14 +96,14 @@ class FileAtATime:
             return []
         del self.pending[file.id]
         self.write_file(file, [got[i] for i in range(len(got))])
-        return [WrittenFile(file.id, file.name)]
+        return [WrittenFile(file=file.id, name=file.name)]
 
     def close(self) -> list[WrittenFile]:
         out = []
         for _, (f, got) in sorted(self.pending.items()):
             assert not f.tensors, f"{f.name}: {len(f.tensors) - len(got)} tensors never arrived"
             self.write_file(f, [])
-            out.append(WrittenFile(f.id, f.name))
+            out.append(WrittenFile(file=f.id, name=f.name))
         self.pending.clear()
         return out
 
@@ -264,7 +264,8 @@ def add_rank_file_chunks(chunks: list[SourceChunk], rel: str, expected: dict[str
     for key, (shape, pieces) in expected.items():
         if key in have:
             check_piece_shapes(key, rel, shape, have[key][0])
-            chunks.append(SourceChunk(len(chunks), rel, key, shape, have[key][1], pieces))
+            chunks.append(SourceChunk(id=len(chunks), file=rel, key=key, shape=shape, dtype=have[key][1],
+                                      pieces=pieces))
 
 
 # tokenizer (and generation config) files that travel with a model between formats

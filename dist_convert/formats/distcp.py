@@ -120,7 +120,7 @@ def check_storage(iter_dir: Path, md: Metadata) -> None:
                                f"byte {end})", "the checkpoint is corrupt or truncated; re-copy it")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StoredTensor:
     """A tensor stored contiguously at byte ``offset`` of ``path``."""
 
@@ -239,7 +239,7 @@ def locate(iter_dir: Path, info: Any, shape: tuple[int, ...], dtype: torch.dtype
             or storage_offset != 0 or tuple(size) != tuple(shape) or tuple(stride) != contiguous_strides(shape)
             or member.file_size != nbytes):
         return None
-    return StoredTensor(path, offset, tuple(shape), dtype)
+    return StoredTensor(path=path, offset=offset, shape=tuple(shape), dtype=dtype)
 
 
 def _data_offset(fh: Any, base: int, member: zipfile.ZipInfo) -> int:

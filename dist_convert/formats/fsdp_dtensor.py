@@ -51,7 +51,7 @@ def _looks_like(path: Path) -> bool:
     return (path / METADATA).is_file() and not (path / "metadata.json").is_file() and not (path / "common.pt").is_file()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StoredKey:
     """One model tensor of the checkpoint: all of logical tensor ``tensor``, or one half of a SwiGLU fc1
     (``half`` 0: the gate rows ``_w``, 1: the up rows ``_v``)."""
@@ -85,9 +85,9 @@ def stored_keys(cfg: ModelConfig, grouped: bool = False) -> dict[str, StoredKey]
     for t in logical_tensors(cfg).values():
         key = module_key(t, cfg.spec, grouped)
         if t.kind is Kind.GLU:
-            out.update((key + h, StoredKey(t, i)) for i, h in enumerate(HALVES))
+            out.update((key + h, StoredKey(tensor=t, half=i)) for i, h in enumerate(HALVES))
         else:
-            out[key] = StoredKey(t)
+            out[key] = StoredKey(tensor=t)
     return out
 
 
@@ -192,12 +192,14 @@ class FsdpDtensorFormat(IterDirFormat):
                                    "is the difference, else check the checkpoint")
             for c in meta.chunks:
                 box = Box(tuple(c.offsets), tuple(c.sizes))
-                chunks.append(SourceChunk(len(chunks), prefix + key, prefix + key, box.sizes, meta.properties.dtype,
-                                          stored_pieces(s, box), offsets=box.offsets, sliceable=True,
-                                          contiguous_cuts=True, origin=box.offsets, origin_shape=box.sizes))
+                chunks.append(SourceChunk(id=len(chunks), file=prefix + key, key=prefix + key, shape=box.sizes,
+                                          dtype=meta.properties.dtype, pieces=stored_pieces(s, box),
+                                          offsets=box.offsets, sliceable=True, contiguous_cuts=True,
+                                          origin=box.offsets, origin_shape=box.sizes))
         training = [k for k in keys if not k.startswith("model.") and k not in OBJECTS]
         notes = [f"skipped {len(training)} training-state items (optimizer/rng/scheduler)"] if training else []
-        return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks, notes))
+        return policy.finish(SourceIndex(format=self.name, iter_dir=iter_dir, iteration=iteration, args=args, cfg=cfg,
+                                         layout=layout, chunks=chunks, notes=notes))
 
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         return self._reader.read(index, chunks)
@@ -222,15 +224,15 @@ class FsdpDtensorFormat(IterDirFormat):
                 boxes = tp_chunks(t.kind, gshape, r, degree)
                 box = boxes[s.half] if s.half is not None else boxes[0]
                 box = box.shifted((-s.row_offset(),) + (0,) * (len(box.offsets) - 1))
-                tensors[(r % layout.tp, ep_rank)].append(TargetTensor(prefix + key, box.sizes, dtype,
-                                                                      stored_pieces(s, box), box.offsets,
-                                                                      s.global_shape(padded)))
+                tensors[(r % layout.tp, ep_rank)].append(TargetTensor(key=prefix + key, shape=box.sizes, dtype=dtype,
+                                                                      pieces=stored_pieces(s, box), offsets=box.offsets,
+                                                                      global_shape=s.global_shape(padded)))
         args = copy.copy(target.args)
         args.ckpt_format = "fsdp_dtensor"
         objects = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
                    "iteration": 0 if target.iteration == "release" else target.iteration}
-        return [TargetFile(i, f"tp{t}" + (f"_ep{e}" if layout.ep > 1 else ""), tensors[(t, e)],
-                           objects if i == 0 else {}) for i, (t, e) in enumerate(ranks)]
+        return [TargetFile(id=i, name=f"tp{t}" + (f"_ep{e}" if layout.ep > 1 else ""), tensors=tensors[(t, e)],
+                           objects=objects if i == 0 else {}) for i, (t, e) in enumerate(ranks)]
 
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> StreamWriter:
         return StreamWriter(iter_dir, files)  # the same streaming DCP item files as torch_dist

@@ -173,7 +173,7 @@ class NemoFormat:
         if y.get("virtual_pipeline_model_parallel_size"):
             raise ConvertError("virtual pipeline .nemo checkpoints are not supported yet", "save without VPP")
         split = y.get("pipeline_model_parallel_split_rank") if y.get("mcore_t5") and pp > 1 else None
-        layout = Layout(tp, pp, split=int(split) if split is not None else None)
+        layout = Layout(tp=tp, pp=pp, split=int(split) if split is not None else None)
         files = {(t, p): rank_file(t, p, layout) for t, p in layout.ranks()}
         for f in files.values():
             if f not in archive.names():
@@ -202,7 +202,8 @@ class NemoFormat:
         args.pipeline_model_parallel_split_rank = layout.split
         args.nemo_config, args.nemo_source = y, str(path.resolve())  # the target's config and artifacts
         self._archive = archive
-        return policy.finish(SourceIndex(self.name, path, "release", args, cfg, layout, chunks, list(style.notes)))
+        return policy.finish(SourceIndex(format=self.name, iter_dir=path, iteration="release", args=args, cfg=cfg,
+                                         layout=layout, chunks=chunks, notes=list(style.notes)))
 
     def _shapes(self, archive: Archive, name: str) -> dict[str, Any] | str:
         """name -> (shape, dtype) of a rank file's tensors, or the error (every rank must reach the gather)."""

@@ -22,7 +22,7 @@ SYMBOLS = {"E": "embedding", "t": "decoder layer", "m": "MTP layer", "L": "loss"
 FLAG = "--target-pipeline-layout"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageChunk:
     """One pipeline stage of a layout string: PP rank, virtual stage, its entries, its decoder layers."""
     pp: int
@@ -36,7 +36,7 @@ class StageChunk:
         return range(self.first_layer, self.first_layer + self.layers)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PipelineLayout:
     text: str
     pp: int
@@ -54,7 +54,7 @@ class PipelineLayout:
         out, offset = [], 0
         for s, entries in enumerate(self.stages):
             n = entries.count("t")
-            out.append(StageChunk(s % self.pp, s // self.pp, entries, offset, n))
+            out.append(StageChunk(pp=s % self.pp, vp=s // self.pp, entries=entries, first_layer=offset, layers=n))
             offset += n
         return out
 
@@ -143,7 +143,7 @@ def parse(text: str, pp: int, flag: str = FLAG) -> PipelineLayout:
         raise ConvertError(f"pipeline layout {text!r} has {len(stages)} stages, not a multiple of PP={pp}",
                            f"give a multiple of PP={pp} stages (PP x VPP) in {flag}, or a PP dividing "
                            f"{len(stages)}")
-    return PipelineLayout(text, pp, stages)
+    return PipelineLayout(text=text, pp=pp, stages=stages)
 
 
 def check(layout: PipelineLayout, num_layers: int, mtp_layers: int = 0, flag: str = FLAG) -> None:

@@ -9,7 +9,7 @@ from . import pipeline_layout as pl
 SOURCE_LAYOUT = "the source's pipeline_model_parallel_layout"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
     tp: int = 1
     pp: int = 1
@@ -52,10 +52,10 @@ class Layout:
         if text is not None:  # Megatron-LM derives VPP from the string (validate refuses other flags with it)
             text = str(text)
             vpp = pipeline_vpp(text, pp, SOURCE_LAYOUT)
-        return Layout(tp, pp, get("decoder_first_pipeline_num_layers"), get("decoder_last_pipeline_num_layers"),
-                      vpp if vpp and vpp > 1 else None,
-                      get("pipeline_model_parallel_split_rank") if encoder_decoder else None,
-                      ep, None if etp is None or int(etp) == tp else int(etp), text)
+        return Layout(tp=tp, pp=pp, first=get("decoder_first_pipeline_num_layers"),
+                      last=get("decoder_last_pipeline_num_layers"), vpp=vpp if vpp and vpp > 1 else None,
+                      split=get("pipeline_model_parallel_split_rank") if encoder_decoder else None,
+                      ep=ep, etp=None if etp is None or int(etp) == tp else int(etp), pipeline_layout=text)
 
     @property
     def expert_tp(self) -> int:

@@ -69,14 +69,14 @@ def module_order(keys: list[str]) -> list[str]:
     return sorted(keys, key=_order_key)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Slot:
     bucket: int
     start: int  # in the bucket's saved (unpadded) tensor
     numel: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BufferLayout:
     slots: tuple[Slot, ...]  # per parameter, in ``named_parameters()`` order
     unpadded: tuple[int, ...]  # per bucket: the saved size (megatron-core's per_bucket_numel_unpadded)
@@ -123,8 +123,8 @@ def bucket_layout(numels: list[int], shared: list[bool], bucket_size: int | None
             pos = end
     if in_bucket:
         close(pos)
-    slots = tuple(Slot(*starts[i], numels[i]) for i in range(len(numels)))
-    return BufferLayout(slots, tuple(unpadded), tuple(padded))
+    slots = tuple(Slot(bucket=starts[i][0], start=starts[i][1], numel=numels[i]) for i in range(len(numels)))
+    return BufferLayout(slots=slots, unpadded=tuple(unpadded), padded=tuple(padded))
 
 
 def ddp_bucket_size(args: object, dp: int, first_stage_chunk: bool) -> int | None:

@@ -32,7 +32,7 @@ _BUCKET_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_
 FIX = "convert without --optimizer, or from a fully_reshardable save (--dist-ckpt-optim-fully-reshardable)"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Buffer:
     """One DDP buffer of one optimizer rank: its parameters (state-dict key, local shape, pieces) in
     ``named_parameters()`` order and their layout."""
@@ -68,7 +68,7 @@ def rank_buffers(cfg: ModelConfig, layout: Layout, entries: Entries, *, experts:
         size = ddp_bucket_size(args, dp, pp_rank == 0 and vp == 0)
         lay = bucket_layout([numel(s) for _, s, _ in params], shared, size, dp,
                             bool(getattr(args, "ddp_pad_buckets_for_high_nccl_busbw", False)))
-        out.append(Buffer(vp, params, lay))
+        out.append(Buffer(chunk=vp, params=params, layout=lay))
     return out
 
 
@@ -80,8 +80,8 @@ def flat_chunks(chunks: list[SourceChunk], buffer: Buffer, key_of: Callable[[int
         start = buffer.layout.coalesced_start(slot) if coalesced else slot.start
         for state in STATES:
             key = key_of(0 if coalesced else slot.bucket, state)
-            chunks.append(SourceChunk(len(chunks), file or key, key, shape, dtype, renamed(pieces, state),
-                                      flat=start))
+            chunks.append(SourceChunk(id=len(chunks), file=file or key, key=key, shape=shape, dtype=dtype,
+                                      pieces=renamed(pieces, state), flat=start))
 
 
 def parse_bucket_key(key: str) -> tuple[int, int, int, str, int, str] | None:

@@ -9,14 +9,16 @@ the ``OptimizerState`` around them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import ModelConfig
-from ..datamodel import SourceChunk, SourceIndex, numel
+from ..datamodel import OptimizerState, SourceChunk, SourceIndex, numel
 from ..errors import ConvertError
+from ..layout.rank_files import rank_entries
 from ..layout.topology import Layout
 from .read import (
     FIX,
@@ -28,7 +30,7 @@ from .read import (
     parse_bucket_key,
     rank_buffers,
 )
-from .state import COUNTERS, STATES, OptimizerState, dist_optimizer_groups, is_parameter, opt_name
+from .state import COUNTERS, STATES, dist_optimizer_groups, is_parameter, opt_name
 
 NO_STATE = "drop --optimizer to convert the model alone"
 
@@ -150,8 +152,7 @@ def dp_reshardable(cfg: ModelConfig, layout: Layout, args: Any, spec: str, store
                 dtype = stored[key_of(g, 0, "param")].properties.dtype
                 flat_chunks(chunks, buf, lambda b, s, g=g, key_of=key_of: key_of(g, b, s), "", dtype, coalesced=False)
         objects.append((prefix, group_keys))
-    for c in chunks:
-        c.id += first_id
+    chunks = [replace(c, id=c.id + first_id) for c in chunks]
     return chunks, objects
 
 
@@ -212,8 +213,7 @@ def legacy(cfg: ModelConfig, layout: Layout, args: Any, spec: str, iter_dir: Pat
                                        f"the args do not describe this optimizer state's layout; {FIX}")
                 flat_chunks(chunks, buf, lambda b, s, k=k, g=g, dtypes=dtypes: f"{k}/{g}/{s}", rel,
                             tensors["param"].dtype, coalesced=True)
-    for c in chunks:
-        c.id += first_id
+    chunks = [replace(c, id=c.id + first_id) for c in chunks]
     groups = tuple(_groups(s, str(iter_dir / first["rel"])) for s in saved)
     return chunks, OptimizerState(kind="legacy", groups=groups, scheduler=first.get("scheduler"),
                                   counters=first.get("counters", {}))
@@ -232,7 +232,6 @@ def torch_dist_state(fmt: Any, index: SourceIndex, md: Any, common: dict[str, An
     """Add a torch_dist source's optimizer state chunks to ``index`` (``fmt``: its TorchDistFormat; ``groups``:
     its model keys' DistGroups); return the non-tensor state."""
     from ..formats.distcp import read_object
-    from ..formats.megatron import rank_entries
 
     where = str(index.iter_dir)
     items = {k.removeprefix(fmt.prefix): v for k, v in md.state_dict_metadata.items()}
@@ -247,9 +246,7 @@ def torch_dist_state(fmt: Any, index: SourceIndex, md: Any, common: dict[str, An
 
         found, objects = dp_reshardable(index.cfg, index.layout, index.args, index.cfg.spec, items, read,
                                         rank_entries, len(index.chunks), where)
-        for c in found:
-            c.file = c.key = fmt.prefix + c.key
-        index.chunks += found
+        index.chunks += [replace(c, file=fmt.prefix + c.key, key=fmt.prefix + c.key) for c in found]
         saved = [read(keys[0]) for _, keys in objects]
         if any(s is None for s in saved):
             raise ConvertError(f"{where}: the optimizer's param_groups object is missing",

@@ -2,13 +2,12 @@
 parameter are three more logical tensors with the parameter's own shape and sharding, named
 ``optimizer.state.<state>.<parameter>`` (the key megatron-core's model-space ``fully_reshardable`` format
 stores them under, with the parameter's torch_dist key in place of its logical name). What is not a
-tensor (param_groups with the step, the LR scheduler) travels in ``OptimizerState``.
+tensor (param_groups with the step, the LR scheduler) travels in ``datamodel.OptimizerState``.
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from ..config import ModelConfig
@@ -20,9 +19,6 @@ STATES = ("param", "exp_avg", "exp_avg_sq")  # the master parameter, Adam's firs
 PREFIX = "optimizer.state."
 # model tensors that are buffers, not parameters: no optimizer state
 NOT_PARAMETERS = (".mlp.router.expert_bias",)
-# what megatron-core records of the optimizer state's layout (content_metadata)
-SHARDING = "fully_reshardable"
-KINDS = ("dp_reshardable", "fully_reshardable", "non_distributed", "legacy")
 # Megatron-LM's training counters in the common state, carried with the optimizer state
 COUNTERS = ("num_floating_point_operations_so_far", "num_tokens_so_far")
 
@@ -70,39 +66,6 @@ def optimizer_tensors(tensors: Iterable[TargetTensor], prefix: str = "") -> list
         out += [replace(t, key=prefix + opt_name(s, key), dtype=torch.float32, pieces=renamed(t.pieces, s))
                 for s in STATES]
     return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerState:
-    """The non-tensor optimizer state a source holds, as a target writes it.
-
-    ``groups``: the param_groups of each optimizer megatron-core chains (the dense parameters', then with
-    MoE the expert parameters'), as the distributed optimizer saves them (no ``params`` lists; each group
-    carries ``step``). ``scheduler``: the OptimizerParamScheduler state (None: the source has none).
-    ``counters``: Megatron-LM's training counters (floating-point operations, tokens) so far."""
-
-    kind: str  # how the source stored it (KINDS)
-    groups: tuple[tuple[dict[str, Any], ...], ...]
-    scheduler: dict[str, Any] | None = None
-    counters: dict[str, Any] = field(default_factory=dict)  # COUNTERS the source holds
-
-    def for_layout(self, cfg: ModelConfig, layout: Any) -> OptimizerState:
-        """The state as a target at ``layout`` chains its optimizers: expert parameters have an optimizer of
-        their own when EP > 1 or expert-TP != TP (megatron-core 0.19; 0.16: EP > 1), else they join the dense
-        parameters' groups (``is_expert_parallel`` False)."""
-        dense = self.groups[0]
-        if not cfg.num_experts or not (layout.ep > 1 or layout.expert_tp != layout.tp):
-            return replace(self, groups=(dense,))
-        if len(self.groups) > 1:
-            return self
-        return replace(self, groups=(dense, tuple({**g, "is_expert_parallel": True} for g in dense)))
-
-    def common(self) -> Any:
-        """The target's ``optimizer`` entry of the common state: what megatron-core's DistributedOptimizer
-        (a ChainedOptimizer of two with MoE) leaves there when it saves fully_reshardable."""
-        entries = [{"optimizer": {"param_groups": [copy.deepcopy(g) for g in groups]},
-                    "param_state_sharding_type": SHARDING} for groups in self.groups]
-        return entries[0] if len(entries) == 1 else dict(enumerate(entries))
 
 
 def dist_optimizer_groups(param_groups: list[dict[str, Any]], step: float | int | None) -> tuple[dict[str, Any], ...]:

@@ -13,8 +13,8 @@ from ..datamodel import SourceIndex, TargetFile, TargetTensor
 from ..errors import ConvertError
 from ..exchange import Assembly, execute
 from ..formats.base import Format
-from ..formats.megatron import rank_entries
 from ..layout.boxes import Kind
+from ..layout.rank_files import rank_entries
 from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
 from ..plan import Plan, make_plan
@@ -84,9 +84,9 @@ def rank_files(cfg: ModelConfig, layout: Layout, coords: list[tuple[int, int]], 
     megatron-core ``state_dict`` names. Data-parallel replicas get their own copy."""
     files = []
     for rank, (t, p) in enumerate(coords):
-        tensors = [TargetTensor(key, shape, dtype, pieces)
+        tensors = [TargetTensor(key=key, shape=shape, dtype=dtype, pieces=pieces)
                    for key, (shape, pieces) in rank_entries(cfg, layout, t, p, "local").items()]
-        files.append(TargetFile(rank, f"rank{rank}", tensors))
+        files.append(TargetFile(id=rank, name=f"rank{rank}", tensors=tensors))
     return files
 
 

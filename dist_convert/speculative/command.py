@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig, args_for_target
+from ..config import ModelConfig
 from ..convert import DTYPES, ReshardOptions, check_vocab, load_index, logical_numel, source_dtypes, target_layout
 from ..datamodel import SourceIndex, Target
 from ..durable import fsync_file
@@ -19,6 +19,7 @@ from ..formats import get_format
 from ..formats.base import Format, FormatOptions, iter_dir_name, resolve_iter_dir
 from ..formats.nemo2 import CONTEXT, WEIGHTS, check_context, write_target_context
 from ..layout.topology import Layout
+from ..mlm_args import args_for_target
 from ..plan import DEFAULT_BUDGET
 from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes
 from ..staging import refuse_existing, stage
@@ -107,7 +108,7 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     check_vocab(reshard_opts, index, cfg, layout)
     dtype = DTYPES[opts.dtype] or _dominant_dtype(source_dtypes(index))
     if dst_format == "nemo2":
-        check_context(Target(cfg, layout, dtype, index.args, index.iteration))
+        check_context(Target(cfg=cfg, layout=layout, dtype=dtype, args=index.args, iteration=index.iteration))
     algo, spec_cfg = speculative_config(opts.draft, cfg, index.args, dtype)
     if opts.export_draft is not None:
         draft_base_config(cfg, index.args, dtype)  # refuse an inexpressible model before any work
@@ -160,7 +161,8 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
 
         def finish(_: object) -> None:
             if nemo2:  # NeMo's context/ (the source's, with the target layout)
-                write_target_context(staging.tmp / CONTEXT, Target(cfg, layout, dtype, args, index.iteration),
+                write_target_context(staging.tmp / CONTEXT, Target(cfg=cfg, layout=layout, dtype=dtype, args=args,
+                                                                   iteration=index.iteration),
                                      opts.formats.tokenizer_dir)
             _fsync_small_files(staging.tmp)
 

@@ -6,16 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .errors import ConvertError
 from .layout.topology import Layout
-from .mlm_args import complete_args
 
 DEFAULT_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     num_layers: int
     hidden_size: int
@@ -56,6 +53,11 @@ class ModelConfig:
     # ``duplicated`` TELinear) instead of replicated
     mla_down_split: bool = False
     mtp_num_layers: int = 0  # multi-token-prediction layers (megatron-core MultiTokenPredictionBlock)
+    activation: str = "silu"  # the gate's activation of a gated (``swiglu``) MLP: "silu" | "gelu_tanh" (GeGLU)
+    zero_centered_gamma: bool = False  # norms compute x * (1 + w) (megatron-core layernorm_zero_centered_gamma)
+    # sandwich norms (Gemma 2/3): a norm on the attention output and one on the MLP output, before each residual
+    # add (Megatron-Bridge's TERowParallelLinearLayerNorm: linear_proj / linear_fc2 ``.post_layernorm``)
+    post_norms: bool = False
 
     @property
     def stacks(self) -> list[tuple[str, int]]:
@@ -209,6 +211,10 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
         **_moe_from_args(args, int(args.num_layers)),
         **_mla_from_args(args, spec or ("local" if impl == "local" else "te")),
         mtp_num_layers=int(_get(args, "mtp_num_layers", 0) or 0),
+        activation=str(_get(args, "glu_activation", "silu")),
+        zero_centered_gamma=bool(_get(args, "layernorm_zero_centered_gamma", False)
+                                 or _get(args, "apply_layernorm_1p", False)),
+        post_norms=bool(_get(args, "post_norms", False)),
     )
 
 
@@ -250,10 +256,3 @@ def _moe_from_args(args: argparse.Namespace, num_layers: int) -> dict[str, Any]:
             "moe_shared_expert_intermediate_size": int(shared) if shared else None,
             "moe_shared_expert_gate": bool(_get(args, "moe_shared_expert_gate", False)),
             "moe_router_expert_bias": bool(_get(args, "moe_router_enable_expert_bias", False))}
-
-
-def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dtype: torch.dtype | None,
-                    ckpt_format: str | None = None, optimizer_saved: bool = False) -> argparse.Namespace:
-    """The source args completed for the target (mlm_args.complete_args): every field Megatron-LM's and
-    Megatron-Bridge's loaders read, the model fields from ``cfg`` and the layout fields from ``layout``."""
-    return complete_args(args, cfg, layout, dtype, ckpt_format, optimizer_saved=optimizer_saved)

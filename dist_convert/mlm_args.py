@@ -27,15 +27,13 @@ import copy
 import math
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from .config import ModelConfig
 from .errors import ConvertError
 from .layout.topology import Layout
-
-if TYPE_CHECKING:
-    from .config import ModelConfig
 
 CFG, LAYOUT, DERIVED = "cfg", "layout", "derived"  # where complete_args takes a value from ("": the default)
 
@@ -212,6 +210,13 @@ def complete_args(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dt
     return out
 
 
+def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dtype: torch.dtype | None,
+                    ckpt_format: str | None = None, optimizer_saved: bool = False) -> argparse.Namespace:
+    """The source args completed for the target (``complete_args``): every field Megatron-LM's and
+    Megatron-Bridge's loaders read, the model fields from ``cfg`` and the layout fields from ``layout``."""
+    return complete_args(args, cfg, layout, dtype, ckpt_format, optimizer_saved=optimizer_saved)
+
+
 def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) -> dict[str, Any]:
     heads, groups = cfg.num_attention_heads, cfg.num_query_groups
     f: dict[str, Any] = {
@@ -228,6 +233,11 @@ def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) ->
         "transformer_impl": "local" if cfg.spec == "local" else "transformer_engine",
     }
     f.update(multi_latent_attention=cfg.mla, mtp_num_layers=cfg.mtp_num_layers or None)
+    # dist_convert's own fields for what Megatron-LM's args cannot say (Megatron-Bridge's Gemma 3 has them),
+    # written only where they are set, so a Llama's args stay Megatron-LM's
+    for name, value, unset in (("glu_activation", cfg.activation, "silu"), ("post_norms", cfg.post_norms, False)):
+        if value != unset or hasattr(args, name):
+            f[name] = value
     if cfg.mla:
         f.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_head_dim,
                  qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim)

@@ -9,11 +9,11 @@ from dist_convert.config import ModelConfig
 from dist_convert.datamodel import SourceChunk, Target
 from dist_convert.errors import ConvertError
 from dist_convert.formats.hf import hf_tensors, pack_shards
-from dist_convert.formats.hf_config import config_from_hf, hf_from_config
 from dist_convert.formats.megatron import MegatronFormat
 from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
+from dist_convert.models import config_from_hf, hf_from_config
 from dist_convert.plan import make_plan, select_source, split_chunks
 
 
@@ -49,8 +49,8 @@ def test_qkv_and_gate_up_pieces_fuse_like_megatron_core():
 @pytest.mark.parametrize("tied", [False, True])
 def test_every_family_covers_each_logical_tensor_once(arch, tied):
     cfg, _, _ = config_from_hf(hf_config(architectures=[arch], tie_word_embeddings=tied), None)
-    chunks = [SourceChunk(i, "m.safetensors", n, s, torch.float32, p) for i, (n, (s, p)) in
-              enumerate(hf_tensors(cfg).items())]
+    chunks = [SourceChunk(id=i, file="m.safetensors", key=n, shape=s, dtype=torch.float32, pieces=p)
+              for i, (n, (s, p)) in enumerate(hf_tensors(cfg).items())]
     # raises on a gap or an overlap
     select_source(chunks, {n: torch.Size(t.shape).numel() for n, t in logical_tensors(cfg).items()})
     assert ("lm_head.weight" in hf_tensors(cfg)) is not tied
@@ -107,9 +107,10 @@ def test_import_plan_reads_only_each_ranks_share(fmt, tp, pp):
     reads within 15% of an even share, nearly all bytes are read where they are written, and no
     read exceeds the wave budget."""
     cfg, args, _ = _llama8b()
-    chunks = [SourceChunk(i, "x.safetensors", n, s, torch.bfloat16, p, (0,) * len(s), sliceable=True)
+    chunks = [SourceChunk(id=i, file="x.safetensors", key=n, shape=s, dtype=torch.bfloat16, pieces=p,
+                          offsets=(0,) * len(s), sliceable=True)
               for i, (n, (s, p)) in enumerate(hf_tensors(cfg).items())]
-    target = Target(cfg, Layout(tp, pp), None, args, "release")
+    target = Target(cfg=cfg, layout=Layout(tp=tp, pp=pp), dtype=None, args=args, iteration="release")
     files = fmt().target_files(target, {n: torch.bfloat16 for n in logical_tensors(cfg)})
     budget = 256 << 20
     cut = split_chunks(chunks, files, budget // 4)
@@ -123,9 +124,9 @@ def test_import_plan_reads_only_each_ranks_share(fmt, tp, pp):
     assert remote < 0.02 * plan.moved_bytes
 
 
-@pytest.mark.parametrize("fmt,layout,world", [(MegatronFormat, Layout(2, 2, first=2), 3),
-                                              (TorchDistFormat, Layout(2, 1), 2),
-                                              (TorchDistFormat, Layout(1, 3), 4)])
+@pytest.mark.parametrize("fmt,layout,world", [(MegatronFormat, Layout(tp=2, pp=2, first=2), 3),
+                                              (TorchDistFormat, Layout(tp=2, pp=1), 2),
+                                              (TorchDistFormat, Layout(tp=1, pp=3), 4)])
 def test_split_sources_fill_every_target_exactly(fmt, layout, world):
     """HF tensors cut by split_chunks (tiny blocks) and read as slices, planned and executed in
     memory: every target tensor holds exactly the logical values (vocab padding zero)."""
@@ -139,8 +140,10 @@ def test_split_sources_fill_every_target_exactly(fmt, layout, world):
         stored[name] = torch.full(shape, float("nan"))
         for p in pieces:
             stored[name][p.sbox.slices()] = model[p.logical][p.lbox.slices()]
-        chunks.append(SourceChunk(i, "m.safetensors", name, shape, torch.float32, pieces, (0,) * len(shape), True))
-    files = fmt().target_files(Target(cfg, layout, None, args, "release"), {n: torch.float32 for n in model})
+        chunks.append(SourceChunk(id=i, file="m.safetensors", key=name, shape=shape, dtype=torch.float32, pieces=pieces,
+                                  offsets=(0,) * len(shape), sliceable=True))
+    files = fmt().target_files(Target(cfg=cfg, layout=layout, dtype=None, args=args, iteration="release"),
+                               {n: torch.float32 for n in model})
     cut = split_chunks(chunks, files, 2048)
     assert len(cut) > 3 * len(chunks) and max(c.nbytes for c in cut) <= 2048
     data = {c.id: stored[c.key][tuple(slice(o, o + n) for o, n in zip(c.offsets, c.shape, strict=True))] for c in cut}

@@ -13,9 +13,10 @@ import torch
 from dist_convert.datamodel import SourceChunk
 from dist_convert.errors import ConvertError
 from dist_convert.formats.hf import hf_tensors, source_tensors
-from dist_convert.formats.hf_config import config_from_hf, family_of, hf_from_config, hf_moe_pattern
 from dist_convert.formats.safetensors_io import read_header
 from dist_convert.layout.rules import logical_tensors
+from dist_convert.models import config_from_hf, family_of, hf_from_config
+from dist_convert.models.moe import hf_moe_pattern
 from dist_convert.plan import select_source
 
 from conftest import ok, oracle, run_cli
@@ -55,8 +56,8 @@ def test_every_saved_tensor_is_mapped_and_covers_each_logical_tensor_once(moe_di
     expected = source_tensors(cfg, family_of(hf), found)
     assert set(expected) == set(found)
     assert all(tuple(found[k]) == tuple(shape) for k, (shape, _) in expected.items())
-    chunks = [SourceChunk(i, "model.safetensors", k, s, torch.float32, p) for i, (k, (s, p)) in
-              enumerate(expected.items())]
+    chunks = [SourceChunk(id=i, file="model.safetensors", key=k, shape=s, dtype=torch.float32, pieces=p)
+              for i, (k, (s, p)) in enumerate(expected.items())]
     select_source(chunks, {n: torch.Size(t.shape).numel() for n, t in logical_tensors(cfg).items()})  # gap/overlap
     assert set(hf_tensors(cfg, family_of(hf))) == set(tensors(moe_dir / sub.split("/")[-1]))  # what export writes
 

@@ -11,11 +11,11 @@ from dist_convert.bench.plan_scale import CASES, DEEPSEEK_V3, plan_case
 from dist_convert.errors import ConvertError
 from dist_convert.formats import fp8
 from dist_convert.formats.hf import hf_tensors
-from dist_convert.formats.hf_config import config_from_hf, hf_from_config
 from dist_convert.formats.torch_dist import dist_groups
 from dist_convert.layout.boxes import Box, Kind
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
+from dist_convert.models import config_from_hf, hf_from_config
 
 from hf_models import dequant_fp8
 
@@ -67,19 +67,19 @@ def test_mtp_layer_sits_on_the_last_stage_or_where_the_string_puts_it():
     keys = dist_groups(c)
     assert keys["mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight"].lead == (8,)  # no layer axis
     assert keys["mtp.layers.0.enorm.weight"].lead == ()
-    assert Layout(1, 2, first=1).stack_chunks(c.stacks)[-1] == (1, 0, "mtp", 0, 1)
-    lay = Layout(1, 2, vpp=2, pipeline_layout="Et|t|t|mL")
+    assert Layout(tp=1, pp=2, first=1).stack_chunks(c.stacks)[-1] == (1, 0, "mtp", 0, 1)
+    lay = Layout(tp=1, pp=2, vpp=2, pipeline_layout="Et|t|t|mL")
     c.check_layout(lay)
     assert [x for x in lay.stack_chunks(c.stacks) if x[2] == "mtp"] == [(1, 1, "mtp", 0, 1)]
     with pytest.raises(ConvertError, match="places 0 MTP layers"):
-        c.check_layout(Layout(1, 2, pipeline_layout="Et|ttL"))
+        c.check_layout(Layout(tp=1, pp=2, pipeline_layout="Et|ttL"))
 
 
 def test_local_spec_refuses_a_tp_that_cannot_split_the_down_projections():
     with pytest.raises(ConvertError) as e:
-        cfg(spec="local", mla_down_split=True, q_lora_rank=30).check_layout(Layout(4, 1))
+        cfg(spec="local", mla_down_split=True, q_lora_rank=30).check_layout(Layout(tp=4, pp=1))
     assert "q_lora_rank=30" in str(e.value) and "--target-spec te" in str(e.value)
-    cfg(spec="te", q_lora_rank=30).check_layout(Layout(4, 1))  # replicated: any TP dividing the heads
+    cfg(spec="te", q_lora_rank=30).check_layout(Layout(tp=4, pp=1))  # replicated: any TP dividing the heads
 
 
 def test_legacy_rank_files_tell_split_down_projections_by_their_shape():

@@ -12,9 +12,9 @@ import torch
 
 from dist_convert.config import ModelConfig, config_from_args
 from dist_convert.errors import ConvertError
-from dist_convert.formats.hf_config import config_from_hf
 from dist_convert.layout.topology import Layout
 from dist_convert.mlm_args import ARGS, BY_NAME, CFG, DERIVED, LAYOUT, SAFE_CLASSES, complete_args
+from dist_convert.models import config_from_hf
 
 # Megatron-Bridge 0.6.2 mlm_compat reads these without a default: each must be in every target's args
 BRIDGE_DIRECT = ("multi_latent_attention", "heterogeneous_layers_config_path", "no_persist_layer_norm", "params_dtype",
@@ -48,7 +48,7 @@ def test_table_is_one_row_per_field():
     assert all(set(a.readers) <= set("LCRB") and a.source in ("", CFG, LAYOUT, DERIVED) for a in ARGS)
 
 
-@pytest.mark.parametrize("layout", [Layout(1, 1), Layout(2, 2, first=1), Layout(1, 2, vpp=2)])
+@pytest.mark.parametrize("layout", [Layout(tp=1, pp=1), Layout(tp=2, pp=2, first=1), Layout(tp=1, pp=2, vpp=2)])
 def test_keeps_fills_and_sets(layout):
     src = mlm_source()
     cfg = config_from_args(src, None, None, 2)
@@ -76,7 +76,7 @@ def test_keeps_fills_and_sets(layout):
 def test_hf_source_gets_model_fields():
     cfg, args, _ = config_from_hf(HF_LLAMA, None)
     cfg = cfg.replace(spec="local")
-    out = complete_args(args, cfg, Layout(2, 1), None, "torch")
+    out = complete_args(args, cfg, Layout(tp=2, pp=1), None, "torch")
     assert (out.transformer_impl, out.ckpt_format) == ("local", "torch")
     assert (out.params_dtype, out.bf16) == (torch.bfloat16, True)
     assert (out.group_query_attention, out.num_query_groups, out.kv_channels) == (True, 2, 16)
@@ -85,15 +85,18 @@ def test_hf_source_gets_model_fields():
 
 
 def test_moe_fields():
-    cfg = ModelConfig(4, 64, 96, 4, 4, 16, True, "RMSNorm", False, False, True, 100, 128, "rope", 64, False, "local",
+    cfg = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=4,
+                      kv_channels=16, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
+                      untie_embeddings_and_output_weights=True, vocab_size=100, make_vocab_size_divisible_by=128,
+                      position_embedding_type="rope", max_position_embeddings=64, qk_layernorm=False, spec="local",
                       num_experts=8, moe_ffn_hidden_size=32, moe_layer_pattern=(0, 1, 1, 1),
                       moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True)
-    out = complete_args(argparse.Namespace(), cfg, Layout(2, 1, ep=4, etp=1), None)
+    out = complete_args(argparse.Namespace(), cfg, Layout(tp=2, pp=1, ep=4, etp=1), None)
     assert (out.num_experts, out.moe_ffn_hidden_size, out.moe_layer_freq) == (8, 32, [0, 1, 1, 1])
     assert (out.expert_model_parallel_size, out.expert_tensor_parallel_size) == (4, 1)
     assert out.world_size == 4 and out.data_parallel_size == 2  # EP x ETP = 4 needs DP 2 at TP 2
     assert config_from_args(out, None, None, 2) == cfg
-    dense = complete_args(out, cfg.replace(num_experts=0), Layout(2, 1), None)
+    dense = complete_args(out, cfg.replace(num_experts=0), Layout(tp=2, pp=1), None)
     assert dense.num_experts is None and dense.moe_ffn_hidden_size is None
 
 
@@ -101,7 +104,7 @@ def test_weights_only_with_megatron_core_safe_globals():
     """The args unpickle as Megatron-LM unpickles them: weights_only, exactly megatron-core's SAFE_GLOBALS."""
     safe_globals = pytest.importorskip("megatron.core.safe_globals")
     src = mlm_source()
-    out = complete_args(src, config_from_args(src, None, None, 2), Layout(1, 2), torch.float16, "torch_dist")
+    out = complete_args(src, config_from_args(src, None, None, 2), Layout(tp=1, pp=2), torch.float16, "torch_dist")
     buf = io.BytesIO()
     torch.save({"args": out, "checkpoint_version": 3.0}, buf)
     before = torch.serialization.get_safe_globals()
@@ -123,7 +126,7 @@ def test_refuses_values_megatron_cannot_unpickle():
     src = mlm_source()
     src.callback, src.frozen = Custom(), frozenset({1})
     with pytest.raises(ConvertError, match="callback.*Custom|frozen") as e:
-        complete_args(src, config_from_args(src, None, None, 2), Layout(1, 1), None)
+        complete_args(src, config_from_args(src, None, None, 2), Layout(tp=1, pp=1), None)
     assert "callback" in str(e.value) and "frozen" in str(e.value)
 
 

@@ -1,16 +1,13 @@
-"""Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2, Qwen3, and the MoE families Mixtral,
-Qwen2-MoE, Qwen3-MoE): ``config.json`` plus
-``model.safetensors`` or ``model-00001-of-00004.safetensors`` style shards with
+"""Hugging Face safetensors checkpoints of every registered model family (``dist_convert/models/``):
+``config.json`` plus ``model.safetensors`` or ``model-00001-of-00004.safetensors`` style shards with
 ``model.safetensors.index.json``.
 
-HF keeps q/k/v and gate/up as separate tensors; megatron-core fuses them (``linear_qkv`` group-major:
-per query group its query heads, then its key, then its value; ``linear_fc1`` = [gate; up]). Here
-each HF tensor is described by pieces of the fused logical tensors, so import fuses and export splits
-through the same box algebra as every other reshard.
+HF keeps q/k/v and gate/up as separate tensors; megatron-core fuses them (``layout/fused.py``). Here each
+HF tensor is described by pieces of the fused logical tensors (from the family's name table), so import
+fuses and export splits through the same box algebra as every other reshard. Nothing here knows a family.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Collection
 from pathlib import Path
@@ -21,12 +18,14 @@ from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTens
 from ..durable import write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box, Piece
-from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
+from ..layout.fused import fused_for
+from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
+from ..models import export_family, family_of, hf_from_config, naming_family
+from ..models.base import Family, HFTensors
 from ..runtime import Runtime
-from . import fp8, hf_deepseek
+from . import fp8
 from .base import FileAtATime, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
-from .hf_config import Family, config_from_hf, export_family, family_of, hf_from_config
 from .safetensors_io import read_boxes, read_header, write_file
 
 CONFIG = "config.json"
@@ -34,142 +33,45 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed by every loader
 
-# HF name (per-layer suffix after ``model.layers.N.``) -> (megatron-core logical suffix, part of it): attention
-ATTENTION_NAMES: tuple[tuple[str, str, str | None], ...] = (
-    ("input_layernorm.weight", "input_layernorm.weight", None),
-    ("self_attn.q_proj.weight", "self_attention.linear_qkv.weight", "q"),
-    ("self_attn.k_proj.weight", "self_attention.linear_qkv.weight", "k"),
-    ("self_attn.v_proj.weight", "self_attention.linear_qkv.weight", "v"),
-    ("self_attn.q_proj.bias", "self_attention.linear_qkv.bias", "q"),
-    ("self_attn.k_proj.bias", "self_attention.linear_qkv.bias", "k"),
-    ("self_attn.v_proj.bias", "self_attention.linear_qkv.bias", "v"),
-    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", None),
-    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", None),
-    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", None),
-)
-# the rest of a layer, in every family (MLA's too): the MLP norm and a dense layer's MLP
-MLP_NAMES: tuple[tuple[str, str, str | None], ...] = (
-    ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", None),
-    ("mlp.gate_proj.weight", "mlp.linear_fc1.weight", "gate"),
-    ("mlp.up_proj.weight", "mlp.linear_fc1.weight", "up"),
-    ("mlp.down_proj.weight", "mlp.linear_fc2.weight", None),
-)
-LAYER_NAMES = ATTENTION_NAMES + MLP_NAMES
-# MoE layers (Qwen2-MoE's shared expert; the router and routed experts are named per family, see moe_names)
-SHARED_NAMES: tuple[tuple[str, str, str | None], ...] = (
-    ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.linear_fc1.weight", "gate"),
-    ("mlp.shared_expert.up_proj.weight", "mlp.shared_experts.linear_fc1.weight", "up"),
-    ("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.linear_fc2.weight", None),
-    ("mlp.shared_expert_gate.weight", "mlp.shared_experts.gate_weight", None),
-)
-EXPERT_FC1 = "mlp.experts.local_experts.{e}.linear_fc1.weight"
-EXPERT_FC2 = "mlp.experts.local_experts.{e}.linear_fc2.weight"
-# transformers >= 5 with save_original_format=False: all experts of a layer in one tensor, leading axis = expert
-FUSED_FC1, FUSED_FC2, FUSED_ROUTER = "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"
-TOP_NAMES: tuple[tuple[str, str], ...] = (
-    ("model.embed_tokens.weight", EMBEDDING),
-    ("model.norm.weight", "decoder.final_layernorm.weight"),
-    ("lm_head.weight", OUTPUT),
-)
-
-
-def _rows(shape: tuple[int, ...], lo: int, n: int) -> Box:
-    return Box((lo,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]))
-
-
 def part_pieces(logical: str, lshape: tuple[int, ...], part: str | None, cfg) -> tuple[tuple[int, ...], list[Piece]]:
-    """Shape of the HF tensor holding ``part`` of a fused logical tensor, and its pieces."""
+    """Shape of the HF tensor holding ``part`` of a fused logical tensor, and its pieces (``layout/fused.py``
+    declares the parts: q/k/v of ``linear_qkv``, gate/up of a gated ``linear_fc1``)."""
     if part is None:
         full = Box.full(lshape)
         return lshape, [Piece(logical, full, full)]
-    if part in ("gate", "up"):
-        f = lshape[0] // 2  # [gate; up] of a dense MLP, a routed or a shared expert
-        shape = (f,) + lshape[1:]
-        return shape, [Piece(logical, _rows(lshape, 0 if part == "gate" else f, f), Box.full(shape))]
-    d, groups = cfg.kv_channels, cfg.num_query_groups
-    per_group = cfg.num_attention_heads // groups  # query heads per group
-    n = per_group * d if part == "q" else d
-    start = {"q": 0, "k": per_group * d, "v": (per_group + 1) * d}[part]
-    shape = (groups * n,) + lshape[1:]
-    return shape, [Piece(logical, _rows(lshape, g * (per_group + 2) * d + start, n), _rows(shape, g * n, n))
-                   for g in range(groups)]
+    return fused_for(part, cfg, lshape[0]).pieces(logical, lshape, part)
 
 
-def moe_names(fam: Family, num_experts: int) -> tuple[tuple[str, str, str | None], ...]:
-    """Per-layer (HF suffix, logical suffix, part) of an MoE layer of family ``fam``, in HF order."""
-    block, (gate, up, down) = fam.moe_block, fam.expert_proj
-    out = [(f"{block}.gate.weight", "mlp.router.weight", None)]
-    for e in range(num_experts):
-        out += [(f"{block}.experts.{e}.{gate}.weight", EXPERT_FC1.format(e=e), "gate"),
-                (f"{block}.experts.{e}.{up}.weight", EXPERT_FC1.format(e=e), "up"),
-                (f"{block}.experts.{e}.{down}.weight", EXPERT_FC2.format(e=e), None)]
-    return tuple(out) + (SHARED_NAMES if fam.shared_expert else ())
-
-
-def hf_tensors(cfg, fam: Family | None = None) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
-    """Pure: every tensor of the HF checkpoint of ``cfg``: name -> (shape, pieces), in HF order.
-    ``fam`` names MoE layers (default: the family ``cfg`` exports as)."""
+def hf_tensors(cfg, fam: Family | None = None) -> HFTensors:
+    """Pure: every tensor of the HF checkpoint of ``cfg`` as family ``fam`` names it (default: the family
+    ``cfg`` exports as): name -> (shape, pieces), in HF order."""
+    fam = fam or naming_family(cfg)
     logical = logical_tensors(cfg)
-    out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
-    top = dict(TOP_NAMES)
-    out["model.embed_tokens.weight"] = part_pieces(EMBEDDING, logical[EMBEDDING].shape, None, cfg)
-    moe: tuple[tuple[str, str, str | None], ...] = ()
-    if cfg.num_experts and not cfg.mla:
-        moe = moe_names(fam or export_family(cfg, argparse.Namespace()), cfg.num_experts)
+    out: HFTensors = {}
+    top = dict(fam.top_names(cfg))
+    first, *rest = list(top)
+    out[first] = part_pieces(top[first], logical[top[first]].shape, None, cfg)
     for stack, count in cfg.stacks:
         for layer in range(count):
-            hf = f"model.layers.{layer if stack == 'decoder' else cfg.num_layers + layer}."
-            if cfg.mla:
-                names = hf_deepseek.layer_names(cfg, stack, layer, MLP_NAMES)
-            else:
-                names = [(h, f"{LAYER_PREFIX}{layer}.{lg}", part)
-                         for h, lg, part in LAYER_NAMES + (moe if cfg.is_moe_layer(layer) else ())]
-            for hf_suffix, name, part in names:
+            hf = f"model.layers.{fam.hf_layer(cfg, stack, layer)}."
+            for hf_suffix, name, part in fam.layer_names(cfg, stack, layer):
                 if name in logical:
                     out[hf + hf_suffix] = part_pieces(name, logical[name].shape, part, cfg)
-            if stack == "mtp":  # the release stores copies of the embedding and the output head with it
-                for hf_suffix, name in hf_deepseek.MTP_COPIES:
-                    name = name if name in logical else EMBEDDING
-                    out[hf + hf_suffix] = part_pieces(name, logical[name].shape, None, cfg)
-    for hf_name in ("model.norm.weight", "lm_head.weight"):
+    for hf_name in rest:
         if top[hf_name] in logical:
             out[hf_name] = part_pieces(top[hf_name], logical[top[hf_name]].shape, None, cfg)
     return out
 
 
-def fused_alternatives(cfg, fam: Family, found: Collection[str]) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
-    """Pure: the fused expert tensors transformers >= 5 writes with ``save_original_format=False``
-    (``mlp.experts.gate_up_proj`` (E, 2F, H), ``mlp.experts.down_proj`` (E, H, F), router ``mlp.gate``)
-    that are in ``found``, for the per-expert names they replace: {fused name: (shape, pieces)}.
-    Expert e of a fused tensor is its box (e, :, :), the whole fc1 / fc2 of that expert."""
-    out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
-    logical = logical_tensors(cfg)
-    for layer in range(cfg.num_layers):
-        if not cfg.is_moe_layer(layer):
-            continue
-        hf, mc = f"model.layers.{layer}.", f"{LAYER_PREFIX}{layer}."
-        for fused, per_expert in ((FUSED_FC1, EXPERT_FC1), (FUSED_FC2, EXPERT_FC2)):
-            if hf + fused in found:
-                lshape = logical[mc + per_expert.format(e=0)].shape
-                shape = (cfg.num_experts,) + tuple(lshape)
-                out[hf + fused] = (shape, [Piece(mc + per_expert.format(e=e), Box.full(lshape),
-                                                 Box((e,) + (0,) * len(lshape), (1,) + tuple(lshape)))
-                                           for e in range(cfg.num_experts)])
-        if fam.moe_block != "mlp" and hf + FUSED_ROUTER in found:
-            out[hf + FUSED_ROUTER] = part_pieces(mc + "mlp.router.weight", logical[mc + "mlp.router.weight"].shape,
-                                                 None, cfg)
-    return out
-
-
-def source_tensors(cfg, fam: Family, found: Collection[str]) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
-    """Pure: the tensors expected in an HF source whose stored names are ``found``: per-expert names,
-    or the fused ones where the checkpoint has them (then the per-expert names are not expected)."""
+def source_tensors(cfg, fam: Family, found: Collection[str]) -> HFTensors:
+    """Pure: the tensors expected in an HF source whose stored names are ``found``: the family's names, or
+    its alternative layouts where the checkpoint has them (then the names they replace are not expected)."""
     expected = hf_tensors(cfg, fam)
-    fused = fused_alternatives(cfg, fam, found)
-    if fused:
-        replaced = {p.logical for _, pieces in fused.values() for p in pieces}
+    alternatives = fam.alternatives(cfg, found, expected)
+    if alternatives:
+        replaced = {p.logical for _, pieces in alternatives.values() for p in pieces}
         expected = {k: v for k, v in expected.items() if not {p.logical for p in v[1]} <= replaced}
-        expected.update(fused)
+        expected.update(alternatives)
     return expected
 
 
@@ -234,7 +136,9 @@ class HFFormat:
             hf = json.loads((path / CONFIG).read_text())
         except json.JSONDecodeError as e:
             raise ConvertError(f"{path / CONFIG} is not valid JSON ({e})", "restore the model's config.json") from None
-        cfg, args, notes = config_from_hf(hf, None)
+        fam = family_of(hf)
+        imported = fam.from_hf(hf, None)
+        cfg, args, notes = imported.cfg, imported.args, imported.notes
         if vocab_size is not None and vocab_size != cfg.vocab_size:
             raise ConvertError(f"--vocab-size {vocab_size} disagrees with vocab_size={cfg.vocab_size} in {CONFIG}",
                                "drop --vocab-size: Hugging Face checkpoints state their vocabulary size")
@@ -246,12 +150,8 @@ class HFFormat:
                     raise ConvertError(f"tensor {key} is stored in both {found[key][0]} and {f}",
                                        "remove stray *.safetensors files from the model directory")
                 found[key] = (f, dtype, shape)
-        if cfg.mtp_num_layers and f"model.layers.{cfg.num_layers}.eh_proj.weight" not in found:
-            notes.append(f"config.json declares {cfg.mtp_num_layers} MTP layers (num_nextn_predict_layers) but the "
-                         "weights hold none; converting the model without them")
-            cfg = cfg.replace(mtp_num_layers=0)
-            args.mtp_num_layers = None
-        expected = source_tensors(cfg, family_of(hf), found)
+        cfg = fam.as_stored(cfg, args, found, notes)  # e.g. MTP layers a config declares and the weights lack
+        expected = source_tensors(cfg, fam, found)
         scales = {k for k in found if k.endswith(fp8.SCALE_SUFFIX)}
         ignored = sorted(k for k in found if k.endswith(IGNORED_SUFFIXES))
         if ignored:
@@ -264,7 +164,7 @@ class HFFormat:
                           f"tensors not in a {hf['architectures'][0]} with this config.json:")
         policy.missing(str(path), {k: {p.logical for p in v[1]} for k, v in expected.items() if k not in found},
                        "download or copy every shard of the model")
-        copies = hf_deepseek.mtp_copies(cfg, found)  # primary key -> its stored copies, compared on read
+        copies = fam.stored_copies(cfg, found)  # primary key -> its stored copies, compared on read
         chunks = []
         for key, (shape, pieces) in expected.items():
             if key not in found or any(key in c for c in copies.values()):
@@ -280,13 +180,14 @@ class HFFormat:
             if dtype in fp8.FP8_DTYPES:
                 scale = self._scale_of(key, shape, hf, found)
                 dtype = self.options.dtype or torch.bfloat16  # dequantized on read
-            chunks.append(SourceChunk(len(chunks), f, key, shape, dtype, pieces, (0,) * len(shape), sliceable=True,
-                                      scale=scale, twins=twins))
+            chunks.append(SourceChunk(id=len(chunks), file=f, key=key, shape=shape, dtype=dtype, pieces=pieces,
+                                      offsets=(0,) * len(shape), sliceable=True, scale=scale, twins=twins))
         if any(c.scale for c in chunks):
             notes.append(f"dequantized {sum(1 for c in chunks if c.scale)} block-scaled FP8 weights to "
                          f"{str(self.options.dtype or torch.bfloat16).removeprefix('torch.')} on read")
             args.params_dtype = self.options.dtype or torch.bfloat16
-        return policy.finish(SourceIndex(self.name, path, "release", args, cfg, Layout(1, 1), chunks, notes))
+        return policy.finish(SourceIndex(format=self.name, iter_dir=path, iteration="release", args=args, cfg=cfg,
+                                         layout=Layout(tp=1, pp=1), chunks=chunks, notes=notes))
 
     @staticmethod
     def _scale_of(key: str, shape: tuple[int, ...], hf: dict, found: dict) -> tuple[str, str, tuple[int, int]]:
@@ -334,12 +235,13 @@ class HFFormat:
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         hf_from_config(target.cfg, target.args, target.dtype or torch.float32)  # refuses inexpressible models
         fam = export_family(target.cfg, target.args)
-        tensors = {name: TargetTensor(name, shape, target_dtype(target, dtypes, pieces[0].logical), pieces)
+        tensors = {name: TargetTensor(key=name, shape=shape, dtype=target_dtype(target, dtypes, pieces[0].logical),
+                                      pieces=pieces)
                    for name, (shape, pieces) in hf_tensors(target.cfg, fam).items()}
         shards = pack_shards([(n, t.nbytes) for n, t in tensors.items()], self.options.max_shard_size)
         names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                    for i in range(len(shards))]
-        self._files = [TargetFile(i, name, [tensors[n] for n in shard]) for i, (name, shard) in
+        self._files = [TargetFile(id=i, name=name, tensors=[tensors[n] for n in shard]) for i, (name, shard) in
                        enumerate(zip(names, shards, strict=True))]
         return self._files
 

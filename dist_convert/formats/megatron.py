@@ -16,20 +16,17 @@ from ..config import ModelConfig, config_from_args
 from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
 from ..durable import save_durable
 from ..errors import ConvertError
-from ..layout.boxes import Piece, local_pieces, mcore_global_shape
+from ..layout.rank_files import chunk_key, rank_entries, split_chunk_key
 from ..layout.rules import (
     EMBEDDING,
     MTP_LAYER,
     OUTPUT_MODULES,
-    TIED_COPIES,
-    expert_key,
     expert_modules,
     extra_state_modules,
-    holders,
     is_grouped_expert_key,
     logical_tensors,
     model_family,
-    spec_suffix,
+    top_extra_state_modules,
 )
 from ..layout.topology import Layout
 from ..optim import sources as optim_sources
@@ -70,64 +67,6 @@ def _looks_like(path: Path) -> bool:
     return path.is_dir() and any(_RANK_RE.match(p.name) for p in path.iterdir() if p.is_dir())
 
 
-def chunk_key(key: str, vp: int, layout: Layout) -> str:
-    """Key of a tensor of model chunk ``vp`` in our flat view of a rank file: with VPP the file
-    holds ``model0`` ... ``model{V-1}``, written here as ``model{vp}/<key>``."""
-    return f"model{vp}/{key}" if layout.vpp else key
-
-
-def split_chunk_key(key: str) -> tuple[str, str]:
-    """(entry of the rank file: ``model`` or ``model{v}``, state-dict key)."""
-    entry, sep, rest = key.partition("/")
-    return (entry, rest) if sep else ("model", key)
-
-
-def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
-                 spec: str, ep_rank: int = 0) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
-    """Pure: every tensor a legacy rank file holds (all its model chunks): key -> (local shape, pieces).
-    MoE: the file of expert rank ``ep_rank`` holds its routed experts under local indices, and a copy
-    of every other tensor (legacy files need expert-TP = TP: the routed experts split over ``tp_rank``)."""
-    if cfg.num_experts and layout.expert_tp != layout.tp:
-        raise ConvertError(f"legacy rank files (mp_rank_*) split routed experts over TP; {layout} has no file naming "
-                           "in Megatron-LM's legacy format",
-                           "pass --target-etp equal to --target-tp, or write --dst-format torch_dist")
-    mine = layout.experts_of(ep_rank, cfg.num_experts) if cfg.num_experts else range(0)
-    tensors = logical_tensors(cfg)
-    chunks = [c for c in layout.stack_chunks(cfg.stacks) if c[0] == pp_rank]
-    out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
-
-    def add(key: str, name: str, vp: int) -> None:
-        t = tensors[name]
-        gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
-        out[chunk_key(key, vp, layout)] = local_pieces(name, t.kind, gshape, t.shape[0], tp_rank, layout.tp)
-
-    for _, vp, stack, offset, count in chunks:
-        for name, t in tensors.items():
-            if t.stack == stack and offset <= t.layer < offset + count:
-                suffix = spec_suffix(t, spec)
-                if t.expert is not None:
-                    if t.expert not in mine:
-                        continue
-                    suffix = expert_key(suffix, t.expert - mine.start, cfg.moe_grouped)
-                add(f"{t.layer_prefix}{t.layer - offset}.{suffix}", name, vp)
-    vps = {vp for _, vp, *_ in chunks}
-    for name, t in tensors.items():
-        if t.layer is None:
-            for key in (name,) + t.aliases:
-                for vp in vps:
-                    if (pp_rank, vp) in holders(t.stage, layout):
-                        add(key, name, vp)
-    mtp = [(vp, stack) for _, vp, stack, _, _ in chunks if stack == "mtp"]
-    if mtp and (pp_rank, mtp[0][0]) not in holders(tensors[EMBEDDING].stage, layout):
-        add(EMBEDDING, EMBEDDING, mtp[0][0])  # megatron-core builds the embedding on the MTP stage too
-    last = (layout.pp - 1, layout.chunks_per_rank - 1)
-    if (cfg.tied and pp_rank == last[0] and layout.pp > 1
-            and last not in holders(tensors[EMBEDDING].stage, layout)):  # a copy of the tied embedding
-        for key in TIED_COPIES[cfg.family]:
-            add(key, EMBEDDING, last[1])
-    return out
-
-
 MTP_LEGACY = "mtp_model_layer."  # megatron-core >= 0.17's state_dict name of MTP_LAYER
 
 
@@ -153,7 +92,8 @@ def extra_state_keys(cfg: ModelConfig, layout: Layout, pp_rank: int, spec: str) 
                 mods += tuple(MTP_LAYER + m for m in experts) if stack == "mtp" else experts
             keys += [chunk_key(f"{stack}.layers.{i}.{m}._extra_state", vp, layout) for m in mods]
         if pp_rank == layout.pp - 1 and vp == layout.chunks_per_rank - 1:
-            keys += [chunk_key(f"{m}._extra_state", vp, layout) for m in OUTPUT_MODULES[cfg.family]]
+            keys += [chunk_key(f"{m}._extra_state", vp, layout)
+                     for m in OUTPUT_MODULES[cfg.family] + top_extra_state_modules(cfg)]
     return keys
 
 
@@ -169,9 +109,10 @@ def rank_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name:
             # a rank holding only vocabulary padding rows has no pieces: its dtype is its tensor's (a tied
             # copy's is the embedding's)
             logical = pieces[0].logical if pieces else names.get(split_chunk_key(key)[1], EMBEDDING)
-            tensors.append(TargetTensor(prefix + key, shape, target_dtype(target, dtypes, logical), pieces))
+            tensors.append(TargetTensor(key=prefix + key, shape=shape, dtype=target_dtype(target, dtypes, logical),
+                                        pieces=pieces))
         objects = {prefix + k: None for k in extra_state_keys(cfg, layout, p, cfg.spec)}
-        files.append(TargetFile(len(files), file_name(t, p, e), tensors, objects))
+        files.append(TargetFile(id=len(files), name=file_name(t, p, e), tensors=tensors, objects=objects))
     return files
 
 
@@ -266,8 +207,9 @@ class MegatronFormat(IterDirFormat):
         found = Counter(k for f in files.values() for k in f["training"] if k not in kept)
         note = dropped_state_note([k if k != DISTRIB_OPTIM or n == 1 else f"{k} ({n} files)" for k, n in found.items()],
                                   optimizer is not None)
-        return policy.finish(SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks,
-                                         [note] if note else [], optimizer=optimizer))
+        return policy.finish(SourceIndex(format=self.name, iter_dir=iter_dir, iteration=iteration, args=args, cfg=cfg,
+                                         layout=layout, chunks=chunks,
+                                         notes=[note] if note else [], optimizer=optimizer))
 
     @staticmethod
     def _rank_files(iter_dir: Path, names: list[str], indexed: dict[str, dict[str, Any]],

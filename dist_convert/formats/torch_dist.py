@@ -45,6 +45,7 @@ from ..layout.rules import (
     logical_tensors,
     model_family,
     per_layer_keys,
+    top_extra_state_modules,
     torch_dist_key,
 )
 from ..layout.topology import Layout
@@ -146,11 +147,11 @@ def open_weights(iter_dir: Path, trust_pickle: bool) -> tuple[Any, dict[str, Any
     return md, common, style
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DistGroup:
     """One torch_dist key: the sizes of its leading placement axes (the layer axis of stacked keys,
     the expert axis of routed experts; none for top-level and per-layer dense keys) and the logical
-    tensor at each coordinate of them."""
+    tensor at each coordinate of them. Not frozen: ``dist_groups`` fills ``members`` in as it meets them."""
 
     lead: tuple[int, ...]
     members: dict[tuple[int, ...], LogicalTensor]
@@ -174,9 +175,10 @@ def dist_groups(cfg: ModelConfig) -> dict[str, DistGroup]:
     groups: dict[str, DistGroup] = {}
     for t in logical_tensors(cfg).values():
         lead, at = placement(t, cfg, per_layer)
-        groups.setdefault(torch_dist_key(t, per_layer or t.stack == "mtp"), DistGroup(lead, {})).members[at] = t
+        groups.setdefault(torch_dist_key(t, per_layer or t.stack == "mtp"),
+                          DistGroup(lead=lead, members={})).members[at] = t
         for alias in t.aliases:
-            groups[alias] = DistGroup((), {(): t})
+            groups[alias] = DistGroup(lead=(), members={(): t})
     return groups
 
 
@@ -232,7 +234,7 @@ class StreamWriter:
     def _done(self, f: TargetFile) -> WrittenFile:
         w = self.open.pop(f.id)
         w.close()
-        return WrittenFile(f.id, w.rel, {"items": w.items}, sha256=w.sha256)
+        return WrittenFile(file=f.id, name=w.rel, record={"items": w.items}, sha256=w.sha256)
 
     def _tensor_done(self, f: TargetFile) -> list[WrittenFile]:
         self.left[f.id] -= 1
@@ -332,7 +334,8 @@ class TorchDistFormat(IterDirFormat):
         for key, g in groups.items():
             if key in stored:
                 self.key_chunks(chunks, key, key, g, stored[key])
-        index = SourceIndex(self.name, iter_dir, iteration, args, cfg, layout, chunks, style=style)
+        index = SourceIndex(format=self.name, iter_dir=iter_dir, iteration=iteration, args=args, cfg=cfg, layout=layout,
+                            chunks=chunks, style=style)
         if self.options.optimizer:
             index.optimizer = optim_sources.torch_dist_state(self, index, md, common, groups)
         note = training_state_note(md.state_dict_metadata, common, kept=self.options.optimizer)
@@ -353,8 +356,9 @@ class TorchDistFormat(IterDirFormat):
         for c in meta.chunks:
             box = Box(tuple(c.offsets), tuple(c.sizes))
             pieces = block_pieces(g, box)
-            chunks.append(SourceChunk(len(chunks), self.prefix + stored_key, self.prefix + stored_key, tuple(c.sizes),
-                                      meta.properties.dtype, renamed(pieces, state) if state else pieces,
+            chunks.append(SourceChunk(id=len(chunks), file=self.prefix + stored_key, key=self.prefix + stored_key,
+                                      shape=tuple(c.sizes), dtype=meta.properties.dtype,
+                                      pieces=renamed(pieces, state) if state else pieces,
                                       offsets=tuple(c.offsets), sliceable=True, contiguous_cuts=True,
                                       origin=tuple(c.offsets), origin_shape=tuple(c.sizes)))
 
@@ -423,22 +427,25 @@ class TorchDistFormat(IterDirFormat):
                     for c in tp_chunks(t.kind, gshape, r, degree):
                         box = Box(at + c.offsets, (1,) * len(at) + c.sizes)
                         tensors[(r % layout.tp, holder, ep_rank)].append(
-                            TargetTensor(self.prefix + key, box.sizes, dtype, block_pieces(g, box), box.offsets,
-                                         g.lead + gshape))
+                            TargetTensor(key=self.prefix + key, shape=box.sizes, dtype=dtype,
+                                         pieces=block_pieces(g, box), offsets=box.offsets,
+                                         global_shape=g.lead + gshape))
         for (stack, layer), p in stage.items():
             objects[(0, p, 0)].update(layer_objects(cfg, stack, layer, layers[stack], per_layer))
             if cfg.layer_is_moe(stack, layer):
                 for e in range(cfg.num_experts):
                     objects[(0, p, layout.expert_rank(e, cfg.num_experts))].update(
                         expert_objects(cfg, stack, layer, layers[stack], e, per_layer))
+        for m in top_extra_state_modules(cfg):
+            objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
         if cfg.family == "t5":  # GPTModel drops its output layer's
             for m in OUTPUT_MODULES[cfg.family]:
                 objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
         if target.optimizer is not None:  # model-space (fully_reshardable) optimizer state beside each chunk
             for r in ranks:
                 tensors[r] += optimizer_tensors(tensors[r], self.prefix)
-        return [TargetFile(i, f"tp{t}_pp{p}" + (f"_ep{e}" if layout.ep > 1 else ""), tensors[(t, p, e)],
-                           {self.prefix + k: v for k, v in objects[(t, p, e)].items()})
+        return [TargetFile(id=i, name=f"tp{t}_pp{p}" + (f"_ep{e}" if layout.ep > 1 else ""), tensors=tensors[(t, p, e)],
+                           objects={self.prefix + k: v for k, v in objects[(t, p, e)].items()})
                 for i, (t, p, e) in enumerate(ranks)]
 
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> StreamWriter:

@@ -78,12 +78,15 @@ LAYER_RULES: tuple[Rule, ...] = (
 ) + (
     Rule("self_attention.linear_proj.weight", Kind.ROW, lambda c: (c.hidden_size, c.attn_proj_cols)),
     Rule("self_attention.linear_proj.bias", Kind.REP, _h, _bias),
+    # Gemma 2/3 sandwich norms: on the attention and MLP outputs (Megatron-Bridge's TERowParallelLinearLayerNorm)
+    Rule("self_attention.linear_proj.post_layernorm.weight", Kind.REP, _h, lambda c: c.post_norms),
     Rule("pre_mlp_layernorm.weight", Kind.REP, _h, te_name="mlp.linear_fc1.layer_norm_weight"),
     Rule("pre_mlp_layernorm.bias", Kind.REP, _h, _norm_bias, te_name="mlp.linear_fc1.layer_norm_bias"),
     Rule("mlp.linear_fc1.weight", Kind.COL, lambda c: (c.fc1_rows, c.hidden_size), layers="dense"),
     Rule("mlp.linear_fc1.bias", Kind.COL, lambda c: (c.fc1_rows,), _bias, layers="dense"),
     Rule("mlp.linear_fc2.weight", Kind.ROW, lambda c: (c.hidden_size, c.ffn_hidden_size), layers="dense"),
     Rule("mlp.linear_fc2.bias", Kind.REP, _h, _bias, layers="dense"),
+    Rule("mlp.linear_fc2.post_layernorm.weight", Kind.REP, _h, lambda c: c.post_norms, layers="dense"),
 ) + (
     # MoE layers (megatron-core MoELayer): a replicated router, routed experts split over expert-TP
     # and spread over expert-parallel ranks (logical name: the global expert index), shared experts
@@ -175,6 +178,19 @@ EXTRA_STATE_MODULES = {
            "mlp.linear_fc1", "mlp.linear_fc2"),
 }
 
+# Megatron-Bridge's Gemma 2/3 spec (post_norms): Transformer Engine 2's norms keep an ``_extra_state`` too, and
+# its attention saves none; the final norm's is a top-level entry (TOP_EXTRA_STATE_MODULES)
+POST_NORM_EXTRA_STATE_MODULES = (
+    "self_attention.linear_qkv", "self_attention.q_layernorm", "self_attention.k_layernorm",
+    "self_attention.linear_proj", "self_attention.linear_proj.post_layernorm", "mlp.linear_fc1", "mlp.linear_fc2",
+    "mlp.linear_fc2.post_layernorm")
+
+
+def top_extra_state_modules(cfg: ModelConfig) -> tuple[str, ...]:
+    """Top-level modules (on the last stage) with an ``_extra_state`` entry in torch_dist."""
+    return ("decoder.final_layernorm",) if cfg.post_norms and cfg.spec == "te" else ()
+
+
 CROSS_EXTRA_STATE_MODULES = {
     "local": ("cross_attention.linear_q", "cross_attention.linear_kv", "cross_attention.linear_proj"),
     "te": ("cross_attention.linear_q", "cross_attention.linear_kv", "cross_attention.core_attention",
@@ -191,7 +207,7 @@ LAYER_PREFIX = "decoder.layers."
 _LAYER_RE = re.compile(r"^(?:encoder|decoder|mtp)\.layers\.(\d+)\.(.+)$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LogicalTensor:
     name: str
     kind: Kind
@@ -248,13 +264,14 @@ def _layer_tensors(rule: Rule, cfg: ModelConfig, stack: str, layer: int, inner: 
     for e in range(cfg.num_experts) if rule.per_expert else [None]:
         suffix = inner + (rule.name.format(e=e) if e is not None else rule.name)
         full = f"{stack}.layers.{layer}.{suffix}"
-        out.append(LogicalTensor(full, mla_kind(rule, cfg), rule.shape(cfg), layer, suffix, "layer", te_name,
-                                 stack, expert=e, dist_suffix=dist))
+        out.append(LogicalTensor(name=full, kind=mla_kind(rule, cfg), shape=rule.shape(cfg), layer=layer, suffix=suffix,
+                                 stage="layer", te_name=te_name, stack=stack, expert=e, dist_suffix=dist))
     return out
 
 
 def _top(rule: Rule, stage: str, cfg: ModelConfig) -> LogicalTensor:
-    return LogicalTensor(rule.name, rule.kind, rule.shape(cfg), None, rule.name, stage, None, aliases=rule.aliases)
+    return LogicalTensor(name=rule.name, kind=rule.kind, shape=rule.shape(cfg), layer=None, suffix=rule.name,
+                         stage=stage, te_name=None, aliases=rule.aliases)
 
 
 def logical_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
@@ -301,6 +318,8 @@ def extra_state_modules(cfg: ModelConfig, stack: str, spec: str, layer: int | No
     An MTP layer has its eh_proj's and its TransformerLayer's (under ``transformer_layer.``)."""
     cross = CROSS_EXTRA_STATE_MODULES[spec] if cfg.family == "t5" and stack == "decoder" else ()
     base = EXTRA_STATE_MODULES[spec]
+    if cfg.post_norms and spec == "te":
+        base = tuple(m for m in POST_NORM_EXTRA_STATE_MODULES if cfg.qk_layernorm or "_layernorm" not in m)
     if cfg.mla:
         q = ("self_attention.linear_q_proj",) if cfg.q_lora_rank is None else \
             ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj")

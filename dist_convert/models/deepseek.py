@@ -1,7 +1,6 @@
-"""DeepSeek-V2 / V3 Hugging Face checkpoints (and configs of their architecture, e.g. Kimi-K2):
-multi-latent attention, DeepSeek MoE (dense first layers, shared experts, sigmoid or softmax routing)
-and multi-token-prediction layers. Pure functions: config.json <-> model config and Megatron-LM args,
-and the HF tensor names of each logical tensor.
+"""DeepSeek-V2 / V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``; also configs of their architecture,
+e.g. Kimi-K2): multi-latent attention, DeepSeek MoE (dense first layers, shared experts, sigmoid or softmax
+routing) and multi-token-prediction layers.
 
 HF stores MTP layer k as decoder layer ``num_hidden_layers + k`` with the extra modules ``enorm``,
 ``hnorm``, ``eh_proj`` and ``shared_head.norm``, plus copies of the embedding (``embed_tokens``) and
@@ -12,13 +11,26 @@ from __future__ import annotations
 import argparse
 import copy
 from collections.abc import Collection
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from ..config import DEFAULT_DIVISIBLE_BY, ModelConfig, padded_vocab_size
 from ..errors import ConvertError
 from ..layout.rules import EMBEDDING, MTP_LAYER, OUTPUT
+from .base import (
+    DENSE_MLP,
+    DTYPE_NAMES,
+    EXPORT_FIX,
+    MLP_NORM,
+    Family,
+    Imported,
+    Name,
+    expert_names,
+    get,
+    structure_problems,
+)
 
 # (HF suffix after model.layers.N., logical suffix, part) of an MLA layer's attention
 MLA_NAMES: tuple[tuple[str, str, str | None], ...] = (
@@ -45,28 +57,26 @@ MTP_NAMES: tuple[tuple[str, str, str | None], ...] = (
     ("shared_head.norm.weight", "final_layernorm.weight", None),
 )
 MTP_COPIES = (("embed_tokens.weight", EMBEDDING), ("shared_head.head.weight", OUTPUT))
+V3, V2 = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
 
 
-def moe_names(num_experts: int) -> tuple[tuple[str, str, str | None], ...]:
-    out = [("mlp.gate.weight", "mlp.router.weight", None),
-           ("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias", None)]
-    for e in range(num_experts):
-        out += [(f"mlp.experts.{e}.gate_proj.weight", f"mlp.experts.local_experts.{e}.linear_fc1.weight", "gate"),
-                (f"mlp.experts.{e}.up_proj.weight", f"mlp.experts.local_experts.{e}.linear_fc1.weight", "up"),
-                (f"mlp.experts.{e}.down_proj.weight", f"mlp.experts.local_experts.{e}.linear_fc2.weight", None)]
-    return tuple(out) + SHARED_NAMES
+def moe_names(num_experts: int) -> tuple[Name, ...]:
+    return (("mlp.gate.weight", "mlp.router.weight", None),
+            ("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias", None),
+            *expert_names("mlp", num_experts), *SHARED_NAMES)
 
 
-def layer_names(cfg: ModelConfig, stack: str, layer: int,
-                mlp_names: tuple[tuple[str, str, str | None], ...]) -> list[tuple[str, str, str | None]]:
-    """(HF suffix, logical name, part) of every tensor of one decoder or MTP layer (``mlp_names``: the MLP
-    norm and dense MLP, as every family names them); HF numbers MTP layer k as decoder layer ``num_layers + k``."""
-    names = MLA_NAMES + mlp_names + (moe_names(cfg.num_experts) if cfg.layer_is_moe(stack, layer) else ())
+def layer_names(cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
+    """(HF suffix, logical name, part) of every tensor of one decoder or MTP layer; HF numbers MTP layer k
+    as decoder layer ``num_layers + k`` and stores copies of the embedding and the output head with it."""
+    moe = cfg.layer_is_moe(stack, layer)
+    names = MLA_NAMES + MLP_NORM + (moe_names(cfg.num_experts) if moe else DENSE_MLP)
     if stack == "decoder":
         return [(hf, f"decoder.layers.{layer}.{lg}", part) for hf, lg, part in names]
+    copies = [(hf, OUTPUT if name == OUTPUT and not cfg.tied else EMBEDDING, None) for hf, name in MTP_COPIES]
     return ([(hf, f"mtp.layers.{layer}.{lg}", part) for hf, lg, part in MTP_NAMES]
-            + [(hf, f"mtp.layers.{layer}.{MTP_LAYER}{lg}", part) for hf, lg, part in names])
+            + [(hf, f"mtp.layers.{layer}.{MTP_LAYER}{lg}", part) for hf, lg, part in names] + copies)
 
 
 def mtp_copies(cfg: ModelConfig, found: Collection[str]) -> dict[str, list[str]]:
@@ -80,11 +90,6 @@ def mtp_copies(cfg: ModelConfig, found: Collection[str]) -> dict[str, list[str]]
                 primary = "lm_head.weight" if name == OUTPUT and not cfg.tied else "model.embed_tokens.weight"
                 out.setdefault(primary, []).append(key)
     return out
-
-
-def _get(hf: dict[str, Any], key: str, default: Any = None) -> Any:
-    value = hf.get(key)
-    return default if value is None else value
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -108,7 +113,7 @@ def _router(hf: dict[str, Any], v3: bool, experts: int, topk: int) -> dict[str, 
     choice, group-limited top-k (group score: sum of the top 2), renormalised, scaled. V2: softmax,
     greedy top-k, scaled, never renormalised."""
     groups, group_topk = hf.get("n_group"), hf.get("topk_group")
-    scale = float(_get(hf, "routed_scaling_factor", 1.0))
+    scale = float(get(hf, "routed_scaling_factor", 1.0))
     args: dict[str, Any] = {"moe_router_topk": topk, "moe_router_topk_scaling_factor": scale,
                             "moe_router_dtype": "fp32", "moe_router_load_balancing_type": "seq_aux_loss"}
     if v3:
@@ -140,7 +145,7 @@ def _router(hf: dict[str, Any], v3: bool, experts: int, topk: int) -> dict[str, 
 def config_from_hf(hf: dict[str, Any], architecture: str,
                    vocab_divisible_by: int | None) -> tuple[ModelConfig, argparse.Namespace, list[str]]:
     """Model config, Megatron-LM args and notes of a DeepSeek-V2/V3 ``config.json``."""
-    v3 = architecture == "DeepseekV3ForCausalLM"
+    v3 = architecture == V3
     try:
         heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
         layers, ffn, vocab = int(hf["num_hidden_layers"]), int(hf["intermediate_size"]), int(hf["vocab_size"])
@@ -157,21 +162,21 @@ def config_from_hf(hf: dict[str, Any], architecture: str,
         raise ConvertError("rope_interleave=false: megatron-core's MLA always de-interleaves the RoPE dimensions",
                            "convert a config with rope_interleave true (as DeepSeek releases have)")
     q_lora = hf.get("q_lora_rank")
-    experts = int(_get(hf, "n_routed_experts", 0))
-    dense = int(_get(hf, "first_k_dense_replace", 0))
-    freq = int(_get(hf, "moe_layer_freq", 1))
+    experts = int(get(hf, "n_routed_experts", 0))
+    dense = int(get(hf, "first_k_dense_replace", 0))
+    freq = int(get(hf, "moe_layer_freq", 1))
     pattern = tuple(int(experts > 0 and layer >= dense and layer % freq == 0) for layer in range(layers))
-    topk = int(_get(hf, "num_experts_per_tok", 1))
-    expert_ffn = int(_get(hf, "moe_intermediate_size", ffn))
-    shared = int(_get(hf, "n_shared_experts", 0)) * expert_ffn
-    mtp = int(_get(hf, "num_nextn_predict_layers", 0)) if v3 else 0
+    topk = int(get(hf, "num_experts_per_tok", 1))
+    expert_ffn = int(get(hf, "moe_intermediate_size", ffn))
+    shared = int(get(hf, "n_shared_experts", 0)) * expert_ffn
+    mtp = int(get(hf, "num_nextn_predict_layers", 0)) if v3 else 0
     theta, rope_args = _rope(hf)
     divisible = vocab_divisible_by or DEFAULT_DIVISIBLE_BY
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         str(hf.get("dtype") or hf.get("torch_dtype")), torch.float32)
     if hf.get("quantization_config"):  # FP8 releases: dequantized on read to bf16 unless --dtype says otherwise
         dtype = torch.bfloat16
-    max_pos = int(_get(hf, "max_position_embeddings", 4096))
+    max_pos = int(get(hf, "max_position_embeddings", 4096))
     moe_cfg: dict[str, Any] = {}
     moe_args: dict[str, Any] = {}
     if experts:
@@ -196,7 +201,7 @@ def config_from_hf(hf: dict[str, Any], architecture: str,
     args = argparse.Namespace(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         group_query_attention=False, num_query_groups=heads, kv_channels=cfg.kv_channels, swiglu=True,
-        normalization="RMSNorm", norm_epsilon=float(_get(hf, "rms_norm_eps", 1e-6)), add_bias_linear=False,
+        normalization="RMSNorm", norm_epsilon=float(get(hf, "rms_norm_eps", 1e-6)), add_bias_linear=False,
         add_qkv_bias=False, qk_layernorm=True,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights, vocab_size=vocab,
         make_vocab_size_divisible_by=divisible, padded_vocab_size=padded_vocab_size(vocab, divisible, 1),
@@ -210,8 +215,8 @@ def config_from_hf(hf: dict[str, Any], architecture: str,
     return cfg, args, []
 
 
-def check_exportable(cfg: ModelConfig, args: argparse.Namespace) -> str:
-    """The architecture an MLA model exports as (refuses what DeepSeek's configs cannot express)."""
+def export_problems(cfg: ModelConfig, args: argparse.Namespace) -> list[str]:
+    """What of an MLA model DeepSeek's configs cannot express."""
     problems = []
     if cfg.qk_layernorm is False:
         problems.append("no q/kv layernorms (DeepSeek always has q_a_layernorm / kv_a_layernorm)")
@@ -229,17 +234,19 @@ def check_exportable(cfg: ModelConfig, args: argparse.Namespace) -> str:
     sigmoid = getattr(args, "moe_router_score_function", "softmax") == "sigmoid"
     if cfg.num_experts and sigmoid != cfg.moe_router_expert_bias:
         problems.append("sigmoid routing without an expert bias" if sigmoid else "an expert bias with softmax routing")
-    if problems:
-        raise ConvertError(f"the MLA model has {'; '.join(problems)}, which DeepSeek-V2/V3 configs cannot express",
-                           "export it with --dst-format torch_dist or megatron instead of hf")
-    return "DeepseekV3ForCausalLM" if (sigmoid or cfg.q_lora_rank is not None or cfg.mtp_num_layers
-                                       or not cfg.num_experts) else "DeepseekV2ForCausalLM"
+    return problems
 
 
-def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype_name: str) -> dict[str, Any]:
-    """``config.json`` of an MLA model (the source's DeepSeek config, updated, when the args carry one)."""
-    arch = check_exportable(cfg, args)
-    base = getattr(args, "hf_config", None)
+def architecture_of(cfg: ModelConfig, args: argparse.Namespace) -> str:
+    """The DeepSeek architecture an MLA model exports as: V3 unless it routes as V2 does."""
+    sigmoid = getattr(args, "moe_router_score_function", "softmax") == "sigmoid"
+    return V3 if (sigmoid or cfg.q_lora_rank is not None or cfg.mtp_num_layers or not cfg.num_experts) else V2
+
+
+def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any] | None,
+                   dtype_name: str) -> dict[str, Any]:
+    """``config.json`` of an MLA model (``base``, the source's DeepSeek config, updated, when of that architecture)."""
+    arch = architecture_of(cfg, args)
     same = isinstance(base, dict) and arch in (base.get("architectures") or [])
     hf: dict[str, Any] = copy.deepcopy(base) if same else {}
     pattern = cfg.moe_layer_pattern or (1,) * cfg.num_layers
@@ -254,7 +261,7 @@ def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype_name: str) 
         "tie_word_embeddings": cfg.tied, "max_position_embeddings": int(cfg.max_position_embeddings or 4096),
         "attention_bias": False, "rms_norm_eps": float(getattr(args, "norm_epsilon", 1e-6) or 1e-6),
         "torch_dtype": dtype_name, "dtype": dtype_name})
-    if arch == "DeepseekV3ForCausalLM":
+    if arch == V3:
         hf.update(num_nextn_predict_layers=cfg.mtp_num_layers, rope_interleave=True)
     if cfg.num_experts:
         groups = getattr(args, "moe_router_num_groups", None)
@@ -265,7 +272,7 @@ def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype_name: str) 
                   routed_scaling_factor=float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
                   n_group=int(groups) if groups else 1,
                   topk_group=int(getattr(args, "moe_router_group_topk", None) or 1) if groups else 1)
-        if arch == "DeepseekV3ForCausalLM":
+        if arch == V3:
             hf.update(norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc")
         else:
             hf.update(norm_topk_prob=False, topk_method="greedy")
@@ -280,3 +287,51 @@ def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype_name: str) 
                                   "original_max_position_embeddings": int(original),
                                   **{k: float(getattr(args, k, d)) for k, d in YARN_DEFAULTS.items()}}
     return hf
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSeek(Family):
+    architecture: str
+    model_type: str
+    scope: ClassVar[str] = "DeepSeek-V2/V3 configs"
+
+    def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
+        cfg, args, notes = config_from_hf(hf, self.architecture, vocab_divisible_by)
+        return Imported(cfg=cfg, args=args, notes=notes)
+
+    def to_hf(self, cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any] | None,
+              dtype: torch.dtype) -> dict[str, Any]:
+        return hf_from_config(cfg, args, base, DTYPE_NAMES.get(dtype, "float32"))
+
+    def affinity(self, cfg: ModelConfig) -> int:
+        return 4 if cfg.mla else 0
+
+    def why_not(self, cfg: ModelConfig, args: argparse.Namespace) -> str | None:
+        if not cfg.mla:
+            return "no multi-latent attention"
+        problems = structure_problems(cfg) or export_problems(cfg, args)
+        if problems:
+            return "; ".join(problems)
+        arch = architecture_of(cfg, args)
+        return None if arch == self.architecture else f"the routing and attention of {arch}"
+
+    def refusal(self, problem: str) -> ConvertError:
+        return ConvertError(f"the MLA model has {problem}, which {self.scope} cannot express", EXPORT_FIX)
+
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
+        return layer_names(cfg, stack, layer)
+
+    def as_stored(self, cfg: ModelConfig, args: argparse.Namespace, found: Collection[str],
+                  notes: list[str]) -> ModelConfig:
+        if cfg.mtp_num_layers and f"model.layers.{cfg.num_layers}.eh_proj.weight" not in found:
+            notes.append(f"config.json declares {cfg.mtp_num_layers} MTP layers (num_nextn_predict_layers) but the "
+                         "weights hold none; converting the model without them")
+            args.mtp_num_layers = None
+            return cfg.replace(mtp_num_layers=0)
+        return cfg
+
+    def stored_copies(self, cfg: ModelConfig, found: Collection[str]) -> dict[str, list[str]]:
+        return mtp_copies(cfg, found)
+
+
+FAMILIES = (DeepSeek(architecture=V3, model_type="deepseek_v3"), DeepSeek(architecture=V2, model_type="deepseek_v2"))

@@ -1,0 +1,857 @@
+"""Oracle for Gemma 3 (text): Megatron-Bridge 0.6.2's ``Gemma3ModelProvider`` on megatron-core 0.19.2 is the
+Megatron-side layout; transformers' ``Gemma3ForCausalLM`` is the HF side. Runs in the second runtime
+(.venv-mcore19, Python 3.12); imports megatron-core, Megatron-Bridge, transformers; never dist_convert.
+
+  gemma3_oracle.py make HF_DIR [--layers N] [--seed S]
+      a tiny random Gemma3ForCausalLM made by transformers' own classes (Gemma3TextConfig): hidden 64, 4 heads,
+      2 kv heads, head_dim 16, ffn 128, vocab 300 (not a multiple of 128), N layers (default 7: layers 1-5 and 7
+      sliding, layer 6 full; Bridge only knows the 5:1 pattern), sliding_window 4, query_pre_attn_scalar 24
+      (!= head_dim), rope_theta 50000 with linear scaling x4 on full layers, local rope_theta 10000, tied
+      embeddings, fp32; every tensor random (norm weights w with |w| in [0.2, 0.8]: Gemma's RMSNorm scales by
+      1 + w); a 300-token WordLevel tokenizer; ``save_pretrained`` (safetensors)
+  gemma3_oracle.py bridge-import HF_DIR OUT_DIR [--pp P]
+      Megatron-Bridge's own import (AutoBridge.from_hf_pretrained, to_megatron_provider(load_weights=True),
+      provide_distributed_model, save_megatron_model): a torch_dist checkpoint at PP --pp (default 1), TP = world
+      size / PP
+  gemma3_oracle.py judge MEGATRON_DIR --truth BRIDGE_DIR --hf HF_DIR [--tp N] [--pp N]
+      builds Bridge's Gemma 3 model from the HF config (TP = world size, PP 1), loads MEGATRON_DIR into it
+      with megatron-core's dist_checkpointing.load (StrictHandling.RAISE_ALL: no missing, no unexpected key;
+      resharding from any TP/PP), TE's check of each _extra_state value, then module.load_state_dict (every key
+      but an unsaved _extra_state, as Megatron-LM's and Bridge's loaders allow); asserts
+        * every loaded tensor == Bridge's own import of HF_DIR at this layout (in memory), bit for bit
+        * every stored tensor == BRIDGE_DIR's (load_plain_tensors, global shapes), bit for bit, and the same
+          _extra_state objects (names)
+        * --tp N / --pp N: the TP / PP the checkpoint records (Megatron-LM args, else run_config.yaml) are N
+        * the Megatron logits on fixed ids (longer than the sliding window) match transformers'
+          Gemma3ForCausalLM (eager, fp32) within --atol (1e-4)
+      prints one JSON line (rank 0); exit 1 on any problem. torch_dist, or a legacy (torch) checkpoint
+      written at TP = world size, PP 1.
+  gemma3_oracle.py mutate SRC DST --hf HF_DIR --kind value|norm_plus_one|swap_gate_up|swap_k_v|drop_object
+      SRC with one defect, saved as Bridge saves: the judge must fail on DST (a test that cannot fail is none)
+  gemma3_oracle.py layout HF_DIR [--ckpt DIR] [--out JSON]
+      the layout itself: the model's state_dict() names/shapes/dtypes, its sharded_state_dict() (keys, global
+      shapes, TP axis, replica ids, ShardedObjects), and with --ckpt the checkpoint's stored keys (.metadata),
+      its common state and run_config.yaml's model section
+
+The CPU stand-ins. Bridge's gemma3_layer_spec is built only from Transformer Engine modules
+(TELayerNormColumnParallelLinear, TENorm, Gemma3TEDotProductAttention(TEDotProductAttention),
+TERowParallelLinearLayerNorm(TERowParallelLinear) + TENorm post_layernorm); TE has no CPU build. The
+oracle takes Bridge's own spec (gemma3_layer_spec(config)) and swaps exactly those leaves for plain-torch
+stand-ins with TE's parameter names, TE's _extra_state (get_extra_state) and megatron-core's TE wrappers'
+sharded_state_dict (same make_sharded_tensors_for_checkpoint call, same TP axis map), and the class names of
+what they stand for (Bridge's AutoMapping picks a weight's TP split by its module's class name):
+  * CpuTENorm (te.pytorch.RMSNorm, an op-based module in TE 2.x): ``weight``; y = x * rsqrt(mean(x^2) + eps)
+    * (1 + w) with layernorm_zero_centered_gamma; eps as TENorm's caller gives it (TENorm's default 1e-5 for
+    TERowParallelLinearLayerNorm's post_layernorm, which Bridge builds without eps); _extra_state the
+    pickled empty dict TE's BasicOperation returns (5 bytes)
+  * CpuTELayerNormColumnParallelLinear: ``layer_norm_weight`` (replicated), ``weight`` (TP axis 0);
+    _extra_state an empty uint8 tensor (TE's module without FP8)
+  * CpuTERowParallelLinearLayerNorm: ``weight`` (TP axis 1) + ``post_layernorm`` (CpuTENorm, replicated)
+  * CpuGemma3DotProductAttention: megatron-core's local DotProductAttention with Gemma3TEDotProductAttention's
+    per-layer window (local layers (window_size - 1, 0), global None); no sharded state (as
+    TEDotProductAttention.sharded_state_dict in 0.19.2), legacy _extra_state an empty uint8 tensor
+  * the final layernorm: megatron-core builds TENorm there when TE is present (transformer_block.LayerNormImpl)
+    -> CpuTENorm
+Other CPU shims: tests/bridge_oracle.install_shims (TE stub for Bridge's lora_layers only, CUDA no-ops); the
+sliding-window and causal masks megatron-core allocates on "cuda" are made on the CPU; the save's CUDA RNG
+state is the CPU one.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import math
+import os
+import pickle
+import socket
+import sys
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+VOCAB = 300
+TINY = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+        "sliding_window": 4, "query_pre_attn_scalar": 24, "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0}}}
+SEQ = 12  # test input length: > sliding_window, so local layers really cut keys off
+NON_MODEL_OBJECTS = ("common_state", "rng_state", "rerun_state_machine_state", "optimizer", "content_metadata")
+
+
+# ----------------------------------------------------------------------------- process group
+
+
+def init_dist(pp: int = 1) -> tuple[int, int]:
+    """gloo process group (torchrun's, the test worker's, or a one-process one) and megatron-core's groups:
+    PP ``pp``, TP = world size / pp. Returns (rank, world)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a plain `python gemma3_oracle.py ...`: a group of one
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port))
+        dist.init_process_group(backend="gloo")
+    world = dist.get_world_size()
+    assert world % pp == 0, (world, pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world // pp, pipeline_model_parallel_size=pp)
+    return dist.get_rank(), world
+
+
+# ----------------------------------------------------------------------------- CPU stand-ins for TE
+
+
+def _te_module_extra_state():
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8)  # TransformerEngineBaseModule.get_extra_state without FP8
+
+
+def _te_op_extra_state():
+    import torch
+
+    return torch.frombuffer(bytearray(pickle.dumps({})), dtype=torch.uint8)  # BasicOperation: no quantizer state
+
+
+def _te_accepts_extra_state(state, where: str) -> None:
+    """What TE's set_extra_state accepts: None, an empty tensor, a uint8 tensor holding a pickle, a BytesIO
+    (TE 1.x); anything else raises there (``Unsupported checkpoint format``)."""
+    import torch
+
+    if state is None:
+        return
+    if isinstance(state, torch.Tensor):
+        if state.numel():
+            pickle.loads(state.detach().cpu().numpy().tobytes())
+        return
+    if isinstance(state, io.BytesIO):
+        return
+    raise RuntimeError(f"{where}: _extra_state of type {type(state).__name__}: TE refuses it")
+
+
+def _rms(x, weight, eps: float, zero_centered: bool):
+    import torch
+
+    w = weight.float() + 1.0 if zero_centered else weight.float()
+    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (y * w).to(x.dtype)
+
+
+_CLASSES = None
+
+
+def cpu_classes():
+    """The stand-in classes (built once, after megatron-core is importable)."""
+    global _CLASSES
+    if _CLASSES is not None:
+        return _CLASSES
+    import torch
+    import torch.nn.functional as F
+    from megatron.bridge.models.gemma.gemma3_provider import _is_local_attn_layer
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    def tp_of(group):
+        return group if group is not None else parallel_state.get_tensor_model_parallel_group()
+
+    def new_param(shape, config, init_method=None, value=None):
+        p = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype))
+        with torch.no_grad():
+            if value is not None:
+                p.fill_(value)
+            elif init_method is not None and config.perform_initialization:
+                init_method(p)
+            else:
+                p.zero_()
+        return p
+
+    class ExtraState:
+        """TE's _extra_state: saved as the module gives it, checked on load as TE would."""
+        _extra = staticmethod(_te_module_extra_state)
+
+        def get_extra_state(self):
+            return self._extra()
+
+        def set_extra_state(self, state):
+            _te_accepts_extra_state(state, type(self).__name__)
+
+    class CpuTENorm(ExtraState, torch.nn.Module):
+        """te.pytorch.RMSNorm as megatron-core's TENorm builds it (TE 2.x: an op, weight ``weight``)."""
+        _extra = staticmethod(_te_op_extra_state)
+
+        def __init__(self, config, hidden_size, eps=1e-5, has_residual=False):
+            super().__init__()
+            assert config.normalization == "RMSNorm", config.normalization
+            self.eps, self.zero_centered = eps, config.layernorm_zero_centered_gamma
+            self.weight = new_param((hidden_size,), config, value=0.0 if self.zero_centered else 1.0)
+            self.weight.sequence_parallel = config.sequence_parallel
+
+        def forward(self, x):
+            return _rms(x, self.weight, self.eps, self.zero_centered)
+
+    class CpuTELayerNormColumnParallelLinear(ExtraState, torch.nn.Module):
+        """TELayerNormColumnParallelLinear: RMSNorm (``layer_norm_weight``) fused before a column-parallel linear."""
+
+        def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add,
+                     is_expert, skip_weight_param_allocation=False, tp_comm_buffer_name=None, tp_group=None,
+                     stride=1, name=None):
+            super().__init__()
+            assert not gather_output and not bias and not is_expert and not skip_weight_param_allocation
+            self.config, self._tp_group = config, tp_of(tp_group)
+            tp = self._tp_group.size()
+            self.eps, self.zero_centered = config.layernorm_epsilon, config.layernorm_zero_centered_gamma
+            self.layer_norm_weight = new_param((input_size,), config, value=0.0 if self.zero_centered else 1.0)
+            self.weight = new_param((output_size // tp, input_size), config, init_method)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+
+        def forward(self, x):
+            x = _rms(x, self.layer_norm_weight, self.eps, self.zero_centered)
+            x = copy_to_tensor_model_parallel_region(x, group=self._tp_group)
+            return F.linear(x, self.weight), None
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):  # as megatron-core's wrapper
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            state_dict = self.state_dict(prefix="", keep_vars=True)
+            return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"weight": 0, "bias": 0}, sharded_offsets,
+                                                       tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+    class CpuTERowParallelLinearLayerNorm(ExtraState, torch.nn.Module):
+        """Bridge's TERowParallelLinearLayerNorm: TERowParallelLinear + ``post_layernorm = TENorm(config, out)``."""
+
+        def __init__(self, input_size, output_size, *, config, init_method, bias, input_is_parallel, skip_bias_add,
+                     is_expert, tp_comm_buffer_name=None, tp_group=None, name=None):
+            super().__init__()
+            assert input_is_parallel and not bias and not is_expert
+            self.config, self._tp_group = config, tp_of(tp_group)
+            tp = self._tp_group.size()
+            self.weight = new_param((output_size, input_size // tp), config, init_method)
+            set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
+            self.post_layernorm = CpuTENorm(config, output_size)  # as Bridge: TENorm's default eps
+
+        def forward(self, x):
+            out = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), group=self._tp_group)
+            return self.post_layernorm(out), None
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):  # as TERowParallelLinear's
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            state_dict = self.state_dict(prefix="", keep_vars=True)
+            return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"weight": 1}, sharded_offsets,
+                                                       tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+    class CpuGemma3DotProductAttention(ExtraState, DotProductAttention):
+        """Gemma3TEDotProductAttention's per-layer window on megatron-core's local attention."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None, **kwargs):
+            config = copy.deepcopy(config)
+            assert not config.is_vision_language
+            if _is_local_attn_layer(layer_number, config.interleaved_attn_pattern):
+                config.window_size = (config.window_size - 1, 0)
+            else:
+                config.window_size = None
+            config.window_attn_skip_freq = None
+            super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                             softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+
+    # Bridge picks a weight's TP split by its module's class name (AutoMapping._MODULE_TYPE_REGISTRY): the
+    # stand-ins carry the names of the classes they stand for (te.pytorch.RMSNorm is what TENorm builds)
+    for cls, name in ((CpuTENorm, "RMSNorm"), (CpuTELayerNormColumnParallelLinear, "TELayerNormColumnParallelLinear"),
+                      (CpuTERowParallelLinearLayerNorm, "TERowParallelLinearLayerNorm"),
+                      (CpuGemma3DotProductAttention, "Gemma3TEDotProductAttention")):
+        cls.__name__ = cls.__qualname__ = name
+    _CLASSES = {"norm": CpuTENorm, "qkv": CpuTELayerNormColumnParallelLinear,
+                "row_ln": CpuTERowParallelLinearLayerNorm, "attn": CpuGemma3DotProductAttention}
+    return _CLASSES
+
+
+def cpu_gemma3_layer_spec(config):
+    """Bridge's own gemma3_layer_spec(config) with its TE leaves swapped for the CPU stand-ins (each must be found:
+    a changed Bridge spec fails here instead of silently building something else)."""
+    from megatron.bridge.models.common import te_layers
+    from megatron.bridge.models.gemma import gemma3_provider as g3
+
+    c = cpu_classes()
+    swap = {id(g3.TELayerNormColumnParallelLinear): c["qkv"], id(g3.TENorm): c["norm"],
+            id(g3.Gemma3TEDotProductAttention): c["attn"], id(te_layers.TERowParallelLinearLayerNorm): c["row_ln"]}
+    spec = g3.gemma3_layer_spec(config)
+    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    slots = [(attn, "linear_qkv"), (attn, "core_attention"), (attn, "q_layernorm"), (attn, "k_layernorm"),
+             (attn, "linear_proj"), (mlp, "linear_fc1"), (mlp, "linear_fc2")]
+    for holder, name in slots:
+        cur = getattr(holder, name)
+        assert id(cur) in swap, f"gemma3_layer_spec: unexpected {name}={cur!r}"
+        setattr(holder, name, swap[id(cur)])
+    return spec
+
+
+def apply_gemma3_shims():
+    """bridge_oracle's shims plus: the attention masks megatron-core makes on "cuda" made on the CPU."""
+    import torch
+    from bridge_oracle import install_shims
+
+    install_shims()
+    from megatron.core.fusions import fused_softmax
+
+    def sliding(sq, skv, window_size):  # megatron-core's, on the CPU
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = sliding
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+    if not getattr(torch.cuda, "_gemma3_rng", False):
+        torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # the save records it
+        torch.cuda._gemma3_rng = True
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def gemma3_provider(hf: str, load_weights: bool, tp: int, vocab_rows: int | None = None, parallel_output=True,
+                    pp: int = 1):
+    """Bridge's Gemma3ModelProvider for ``hf`` on the CPU; ``vocab_rows`` sizes the embedding like a stored one."""
+    from megatron.bridge import AutoBridge
+
+    bridge = AutoBridge.from_hf_pretrained(hf)
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
+    provider.transformer_layer_spec = cpu_gemma3_layer_spec
+    provider.apply_rope_fusion = provider.persist_layer_norm = False
+    provider.gradient_accumulation_fusion = False
+    provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = tp, pp
+    provider.parallel_output = parallel_output
+    if vocab_rows is not None and vocab_rows != provider.vocab_size:  # a checkpoint with padded vocab rows
+        provider.should_pad_vocab = False
+        provider.vocab_size = vocab_rows
+    provider.finalize()
+    return bridge, provider
+
+
+def build(provider):
+    """The model chunks, built as with TE: the final layernorm TENorm (megatron-core's LayerNormImpl with TE;
+    set only while this model is built, so other oracles in a test worker keep theirs)."""
+    from megatron.core.transformer import transformer_block
+
+    saved = transformer_block.LayerNormImpl
+    transformer_block.LayerNormImpl = cpu_classes()["norm"]
+    try:
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    finally:
+        transformer_block.LayerNormImpl = saved
+    for m in model:
+        m.eval()
+    return model
+
+
+def unwrap(m):
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+# ----------------------------------------------------------------------------- make
+
+
+def cmd_make(a) -> int:
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+
+    t0 = time.time()
+    out = Path(a.hf_dir)
+    config = Gemma3TextConfig(**TINY, num_hidden_layers=a.layers, dtype="float32")
+    torch.manual_seed(a.seed)
+    model = Gemma3ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(zlib.crc32(f"{a.seed}|{name}".encode()))
+            if "norm" in name:  # |w| in [0.2, 0.8], either sign: 1 + w far from 1 and from 0
+                mag = 0.2 + 0.6 * torch.rand(p.shape, generator=g)
+                sign = torch.where(torch.rand(p.shape, generator=g) < 0.5, -1.0, 1.0)
+                p.copy_(sign * mag)
+            elif "embed_tokens" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))  # x sqrt(64) at the input
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    model.save_pretrained(out)
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t3", pad_token="t0", eos_token="t1",
+                            bos_token="t2").save_pretrained(out)
+    types = config.layer_types
+    print(json.dumps({"made": str(out), "layers": a.layers, "layer_types": types,
+                      "files": sorted(p.name for p in out.iterdir()), "seconds": round(time.time() - t0, 2)}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- bridge-import
+
+
+def cmd_bridge_import(a, serving=False) -> int:
+    t0 = time.time()
+    apply_gemma3_shims()
+    from mcore_oracle import end_parallel
+
+    rank, world = init_dist(a.pp)
+    try:
+        bridge, provider = gemma3_provider(a.hf_dir, load_weights=True, tp=world // a.pp, pp=a.pp)
+        model = build(provider)
+        # run_config.yaml records the layer spec as Bridge does (gemma3_layer_spec), not the CPU build's
+        from megatron.bridge.models.gemma.gemma3_provider import gemma3_layer_spec
+
+        provider.transformer_layer_spec = gemma3_layer_spec
+        bridge.save_megatron_model(model, a.out_dir, hf_tokenizer_path=a.hf_dir)
+    finally:
+        end_parallel(serving)
+    if rank == 0:
+        print(json.dumps({"bridge_import": str(a.out_dir), "tp": world // a.pp, "pp": a.pp,
+                          "seconds": round(time.time() - t0, 2)}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- judge
+
+
+def stored_metadata(iter_dir: str):
+    """torch DCP metadata of a torch_dist directory: {key: shape (tensors) or None (objects)}."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = FileSystemReader(iter_dir).read_metadata()
+    return {k: (tuple(v.size) if isinstance(v, TensorStorageMetadata) else None)
+            for k, v in md.state_dict_metadata.items()}
+
+
+def model_objects(meta: dict) -> set[str]:
+    return {k for k, v in meta.items() if v is None and not k.startswith(NON_MODEL_OBJECTS)}
+
+
+def stored_parallel(iter_dir: Path) -> tuple[int | None, int | None]:
+    """(TP, PP) a checkpoint says it was written at: Megatron-LM args (common state, or a legacy rank file),
+    else Bridge's run_config.yaml model section; None where it says nothing."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    args = None
+    with contextlib.suppress(Exception):
+        if is_legacy(iter_dir):
+            from megatron.core.safe_globals import SAFE_GLOBALS
+
+            f = sorted(iter_dir.glob("mp_rank_*/model_optim_rng.pt"))[0]
+            with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+                args = torch.load(f, map_location="cpu", weights_only=True).get("args")
+        else:
+            args = dist_checkpointing.load_common_state_dict(str(iter_dir)).get("args")
+    if args is not None:
+        return getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", None)
+    rc = iter_dir / "run_config.yaml"
+    if rc.is_file():
+        import yaml
+
+        model = (yaml.safe_load(rc.read_text()) or {}).get("model") or {}
+        return model.get("tensor_model_parallel_size"), model.get("pipeline_model_parallel_size")
+    return None, None
+
+
+def is_legacy(iter_dir: Path) -> bool:
+    return any(p.name.startswith("mp_rank_") for p in iter_dir.iterdir())
+
+
+def load_strict(model, iter_dir: Path, problems: list[str]) -> None:
+    """The checkpoint into ``model`` as megatron-core loads it, strictly: dist_checkpointing.load with RAISE_ALL
+    (missing and unexpected keys raise; resharding as needed), TE's check of every _extra_state, then
+    load_state_dict: every key but an _extra_state the sharded state dict does not save. A legacy checkpoint: its
+    rank file's ``model``, the same checks."""
+    import torch
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    m = unwrap(model[0])
+    if is_legacy(iter_dir):
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        f = iter_dir / f"mp_rank_{tp_rank:02d}" / "model_optim_rng.pt"
+        if not f.is_file():
+            problems.append(f"legacy checkpoint: no {f.relative_to(iter_dir)} (the judge loads TP = world size, PP 1)")
+            return
+        from megatron.core.safe_globals import SAFE_GLOBALS
+
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            sd = torch.load(f, map_location="cpu", weights_only=True)["model"]
+    else:
+        sharded = m.sharded_state_dict()
+        loaded = dist_checkpointing.load({"model": sharded}, str(iter_dir), strict=StrictHandling.RAISE_ALL)
+        sd = loaded["model"]
+    for k, v in sd.items():
+        if k.endswith("_extra_state"):
+            try:
+                _te_accepts_extra_state(v, k)
+            except Exception as e:  # noqa: BLE001 - TE's verdict
+                problems.append(f"{k}: {e}")
+    res = m.load_state_dict(sd, strict=False)
+    # as Megatron-LM's and Bridge's loaders: a module's _extra_state the sharded state dict does not save
+    # (TEDotProductAttention's; the tied output layer's) may be absent; every other key must be there
+    problems += [f"load_state_dict: missing {k}" for k in res.missing_keys if not k.endswith("._extra_state")]
+    problems += [f"load_state_dict: unexpected {k}" for k in res.unexpected_keys]
+
+
+def tensor_state(model) -> dict:
+    import torch
+
+    return {k: v.detach() for k, v in unwrap(model[0]).state_dict().items() if isinstance(v, torch.Tensor)
+            and not k.endswith("_extra_state")}
+
+
+def compare(got: dict, want: dict, what: str) -> list[str]:
+    import torch
+
+    problems = [f"{what}: missing {k}" for k in sorted(set(want) - set(got))]
+    problems += [f"{what}: unexpected {k}" for k in sorted(set(got) - set(want))]
+    for k in sorted(set(got) & set(want)):
+        x, y = got[k], want[k]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            problems.append(f"{what}: {k} {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
+        elif not torch.equal(x, y):
+            problems.append(f"{what}: {k} differs, max abs diff {(x.double() - y.double()).abs().max().item():.3g}")
+    return problems
+
+
+def compare_stored(iter_dir: Path, truth_dir: Path, allow_pad: bool) -> tuple[list[str], dict]:
+    """Stored tensors (global, all layers) of the judged checkpoint vs Bridge's, bit for bit; the same
+    _extra_state objects."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    def plain(d):  # load_plain_tensors also returns the common state (iteration, ...): the tensors only
+        return {k: v for k, v in dist_checkpointing.load_plain_tensors(str(d)).items() if isinstance(v, torch.Tensor)}
+
+    got, want = plain(iter_dir), plain(truth_dir)
+    problems = []
+    for k in sorted(set(got) & set(want)):
+        x, y = got[k], want[k]
+        if allow_pad and x.dim() == 2 and x.shape[0] > y.shape[0] and x.shape[1:] == y.shape[1:] and \
+                k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if torch.count_nonzero(x[y.shape[0]:]):
+                problems.append(f"stored: {k} vocab padding rows {y.shape[0]}..{x.shape[0]} not zero")
+            got[k] = x[:y.shape[0]]
+    problems += compare(got, want, "stored vs Bridge import")
+    mine, theirs = model_objects(stored_metadata(str(iter_dir))), model_objects(stored_metadata(str(truth_dir)))
+    problems += [f"stored: _extra_state object missing: {k}" for k in sorted(theirs - mine)]
+    problems += [f"stored: unexpected object: {k}" for k in sorted(mine - theirs)]
+    return problems, {"stored_tensors": len(got), "stored_objects": len(mine)}
+
+
+def hf_logits(hf: str, ids):
+    import torch
+    from transformers import Gemma3ForCausalLM
+
+    model = Gemma3ForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def megatron_logits(model, ids):
+    import torch
+
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    with torch.no_grad():
+        return unwrap(model[0])(input_ids=ids, position_ids=pos, attention_mask=None).float()
+
+
+def judge_ids():
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(3, VOCAB, (2, SEQ), generator=g)
+
+
+def cmd_judge(a, serving=False) -> int:
+    t0 = time.time()
+    apply_gemma3_shims()
+    import torch.distributed as dist
+
+    from mcore_oracle import end_parallel, resolve_iter_dir
+
+    iter_dir, truth_dir = Path(resolve_iter_dir(a.megatron_dir)), Path(resolve_iter_dir(a.truth))
+    rank, world = init_dist()
+    problems: list[str] = []
+    info: dict = {"judged": str(iter_dir), "truth": str(truth_dir), "load_tp": world}
+    try:
+        legacy = is_legacy(iter_dir)
+        info["format"] = "legacy" if legacy else "torch_dist"
+        info["stored_tp"], info["stored_pp"] = stored_parallel(iter_dir)
+        for what, want in (("tp", a.tp), ("pp", a.pp)):
+            if want is not None and info[f"stored_{what}"] != want:
+                problems.append(f"checkpoint records {what.upper()}={info[f'stored_{what}']}, expected {want}")
+        rows = None
+        if not legacy:
+            meta = stored_metadata(str(iter_dir))
+            emb = meta.get("embedding.word_embeddings.weight")
+            if emb is None:
+                problems.append("stored: no embedding.word_embeddings.weight")
+            else:
+                rows = emb[0]
+            sp, si = compare_stored(iter_dir, truth_dir, a.allow_vocab_padding)
+            problems += sp
+            info.update(si)
+        _, provider = gemma3_provider(a.hf, load_weights=False, tp=world, vocab_rows=rows, parallel_output=False)
+        model = build(provider)
+        load_strict(model, iter_dir, problems)
+        _, ref_provider = gemma3_provider(a.hf, load_weights=True, tp=world, vocab_rows=rows, parallel_output=False)
+        ref = build(ref_provider)  # Bridge's own import at this very layout, in memory
+        got, want = tensor_state(model), tensor_state(ref)
+        info["loaded_tensors"] = len(got)
+        problems += compare(got, want, "loaded vs Bridge import")
+        ids = judge_ids()
+        mlog = megatron_logits(model, ids)[..., :VOCAB]
+        rlog = megatron_logits(ref, ids)[..., :VOCAB]
+        hlog = hf_logits(a.hf, ids)
+        diff = (mlog - hlog).abs().max().item()
+        info["logits_max_abs_diff_vs_hf"] = diff
+        info["logits_max_abs_diff_vs_bridge_model"] = (mlog - rlog).abs().max().item()
+        info["logits_scale"] = hlog.abs().max().item()
+        if not diff <= a.atol:
+            problems.append(f"logits differ from transformers' by {diff:.3g} (atol {a.atol})")
+        agree = (mlog.argmax(-1) == hlog.argmax(-1)).float().mean().item()
+        info["argmax_agreement"] = agree
+    except Exception as e:  # noqa: BLE001 - a refused load is a verdict, not a crash
+        import traceback
+
+        traceback.print_exc()
+        problems.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
+    finally:
+        every = [None] * world
+        dist.all_gather_object(every, problems)  # every rank's verdict, reported by rank 0
+        end_parallel(serving)
+    problems = [p if r == 0 else f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
+    info.update(ok=not problems, problems=problems[:50], n_problems=len(problems), seconds=round(time.time() - t0, 2))
+    if rank == 0:
+        print(json.dumps(info), flush=True)
+    return 0 if not problems else 1
+
+
+# ----------------------------------------------------------------------------- mutate
+
+MUTATIONS = ("value", "norm_plus_one", "swap_gate_up", "swap_k_v", "drop_object")
+
+
+def cmd_mutate(a, serving=False) -> int:
+    """A copy of a checkpoint with one defect, saved the way Bridge saves (to show the judge fails):
+    value: one element of layer 3's linear_qkv.weight += 1e-3; norm_plus_one: layer 2's q_layernorm stored as
+    1 + w (the zero-centered shift applied twice); swap_gate_up: layer 1's fc1 halves exchanged; swap_k_v:
+    layer 0's k and v rows of every query group exchanged; drop_object: no linear_fc2._extra_state."""
+    apply_gemma3_shims()
+    import torch
+
+    from mcore_oracle import end_parallel, resolve_iter_dir
+
+    rank, world = init_dist()
+    try:
+        bridge, provider = gemma3_provider(a.hf, load_weights=False, tp=world)
+        model = build(provider)
+        problems: list[str] = []
+        load_strict(model, Path(resolve_iter_dir(a.src)), problems)
+        assert not problems, problems
+        m = unwrap(model[0])
+        layers = m.decoder.layers
+        with torch.no_grad():
+            if a.kind == "value":
+                layers[3].self_attention.linear_qkv.weight[5, 7] += 1e-3
+            elif a.kind == "norm_plus_one":
+                layers[2].self_attention.q_layernorm.weight += 1.0
+            elif a.kind == "swap_gate_up":
+                w = layers[1].mlp.linear_fc1.weight
+                w.copy_(torch.cat(torch.chunk(w.clone(), 2, 0)[::-1]))
+            elif a.kind == "swap_k_v":
+                w = layers[0].self_attention.linear_qkv.weight
+                c = provider.kv_channels
+                g = w.view(-1, (provider.num_attention_heads // provider.num_query_groups + 2) * c, w.shape[-1])
+                k, v = g[:, -2 * c:-c].clone(), g[:, -c:].clone()
+                g[:, -2 * c:-c], g[:, -c:] = v, k
+        if a.kind == "drop_object":
+            orig = m.sharded_state_dict
+
+            def dropped(*args, **kw):
+                sd = orig(*args, **kw)
+                return {k: v for k, v in sd.items() if not k.endswith("mlp.linear_fc2._extra_state")}
+
+            m.sharded_state_dict = dropped
+        from megatron.bridge.models.gemma.gemma3_provider import gemma3_layer_spec
+
+        provider.transformer_layer_spec = gemma3_layer_spec
+        bridge.save_megatron_model(model, a.dst, hf_tokenizer_path=a.hf)
+    finally:
+        end_parallel(serving)
+    if rank == 0:
+        print(json.dumps({"mutated": str(a.dst), "kind": a.kind}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def describe_sharded(sd: dict) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, ShardedTensor):
+            tp_axes = [i - v.prepend_axis_num for i, f in enumerate(v.axis_fragmentations)
+                       if f > 1 and i >= v.prepend_axis_num]
+            out[k] = {"kind": "tensor", "key": v.key, "global_shape": list(v.global_shape),
+                      "local_shape": list(v.local_shape), "global_offset": list(v.global_offset),
+                      "prepend_axis_num": v.prepend_axis_num, "axis_fragmentations": list(v.axis_fragmentations),
+                      "tp_split_axis_of_local": tp_axes, "replica_id": list(v.replica_id)
+                      if isinstance(v.replica_id, tuple) else v.replica_id, "dtype": str(v.dtype)}
+        elif isinstance(v, ShardedObject):
+            out[k] = {"kind": "object", "key": v.key, "unique_key": v.unique_key, "global_shape": list(v.global_shape),
+                      "global_offset": list(v.global_offset), "value": repr(v.data)[:80]}
+        elif isinstance(v, ShardedTensorFactory):
+            built = v.build_fn(v.key, v.data, v.replica_id, v.flattened_range)
+            parts = built if isinstance(built, dict) else dict(enumerate(built if isinstance(built, list) else [built]))
+            out[k] = {"kind": "factory", "key": v.key, "local_shape": list(v.data.shape),
+                      "built": {pk: {"global_shape": list(p.global_shape), "global_offset": list(p.global_offset),
+                                     "local_shape": list(p.local_shape),
+                                     "axis_fragmentations": list(p.axis_fragmentations)} for pk, p in parts.items()}}
+        else:
+            out[k] = {"kind": type(v).__name__}
+    return out
+
+
+def provider_vs_llama(hf: str) -> dict:
+    """The fields of the provider Bridge makes for ``hf`` (to_megatron_provider, not finalized, no CPU
+    switches) that differ from the one it makes for a Llama of the same sizes (LlamaConfig with the HF
+    config's dims, eps, tying): what makes the Megatron model Gemma 3."""
+    import dataclasses
+
+    from megatron.bridge import AutoBridge
+    from transformers import AutoConfig, LlamaConfig
+
+    g = AutoConfig.from_pretrained(hf)
+    llama = LlamaConfig(vocab_size=g.vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
+                        num_hidden_layers=g.num_hidden_layers, num_attention_heads=g.num_attention_heads,
+                        num_key_value_heads=g.num_key_value_heads, head_dim=g.head_dim,
+                        max_position_embeddings=g.max_position_embeddings, rms_norm_eps=g.rms_norm_eps,
+                        tie_word_embeddings=g.tie_word_embeddings, dtype="float32", architectures=["LlamaForCausalLM"],
+                        rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    other = AutoBridge.from_hf_config(llama).to_megatron_provider(load_weights=False)
+    provider = AutoBridge.from_hf_pretrained(hf).to_megatron_provider(load_weights=False)  # as Bridge makes it
+    out = {}
+    for f in dataclasses.fields(provider):
+        with contextlib.suppress(Exception):
+            v, p = getattr(provider, f.name), getattr(other, f.name, "<absent>")
+            if repr(v) != repr(p) and not f.name.startswith("_"):
+                out[f.name] = {"gemma3": repr(v)[:160], "llama": repr(p)[:160]}
+    return out
+
+
+def cmd_layout(a, serving=False) -> int:
+    apply_gemma3_shims()
+
+    import torch
+
+    from mcore_oracle import end_parallel
+
+    rank, world = init_dist()
+    try:
+        _, provider = gemma3_provider(a.hf_dir, load_weights=True, tp=world)
+        model = build(provider)
+        m = unwrap(model[0])
+        state = {k: ({"shape": list(v.shape), "dtype": str(v.dtype)} if isinstance(v, torch.Tensor) else repr(v))
+                 for k, v in m.state_dict().items()}
+        modules = {n: type(mod).__name__ for n, mod in m.named_modules() if n.startswith(("decoder.layers.0.",
+                   "decoder.layers.5.", "embedding", "output", "rotary", "decoder.final"))}
+        base = provider_vs_llama(a.hf_dir)
+        out = {"tp": world, "state_dict": state, "sharded_state_dict": describe_sharded(m.sharded_state_dict()),
+               "modules": modules, "provider_vs_bridge_llama": base,
+               "layer_windows": {i + 1: l.self_attention.core_attention.scale_mask_softmax.window_size
+                                 for i, l in enumerate(m.decoder.layers)},
+               "softmax_scale": m.decoder.layers[0].self_attention.core_attention.softmax_scale,
+               "rope": {"global_inv_freq": m.rotary_pos_emb.inv_freq.tolist(),
+                        "local_inv_freq": m.rotary_pos_emb.rope_local.inv_freq.tolist()}}
+        if a.ckpt:
+            from mcore_oracle import resolve_iter_dir
+
+            it = Path(resolve_iter_dir(a.ckpt))
+            out["stored"] = {k: (list(v) if v is not None else "object") for k, v in stored_metadata(str(it)).items()}
+            from megatron.core import dist_checkpointing
+            common = dist_checkpointing.load_common_state_dict(str(it))
+            out["common_state"] = {k: repr(v)[:300] for k, v in common.items()}
+            rc = it / "run_config.yaml"
+            if rc.is_file():
+                import yaml
+                out["run_config_model"] = (yaml.safe_load(rc.read_text()) or {}).get("model")
+            out["files"] = sorted(str(p.relative_to(it.parent)) for p in it.parent.rglob("*") if p.is_file())
+    finally:
+        end_parallel(serving)
+    if rank == 0:
+        text = json.dumps(out, indent=1, default=repr)
+        if a.out:
+            Path(a.out).write_text(text)
+            print(json.dumps({"layout": a.out}))
+        else:
+            print(text)
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None, serving=False) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("make")
+    sp.add_argument("hf_dir")
+    sp.add_argument("--layers", type=int, default=7)
+    sp.add_argument("--seed", type=int, default=7)
+    sp = sub.add_parser("bridge-import")
+    sp.add_argument("hf_dir")
+    sp.add_argument("out_dir")
+    sp.add_argument("--pp", type=int, default=1, help="pipeline stages (TP = world size / PP)")
+    sp = sub.add_parser("judge")
+    sp.add_argument("megatron_dir")
+    sp.add_argument("--truth", required=True, help="Bridge's own import of --hf (bridge-import)")
+    sp.add_argument("--hf", required=True)
+    sp.add_argument("--tp", type=int, default=None, help="the TP the checkpoint must record")
+    sp.add_argument("--pp", type=int, default=None, help="the PP the checkpoint must record")
+    sp.add_argument("--atol", type=float, default=1e-4, help="logits vs transformers, max abs")
+    sp.add_argument("--allow-vocab-padding", action="store_true",
+                    help="stored vocab rows past Bridge's (unpadded) vocab are accepted if zero")
+    sp = sub.add_parser("mutate")
+    sp.add_argument("src")
+    sp.add_argument("dst")
+    sp.add_argument("--hf", required=True)
+    sp.add_argument("--kind", choices=MUTATIONS, required=True)
+    sp = sub.add_parser("layout")
+    sp.add_argument("hf_dir")
+    sp.add_argument("--ckpt", default=None)
+    sp.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.cmd == "make":
+        return cmd_make(a)
+    return {"bridge-import": cmd_bridge_import, "judge": cmd_judge, "layout": cmd_layout,
+            "mutate": cmd_mutate}[a.cmd](a, serving)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    sys.exit(main())

@@ -83,9 +83,11 @@ class TargetWriter(Protocol):
 
 class FileAtATime:
     """A ``TargetWriter`` for formats that write a file whole: it holds a file's tensors until the
-    last one arrives, then calls ``write_file(file, tensors)`` (which fsyncs) and lets them go."""
+    last one arrives, then calls ``write_file(file, tensors)`` (which fsyncs; it may return the file's
+    ``WrittenFile.record``, what ``finalize`` needs of it) and lets them go."""
 
-    def __init__(self, files: list[TargetFile], write_file: Callable[[TargetFile, list[torch.Tensor]], None]) -> None:
+    def __init__(self, files: list[TargetFile],
+                 write_file: Callable[[TargetFile, list[torch.Tensor]], dict[str, Any] | None]) -> None:
         self.write_file = write_file
         self.pending: dict[int, tuple[TargetFile, dict[int, torch.Tensor]]] = {f.id: (f, {}) for f in files}
 
@@ -95,15 +97,15 @@ class FileAtATime:
         if len(got) < len(file.tensors):
             return []
         del self.pending[file.id]
-        self.write_file(file, [got[i] for i in range(len(got))])
-        return [WrittenFile(file=file.id, name=file.name)]
+        record = self.write_file(file, [got[i] for i in range(len(got))])
+        return [WrittenFile(file=file.id, name=file.name, record=record or {})]
 
     def close(self) -> list[WrittenFile]:
         out = []
         for _, (f, got) in sorted(self.pending.items()):
             assert not f.tensors, f"{f.name}: {len(f.tensors) - len(got)} tensors never arrived"
-            self.write_file(f, [])
-            out.append(WrittenFile(file=f.id, name=f.name))
+            record = self.write_file(f, [])
+            out.append(WrittenFile(file=f.id, name=f.name, record=record or {}))
         self.pending.clear()
         return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -121,7 +122,6 @@ class HFFormat:
 
     def __init__(self, options: FormatOptions | None = None) -> None:
         self.options = options or FormatOptions()
-        self._files: list[TargetFile] = []
 
     def detect(self, path: Path) -> bool:
         return _looks_like(path)
@@ -241,13 +241,18 @@ class HFFormat:
         shards = pack_shards([(n, t.nbytes) for n, t in tensors.items()], self.options.max_shard_size)
         names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                    for i in range(len(shards))]
-        self._files = [TargetFile(id=i, name=name, tensors=[tensors[n] for n in shard]) for i, (name, shard) in
-                       enumerate(zip(names, shards, strict=True))]
-        return self._files
+        return [TargetFile(id=i, name=name, tensors=[tensors[n] for n in shard]) for i, (name, shard) in
+                enumerate(zip(names, shards, strict=True))]
 
     def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
-        return FileAtATime(files, lambda f, tensors: write_file(
-            out_dir / f.name, [kv for t, x in zip(f.tensors, tensors, strict=True) for kv in self._stored(t.key, x)]))
+        def write(f: TargetFile, tensors: list[torch.Tensor]) -> dict[str, Any]:
+            write_file(out_dir / f.name, [kv for t, x in zip(f.tensors, tensors, strict=True)
+                                          for kv in self._stored(t.key, x)])
+            # what finalize needs of the file (it keeps no state between calls): its stored names and dtypes
+            return {"stored": [[k, n] for t in f.tensors for k, n in self._stored_sizes(t)],
+                    "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in f.tensors})}
+
+        return FileAtATime(files, write)
 
     def _stored_sizes(self, t: TargetTensor) -> list[tuple[str, int]]:
         """(name, bytes) of what ``_stored`` writes for target tensor ``t``."""
@@ -264,12 +269,11 @@ class HFFormat:
         return [(key, x)]
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
-        """Rank 0: the shard index, config.json and tokenizer files."""
-        files = self._files
-        dtypes = {t.dtype for f in files for t in f.tensors}
+        """Rank 0: the shard index, config.json and tokenizer files (from what the writers recorded of each file)."""
+        dtypes = {getattr(torch, d) for w in written for d in w.record.get("dtypes", ())}
         dtype = dtypes.pop() if len(dtypes) == 1 else (target.dtype or torch.float32)
-        if len(files) > 1:
-            stored = [(f.name, k, n) for f in files for t in f.tensors for k, n in self._stored_sizes(t)]
+        if len(written) > 1:
+            stored = [(w.name, k, n) for w in written for k, n in w.record["stored"]]
             weight_map = {k: name for name, k, _ in stored}
             total = sum(n for _, _, n in stored)
             write_durable(out_dir / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},

@@ -42,6 +42,7 @@ PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "exper
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 _DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
 _GATED_ACTIVATIONS = ("silu", "swish")
+_TANH_GELU = ("fast_gelu", "openai_gelu", "gelu_tanh")  # megatron-core's tanh-approximated GELUs
 
 
 def _target(value: Any) -> str | None:
@@ -65,9 +66,20 @@ def args_from_fields(fields: dict[str, Any], where: str, fix: str) -> argparse.N
         args.untie_embeddings_and_output_weights = not fields["share_embeddings_and_output_weights"]
     args.swiglu = bool(fields.get("gated_linear_unit", False))
     activation = (_target(fields.get("activation_func")) or "").rsplit(".", 1)[-1]
-    if args.swiglu and activation and activation not in _GATED_ACTIVATIONS:
-        raise ConvertError(f"{where}: a gated MLP with activation {activation} (GeGLU-like) is not supported",
-                           "only SwiGLU (gated silu) and ungated MLPs convert")
+    if args.swiglu and activation in _TANH_GELU:
+        args.glu_activation = "gelu_tanh"  # GeGLU (Gemma)
+    elif args.swiglu and activation and activation not in _GATED_ACTIVATIONS:
+        raise ConvertError(f"{where}: a gated MLP with activation {activation} is not supported",
+                           "only SwiGLU (gated silu), GeGLU (gated tanh-GELU) and ungated MLPs convert")
+    if fields.get("layernorm_zero_centered_gamma"):
+        args.apply_layernorm_1p = args.layernorm_zero_centered_gamma = True
+    rotary = fields.get("rotary_base")
+    if isinstance(rotary, (list, tuple)):  # Megatron-Bridge's Gemma: (local, global)
+        args.rotary_base_local, args.rotary_base = (float(x) for x in rotary)
+    for name in ("window_size", "interleaved_attn_pattern", "softmax_scale"):
+        if fields.get(name) is not None:
+            value = fields[name]
+            setattr(args, name, tuple(value) if isinstance(value, list) else value)
     args.max_position_embeddings = fields.get("max_position_embeddings") or fields.get("seq_length")
     dtype = _DTYPES.get(_target(fields.get("params_dtype")) or "")
     if dtype is None:

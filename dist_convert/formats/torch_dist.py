@@ -322,6 +322,8 @@ class TorchDistFormat(IterDirFormat):
         items = {k.removeprefix(self.prefix): v for k, v in items.items()}
         stored = {k: v for k, v in items.items() if isinstance(v, TensorStorageMetadata)}
         cfg = config_from_args(args, vocab_size, spec_from_keys(items), tp, model_family(set(stored)))
+        if not cfg.post_norms and any(k.endswith(POST_NORM_KEYS) for k in stored):  # the stored modules say so
+            cfg = cfg.replace(post_norms=True)
         layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5", experts=bool(cfg.num_experts))
         cfg.check_layout(layout, "source")
         groups = dist_groups(cfg)
@@ -486,11 +488,16 @@ class TorchDistFormat(IterDirFormat):
         write_durable(iter_dir / CONFIG, json.dumps(config))
 
 
+POST_NORM_KEYS = (".linear_proj.post_layernorm.weight", ".linear_fc2.post_layernorm.weight")
+
+
 def spec_from_keys(stored: Iterable[str]) -> str | None:
-    """The layer-spec naming a torch_dist checkpoint's own keys show: Transformer Engine's attention
-    keeps an ``_extra_state`` (``core_attention._extra_state``), the local spec's does not (None: no
-    ``_extra_state`` keys at all, so no evidence)."""
+    """The layer-spec naming a torch_dist checkpoint's own keys show: Transformer Engine's attention, or
+    (Megatron-Bridge's Gemma spec, whose attention saves none) TE 2's norms keep an ``_extra_state``, the local
+    spec's do not (None: no ``_extra_state`` keys at all, so no evidence). The fused-norm names
+    (``.layer_norm_weight``) are no evidence: megatron-core's local spec saves under them too."""
     extra = [k for k in stored if "._extra_state" in k]
     if not extra:
         return None
-    return "te" if any(".core_attention._extra_state" in k for k in extra) else "local"
+    return "te" if any(".core_attention._extra_state" in k or "layernorm._extra_state" in k for k in extra) \
+        else "local"

@@ -43,7 +43,8 @@ TOP_NAMES: tuple[tuple[str, str], ...] = (
     ("model.norm.weight", "decoder.final_layernorm.weight"),
     ("lm_head.weight", OUTPUT),
 )
-EXPORT_FIX = "export it with --dst-format torch_dist or megatron instead of hf"
+EXPORT_FIX = ("--dst-format hf takes only models a supported family expresses; export it with --dst-format "
+              "torch_dist or megatron instead of hf")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -129,9 +129,11 @@ class Llama(Family):
         return gqa_to_hf(self, cfg, args, base, dtype)[0]
 
     def affinity(self, cfg: ModelConfig) -> int:
-        if cfg.num_experts or cfg.mla:
+        if cfg.num_experts or cfg.mla or not self.prefer:
             return 0
-        return 2 if self.prefer and (self.qkv_bias or self.qk_norm) else 1 if self.prefer else 0
+        if self.qkv_bias or self.qk_norm:  # Qwen2 for q/k/v biases, Qwen3 for q/k norms
+            return 2 if (self.qkv_bias and cfg.add_qkv_bias) or (self.qk_norm and cfg.qk_layernorm) else 0
+        return 1
 
     def why_not(self, cfg: ModelConfig, args: argparse.Namespace) -> str | None:
         problems = structure_problems(cfg)

@@ -88,9 +88,10 @@ class Origin:
     """Where a model came from: the documents its source format kept with it, which a later export writes back
     (an HF target the source's own config.json, a Bridge target its run_config.yaml, a .nemo target its
     model_config.yaml). Readers fill it in the index, the engine hands it to the target, writers read it there;
-    it never travels in the Megatron-LM args. Megatron-LM targets (torch_dist, megatron, fsdp_dtensor) store
-    ``record()`` under ``ORIGIN_KEY``, so a conversion chain keeps it; the documents travel themselves, only
-    artifact files to copy (tokenizer files, NeMo's archive and context/) are named by path.
+    it never travels in the Megatron-LM args. Targets with Megatron-LM's common state (torch_dist and Bridge,
+    megatron rank files, fsdp_dtensor) store ``record()`` under ``ORIGIN_KEY``, so a chain of conversions keeps
+    it; the documents travel themselves, only artifact files to copy (tokenizer files, NeMo's archive and
+    context/) are named by path.
 
     Not hashable (it holds dicts): compare it, never key by it."""
 

@@ -299,7 +299,7 @@ def read_origin(kind: str, record: Any, args: Any) -> tuple[Origin, Any]:
     tokenizer = Path(tok) if isinstance(tok, str) and Path(tok).is_dir() else None
     if isinstance(record, dict):
         stored = Origin.from_record(record)
-        return replace(stored, tokenizer=stored.tokenizer or tokenizer), args
+        return replace(stored, kind=stored.kind or kind, tokenizer=stored.tokenizer or tokenizer), args
     return _legacy_origin(kind, found, tokenizer), args
 
 

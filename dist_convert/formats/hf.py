@@ -8,6 +8,7 @@ fuses and export splits through the same box algebra as every other reshard. Not
 """
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Collection
 from pathlib import Path
@@ -185,7 +186,7 @@ class HFFormat:
             notes.append(f"dequantized {sum(1 for c in chunks if c.scale)} block-scaled FP8 weights to "
                          f"{str(self.options.dtype or torch.bfloat16).removeprefix('torch.')} on read")
             args.params_dtype = self.options.dtype or torch.bfloat16
-        origin = Origin(kind=self.name, hf_config=hf, tokenizer=path.resolve())
+        origin = Origin(kind=self.name, hf_config=copy.deepcopy(hf), tokenizer=path.resolve())  # as the file holds it
         return policy.finish(SourceIndex(format=self.name, iter_dir=path, iteration="release", args=args, cfg=cfg,
                                          layout=Layout(tp=1, pp=1), chunks=chunks, notes=notes, origin=origin))
 

@@ -214,11 +214,12 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
         index, cfg = carry_vocab_padding(opts, index, cfg, layout, rt)
     dtype = DTYPES[opts.dtype]
     args = args_for_target(index.args, cfg, layout, dtype, MLM_CKPT_FORMAT.get(dst_fmt.name),
-                           optimizer_saved=index.optimizer is not None)
+                           optimizer_saved=index.optimizer is not None, tokenizer=index.origin.tokenizer)
     args.vocab_size = true_vocab
+    index.notes.extend(index.origin.missing())
     target = Target(cfg=cfg, layout=layout, dtype=dtype, args=args, iteration=index.iteration,
                     style=index.style if index.format == dst_fmt.name else None,
-                    optimizer=index.optimizer and index.optimizer.for_layout(cfg, layout))
+                    optimizer=index.optimizer and index.optimizer.for_layout(cfg, layout), origin=index.origin)
     files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)
     if dst_fmt.any_writer:  # give every rank a part to write
         files = split_files(files, world)

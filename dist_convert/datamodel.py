@@ -10,7 +10,7 @@ import copy
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -19,6 +19,8 @@ from .errors import ConvertError
 from .layout.boxes import Piece
 from .layout.topology import Layout
 
+ORIGIN_KEY = "dist_convert_origin"  # the top-level key a Megatron-LM target stores its Origin's record under
+ORIGIN_VERSION = 1
 # what megatron-core records of the optimizer state's layout (content_metadata)
 OPTIMIZER_SHARDING = "fully_reshardable"
 OPTIMIZER_KINDS = ("dp_reshardable", "fully_reshardable", "non_distributed", "legacy")
@@ -70,6 +72,76 @@ class OptimizerState:
         return entries[0] if len(entries) == 1 else dict(enumerate(entries))
 
 
+def plain(value: Any) -> Any:
+    """``value`` as plain values only (dicts, lists, str, int, float, bool, None: what ``torch.load(weights_only=
+    True)`` and JSON read), anything else (a date YAML parsed, a path) as its string."""
+    if isinstance(value, dict):
+        return {k if isinstance(k, str | int | float | bool) or k is None else str(k): plain(v)
+                for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value if isinstance(value, str | int | float | bool) or value is None else str(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Origin:
+    """Where a model came from: the documents its source format kept with it, which a later export writes back
+    (an HF target the source's own config.json, a Bridge target its run_config.yaml, a .nemo target its
+    model_config.yaml). Readers fill it in the index, the engine hands it to the target, writers read it there;
+    it never travels in the Megatron-LM args. Targets with Megatron-LM's common state (torch_dist and Bridge,
+    megatron rank files, fsdp_dtensor) store ``record()`` under ``ORIGIN_KEY``, so a chain of conversions keeps
+    it; the documents travel themselves, only artifact files to copy (tokenizer files, NeMo's archive and
+    context/) are named by path.
+
+    Not hashable (it holds dicts): compare it, never key by it."""
+
+    kind: str | None = None  # the format the model was first read from (a chain keeps it); None: nothing known
+    hf_config: dict[str, Any] | None = None  # the HF config.json it was imported from
+    hf_model_id: str | None = None  # Megatron-Bridge's hf_model_id: the HF model (hub id or directory) it came from
+    nemo_config: dict[str, Any] | None = None  # NeMo 1 model_config.yaml
+    nemo_archive: Path | None = None  # the NeMo 1 .nemo (tar or directory) whose artifacts a .nemo target copies
+    nemo2_context: Path | None = None  # the NeMo 2 context/ directory a nemo2 target copies (relaid out)
+    bridge_run_config: dict[str, Any] | None = None  # Megatron-Bridge's run_config.yaml, parsed
+    tokenizer: Path | None = None  # a directory holding the tokenizer files (HF model, Bridge tokenizer/, NeMo 2)
+
+    DOCUMENTS: ClassVar[tuple[str, ...]] = ("hf_config", "nemo_config", "bridge_run_config")
+    PATHS: ClassVar[tuple[str, ...]] = ("nemo_archive", "nemo2_context", "tokenizer")
+
+    def record(self) -> dict[str, Any]:
+        """Plain values only (``torch.load(weights_only=True)`` and JSON read it): paths as strings."""
+        out: dict[str, Any] = {"version": ORIGIN_VERSION, "kind": self.kind, "hf_model_id": self.hf_model_id}
+        out.update({name: plain(getattr(self, name)) for name in self.DOCUMENTS})
+        out.update({name: None if getattr(self, name) is None else str(getattr(self, name)) for name in self.PATHS})
+        return out
+
+    @classmethod
+    def from_record(cls, record: Any) -> Origin:
+        """The Origin ``record()`` stored; a field of the wrong type is left out (a record from a later
+        version keeps the fields this one knows)."""
+        if not isinstance(record, dict):
+            return cls()
+        given: dict[str, Any] = {}
+        for name in ("kind", "hf_model_id"):
+            if isinstance(record.get(name), str):
+                given[name] = record[name]
+        for name in cls.DOCUMENTS:
+            if isinstance(record.get(name), dict):
+                given[name] = record[name]
+        for name in cls.PATHS:
+            if isinstance(record.get(name), str):
+                given[name] = Path(record[name])
+        return cls(**given)
+
+    def missing(self) -> list[str]:
+        """Notes on the artifact paths it names that are gone: a target goes without those files."""
+        what = {"nemo_archive": ("the .nemo archive", "its tokenizer artifacts are not copied (pass "
+                                 "--tokenizer-model / --tokenizer-vocab-file)"),
+                "nemo2_context": ("the NeMo 2 context/", "a nemo2 target's context/ is written from the model config"),
+                "tokenizer": ("the tokenizer directory", "no tokenizer files are copied (pass --tokenizer-dir)")}
+        return [f"{what[name][0]} the source came from ({path}) no longer exists: {what[name][1]}"
+                for name in self.PATHS for path in [getattr(self, name)] if path is not None and not path.exists()]
+
+
 @dataclass(frozen=True, kw_only=True)
 class SourceChunk:
     id: int
@@ -107,6 +179,7 @@ class SourceIndex:
     cfg: ModelConfig
     layout: Layout
     chunks: list[SourceChunk]
+    origin: Origin  # where the model came from (the documents a later export writes back)
     notes: list[str] = field(default_factory=list)
     absent: frozenset[str] = frozenset()  # logical tensors the source lacks, left out (--allow-missing)
     style: str | None = None  # on-disk style where a format has several (torch_dist: "0.16" | "0.19")
@@ -174,6 +247,7 @@ class Target:
     iteration: int | str
     style: str | None = None  # the source's on-disk style, kept when the format stays (torch_dist: "0.16" | "0.19")
     optimizer: OptimizerState | None = None  # to write with the model (--optimizer; None: the model only)
+    origin: Origin = Origin()  # the source's (SourceIndex.origin); empty for a model made from nothing
 
 
 # Tensors megatron-core keeps in their own dtype whatever the params dtype (MoE router.expert_bias: fp32)

@@ -14,7 +14,8 @@ A checkpoint's ``args`` (an ``argparse.Namespace``) is read by:
 
 ``ARGS`` lists every field those readers take, with Megatron-LM 0.19's argparse default (what
 ``parse_args`` gives, after ``validate_args`` where it derives a value). ``complete_args`` is a pure
-function: it keeps every field the source had, fills the missing ones from the table, and sets the
+function: it keeps every field the source had (but ``LEGACY_ORIGIN_ARGS``: where a model came from travels in
+its ``datamodel.Origin``, never in args), fills the missing ones from the table, and sets the
 model fields from the ``ModelConfig`` and the layout fields from the target ``Layout``. Values stay
 within what ``torch.load(weights_only=True)`` reads once megatron-core has registered its safe globals
 (``megatron/core/safe_globals.py``): plain Python values and containers, ``torch.dtype``,
@@ -27,6 +28,7 @@ import copy
 import math
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -189,6 +191,11 @@ SAFE_CLASSES = frozenset({
     "megatron.core.rerun_state_machine.RerunState",
 })
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.Size)
+# What dist_convert before the Origin record (datamodel.Origin) put into args as a side channel between formats:
+# read back from old checkpoints (formats.base.read_origin), dropped from every target's args
+LEGACY_ORIGIN_ARGS = ("hf_config", "nemo_config", "nemo_source", "nemo2_source", "bridge_source", "hf_model_id",
+                      "bridge_layer_spec")
+HF_TOKENIZER = "HuggingFaceTokenizer"
 
 
 def complete_args(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dtype: torch.dtype | None = None,
@@ -200,6 +207,9 @@ def complete_args(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dt
     source's). ``optimizer_saved`` / ``rng_saved``: whether the target holds that state (Megatron-LM
     skips loading what ``no_save_optim`` / ``no_save_rng`` say is absent)."""
     out = copy.copy(args)
+    for name in LEGACY_ORIGIN_ARGS:
+        if hasattr(out, name):
+            delattr(out, name)
     for a in ARGS:
         if a.source == "" and not hasattr(out, a.name):
             setattr(out, a.name, copy.deepcopy(a.default))
@@ -211,10 +221,17 @@ def complete_args(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dt
 
 
 def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dtype: torch.dtype | None,
-                    ckpt_format: str | None = None, optimizer_saved: bool = False) -> argparse.Namespace:
+                    ckpt_format: str | None = None, optimizer_saved: bool = False,
+                    tokenizer: Path | None = None) -> argparse.Namespace:
     """The source args completed for the target (``complete_args``): every field Megatron-LM's and
-    Megatron-Bridge's loaders read, the model fields from ``cfg`` and the layout fields from ``layout``."""
-    return complete_args(args, cfg, layout, dtype, ckpt_format, optimizer_saved=optimizer_saved)
+    Megatron-Bridge's loaders read, the model fields from ``cfg`` and the layout fields from ``layout``.
+    ``tokenizer``: the directory of the source's HF tokenizer (its Origin's), written as Megatron-LM's own
+    ``tokenizer_model`` (which it loads with ``--use-tokenizer-model-from-checkpoint-args``) where the args
+    name a HuggingFaceTokenizer and no location of it."""
+    out = complete_args(args, cfg, layout, dtype, ckpt_format, optimizer_saved=optimizer_saved)
+    if tokenizer is not None and out.tokenizer_type == HF_TOKENIZER and out.tokenizer_model is None:
+        out.tokenizer_model = str(tokenizer)
+    return out
 
 
 def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) -> dict[str, Any]:

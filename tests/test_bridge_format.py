@@ -16,6 +16,8 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from dist_convert.formats.mcore_config import PARALLEL
+
 from conftest import assert_refused, ok, oracle, run_cli
 
 
@@ -67,6 +69,32 @@ def test_bridge_loads_what_dist_convert_writes_from_a_bridge_source(bridge_ckpt,
     out = bridge("load", "--ckpt", str(dst), "--hf", str(hf)).stdout
     assert "ORACLE OK Megatron-Bridge load_megatron_model" in out, out[-3000:]
     ok(run_cli("verify", str(dst), str(src)))
+
+
+def test_bridge_to_torch_dist_to_bridge_keeps_the_run_config_after_the_source_moved(bridge_ckpt, tmp_path):
+    """run_config.yaml travels in the torch_dist target (its origin record, not the source's path): with the
+    Bridge checkpoint moved away, the Bridge target still gets its model: section (the target's layout fields
+    aside) and its other sections, not one written from the model config."""
+    _, src = bridge_ckpt
+    moved = tmp_path / "moved" / "mb"
+    shutil.copytree(src, tmp_path / "mb")
+    mid = tmp_path / "mid"
+    ok(run_cli("reshard", str(tmp_path / "mb"), str(mid), "--dst-format", "torch_dist", "--target-tp", "2",
+               nproc=2))
+    moved.parent.mkdir()
+    (tmp_path / "mb").rename(moved)
+    dst = tmp_path / "dst"
+    ok(run_cli("reshard", str(mid), str(dst), "--dst-format", "bridge", "--target-tp", "1", nproc=2))
+    want = yaml.safe_load((src / "iter_0000000" / "run_config.yaml").read_text())
+    got = yaml.safe_load((dst / "iter_0000000" / "run_config.yaml").read_text())
+    layout = {*PARALLEL, "transformer_layer_spec", "make_vocab_size_divisible_by", "should_pad_vocab",
+              "pipeline_dtype"}
+    assert {k: v for k, v in got["model"].items() if k not in layout} == \
+        {k: v for k, v in want["model"].items() if k not in layout}
+    assert got["model"]["tensor_model_parallel_size"] == 1 and got["model"]["hf_model_id"] == \
+        want["model"]["hf_model_id"]
+    assert {k: got[k] for k in want if k != "model"} == {k: v for k, v in want.items() if k != "model"}
+    ok(run_cli("verify", str(dst), str(moved)))
 
 
 def test_bridge_iteration_without_run_config_is_refused(bridge_ckpt, tmp_path):

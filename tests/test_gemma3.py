@@ -41,9 +41,9 @@ def test_config_both_ways():
     assert (args.rotary_base, args.rotary_base_local, args.rope_scaling_factor) == (20000.0, 5000.0, 2.0)
     assert args.window_size == (7, 0) and args.interleaved_attn_pattern == (5, 1)
     assert math.isclose(args.softmax_scale, 1 / math.sqrt(24)) and not notes
-    back = hf_from_config(cfg, args, torch.bfloat16)  # the source's own config.json, updated
+    back = hf_from_config(cfg, args, torch.bfloat16, base=GEMMA3)  # the source's own config.json, updated
     assert {k: back[k] for k in GEMMA3} == {**GEMMA3} and back["dtype"] == "bfloat16"
-    del args.hf_config  # from the model config and the args alone (a Megatron-side source)
+    # from the model config and the args alone, no base (a Megatron-side source)
     alone = hf_from_config(cfg, args, torch.float32)
     assert {k: alone[k] for k in GEMMA3} == GEMMA3
 
@@ -85,14 +85,14 @@ def test_export_family_by_evidence():
     plain = argparse.Namespace()
     assert export_family(cfg, plain).architecture == "Gemma3ForCausalLM"
     # a Llama-shaped model never exports as Gemma 3, and a Gemma-shaped one never as Llama
-    llama, largs, _ = config_from_hf({**GEMMA3, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                      "hidden_act": "silu"}, None)
-    assert export_family(llama, largs).architecture == "LlamaForCausalLM"
+    llama_hf = {**GEMMA3, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
+    llama, largs, _ = config_from_hf(llama_hf, None)
+    assert export_family(llama, largs, base=llama_hf).architecture == "LlamaForCausalLM"
     with pytest.raises(ConvertError, match="silu-gated MLP, no q/k layernorm, which none") as e:
         hf_from_config(cfg.replace(activation="silu", qk_layernorm=False), plain, torch.float32)  # Gemma's words
     assert "--dst-format torch_dist" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConvertError, match=r"norms computing x \* \(1 \+ w\)"):  # nearest: Llama
-        hf_from_config(llama.replace(zero_centered_gamma=True), largs, torch.float32)
+        hf_from_config(llama.replace(zero_centered_gamma=True), largs, torch.float32, base=llama_hf)
 
 
 # -- processes: transformers makes the model, Megatron-Bridge judges ------------------------------------------

@@ -100,6 +100,27 @@ def test_hf_to_mcore_to_hf_is_byte_identical(hf_dir, tmp_path, name, fmt, tp, pp
     assert type(model).__name__ == cfg_a["architectures"][0]
 
 
+def test_hf_to_torch_dist_to_hf_writes_the_source_config_back_after_it_is_gone(tmp_path):
+    """The HF config.json travels in the torch_dist target (its origin record, not a path): moved, with the HF
+    source deleted, the export writes the very same config.json; the tokenizer directory the record names is
+    gone, which a note says."""
+    src = make_hf_model(tmp_path / "src", "llama32")
+    want = json.loads((src / "config.json").read_text())
+    mid = tmp_path / "mcore"
+    ok(run_cli("reshard", str(src), str(mid), "--target-tp", "2", "--dst-format", "torch_dist", nproc=2))
+    moved = tmp_path / "elsewhere" / "mcore"
+    moved.parent.mkdir()
+    mid.rename(moved)
+    shutil.rmtree(tmp_path / "src")
+    back = tmp_path / "hf"
+    proc = ok(run_cli("reshard", str(moved), str(back), "--dst-format", "hf", nproc=2))
+    got = json.loads((back / "config.json").read_text())
+    # every key of the source's, as it was; the export adds only transformers 4's name of the dtype
+    assert {k: got[k] for k in want} == want and set(got) - set(want) <= {"torch_dtype"}, got
+    assert "tokenizer directory the source came from" in proc.stderr, proc.stderr[-2000:]
+    assert not (back / "tokenizer_config.json").exists()
+
+
 def test_verify_and_inspect_across_formats(hf_dir, tmp_path):
     src, dst = hf_dir / "qwen3", tmp_path / "mcore"
     ok(run_cli("reshard", str(src), str(dst), "--target-tp", "2", "--target-pp", "2", "--dst-format", "torch_dist",

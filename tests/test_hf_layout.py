@@ -63,7 +63,7 @@ def test_config_round_trip_and_megatron_args():
     cfg, args, notes = config_from_hf(hf, None)
     assert (cfg.kv_channels, cfg.num_query_groups, cfg.qk_layernorm, cfg.tied) == (32, 2, True, True)
     assert args.use_rope_scaling and args.rope_scaling_factor == 8.0 and args.norm_epsilon == 1e-5 and not notes
-    back = hf_from_config(cfg, args, torch.bfloat16)
+    back = hf_from_config(cfg, args, torch.bfloat16, base=hf)
     assert {k: back[k] for k in hf} == {**hf, "head_dim": 32}
     assert back["torch_dtype"] == "bfloat16"
     _, _, notes = config_from_hf(hf_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), None)
@@ -72,8 +72,7 @@ def test_config_round_trip_and_megatron_args():
 
 def test_export_family_from_megatron_config_alone():
     cfg, args, _ = config_from_hf(hf_config(architectures=["Qwen2ForCausalLM"]), None)
-    del args.hf_config
-    out = hf_from_config(cfg, args, torch.float32)
+    out = hf_from_config(cfg, args, torch.float32)  # no base: the HF config.json is not given
     assert out["architectures"] == ["Qwen2ForCausalLM"] and out["rope_theta"] == 1e4
     with pytest.raises(ConvertError, match="LayerNorm"):
         hf_from_config(cfg.replace(normalization="LayerNorm"), args, torch.float32)

@@ -112,9 +112,9 @@ def test_layer_pattern_and_megatron_args_and_config_round_trip():
             cfg.moe_shared_expert_gate, cfg.add_qkv_bias) == (8, 32, 96, 48, True, True)
     assert (args.moe_router_topk, args.moe_router_pre_softmax, args.expert_model_parallel_size,
             args.expert_tensor_parallel_size) == (2, True, 1, 1) and not notes
-    back = hf_from_config(cfg, args, torch.float32)
+    back = hf_from_config(cfg, args, torch.float32, base=QWEN_MOE)
     assert {k: back[k] for k in QWEN_MOE} == QWEN_MOE  # the original step/mlp_only_layers are kept
-    del args.hf_config  # from the megatron config alone: an explicit list of dense layers
+    # from the megatron config alone (no base): an explicit list of dense layers
     back = hf_from_config(cfg, args, torch.float32)
     assert back["architectures"] == ["Qwen2MoeForCausalLM"] and (back["decoder_sparse_step"],
                                                                 back["mlp_only_layers"]) == (1, [0, 2, 3, 4])
@@ -153,11 +153,12 @@ def test_export_family_from_the_model_and_refusals():
         with pytest.raises(ConvertError, match=needle) as e:
             hf_from_config(bad, bad_args, torch.float32)
         assert "--dst-format torch_dist" in str(e.value) and "\n" not in str(e.value)
-    # an HF config of the other kind (dense vs MoE) in the args is not followed
-    llama = argparse.Namespace(hf_config={"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    assert hf_from_config(cfg, llama, torch.float32)["architectures"] == ["Qwen2MoeForCausalLM"]
-    assert hf_from_config(cfg.replace(num_experts=0), argparse.Namespace(hf_config=QWEN_MOE),
-                          torch.float32)["architectures"] == ["Qwen2ForCausalLM"]
+    # an HF config of the other kind (dense vs MoE) as the base is not followed
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    assert hf_from_config(cfg, argparse.Namespace(), torch.float32, base=llama)["architectures"] == \
+        ["Qwen2MoeForCausalLM"]
+    assert hf_from_config(cfg.replace(num_experts=0), argparse.Namespace(), torch.float32,
+                          base=QWEN_MOE)["architectures"] == ["Qwen2ForCausalLM"]
 
 
 @pytest.mark.parametrize("sub,world", [("mixtral", 2), ("qwen2_moe", 2), ("qwen3_moe", None), ("fused/mixtral", None)])

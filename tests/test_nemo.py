@@ -96,6 +96,23 @@ def test_nemo_to_nemo_relayout_keeps_tokenizer_and_updates_config(gpt_a, tmp_pat
     assert "ORACLE OK" in res.stdout
 
 
+def test_nemo_to_megatron_to_nemo_keeps_model_config_and_artifacts(gpt_a, tmp_path):
+    """model_config.yaml travels in the legacy target's rank files (their origin record), moved with them:
+    the .nemo written from it has the source's config (with the new layout) and its tokenizer artifact."""
+    nemo = make_nemo(gpt_a, tmp_path)
+    mid, moved = tmp_path / "mid", tmp_path / "elsewhere" / "mid"
+    ok(run_cli("reshard", str(nemo), str(mid), "--target-tp", "1", "--target-pp", "1", "--dst-format", "megatron",
+               "--vocab-size", "100", nproc=2))
+    moved.parent.mkdir()
+    mid.rename(moved)
+    dst = tmp_path / "back.nemo"
+    ok(run_cli("reshard", str(moved), str(dst), "--target-tp", "2", "--target-pp", "1", "--dst-format", "nemo",
+               nproc=2))
+    config = unpack_as_megatron(dst, tmp_path / "unpacked", 2, 1)  # checks the tokenizer artifact too
+    want = nemo_config(gpt_a.cfg, 2, 1)
+    assert {k: config[k] for k in want} == want, config  # precision and the tokenizer section: the source's
+
+
 def test_extracted_nemo_directory_and_verify(gpt_a, tmp_path):
     extracted = make_nemo(gpt_a, tmp_path, archive=False)
     ok(run_cli("verify", str(extracted), str(gpt_a.megatron), "--vocab-size", "100", nproc=2))

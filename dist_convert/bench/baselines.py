@@ -85,8 +85,8 @@ def whole_model(src: Path, dst: Path, target_tp: int, target_pp: int, trust_pick
     opts = ReshardOptions(src=src, dst=dst, target_tp=target_tp, target_pp=target_pp, formats=options)
     layout = target_layout(opts, index, fmt)
     check_vocab(opts, index, index.cfg, layout)
-    target = Target(cfg=index.cfg, layout=layout, dtype=None, args=args_for_target(index.args, index.cfg, layout, None),
-                    iteration=index.iteration)
+    target = Target(cfg=index.cfg, layout=layout, dtype=None, iteration=index.iteration, origin=index.origin,
+                    args=args_for_target(index.args, index.cfg, layout, None, tokenizer=index.origin.tokenizer))
     files = fmt.target_files(target, source_dtypes(index))
     shards = load_every_shard(index, trust_pickle)
     t_load = time.perf_counter()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..datamodel import SourceChunk, Target, TargetFile, numel
+from ..datamodel import Origin, SourceChunk, Target, TargetFile, numel
 from ..formats.hf import hf_tensors, pack_shards
 from ..formats.torch_dist import TorchDistFormat
 from ..layout.rules import logical_tensors
@@ -85,15 +85,17 @@ def plan_case(case: str, budget: int = 4 << 30) -> PlanFigures:
     src_layout, dst_layout, world = CASES[case]
     t0 = time.perf_counter()
     cfg, args, _ = config_from_hf(DEEPSEEK_V3, None)
+    origin = Origin(kind="hf", hf_config=DEEPSEEK_V3)
     dtypes = dict.fromkeys(logical_tensors(cfg), torch.bfloat16)
     dtypes.update({n: torch.float32 for n in dtypes if n.endswith(".mlp.router.expert_bias")})
     if src_layout is None:
         chunks = hf_chunks(cfg)
     else:
         cfg.check_layout(src_layout, "source")
-        chunks = torch_dist_chunks(Target(cfg=cfg, layout=src_layout, dtype=None, args=args, iteration=0), dtypes)
+        chunks = torch_dist_chunks(Target(cfg=cfg, layout=src_layout, dtype=None, args=args, iteration=0,
+                                          origin=origin), dtypes)
     cfg.check_layout(dst_layout)
-    target = Target(cfg=cfg, layout=dst_layout, dtype=None, args=args, iteration=0)
+    target = Target(cfg=cfg, layout=dst_layout, dtype=None, args=args, iteration=0, origin=origin)
     files: list[TargetFile] = split_files(TorchDistFormat().target_files(target, dtypes), world)
     cut = split_chunks(chunks, files, budget // 4)
     lnumel = {n: numel(t.shape) for n, t in logical_tensors(cfg).items()}

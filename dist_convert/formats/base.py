@@ -3,6 +3,7 @@ readers share (key policy, iteration directories). The data it works on is in ``
 """
 from __future__ import annotations
 
+import copy
 import fnmatch
 import re
 from collections.abc import Callable, Collection, Iterable
@@ -11,11 +12,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import yaml
 
-from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
+from ..datamodel import Origin, SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
 from ..durable import copy_durable, write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Piece
+from ..mlm_args import LEGACY_ORIGIN_ARGS
 from ..runtime import Runtime
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -275,13 +278,57 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 
 
-def tokenizer_source(args: Any, override: Path | None = None) -> Path | None:
-    """Where a target's tokenizer files come from: ``--tokenizer-dir``, else the local directory the
-    source's args name (``tokenizer_model``: an HF model directory, Bridge's tokenizer/, a NeMo artifact)."""
+def tokenizer_source(origin: Origin, override: Path | None = None) -> Path | None:
+    """Where a target's tokenizer files come from: ``--tokenizer-dir``, else the directory the source's
+    Origin names (an HF model directory, Bridge's tokenizer/, a NeMo 2 artifact) while it exists."""
     if override is not None:
         return override
-    name = getattr(args, "tokenizer_model", None)
-    return Path(name) if isinstance(name, str) and Path(name).is_dir() else None
+    return origin.tokenizer if origin.tokenizer is not None and origin.tokenizer.is_dir() else None
+
+
+def read_origin(kind: str, record: Any, args: Any) -> tuple[Origin, Any]:
+    """The Origin of a checkpoint with Megatron-LM args (torch_dist, megatron, fsdp_dtensor) and the args
+    without dist_convert's former side channels: the ``ORIGIN_KEY`` record dist_convert stored (``record``),
+    else what earlier dist_convert versions left in the args (``hf_config``, ``nemo_config``, ...), else
+    nothing but the tokenizer directory Megatron-LM's own ``tokenizer_model`` names (``kind`` then).
+    ``tokenizer_model`` is a Megatron-LM argument (its tokenizer's location): it stays in the args."""
+    found = {name: getattr(args, name) for name in LEGACY_ORIGIN_ARGS if getattr(args, name, None) is not None}
+    if found:
+        args = copy.copy(args)
+        for name in found:
+            delattr(args, name)
+    tok = getattr(args, "tokenizer_model", None)
+    tokenizer = Path(tok) if isinstance(tok, str) and Path(tok).is_dir() else None
+    if isinstance(record, dict):
+        stored = Origin.from_record(record)
+        return replace(stored, kind=stored.kind or kind, tokenizer=stored.tokenizer or tokenizer), args
+    return _legacy_origin(kind, found, tokenizer), args
+
+
+def _legacy_origin(kind: str, found: dict[str, Any], tokenizer: Path | None) -> Origin:
+    """What dist_convert before the Origin record left in a target's args, as an Origin (its paths read now)."""
+    def document(name: str) -> dict[str, Any] | None:
+        return found[name] if isinstance(found.get(name), dict) else None
+
+    def path(name: str, sub: str = "") -> Path | None:
+        value = found.get(name)
+        return Path(value) / sub if isinstance(value, str) else None
+
+    run_config = None
+    bridge = path("bridge_source", "run_config.yaml")
+    if bridge is not None and bridge.is_file():
+        try:
+            loaded = yaml.safe_load(bridge.read_text())
+            run_config = loaded if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict) else None
+        except (OSError, yaml.YAMLError):
+            run_config = None
+    source = ("hf" if "hf_config" in found else "nemo" if "nemo_config" in found else
+              "bridge" if "bridge_source" in found else "nemo2" if "nemo2_source" in found else kind)
+    model_id = found.get("hf_model_id")
+    return Origin(kind=source, hf_config=document("hf_config"), nemo_config=document("nemo_config"),
+                  nemo_archive=path("nemo_source"), nemo2_context=path("nemo2_source", "context"),
+                  bridge_run_config=run_config, hf_model_id=model_id if isinstance(model_id, str) else None,
+                  tokenizer=tokenizer)
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> None:

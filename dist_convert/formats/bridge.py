@@ -4,13 +4,16 @@
 fields under ``model:``, TP/PP included, the vocabulary unpadded unless ``should_pad_vocab``), with
 ``train_state.pt`` and the HF tokenizer files in ``tokenizer/``. Keys have no prefix.
 
-A target carries the source's run_config.yaml (Bridge sources) with the layout fields of the target,
-or is given a ``model:`` and ``tokenizer:`` section written from the model config.
+A target carries the run_config.yaml of the Bridge checkpoint the model came from (its Origin's, through
+any chain of conversions) with the layout fields of the target, or is given a ``model:`` and ``tokenizer:``
+section written from the model config.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import io
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +21,12 @@ import torch
 import yaml
 
 from ..config import ModelConfig
-from ..datamodel import SourceIndex, Target, WrittenFile
+from ..datamodel import ORIGIN_KEY, Origin, SourceIndex, Target, WrittenFile
 from ..durable import write_durable
 from ..errors import ConvertError
+from ..mlm_args import HF_TOKENIZER
 from ..runtime import Runtime
-from .base import copy_tokenizer_files, on_rank0, tokenizer_source
+from .base import copy_tokenizer_files, on_rank0, read_origin, tokenizer_source
 from .mcore_config import args_from_fields, fields_for_target
 from .torch_dist import TorchDistFormat, _looks_like, open_weights
 
@@ -61,14 +65,20 @@ def bridge_args(iter_dir: Path, y: dict[str, Any]) -> argparse.Namespace:
                             "saved it")
     if not model.get("should_pad_vocab", False):  # the embedding holds exactly vocab_size rows
         args.make_vocab_size_divisible_by = 1
-    spec = (model.get("transformer_layer_spec") or {})
-    args.bridge_layer_spec = spec.get("_target_") if isinstance(spec, dict) else None
     if (iter_dir / TOKENIZER).is_dir():
-        args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", str((iter_dir / TOKENIZER).resolve())
-    if isinstance(model.get("hf_model_id"), str):  # the HF model it was imported from (its generation config)
-        args.hf_model_id = model["hf_model_id"]
-    args.bridge_source = str(iter_dir.resolve())
+        args.tokenizer_type = HF_TOKENIZER
     return args
+
+
+def bridge_origin(iter_dir: Path, y: dict[str, Any], stored: Origin) -> Origin:
+    """A Bridge checkpoint's Origin: its run_config.yaml, the HF model it was imported from (``hf_model_id``:
+    its generation config) and its tokenizer/, over what a dist_convert Bridge target stored of where the
+    model came from before (``stored``: e.g. an HF config.json)."""
+    model_id = y["model"].get("hf_model_id")
+    tokenizer = iter_dir / TOKENIZER
+    return replace(stored, kind=stored.kind or "bridge", bridge_run_config=y,
+                   hf_model_id=model_id if isinstance(model_id, str) else stored.hf_model_id,
+                   tokenizer=tokenizer.resolve() if tokenizer.is_dir() else stored.tokenizer)
 
 
 def bridge_model_section(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
@@ -117,7 +127,9 @@ class BridgeFormat(TorchDistFormat):
         iter_dir, iteration = found
         y = read_run_config(iter_dir)
         md, common, style = open_weights(iter_dir, self.trust_pickle)
-        return self.index_weights(iter_dir, iteration, md, common, style, bridge_args(iter_dir, y), vocab_size)
+        stored, _ = read_origin(self.name, common.get(ORIGIN_KEY), common.get("args") or argparse.Namespace())
+        return self.index_weights(iter_dir, iteration, md, common, style, bridge_args(iter_dir, y), vocab_size,
+                                  bridge_origin(iter_dir, y, stored))
 
     def common_state(self, target: Target) -> dict[str, Any]:
         return {**super().common_state(target), "content_metadata": {"singleton_local_shards": False,
@@ -126,9 +138,8 @@ class BridgeFormat(TorchDistFormat):
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
         """The torch_dist metadata, then run_config.yaml, train_state.pt and tokenizer/."""
         args, cfg = target.args, target.cfg
-        origin = getattr(args, "bridge_source", None)
-        if origin and (Path(origin) / RUN_CONFIG).is_file():
-            y = read_run_config(Path(origin))
+        if target.origin.bridge_run_config is not None:  # a Bridge source's, carried (never re-read from its path)
+            y = copy.deepcopy(target.origin.bridge_run_config)
             model = fields_for_target(y["model"], cfg, target.layout, target.dtype)
         else:
             y, model = {}, fields_for_target(bridge_model_section(cfg, args), cfg, target.layout, target.dtype)
@@ -136,7 +147,7 @@ class BridgeFormat(TorchDistFormat):
         if model.get("should_pad_vocab") is False and cfg.padded_vocab(target.layout.tp) != cfg.vocab_size:
             model["should_pad_vocab"] = True
         y["model"] = model
-        tok = tokenizer_source(args, self.options.tokenizer_dir)
+        tok = tokenizer_source(target.origin, self.options.tokenizer_dir)
         if tok is not None:
             copy_tokenizer_files(tok, iter_dir / TOKENIZER)
         if "tokenizer" not in y:  # Bridge's TokenizerConfig names the tokenizer the files came from

@@ -27,13 +27,22 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig, config_from_args
-from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from ..datamodel import (
+    ORIGIN_KEY,
+    SourceChunk,
+    SourceIndex,
+    Target,
+    TargetFile,
+    TargetTensor,
+    WrittenFile,
+    target_dtype,
+)
 from ..errors import ConvertError
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
 from ..layout.rules import LogicalTensor, expert_key, is_grouped_expert_key, logical_tensors, model_family, spec_suffix
 from ..layout.topology import Layout
 from ..runtime import Runtime
-from .base import IterDirFormat, KeyPolicy, on_rank0
+from .base import IterDirFormat, KeyPolicy, on_rank0, read_origin
 from .dcp_meta import TensorStorageMetadata
 from .distcp import METADATA, check_storage, load_metadata, read_object, write_metadata
 from .torch_dist import StreamWriter, TorchDistFormat
@@ -41,7 +50,7 @@ from .torch_dist import StreamWriter, TorchDistFormat
 # Megatron-LM's model keys: "model." + the Megatron-FSDP wrapper's "module." (Float16Module adds none: its
 # state_dict is its module's); Megatron-LM's own tools also accept one "module." more: read it, never write it
 PREFIXES = ("model.module.module.", "model.module.")
-OBJECTS = ("args", "iteration", "checkpoint_version")
+OBJECTS = ("args", "iteration", "checkpoint_version", ORIGIN_KEY)
 CHECKPOINT_VERSION = 3.0
 HALVES = ("_w", "_v")  # SwiGLU fc1: the gate rows, then the up rows
 
@@ -198,8 +207,9 @@ class FsdpDtensorFormat(IterDirFormat):
                                           origin=box.offsets, origin_shape=box.sizes))
         training = [k for k in keys if not k.startswith("model.") and k not in OBJECTS]
         notes = [f"skipped {len(training)} training-state items (optimizer/rng/scheduler)"] if training else []
+        origin, args = read_origin(self.name, read_object(iter_dir, md, ORIGIN_KEY, self.trust_pickle), args)
         return policy.finish(SourceIndex(format=self.name, iter_dir=iter_dir, iteration=iteration, args=args, cfg=cfg,
-                                         layout=layout, chunks=chunks, notes=notes))
+                                         layout=layout, chunks=chunks, notes=notes, origin=origin))
 
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         return self._reader.read(index, chunks)
@@ -230,7 +240,8 @@ class FsdpDtensorFormat(IterDirFormat):
         args = copy.copy(target.args)
         args.ckpt_format = "fsdp_dtensor"
         objects = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
-                   "iteration": 0 if target.iteration == "release" else target.iteration}
+                   "iteration": 0 if target.iteration == "release" else target.iteration,
+                   ORIGIN_KEY: target.origin.record()}  # an item Megatron-LM's load does not ask for
         return [TargetFile(id=i, name=f"tp{t}" + (f"_ep{e}" if layout.ep > 1 else ""), tensors=tensors[(t, e)],
                            objects=objects if i == 0 else {}) for i, (t, e) in enumerate(ranks)]
 

@@ -8,6 +8,7 @@ fuses and export splits through the same box algebra as every other reshard. Not
 """
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Collection
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from ..datamodel import Origin, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
 from ..durable import write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box, Piece
@@ -142,7 +143,6 @@ class HFFormat:
         if vocab_size is not None and vocab_size != cfg.vocab_size:
             raise ConvertError(f"--vocab-size {vocab_size} disagrees with vocab_size={cfg.vocab_size} in {CONFIG}",
                                "drop --vocab-size: Hugging Face checkpoints state their vocabulary size")
-        args.tokenizer_model = str(path.resolve())
         found: dict[str, tuple[str, torch.dtype, tuple[int, ...]]] = {}
         for f in shard_files(path):
             for key, (dtype, shape) in read_header(path / f).items():
@@ -186,8 +186,9 @@ class HFFormat:
             notes.append(f"dequantized {sum(1 for c in chunks if c.scale)} block-scaled FP8 weights to "
                          f"{str(self.options.dtype or torch.bfloat16).removeprefix('torch.')} on read")
             args.params_dtype = self.options.dtype or torch.bfloat16
+        origin = Origin(kind=self.name, hf_config=copy.deepcopy(hf), tokenizer=path.resolve())  # as the file holds it
         return policy.finish(SourceIndex(format=self.name, iter_dir=path, iteration="release", args=args, cfg=cfg,
-                                         layout=Layout(tp=1, pp=1), chunks=chunks, notes=notes))
+                                         layout=Layout(tp=1, pp=1), chunks=chunks, notes=notes, origin=origin))
 
     @staticmethod
     def _scale_of(key: str, shape: tuple[int, ...], hf: dict, found: dict) -> tuple[str, str, tuple[int, int]]:
@@ -233,8 +234,9 @@ class HFFormat:
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
-        hf_from_config(target.cfg, target.args, target.dtype or torch.float32)  # refuses inexpressible models
-        fam = export_family(target.cfg, target.args)
+        base = target.origin.hf_config
+        hf_from_config(target.cfg, target.args, target.dtype or torch.float32, base)  # refuses inexpressible models
+        fam = export_family(target.cfg, target.args, base)
         tensors = {name: TargetTensor(key=name, shape=shape, dtype=target_dtype(target, dtypes, pieces[0].logical),
                                       pieces=pieces)
                    for name, (shape, pieces) in hf_tensors(target.cfg, fam).items()}
@@ -278,12 +280,12 @@ class HFFormat:
             total = sum(n for _, _, n in stored)
             write_durable(out_dir / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                       indent=2))
-        origin = getattr(target.args, "hf_model_id", None)  # Megatron-Bridge: the HF model it was imported from
-        for d in (tokenizer_source(target.args, self.options.tokenizer_dir),
-                  Path(origin) if isinstance(origin, str) and Path(origin).is_dir() else None):
+        model_id = target.origin.hf_model_id  # Megatron-Bridge: the HF model it was imported from
+        for d in (tokenizer_source(target.origin, self.options.tokenizer_dir),
+                  Path(model_id) if model_id is not None and Path(model_id).is_dir() else None):
             if d is not None:
                 copy_tokenizer_files(d, out_dir)
-        hf = hf_from_config(target.cfg, target.args, dtype)
+        hf = hf_from_config(target.cfg, target.args, dtype, target.origin.hf_config)
         if self.options.quantize:
             hf["quantization_config"] = fp8.QUANTIZATION_CONFIG
         else:

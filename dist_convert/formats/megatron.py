@@ -13,7 +13,16 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig, config_from_args
-from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from ..datamodel import (
+    ORIGIN_KEY,
+    SourceChunk,
+    SourceIndex,
+    Target,
+    TargetFile,
+    TargetTensor,
+    WrittenFile,
+    target_dtype,
+)
 from ..durable import save_durable
 from ..errors import ConvertError
 from ..layout.rank_files import chunk_key, rank_entries, split_chunk_key
@@ -33,7 +42,15 @@ from ..optim import sources as optim_sources
 from ..optim.state import COUNTERS
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from .base import COMMON_TRAINING_STATE, FileAtATime, IterDirFormat, KeyPolicy, add_rank_file_chunks, dropped_state_note
+from .base import (
+    COMMON_TRAINING_STATE,
+    FileAtATime,
+    IterDirFormat,
+    KeyPolicy,
+    add_rank_file_chunks,
+    dropped_state_note,
+    read_origin,
+)
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model_optim_rng.pt"
@@ -135,7 +152,8 @@ def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:
                     tensors[key.replace("." + MTP_LEGACY, "." + MTP_LAYER)] = (tuple(v.shape), v.dtype)
                 else:
                     objects.append(key)
-        return {"args": ckpt.get("args"), "iteration": ckpt.get("iteration"), "tensors": tensors,
+        return {"args": ckpt.get("args"), "origin": ckpt.get(ORIGIN_KEY), "iteration": ckpt.get("iteration"),
+                "tensors": tensors,
                 "objects": objects, "chunks": len(entries), "optimizer": ckpt.get("optimizer"),
                 "scheduler": ckpt.get("opt_param_scheduler"), "counters": optim_sources.counters(ckpt),
                 "training": [k for k in COMMON_TRAINING_STATE if k in ckpt]
@@ -169,6 +187,7 @@ class MegatronFormat(IterDirFormat):
         if args is None:
             raise ConvertError(f"{iter_dir / names[0] / MODEL_FILE} has no args",
                                "the checkpoint must be saved by Megatron-LM")
+        origin, args = read_origin(self.name, indexed[names[0]]["origin"], args)
         files = self._rank_files(iter_dir, names, indexed, args)
         tp = 1 + max(t for t, _, _ in files)
         pp = 1 + max(p for _, p, _ in files)
@@ -208,8 +227,8 @@ class MegatronFormat(IterDirFormat):
         note = dropped_state_note([k if k != DISTRIB_OPTIM or n == 1 else f"{k} ({n} files)" for k, n in found.items()],
                                   optimizer is not None)
         return policy.finish(SourceIndex(format=self.name, iter_dir=iter_dir, iteration=iteration, args=args, cfg=cfg,
-                                         layout=layout, chunks=chunks,
-                                         notes=[note] if note else [], optimizer=optimizer))
+                                         layout=layout, chunks=chunks, notes=[note] if note else [],
+                                         optimizer=optimizer, origin=origin))
 
     @staticmethod
     def _rank_files(iter_dir: Path, names: list[str], indexed: dict[str, dict[str, Any]],
@@ -259,6 +278,7 @@ class MegatronFormat(IterDirFormat):
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
         lay = target.layout
         chunk_entries = [f"model{v}" for v in range(lay.vpp)] if lay.vpp else ["model"]
+        origin = target.origin.record()  # in every rank file, as the args are (Megatron-LM leaves it alone)
 
         def write_file(f: TargetFile, tensors: list[torch.Tensor]) -> None:
             # every model chunk has its entry, an empty one too (a layout string's stage with no layers)
@@ -267,7 +287,8 @@ class MegatronFormat(IterDirFormat):
                 entry, k = split_chunk_key(key)
                 entries.setdefault(entry, {})[k] = value
             save_durable({**entries, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
-                          "iteration": 0 if target.iteration == "release" else target.iteration}, iter_dir / f.name)
+                          "iteration": 0 if target.iteration == "release" else target.iteration,
+                          ORIGIN_KEY: origin}, iter_dir / f.name)
         return FileAtATime(files, write_file)
 
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:

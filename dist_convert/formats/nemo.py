@@ -10,6 +10,7 @@ an extracted directory, then streamed into one tar file.
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import re
 import shutil
@@ -21,7 +22,7 @@ import torch
 import yaml
 
 from ..config import ModelConfig
-from ..datamodel import SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
+from ..datamodel import Origin, SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
 from ..durable import copy_durable, fsync_file, save_durable, write_durable
 from ..errors import ConvertError
 from ..integrity import is_run_state
@@ -200,10 +201,10 @@ class NemoFormat:
             add_rank_file_chunks(chunks, rel, expected, shapes[(t, p)], CONFIG, policy)
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
         args.pipeline_model_parallel_split_rank = layout.split
-        args.nemo_config, args.nemo_source = y, str(path.resolve())  # the target's config and artifacts
         self._archive = archive
+        origin = Origin(kind=self.name, nemo_config=y, nemo_archive=path.resolve())  # a target's config, artifacts
         return policy.finish(SourceIndex(format=self.name, iter_dir=path, iteration="release", args=args, cfg=cfg,
-                                         layout=layout, chunks=chunks, notes=list(style.notes)))
+                                         layout=layout, chunks=chunks, notes=list(style.notes), origin=origin))
 
     def _shapes(self, archive: Archive, name: str) -> dict[str, Any] | str:
         """name -> (shape, dtype) of a rank file's tensors, or the error (every rank must reach the gather)."""
@@ -246,7 +247,7 @@ class NemoFormat:
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0: model_config.yaml for the target layout, and the source's tokenizer artifacts."""
-        y = dict(getattr(target.args, "nemo_config", None) or {})
+        y = copy.deepcopy(target.origin.nemo_config or {})
         cfg, layout = target.cfg, target.layout
         arch = dict(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
                     num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
@@ -265,7 +266,7 @@ class NemoFormat:
                      share_decoder_tokens_head_embeddings=cfg.tied)
         else:
             y.update(mcore_gpt=True, num_layers=cfg.num_layers, share_embeddings_and_output_weights=cfg.tied, **arch)
-        y.update(target_style(self.options.nemo_style, target.args, cfg.family).config_updates(y))
+        y.update(target_style(self.options.nemo_style, target, cfg.family).config_updates(y))
         if cfg.family != "t5":
             y.setdefault("activation", "fast-swiglu" if cfg.swiglu else "gelu")
         tokenizer = dict(y.get("tokenizer") or {})
@@ -276,9 +277,9 @@ class NemoFormat:
         if tokenizer:
             y["tokenizer"] = tokenizer
         write_durable(out_dir / CONFIG, yaml.safe_dump(y, sort_keys=False))
-        origin = getattr(target.args, "nemo_source", None)
-        if origin and Path(origin).exists():  # tokenizer and other artifacts travel with the model
-            source = Archive(Path(origin))
+        archive = target.origin.nemo_archive
+        if archive is not None and archive.exists():  # tokenizer and other artifacts travel with the model
+            source = Archive(archive)
             for name in source.names():
                 if name != CONFIG and not name.endswith(WEIGHTS):
                     (out_dir / name).parent.mkdir(parents=True, exist_ok=True)

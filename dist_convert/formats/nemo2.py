@@ -6,9 +6,10 @@ saved it included; ``vocab_size`` usually null) and the tokenizer artifacts. The
 from ``model.yaml``, else from the config object of ``io.json`` over the defaults of its class (read
 here, without importing NeMo).
 
-A target carries a NeMo 2 source's ``context/`` with the parallel fields of the target layout in both
-``model.yaml`` and ``io.json`` (the model config's and the trainer strategy's); from other sources it
-gets a context of NeMo's GPTModel/GPTConfig written from the model config (nemo2_context.py).
+A target carries the ``context/`` of the NeMo 2 checkpoint the model came from (its Origin's) with the
+parallel fields of the target layout in both ``model.yaml`` and ``io.json`` (the model config's and the
+trainer strategy's); from other sources it gets a context of NeMo's GPTModel/GPTConfig written from the
+model config (nemo2_context.py).
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from typing import Any
 
 import yaml
 
-from ..datamodel import SourceIndex, Target, TargetFile, WrittenFile
+from ..datamodel import Origin, SourceIndex, Target, TargetFile, WrittenFile
 from ..durable import write_durable
 from ..errors import ConvertError
+from ..mlm_args import HF_TOKENIZER
 from ..runtime import Runtime
 from .base import on_rank0, tokenizer_source
 from .bridge import bridge_model_section
@@ -178,11 +180,17 @@ def nemo2_args(ckpt: Path, md: Any) -> argparse.Namespace:
         args.padded_vocab_size = int(emb.size[0])  # padded by make_vocab_size_divisible_by x TP of the run
     tok = tokenizer_dir(ckpt / CONTEXT)
     if tok is not None:
-        args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", str(tok.resolve())
+        args.tokenizer_type = HF_TOKENIZER
         if getattr(args, "vocab_size", None) is None:  # NeMo sizes the embedding from the tokenizer
             args.vocab_size = tokenizer_vocab_size(tok)
-    args.nemo2_source = str(ckpt.resolve())
     return args
+
+
+def nemo2_origin(ckpt: Path) -> Origin:
+    """A NeMo 2 checkpoint's Origin: its context/ (copied into a nemo2 target) and the tokenizer artifact in it."""
+    tok = tokenizer_dir(ckpt / CONTEXT)
+    return Origin(kind="nemo2", nemo2_context=(ckpt / CONTEXT).resolve(),
+                  tokenizer=tok.resolve() if tok is not None else None)
 
 
 class Nemo2Format(TorchDistFormat):
@@ -205,7 +213,7 @@ class Nemo2Format(TorchDistFormat):
         md, common, style = open_weights(path / WEIGHTS, self.trust_pickle)
         args = nemo2_args(path, md)
         iteration = int(common.get("global_step") or 0) if isinstance(common.get("global_step"), int) else 0
-        return self.index_weights(path / WEIGHTS, iteration, md, common, style, args, vocab_size)
+        return self.index_weights(path / WEIGHTS, iteration, md, common, style, args, vocab_size, nemo2_origin(path))
 
     def target_files(self, target: Target, dtypes: dict) -> list[TargetFile]:
         check_context(target)
@@ -227,8 +235,8 @@ class Nemo2Format(TorchDistFormat):
 
 
 def _source_context(target: Target) -> Path | None:
-    origin = getattr(target.args, "nemo2_source", None)
-    return Path(origin) / CONTEXT if origin and (Path(origin) / CONTEXT).is_dir() else None
+    context = target.origin.nemo2_context
+    return context if context is not None and context.is_dir() else None
 
 
 def check_context(target: Target) -> None:
@@ -245,7 +253,7 @@ def write_target_context(dst: Path, target: Target, tokenizer_dir: Path | None) 
         write_context(src, dst, target)
         return
     write_fresh_context(dst, target, bridge_model_section(target.cfg, target.args),
-                        tokenizer_source(target.args, tokenizer_dir))
+                        tokenizer_source(target.origin, tokenizer_dir))
 
 
 def write_context(src: Path, dst: Path, target: Target) -> None:

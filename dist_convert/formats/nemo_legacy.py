@@ -27,7 +27,6 @@ mcore), and ``scripts/checkpoint_converters/convert_gpt_nemo_to_mcore.py`` (buil
 """
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -239,10 +238,11 @@ def _legacy_source(y: dict[str, Any]) -> NemoStyle:
                      float(y.get("rotary_base", 10000)), float(y.get("rotary_percentage", 1.0)), tuple(notes))
 
 
-def target_style(option: str | None, args: argparse.Namespace, family: str = "gpt") -> NemoStyle:
-    """The style of a .nemo target: ``--nemo-style``, else the source's for .nemo sources, else mcore.
-    T5 models are written the megatron-core way only (``mcore_t5: true``)."""
-    y = getattr(args, "nemo_config", None) or {}
+def target_style(option: str | None, target: Target, family: str = "gpt") -> NemoStyle:
+    """The style of a .nemo target: ``--nemo-style``, else that of the .nemo the model came from (its Origin's
+    model_config.yaml), else mcore. T5 models are written the megatron-core way only (``mcore_t5: true``)."""
+    y = target.origin.nemo_config or {}
+    args = target.args
     if family == "t5":
         if option not in (None, "mcore"):
             raise ConvertError(f"--nemo-style {option} is for GPT models; T5 .nemo files are written with "
@@ -262,7 +262,7 @@ def target_style(option: str | None, args: argparse.Namespace, family: str = "gp
 def nemo_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name: Callable[[int, int, int], str],
                       option: str | None) -> list[TargetFile]:
     """Pure: the rank files of a .nemo target in its style (``option``: ``--nemo-style``)."""
-    style = target_style(option, target.args, target.cfg.family)
+    style = target_style(option, target, target.cfg.family)
     if not style.legacy:
         return rank_target_files(target, dtypes, file_name, style.prefix)
     cfg, layout = target.cfg, target.layout

@@ -23,6 +23,8 @@ import torch
 
 from ..config import ModelConfig, config_from_args
 from ..datamodel import (
+    ORIGIN_KEY,
+    Origin,
     SourceChunk,
     SourceIndex,
     Target,
@@ -53,7 +55,7 @@ from ..optim import sources as optim_sources
 from ..optim.state import COUNTERS, optimizer_tensors, renamed
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from .base import COMMON_TRAINING_STATE, IterDirFormat, KeyPolicy, dropped_state_note, on_rank0
+from .base import COMMON_TRAINING_STATE, IterDirFormat, KeyPolicy, dropped_state_note, on_rank0, read_origin
 from .dcp_meta import MetadataIndex, TensorStorageMetadata
 from .distcp import (
     ItemFileWriter,
@@ -302,12 +304,13 @@ class TorchDistFormat(IterDirFormat):
             raise ConvertError(f"the common state of {iter_dir} holds no args",
                                "the checkpoint must be saved by Megatron-LM (args in the common state); a "
                                "Megatron-Bridge or NeMo 2 checkpoint is read with --src-format bridge or nemo2")
-        return self.index_weights(iter_dir, iteration, md, common, style, args, vocab_size)
+        origin, args = read_origin(self.name, common.get(ORIGIN_KEY), args)
+        return self.index_weights(iter_dir, iteration, md, common, style, args, vocab_size, origin)
 
     def index_weights(self, iter_dir: Path, iteration: int | str, md: Any, common: dict[str, Any], style: str,
-                      args: argparse.Namespace, vocab_size: int | None) -> SourceIndex:
+                      args: argparse.Namespace, vocab_size: int | None, origin: Origin) -> SourceIndex:
         """The index of a megatron-core weights directory whose model is described by ``args`` (keys
-        carry ``self.prefix``)."""
+        carry ``self.prefix``) and came from ``origin``."""
         if (common.get("content_metadata") or {}).get("singleton_local_shards"):
             raise ConvertError(f"{iter_dir} was saved with singleton_local_shards (per-layer keys)",
                                "this layout is not supported yet; save with megatron-core's default stacked layout")
@@ -337,7 +340,7 @@ class TorchDistFormat(IterDirFormat):
             if key in stored:
                 self.key_chunks(chunks, key, key, g, stored[key])
         index = SourceIndex(format=self.name, iter_dir=iter_dir, iteration=iteration, args=args, cfg=cfg, layout=layout,
-                            chunks=chunks, style=style)
+                            chunks=chunks, style=style, origin=origin)
         if self.options.optimizer:
             index.optimizer = optim_sources.torch_dist_state(self, index, md, common, groups)
         note = training_state_note(md.state_dict_metadata, common, kept=self.options.optimizer)
@@ -454,9 +457,11 @@ class TorchDistFormat(IterDirFormat):
         return StreamWriter(iter_dir, files)
 
     def common_state(self, target: Target) -> dict[str, Any]:
-        """The target's common (unsharded) state: Megatron-LM's args, checkpoint version and iteration."""
+        """The target's common (unsharded) state: Megatron-LM's args, checkpoint version and iteration, and
+        where the model came from (``ORIGIN_KEY``: a key megatron-core and Megatron-LM leave alone)."""
         common = {"args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
-                  "iteration": 0 if target.iteration == "release" else target.iteration}
+                  "iteration": 0 if target.iteration == "release" else target.iteration,
+                  ORIGIN_KEY: target.origin.record()}
         if target.optimizer is not None:  # what megatron-core's fully_reshardable save leaves in the common state
             common["optimizer"] = target.optimizer.common()
             if target.optimizer.scheduler is not None:

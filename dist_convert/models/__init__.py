@@ -48,16 +48,10 @@ def config_from_hf(hf: dict[str, Any], vocab_divisible_by: int | None) -> tuple[
     return imported.cfg, imported.args, imported.notes
 
 
-def origin_config(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The HF ``config.json`` the model was imported from, when the args carry one."""
-    hf = getattr(args, "hf_config", None)
-    return hf if isinstance(hf, dict) else None
-
-
-def export_family(cfg: ModelConfig, args: argparse.Namespace) -> Family:
-    """The HF family a megatron-core model exports as: the one it came from when that one expresses it,
-    else the first, by affinity, that does; refused in the nearest family's words when none does."""
-    base = origin_config(args)
+def export_family(cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any] | None = None) -> Family:
+    """The HF family a megatron-core model exports as: the one it came from (``base``: the HF config.json it
+    was imported from, its Origin's) when that one expresses it, else the first, by affinity, that does;
+    refused in the nearest family's words when none does."""
     for a in (base or {}).get("architectures") or []:
         fam = FAMILIES.get(a)
         if fam is not None and fam.why_not(cfg, args) is None:
@@ -80,8 +74,10 @@ def naming_family(cfg: ModelConfig) -> Family:
         return ranked[0]
 
 
-def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` for the model: the original HF config when the args carry one of its family, updated."""
-    fam = export_family(cfg, args)
-    base = origin_config(args)
+def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype,
+                   base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``config.json`` for the model: ``base`` (the HF config.json it was imported from, its Origin's),
+    updated, when it is of the family the model exports as; else written from the model config and args."""
+    base = base if isinstance(base, dict) else None
+    fam = export_family(cfg, args, base)
     return fam.to_hf(cfg, args, base if family_of_or_none(base) is fam else None, dtype)

@@ -227,7 +227,7 @@ def common_args(d: Dims, cfg: ModelConfig, dtype: torch.dtype, theta: float, hf:
         seq_length=cfg.max_position_embeddings, hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, transformer_impl="transformer_engine",
-        tokenizer_type="HuggingFaceTokenizer", hf_config=copy.deepcopy(hf), **extra)
+        tokenizer_type="HuggingFaceTokenizer", **extra)
 
 
 def divisible(vocab_divisible_by: int | None) -> int:

@@ -210,7 +210,7 @@ def config_from_hf(hf: dict[str, Any], architecture: str,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1, transformer_impl="transformer_engine", tokenizer_type="HuggingFaceTokenizer",
         multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=kv_lora, qk_head_dim=nope,
-        qk_pos_emb_head_dim=rope_dim, v_head_dim=v_dim, mtp_num_layers=mtp or None, hf_config=copy.deepcopy(hf),
+        qk_pos_emb_head_dim=rope_dim, v_head_dim=v_dim, mtp_num_layers=mtp or None,
         **rope_args, **moe_args)
     return cfg, args, []
 

@@ -58,9 +58,10 @@ def gqa_import(hf: dict[str, Any], vocab_divisible_by: int | None, *, qkv_bias: 
         if kind == "llama3" and fixed:
             rope_args = {"use_rope_scaling": True, "rope_scaling_factor": float(scaling.get("factor", 8.0))}
         else:
-            notes.append(f"RoPE scaling {scaling} has no Megatron-LM argument; it is kept only in args.hf_config")
+            notes.append(f"RoPE scaling {scaling} has no Megatron-LM argument; it is kept only in the origin's "
+                         "config.json")
     if hf.get("sliding_window") and hf.get("use_sliding_window", sliding_default):
-        notes.append(f"sliding_window={hf['sliding_window']} is kept only in args.hf_config (set "
+        notes.append(f"sliding_window={hf['sliding_window']} is kept only in the origin's config.json (set "
                      "--window-size in Megatron-LM to train with it)")
     cfg = ModelConfig(
         num_layers=d.layers, hidden_size=d.hidden, ffn_hidden_size=d.ffn, num_attention_heads=d.heads,

@@ -91,7 +91,7 @@ class MoE(Family):
             expert_ffn, pattern, pre_softmax = int(hf["intermediate_size"]), None, False
             if float(hf.get("router_jitter_noise") or 0.0):
                 notes.append(f"router_jitter_noise={hf['router_jitter_noise']} (training-time noise) has no "
-                             "Megatron-LM argument; it is kept only in args.hf_config")
+                             "Megatron-LM argument; it is kept only in the origin's config.json")
         shared = require_int(hf, "shared_expert_intermediate_size", default=0) if self.shared_expert else 0
         model = {"num_experts": experts, "moe_ffn_hidden_size": expert_ffn, "moe_layer_pattern": pattern,
                  "moe_shared_expert_intermediate_size": shared or None, "moe_shared_expert_gate": bool(shared)}

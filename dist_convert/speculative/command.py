@@ -108,15 +108,16 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     check_vocab(reshard_opts, index, cfg, layout)
     dtype = DTYPES[opts.dtype] or _dominant_dtype(source_dtypes(index))
     if dst_format == "nemo2":
-        check_context(Target(cfg=cfg, layout=layout, dtype=dtype, args=index.args, iteration=index.iteration))
+        check_context(Target(cfg=cfg, layout=layout, dtype=dtype, args=index.args, iteration=index.iteration,
+                             origin=index.origin))
     algo, spec_cfg = speculative_config(opts.draft, cfg, index.args, dtype)
     if opts.export_draft is not None:
-        draft_base_config(cfg, index.args, dtype)  # refuse an inexpressible model before any work
+        draft_base_config(cfg, index.args, dtype, index.origin.hf_config)  # refuse an inexpressible model first
     if rt.world % (layout.tp * layout.pp):
         raise ConvertError(f"world size {rt.world} is not a multiple of target TP x PP = {layout.tp * layout.pp}",
                            f"launch a multiple of {layout.tp * layout.pp} processes (--nproc_per_node) or change "
                            "--target-tp/--target-pp")
-    args = args_for_target(index.args, cfg, layout, dtype, "torch_dist")
+    args = args_for_target(index.args, cfg, layout, dtype, "torch_dist", tokenizer=index.origin.tokenizer)
     rt.log(f"[bold]speculate[/] {index.format} {index.layout} -> {dst_format} {layout} + {algo} "
            f"({human_bytes(index.nbytes)}; {rt.world} ranks, data-parallel {rt.world // (layout.tp * layout.pp)})")
     if layout.pp > 1:
@@ -162,14 +163,15 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
         def finish(_: object) -> None:
             if nemo2:  # NeMo's context/ (the source's, with the target layout)
                 write_target_context(staging.tmp / CONTEXT, Target(cfg=cfg, layout=layout, dtype=dtype, args=args,
-                                                                   iteration=index.iteration),
+                                                                   iteration=index.iteration, origin=index.origin),
                                      opts.formats.tokenizer_dir)
             _fsync_small_files(staging.tmp)
 
         staging.complete(finish, tracker=None if nemo2 else index.iteration)
     staging.commit()
     if opts.export_draft is not None:
-        export_draft(model, algo, spec_cfg, cfg, args, dtype, opts.export_draft, rt, overwrite=opts.overwrite)
+        export_draft(model, algo, spec_cfg, cfg, args, dtype, opts.export_draft, rt, overwrite=opts.overwrite,
+                     hf_config=index.origin.hf_config)
     write_s = time.perf_counter() - tw
     written = sum(f.stat().st_size for f in (opts.dst / sub).glob(f"__{rt.rank}_*.distcp"))
     mine = RankStats(rank=rt.rank, files=1, tensors=counters["tensors"], read_bytes=counters["read"],

@@ -37,10 +37,12 @@ for _hf, _mcore, _part in ATTENTION_NAMES + MLP_NORM + DENSE_MLP:
     _LAYER_PARTS.setdefault(_mcore, []).append((_hf, _part))
 
 
-def draft_base_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
-    """The base model's HF config (refuses models no supported HF family expresses)."""
+def draft_base_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype,
+                      base: dict[str, Any] | None) -> dict[str, Any]:
+    """The base model's HF config (``base``: the HF config.json it came from, its Origin's; refuses models no
+    supported HF family expresses)."""
     try:
-        return hf_from_config(cfg, args, dtype)
+        return hf_from_config(cfg, args, dtype, base)
     except ConvertError as e:
         raise ConvertError(f"--export-draft needs an HF-expressible base model: {e.cause}",
                            "drop --export-draft (the speculative checkpoint itself is still written)") from None
@@ -159,9 +161,11 @@ def draft_config(base: dict[str, Any], algo: str, spec_cfg: dict[str, Any], mode
 
 
 def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConfig, args: argparse.Namespace,
-                 dtype: torch.dtype, out: Path, rt: Runtime, overwrite: bool = False) -> None:
+                 dtype: torch.dtype, out: Path, rt: Runtime, overwrite: bool = False,
+                 hf_config: dict[str, Any] | None = None) -> None:
     """Collective. The last pipeline stage gathers the draft over TP; its first TP rank of data-parallel
-    replica 0 writes it; the directory appears atomically."""
+    replica 0 writes it; the directory appears atomically. ``hf_config``: the base model's HF config.json
+    (its Origin's), the draft config's base."""
     from megatron.core import parallel_state
 
     staging = stage(out, rt, overwrite=overwrite)
@@ -171,7 +175,7 @@ def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConf
             full = gather_full(model, cfg.swiglu)
             if (parallel_state.get_tensor_model_parallel_rank() == 0
                     and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
-                base = draft_base_config(cfg, args, dtype)
+                base = draft_base_config(cfg, args, dtype, hf_config)
                 if algo == "medusa":
                     layers, eagle3, draft_cfg = spec_cfg["medusa_num_layers"], False, None
                 else:

@@ -328,6 +328,10 @@ def gemma3_provider(hf: str, load_weights: bool, tp: int, vocab_rows: int | None
     """Bridge's Gemma3ModelProvider for ``hf`` on the CPU; ``vocab_rows`` sizes the embedding like a stored one."""
     from megatron.bridge import AutoBridge
 
+    # a provider's attention backend sets NVTE_* selection variables in os.environ; a shared worker's earlier job
+    # (another Bridge model, backend auto) leaves NVTE_FUSED_ATTN=1, which Gemma 3's flash backend refuses
+    for name in [k for k in os.environ if k.startswith(("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"))]:
+        del os.environ[name]
     bridge = AutoBridge.from_hf_pretrained(hf)
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     provider.transformer_layer_spec = cpu_gemma3_layer_spec

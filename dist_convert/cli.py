@@ -26,7 +26,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="start N local worker processes (as torchrun --standalone --nproc_per_node=N would) and "
                         "run in them; without it: one process, or the ranks of the torchrun job it runs in")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="collective backend (auto: nccl when CUDA is available, else gloo)")
+                   help="collective backend (auto: nccl when CUDA is available, else gloo; nccl needs a GPU per "
+                        "local rank)")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds a rank waits for the others in a collective before it reports a hung or lost rank "
                         "(default 1800)")
@@ -277,6 +278,10 @@ def main(argv: list[str] | None = None, runtime: Runtime | None = None) -> int:
     if rt is None:
         try:
             rt = init_runtime(ns.backend, ns.timeout)
+        except ConvertError as e:  # a device the job cannot use: said once (the rank it concerns, or rank 0)
+            if e.local:
+                print(f"dist_convert: error: {e}", file=sys.stderr)
+            return 2
         except (RuntimeError, ValueError) as e:
             print(f"dist_convert: error: cannot start the process group ({e}); launch with torchrun", file=sys.stderr)
             return 2

@@ -93,6 +93,25 @@ def map_large_allocations() -> None:
         pass
 
 
+def gpu_index(local_rank: int, visible: int, rank: int) -> int:
+    """Pure: the GPU a rank of ``--backend nccl`` uses: its local rank among the GPUs this process sees. Refused
+    in one line without GPUs (a CPU-only torch or node) or with fewer GPUs than local ranks (more processes per
+    node than GPUs, or a per-task GPU binding that leaves each process fewer GPUs than its local rank)."""
+    if visible == 0:
+        err = ConvertError("--backend nccl needs GPUs and a CUDA build of torch; this process sees no GPU",
+                           "use --backend gloo (or auto, which takes gloo without GPUs)")
+        err.local = rank == 0  # every rank hits it: rank 0 says it
+        raise err
+    if local_rank >= visible:
+        err = ConvertError(f"local rank {local_rank} has no GPU of its own: this process sees {visible} "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})",
+                           f"start at most {visible} processes per node (--nproc_per_node / --nproc), or bind GPUs "
+                           "so that every process sees all of its node's GPUs")
+        err.local = True
+        raise err
+    return local_rank
+
+
 def init_runtime(backend: str = "auto", timeout_s: float = 1800.0) -> Runtime:
     """Join the torchrun job (or run as one process without torchrun)."""
     map_large_allocations()
@@ -107,8 +126,9 @@ def init_runtime(backend: str = "auto", timeout_s: float = 1800.0) -> Runtime:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cpu")
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", gpu_index(local_rank, torch.cuda.device_count() if torch.cuda.is_available()
+                                                else 0, rank))
+        torch.cuda.set_device(device)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": device} if backend == "nccl" else {}))
     return Runtime(rank=rank, world=world, local_rank=local_rank, group=dist.group.WORLD, device=device,

@@ -7,9 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 
-from dist_convert.cli import main as cli_main
+import pytest
 
-from conftest import ENV, PY, ROOT, ok, run_cli
+from dist_convert.cli import main as cli_main
+from dist_convert.errors import ConvertError
+from dist_convert.runtime import gpu_index
+
+from conftest import ENV, PY, ROOT, assert_refused, ok, run_cli
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -76,3 +80,15 @@ def test_overlapped_io_gives_the_same_target(gpt_a, tmp_path, monkeypatch):
     assert cli_main(["reshard", str(gpt_a.torch_dist), str(tmp_path / "overlapped"), *flags]) == 0
     assert cli_main(["verify", str(tmp_path / "inline"), str(tmp_path / "overlapped")]) == 0
     assert cli_main(["verify", str(tmp_path / "overlapped"), "--checksums"]) == 0
+
+
+def test_a_gpu_backend_without_the_gpus_it_needs_is_refused_in_one_line(gpt_a, tmp_path):
+    """--backend nccl on a CPU-only torch (this machine), and more local ranks than visible GPUs (pure): one
+    error line naming the cause and the flag, no traceback, no target."""
+    proc = run_cli("reshard", str(gpt_a.torch_dist), str(tmp_path / "dst"), "--target-tp", "1", "--backend", "nccl",
+                   nproc=2, fresh=True)
+    assert_refused(proc, tmp_path, "--backend nccl needs GPUs", "--backend gloo")
+    assert "Traceback" not in proc.stderr.split("dist_convert: error:")[0]
+    assert gpu_index(3, 4, 3) == 3
+    with pytest.raises(ConvertError, match=r"local rank 4 has no GPU of its own: this process sees 4 .*--nproc_per"):
+        gpu_index(4, 4, 4)

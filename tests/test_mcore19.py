@@ -150,7 +150,7 @@ def test_speculate_under_mcore19(src19, tmp_path):
 
 def test_layer_spec_comes_from_the_stored_keys():
     """torch_dist keys are the same for both specs but for Transformer Engine attention's own _extra_state."""
-    from dist_convert.formats.torch_dist import spec_from_keys
+    from dist_convert.formats.dist_keys import spec_from_keys
 
     layer = "decoder.layers.self_attention"
     assert spec_from_keys([f"{layer}.core_attention._extra_state/shard_0_4", f"{layer}.linear_qkv.weight"]) == "te"

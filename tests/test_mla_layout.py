@@ -10,8 +10,8 @@ from test_layout import cfg as dense_cfg
 from dist_convert.bench.plan_scale import CASES, DEEPSEEK_V3, plan_case
 from dist_convert.errors import ConvertError
 from dist_convert.formats import fp8
+from dist_convert.formats.dist_keys import dist_groups
 from dist_convert.formats.hf import hf_tensors
-from dist_convert.formats.torch_dist import dist_groups
 from dist_convert.layout.boxes import Box, Kind
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout

@@ -90,7 +90,7 @@ def args_from_fields(fields: dict[str, Any], where: str, fix: str) -> argparse.N
     args.position_embedding_type = str(fields.get("position_embedding_type") or "learned_absolute")
     args.add_bias_linear = bool(fields.get("add_bias_linear", True))
     args.add_qkv_bias = bool(fields.get("add_qkv_bias", False))
-    args.transformer_impl = "local"  # the stored keys decide (torch_dist.spec_from_keys)
+    args.transformer_impl = "local"  # the stored keys decide (dist_keys.spec_from_keys)
     return args
 
 

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import argparse
 import io
-import itertools
 import json
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import ModelConfig, config_from_args
+from ..config import config_from_args
 from ..datamodel import (
     ORIGIN_KEY,
     Origin,
@@ -37,18 +35,13 @@ from ..datamodel import (
 )
 from ..durable import save_durable, write_durable
 from ..errors import ConvertError
-from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
+from ..layout.boxes import Box, Kind, mcore_global_shape, tp_chunks
 from ..layout.rules import (
-    MTP_LAYER,
     OUTPUT_MODULES,
-    LogicalTensor,
-    extra_state_modules,
     holders,
-    logical_tensors,
     model_family,
     per_layer_keys,
     top_extra_state_modules,
-    torch_dist_key,
 )
 from ..layout.topology import Layout
 from ..optim import sources as optim_sources
@@ -57,6 +50,15 @@ from ..runtime import Runtime
 from ..safe_load import load_pt
 from .base import COMMON_TRAINING_STATE, IterDirFormat, KeyPolicy, dropped_state_note, on_rank0, read_origin
 from .dcp_meta import MetadataIndex, TensorStorageMetadata
+from .dist_keys import (
+    POST_NORM_KEYS,
+    DistGroup,
+    block_pieces,
+    dist_groups,
+    expert_objects,
+    layer_objects,
+    spec_from_keys,
+)
 from .distcp import (
     ItemFileWriter,
     StoredTensor,
@@ -147,70 +149,6 @@ def open_weights(iter_dir: Path, trust_pickle: bool) -> tuple[Any, dict[str, Any
     check_storage(iter_dir, md)
     common, style = read_common(iter_dir, md, trust_pickle)
     return md, common, style
-
-
-@dataclass(kw_only=True)
-class DistGroup:
-    """One torch_dist key: the sizes of its leading placement axes (the layer axis of stacked keys,
-    the expert axis of routed experts; none for top-level and per-layer dense keys) and the logical
-    tensor at each coordinate of them. Not frozen: ``dist_groups`` fills ``members`` in as it meets them."""
-
-    lead: tuple[int, ...]
-    members: dict[tuple[int, ...], LogicalTensor]
-
-
-def placement(t: LogicalTensor, cfg: ModelConfig, per_layer: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(leading axis sizes, coordinates of ``t`` on them) in its torch_dist key: megatron-core puts the
-    global layer first (stacked keys) and a routed expert's global index after it."""
-    lead: tuple[int, ...] = ()
-    at: tuple[int, ...] = ()
-    if t.layer is not None and not per_layer and t.stack != "mtp":
-        lead, at = (dict(cfg.stacks)[t.stack],), (t.layer,)
-    if t.expert is not None:
-        lead, at = lead + (cfg.num_experts,), at + (t.expert,)
-    return lead, at
-
-
-def dist_groups(cfg: ModelConfig) -> dict[str, DistGroup]:
-    """torch_dist key -> its group (aliases: a group of their own with the same tensor)."""
-    per_layer = per_layer_keys(cfg)
-    groups: dict[str, DistGroup] = {}
-    for t in logical_tensors(cfg).values():
-        lead, at = placement(t, cfg, per_layer)
-        groups.setdefault(torch_dist_key(t, per_layer or t.stack == "mtp"),
-                          DistGroup(lead=lead, members={})).members[at] = t
-        for alias in t.aliases:
-            groups[alias] = DistGroup(lead=(), members={(): t})
-    return groups
-
-
-def block_pieces(g: DistGroup, box: Box) -> list[Piece]:
-    """Pieces of a stored block holding ``box`` of the key's global tensor (one per leading coordinate)."""
-    n = len(g.lead)
-    inner = Box(box.offsets[n:], box.sizes[n:])
-    pieces = []
-    for idx in itertools.product(*(range(k) for k in box.sizes[:n])):
-        t = g.members[tuple(o + i for o, i in zip(box.offsets[:n], idx, strict=True))]
-        pieces += chunk_pieces(t.name, t.kind, inner, t.shape[0], (0,) * len(inner.sizes), lead=idx)
-    return pieces
-
-
-def layer_objects(cfg: ModelConfig, stack: str, layer: int, layers: int, per_layer: bool) -> dict[str, list]:
-    """The ShardedObjects (``_extra_state``) megatron-core saves for one layer, except its experts'."""
-    prefix, shard = (f"{stack}.layers.{layer}.", "shard_0_1") if per_layer or stack == "mtp" else \
-        (f"{stack}.layers.", f"shard_{layer}_{layers}")
-    return {f"{prefix}{m}._extra_state/{shard}": [None] for m in extra_state_modules(cfg, stack, cfg.spec, layer)}
-
-
-def expert_objects(cfg: ModelConfig, stack: str, layer: int, layers: int, expert: int,
-                   per_layer: bool) -> dict[str, list]:
-    """The ShardedObjects of one routed expert (SequentialMLP's; GroupedMLP saves the same ones)."""
-    e = cfg.num_experts
-    prefix, shard = (f"{stack}.layers.", f"shard_{layer}.{expert}_{layers}.{e}") if \
-        not per_layer and stack != "mtp" else (f"{stack}.layers.{layer}.", f"shard_{expert}_{e}")
-    if stack == "mtp":
-        prefix += MTP_LAYER
-    return {f"{prefix}mlp.experts.experts.linear_fc{j}._extra_state/{shard}": [None] for j in (1, 2)}
 
 
 class StreamWriter:
@@ -491,18 +429,3 @@ class TorchDistFormat(IterDirFormat):
             config.update(common_backend="torch", common_backend_version=1)
         write_metadata(iter_dir, items)
         write_durable(iter_dir / CONFIG, json.dumps(config))
-
-
-POST_NORM_KEYS = (".linear_proj.post_layernorm.weight", ".linear_fc2.post_layernorm.weight")
-
-
-def spec_from_keys(stored: Iterable[str]) -> str | None:
-    """The layer-spec naming a torch_dist checkpoint's own keys show: Transformer Engine's attention, or
-    (Megatron-Bridge's Gemma spec, whose attention saves none) TE 2's norms keep an ``_extra_state``, the local
-    spec's do not (None: no ``_extra_state`` keys at all, so no evidence). The fused-norm names
-    (``.layer_norm_weight``) are no evidence: megatron-core's local spec saves under them too."""
-    extra = [k for k in stored if "._extra_state" in k]
-    if not extra:
-        return None
-    return "te" if any(".core_attention._extra_state" in k or "layernorm._extra_state" in k for k in extra) \
-        else "local"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -56,40 +57,42 @@ class Imported:
     notes: list[str]
 
 
-class Family:
-    """One Hugging Face architecture. Subclasses are frozen dataclasses declared in one module each."""
+class Family(ABC):
+    """One Hugging Face architecture. Subclasses are frozen dataclasses declared in one module each; they
+    must define ``from_hf``, ``to_hf``, ``why_not`` and ``layer_names`` (abstract here)."""
 
     architecture: str
     model_type: str
     scope: ClassVar[str] = "none of the supported Hugging Face families"
 
     # -- config.json <-> model ---------------------------------------------------------------------------
+    @abstractmethod
     def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
-        raise NotImplementedError
+        """``config.json`` -> model config, Megatron-LM args and notes; refuses what megatron-core cannot express."""
 
+    @abstractmethod
     def to_hf(self, cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any] | None,
               dtype: torch.dtype) -> dict[str, Any]:
         """``config.json`` for the model; ``base``: the source's own config.json when it is of this family."""
-        raise NotImplementedError
 
     def affinity(self, cfg: ModelConfig) -> int:
         """How strongly the model's own evidence points at this family (0: not at all). The registry tries
         families in decreasing affinity; the first whose ``why_not`` is None exports the model."""
         return 0
 
+    @abstractmethod
     def why_not(self, cfg: ModelConfig, args: argparse.Namespace) -> str | None:
         """What of the model this family cannot express (None: it expresses it)."""
-        raise NotImplementedError
 
     def refusal(self, problem: str) -> ConvertError:
         """The error when this family is the nearest and still cannot express the model."""
         return ConvertError(f"the model has {problem}, which {self.scope} can express", EXPORT_FIX)
 
     # -- names --------------------------------------------------------------------------------------------
+    @abstractmethod
     def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
         """(HF suffix after ``model.layers.N.``, full logical name, part) of every tensor of one layer of
         ``stack``, in HF order (HF numbers the layers of every stack on, from decoder layer 0)."""
-        raise NotImplementedError
 
     def top_names(self, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
         return TOP_NAMES

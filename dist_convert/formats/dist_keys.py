@@ -1,0 +1,98 @@
+"""How megatron-core names and stacks a model in torch_dist (pure, no files): each stored key, the logical
+tensor at each coordinate of its leading layer / expert axes, the ``_extra_state`` objects it saves, and
+what the stored keys of a checkpoint show about its layer spec. ``torch_dist.py`` reads and writes with it."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from ..layout.boxes import Box, Piece, chunk_pieces
+from ..layout.rules import (
+    MTP_LAYER,
+    LogicalTensor,
+    extra_state_modules,
+    logical_tensors,
+    per_layer_keys,
+    torch_dist_key,
+)
+
+
+@dataclass(kw_only=True)
+class DistGroup:
+    """One torch_dist key: the sizes of its leading placement axes (the layer axis of stacked keys,
+    the expert axis of routed experts; none for top-level and per-layer dense keys) and the logical
+    tensor at each coordinate of them. Not frozen: ``dist_groups`` fills ``members`` in as it meets them."""
+
+    lead: tuple[int, ...]
+    members: dict[tuple[int, ...], LogicalTensor]
+
+
+def placement(t: LogicalTensor, cfg: ModelConfig, per_layer: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(leading axis sizes, coordinates of ``t`` on them) in its torch_dist key: megatron-core puts the
+    global layer first (stacked keys) and a routed expert's global index after it."""
+    lead: tuple[int, ...] = ()
+    at: tuple[int, ...] = ()
+    if t.layer is not None and not per_layer and t.stack != "mtp":
+        lead, at = (dict(cfg.stacks)[t.stack],), (t.layer,)
+    if t.expert is not None:
+        lead, at = lead + (cfg.num_experts,), at + (t.expert,)
+    return lead, at
+
+
+def dist_groups(cfg: ModelConfig) -> dict[str, DistGroup]:
+    """torch_dist key -> its group (aliases: a group of their own with the same tensor)."""
+    per_layer = per_layer_keys(cfg)
+    groups: dict[str, DistGroup] = {}
+    for t in logical_tensors(cfg).values():
+        lead, at = placement(t, cfg, per_layer)
+        groups.setdefault(torch_dist_key(t, per_layer or t.stack == "mtp"),
+                          DistGroup(lead=lead, members={})).members[at] = t
+        for alias in t.aliases:
+            groups[alias] = DistGroup(lead=(), members={(): t})
+    return groups
+
+
+def block_pieces(g: DistGroup, box: Box) -> list[Piece]:
+    """Pieces of a stored block holding ``box`` of the key's global tensor (one per leading coordinate)."""
+    n = len(g.lead)
+    inner = Box(box.offsets[n:], box.sizes[n:])
+    pieces = []
+    for idx in itertools.product(*(range(k) for k in box.sizes[:n])):
+        t = g.members[tuple(o + i for o, i in zip(box.offsets[:n], idx, strict=True))]
+        pieces += chunk_pieces(t.name, t.kind, inner, t.shape[0], (0,) * len(inner.sizes), lead=idx)
+    return pieces
+
+
+def layer_objects(cfg: ModelConfig, stack: str, layer: int, layers: int, per_layer: bool) -> dict[str, list]:
+    """The ShardedObjects (``_extra_state``) megatron-core saves for one layer, except its experts'."""
+    prefix, shard = (f"{stack}.layers.{layer}.", "shard_0_1") if per_layer or stack == "mtp" else \
+        (f"{stack}.layers.", f"shard_{layer}_{layers}")
+    return {f"{prefix}{m}._extra_state/{shard}": [None] for m in extra_state_modules(cfg, stack, cfg.spec, layer)}
+
+
+def expert_objects(cfg: ModelConfig, stack: str, layer: int, layers: int, expert: int,
+                   per_layer: bool) -> dict[str, list]:
+    """The ShardedObjects of one routed expert (SequentialMLP's; GroupedMLP saves the same ones)."""
+    e = cfg.num_experts
+    prefix, shard = (f"{stack}.layers.", f"shard_{layer}.{expert}_{layers}.{e}") if \
+        not per_layer and stack != "mtp" else (f"{stack}.layers.{layer}.", f"shard_{expert}_{e}")
+    if stack == "mtp":
+        prefix += MTP_LAYER
+    return {f"{prefix}mlp.experts.experts.linear_fc{j}._extra_state/{shard}": [None] for j in (1, 2)}
+
+
+POST_NORM_KEYS = (".linear_proj.post_layernorm.weight", ".linear_fc2.post_layernorm.weight")
+
+
+def spec_from_keys(stored: Iterable[str]) -> str | None:
+    """The layer-spec naming a torch_dist checkpoint's own keys show: Transformer Engine's attention, or
+    (Megatron-Bridge's Gemma spec, whose attention saves none) TE 2's norms keep an ``_extra_state``, the local
+    spec's do not (None: no ``_extra_state`` keys at all, so no evidence). The fused-norm names
+    (``.layer_norm_weight``) are no evidence: megatron-core's local spec saves under them too."""
+    extra = [k for k in stored if "._extra_state" in k]
+    if not extra:
+        return None
+    return "te" if any(".core_attention._extra_state" in k or "layernorm._extra_state" in k for k in extra) \
+        else "local"

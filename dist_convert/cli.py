@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None, runtime: Runtime | None = None) -> int:
     if getattr(ns, "nproc", None) is not None and runtime is None and "LOCAL_RANK" not in os.environ:
         from .launch import self_launch
         return self_launch(ns.nproc, list(sys.argv[1:] if argv is None else argv))
-    from .runtime import collective_failure, init_runtime
+    from .runtime import collective_failure, init_runtime, say_together
 
     rt = runtime
     if rt is None:
@@ -281,6 +281,8 @@ def main(argv: list[str] | None = None, runtime: Runtime | None = None) -> int:
         except ConvertError as e:  # a device the job cannot use: said once (the rank it concerns, or rank 0)
             if e.local:
                 print(f"dist_convert: error: {e}", file=sys.stderr)
+            else:
+                say_together(e, ns.timeout)
             return 2
         except (RuntimeError, ValueError) as e:
             print(f"dist_convert: error: cannot start the process group ({e}); launch with torchrun", file=sys.stderr)

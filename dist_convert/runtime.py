@@ -100,7 +100,7 @@ def gpu_index(local_rank: int, visible: int, rank: int) -> int:
     if visible == 0:
         err = ConvertError("--backend nccl needs GPUs and a CUDA build of torch; this process sees no GPU",
                            "use --backend gloo (or auto, which takes gloo without GPUs)")
-        err.local = rank == 0  # every rank hits it: rank 0 says it
+        err.local = False  # every rank hits it: rank 0 says it (say_together)
         raise err
     if local_rank >= visible:
         err = ConvertError(f"local rank {local_rank} has no GPU of its own: this process sees {visible} "
@@ -133,6 +133,22 @@ def init_runtime(backend: str = "auto", timeout_s: float = 1800.0) -> Runtime:
                             **({"device_id": device} if backend == "nccl" else {}))
     return Runtime(rank=rank, world=world, local_rank=local_rank, group=dist.group.WORLD, device=device,
                    backend=backend, timeout_s=timeout_s)
+
+
+def say_together(err: ConvertError, timeout_s: float) -> None:
+    """A refusal every rank meets before its process group exists (``--backend nccl`` without GPUs): the ranks
+    join over gloo so that rank 0 says it once before any rank exits; torchrun stops the job at the first rank
+    that exits, and rank 0 could be stopped before it printed."""
+    try:
+        dist.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError):  # no gloo either: rank 0 says it alone
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"dist_convert: error: {err}", file=sys.stderr, flush=True)
+        return
+    if dist.get_rank() == 0:
+        print(f"dist_convert: error: {err}", file=sys.stderr, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def collective_failure(e: BaseException, rt: Runtime) -> ConvertError | None:

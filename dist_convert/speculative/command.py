@@ -24,6 +24,7 @@ from ..plan import DEFAULT_BUDGET
 from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes
 from ..staging import refuse_existing, stage
 from ..summary import RankStats, print_summary
+from .base_model import choose_seed
 from .draft_config import DraftRequest, speculative_config
 from .draft_export import draft_base_config
 from .modelopt_compat import alias_renamed_megatron_modules
@@ -47,6 +48,7 @@ class SpeculateOptions:
     vocab_divisible_by: int | None = None
     formats: FormatOptions = field(default_factory=FormatOptions)
     dst_format: str | None = None  # "torch_dist" (Megatron-LM) | "nemo2" (default: nemo2 for a NeMo 2 source)
+    seed: int | None = None  # the draft modules' initialisation (default: the source's Megatron-LM --seed, else 1234)
 
 
 SPECULATE_FORMATS = ("torch_dist", "nemo2")
@@ -150,14 +152,15 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
     from .draft_export import export_draft
     from .runner import build_and_convert, save_speculative
 
-    model, plan, counters = build_and_convert(index, src_fmt, cfg, args, layout, dtype, algo, spec_cfg, rt,
-                                              opts.memory_budget, logical_numel(index))
+    model, place, plan, counters = build_and_convert(index, src_fmt, cfg, args, layout, dtype, algo, spec_cfg, rt,
+                                                     opts.memory_budget, logical_numel(index),
+                                                     choose_seed(opts.seed, index.args))
     staging = stage(opts.dst, rt, overwrite=opts.overwrite)
     tw = time.perf_counter()
     nemo2 = dst_format == "nemo2"
     sub = WEIGHTS if nemo2 else iter_dir_name(index.iteration)
     with staging.guard():
-        save_speculative(model, staging.tmp / sub, args, index.iteration, rt, nemo2=nemo2)
+        save_speculative(model, place, staging.tmp / sub, args, index.iteration, rt, nemo2=nemo2)
         rt.barrier()
 
         def finish(_: object) -> None:

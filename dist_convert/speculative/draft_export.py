@@ -95,26 +95,56 @@ def partition_dims(model: Any) -> dict[str, int]:
     return dims
 
 
-def gather_full(model: Any, gated: bool) -> dict[str, torch.Tensor]:
-    """Collective over the TP group: every draft tensor of this rank's model, whole."""
+def backend_devices(config: str) -> set[str]:
+    """Pure: the device types a process group moves tensors of, from its backend config
+    (``dist.get_backend_config``: ``"cpu:gloo,cuda:gloo"``, ``"cuda:nccl"``, ``"cpu:gloo,cuda:nccl"``; a bare
+    backend name as ``dist.BackendConfig`` expands it)."""
+    if ":" not in config:
+        config = str(dist.BackendConfig(dist.Backend(config)))
+    return {part.split(":", 1)[0].strip() for part in config.split(",") if ":" in part}
+
+
+def gather_device(config: str, held: torch.device, rank_device: torch.device) -> torch.device:
+    """Pure: where a tensor ``held`` on one device is gathered over a group of backend ``config``: where it is,
+    when the group moves tensors there (gloo: CPU; NCCL: a GPU); else on this rank's device (the runtime's:
+    its GPU under NCCL, where a CPU tensor goes); else on the CPU."""
+    devices = backend_devices(config)
+    if held.type in devices:
+        return held
+    if rank_device.type in devices:
+        return rank_device
+    if "cpu" in devices:
+        return torch.device("cpu")
+    err = ConvertError(f"the tensor-parallel group ({config}) moves {'/'.join(sorted(devices))} tensors only, and "
+                       f"this rank runs on {rank_device}",
+                       "launch with --backend nccl and one GPU per rank, or with --backend gloo")
+    err.local = True  # only the last pipeline stage gathers: those ranks say it
+    raise err
+
+
+def gather_full(model: Any, gated: bool, device: torch.device) -> dict[str, torch.Tensor]:
+    """Collective over the TP group: every draft tensor of this rank's model, whole, on the CPU. Gathered on the
+    device the group's backend needs (``device``: this rank's, the runtime's): NCCL gathers CUDA tensors only."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
+    config = dist.get_backend_config(group) if tp > 1 else ""
     dims = partition_dims(model)
     out = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if not name.startswith(("eagle_module.", "medusa_heads.")) or "_extra_state" in name:
             continue
-        t = t.detach().cpu().contiguous()
+        t = t.detach()
         if tp > 1 and name in dims:
+            t = t.to(gather_device(config, t.device, device)).contiguous()
             parts = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(parts, t, group=group)
             if gated and name.endswith("linear_fc1.weight"):  # each rank holds [gate_r; up_r]
                 t = glu(tp * t.shape[0]).unshard(parts)
             else:
                 t = torch.cat(parts, dim=dims[name])
-        out[name] = t
+        out[name] = t.cpu().contiguous()
     return out
 
 
@@ -172,7 +202,7 @@ def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConf
     tmp = staging.tmp
     with staging.guard():
         if parallel_state.is_pipeline_last_stage():
-            full = gather_full(model, cfg.swiglu)
+            full = gather_full(model, cfg.swiglu, rt.device)
             if (parallel_state.get_tensor_model_parallel_rank() == 0
                     and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
                 base = draft_base_config(cfg, args, dtype, hf_config)

@@ -1,16 +1,17 @@
 """What megatron-core and ModelOpt need on nodes without Transformer Engine or without CUDA, and
 between the versions pinned here.
 
-Applied only when TE (or CUDA, or the module) is absent; GPU nodes with TE run both libraries unchanged.
+Applied only where the local layer spec is built (no TE, or a rank placed on the CPU), where the rank's model
+lives on the CPU, or where the module is absent; ranks on a GPU with TE run both libraries unchanged.
 - ModelOpt 0.47's exporter imports ``megatron.core.models.hybrid.hybrid_model.HybridModel``, the
   later name of megatron-core 0.16's ``MambaModel``; without that module the exporter's imports stop
   half way. ``alias_renamed_megatron_modules`` provides the new name (before ModelOpt is imported).
-- Without TE, ModelOpt's megatron EAGLE plugin and megatron-core's ModelOpt layer spec name TE
-  modules; they are swapped for megatron-core's own local equivalents (same parameters, same
-  checkpoint keys).
-- Without CUDA, megatron-core 0.16 calls a few ``torch.cuda`` functions unconditionally while
-  building tied pipeline stages and saving; ``cpu_stand_ins`` gives them CPU meanings for the
-  duration of a call.
+- With the local spec (base_model.layer_spec: no TE, or a CPU rank, whose TE modules would need CUDA),
+  ModelOpt's megatron EAGLE plugin and megatron-core's ModelOpt layer spec name TE modules; they are
+  swapped for megatron-core's own local equivalents (same parameters, same checkpoint keys).
+- On a CPU rank (no CUDA, or ``--backend gloo`` on a GPU node), megatron-core 0.16 calls a few
+  ``torch.cuda`` functions unconditionally while building tied pipeline stages and saving;
+  ``cpu_stand_ins`` gives them CPU meanings for the duration of a call.
 """
 from __future__ import annotations
 
@@ -51,11 +52,11 @@ def alias_renamed_megatron_modules() -> None:
     sys.modules[module.__name__] = module
 
 
-def use_local_layers_without_te() -> list[str]:
-    """Swap TE modules for local ones in ModelOpt's EAGLE plugin and the ModelOpt layer spec
-    (idempotent); returns what was swapped ([] with TE)."""
+def use_local_layers() -> list[str]:
+    """Swap TE modules for local ones in ModelOpt's EAGLE plugin and the ModelOpt layer spec, for a model
+    built with the local spec (idempotent); returns what was swapped ([] when done before)."""
     global _applied
-    if HAVE_TE or _applied:
+    if _applied:
         return []
     from megatron.core import parallel_state
     from megatron.core.post_training.modelopt import layers as modelopt_layers
@@ -94,10 +95,11 @@ def use_local_layers_without_te() -> list[str]:
 
 
 @contextlib.contextmanager
-def cpu_stand_ins() -> Iterator[None]:
-    """Without CUDA: ``torch.cuda.synchronize`` is a no-op, ``current_device`` is the CPU and
-    ``Tensor.cuda`` returns the tensor itself, restored afterwards."""
-    if torch.cuda.is_available():
+def cpu_stand_ins(device: torch.device) -> Iterator[None]:
+    """For a rank whose model lives on the CPU (``device``: the runtime's; also on a GPU node under
+    ``--backend gloo``): ``torch.cuda.synchronize`` is a no-op, ``current_device`` is the CPU and
+    ``Tensor.cuda`` returns the tensor itself, restored afterwards. A CUDA rank runs unchanged."""
+    if device.type != "cpu":
         yield
         return
     saved = torch.cuda.synchronize, torch.cuda.current_device, torch.Tensor.cuda

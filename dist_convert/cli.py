@@ -29,8 +29,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="collective backend (auto: nccl when CUDA is available, else gloo; nccl needs a GPU per "
                         "local rank)")
     p.add_argument("--timeout", type=float, default=1800.0,
-                   help="seconds a rank waits for the others in a collective before it reports a hung or lost rank "
-                        "(default 1800)")
+                   help="seconds a rank waits for the others in a collective (gloo and NCCL alike) before it "
+                        "reports a hung or lost rank (default 1800); waits for a phase only rank 0 works in "
+                        "(packaging a .nemo, the final rename) are not bounded by it")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="true (unpadded) vocabulary size when the checkpoint args lack it")
     p.add_argument("--trust-pickle", action="store_true",
@@ -44,6 +45,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-unexpected", action="append", default=[], metavar="PATTERN",
                    help="skip the source tensors the model does not have whose stored key matches this glob "
                         "(repeatable; default: refuse unknown tensors)")
+
+
+def _exchange_flag(p: argparse.ArgumentParser) -> None:
+    """reshard and verify: how bytes cross ranks (dist_convert/transport.py, docs/exchange.md)."""
+    p.add_argument("--exchange", choices=("auto", "shm", "gloo", "nccl"), default="auto",
+                   help="how bytes cross ranks (auto: shared memory within a node, NCCL across nodes with GPUs, else "
+                        "gloo; shm: same-node peers through /dev/shm; gloo or nccl: every peer over that collective)")
 
 
 def format_options(ns: argparse.Namespace) -> FormatOptions:
@@ -134,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stats-json", type=Path, default=None,
                    help="rank 0 also writes the per-rank summary table here as JSON")
     _common(r)
+    _exchange_flag(r)
 
     pl = sub.add_parser("plan", help="what a reshard would read, write, send and hold per rank at a world size, "
                                      "and how long it would take (one process; nothing converted)")
@@ -169,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep")
     s.add_argument("--make-vocab-size-divisible-by", type=int, default=None, dest="vocab_divisible_by",
                    help="vocabulary padding multiple per TP rank (default: the source's; 128 from hf)")
+    s.add_argument("--seed", type=int, default=None,
+                   help="seed of the draft modules' initialisation (default: the source's Megatron-LM --seed, else "
+                        "1234); each pipeline stage adds 100 x its rank, as Megatron-LM does")
     s.add_argument("--overwrite", action="store_true", help="replace an existing DST / --export-draft")
     _common(s)
 
@@ -189,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--atol", type=float, default=0.0)
     v.add_argument("--rtol", type=float, default=0.0)
     _common(v)
+    _exchange_flag(v)
     add_bench_parser(sub, parse_size, DEFAULT_BUDGET)
     return parser
 
@@ -205,7 +218,8 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
                               overwrite=getattr(ns, "overwrite", False), vocab_divisible_by=ns.vocab_divisible_by,
                               formats=formats, target_split=ns.target_split, stats_json=getattr(ns, "stats_json", None),
                               resume=getattr(ns, "resume", False), target_ep=ns.target_ep, target_etp=ns.target_etp,
-                              target_pipeline_layout=ns.target_pipeline_layout)
+                              target_pipeline_layout=ns.target_pipeline_layout,
+                              exchange=getattr(ns, "exchange", "auto"))
         if ns.cmd == "plan":
             from .estimate import estimate, print_estimate
             if ns.world < 1:
@@ -226,7 +240,7 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
                                    target_last=ns.target_last, export_draft=ns.export_draft, dtype=ns.dtype,
                                    vocab_size=ns.vocab_size, memory_budget=ns.memory_budget, overwrite=ns.overwrite,
                                    vocab_divisible_by=ns.vocab_divisible_by, formats=format_options(ns),
-                                   dst_format=ns.dst_format), rt)
+                                   dst_format=ns.dst_format, seed=ns.seed), rt)
         return 0
     if ns.cmd == "inspect":
         from .inspect_ckpt import describe, print_description
@@ -251,7 +265,7 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
                            "pass B, or --checksums to check A alone")
     from .verify import verify
     mismatches = verify(ns.a, ns.b, rt, ns.a_format, ns.b_format, ns.atol, ns.rtol, ns.vocab_size,
-                        format_options(ns), ns.memory_budget)
+                        format_options(ns), ns.memory_budget, exchange=ns.exchange)
     for m in mismatches[:20]:
         rt.log(f"[red]MISMATCH[/] {m.name}: {m.detail}")
     if mismatches:
@@ -306,7 +320,15 @@ def main(argv: list[str] | None = None, runtime: Runtime | None = None) -> int:
 
 def leave(code: int) -> None:
     """Exit with ``code`` without the interpreter's teardown, which takes 0.4 s once torch is imported
-    (measured on 2 cores): every file is closed and every thread joined by then; only the streams flush."""
+    (measured on 2 cores): every file is closed and every thread joined by then; only the streams flush, and
+    child processes a library started are stopped (megatron-core's torch_dist save starts a multiprocessing
+    Manager, which the skipped teardown would leave running, orphaned, at 270 MB each)."""
+    if "multiprocessing" in sys.modules:
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.terminate()
+            child.join(timeout=5)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

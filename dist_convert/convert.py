@@ -18,14 +18,14 @@ from .datamodel import SourceIndex, Target, TargetFile, WrittenFile, numel, omit
 from .errors import ConvertError
 from .exchange import Assembly, execute, stop_on_error
 from .formats import detect_format, get_format
-from .formats.base import Format, FormatOptions, data_dir
+from .formats.base import Format, FormatOptions, data_dir, on_rank0
 from .integrity import Entry, Journal, fingerprint, refuse_incomplete
 from .layout.rules import logical_tensors
 from .layout.topology import Layout, pipeline_vpp
 from .mlm_args import args_for_target
 from .optim.state import optimizer_numel
 from .plan import DEFAULT_BUDGET, Plan, block_bytes, make_plan, split_chunks, split_files
-from .runtime import Runtime, human_bytes, local_ranks, overlap_io, peak_rss_bytes
+from .runtime import Runtime, human_bytes, local_ranks, overlap_io, peak_gpu_bytes, peak_rss_bytes
 from .staging import Staging, refuse_existing, stage, write_error
 from .summary import RankStats, print_summary
 
@@ -57,6 +57,7 @@ class ReshardOptions:
     target_ep: int | None = None  # MoE: expert-parallel size (default: the source's)
     target_etp: int | None = None  # MoE: expert-tensor-parallel size (default: the source's relation to TP)
     target_pipeline_layout: str | None = None  # megatron-core pipeline_model_parallel_layout string
+    exchange: str = "auto"  # --exchange: how bytes cross ranks (transport.decide)
 
 
 def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None,
@@ -248,18 +249,26 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         for note in index.notes:
             rt.log(f"note: {note}")
         counters, write_s, my_files = _convert_into(staging, target, index, src_fmt, dst_fmt, files, plan, rt,
-                                                    opts.memory_budget)
-        artifact = dst_fmt.package(staging.tmp, opts.dst) if rt.rank == 0 else staging.tmp
+                                                    opts.memory_budget, exchange=opts.exchange)
+        artifact = on_rank0(rt, lambda: package(dst_fmt, staging.tmp, opts.dst, rt.rank))
     staging.commit(artifact)
     mine = RankStats(rank=rt.rank, files=len(my_files), tensors=sum(len(f.tensors) for f in my_files),
                      read_bytes=counters["read"], written_bytes=plan.write_bytes[rt.rank], sent_bytes=counters["sent"],
                      received_bytes=counters["received"], write_s=write_s, wall_s=time.perf_counter() - t0,
-                     peak_rss=peak_rss_bytes())
+                     peak_rss=peak_rss_bytes(), exchange_s=counters.get("exchange_ns", 0) / 1e9,
+                     peak_gpu=peak_gpu_bytes(rt))
     stats = rt.all_gather_object(mine)
     print_summary(rt, stats, f"wrote {opts.dst} ({dst_fmt.name}, {layout})")
     if opts.stats_json is not None and rt.rank == 0:
         opts.stats_json.write_text(json.dumps([dataclasses.asdict(s) for s in stats]))
     return {"plan": plan, "stats": stats}
+
+
+def package(fmt: Format, tmp: Path, dst: Path, rank: int) -> Path:
+    """Rank 0, after every rank wrote: what to rename into ``dst`` (e.g. a ``.nemo`` archive streamed from
+    ``tmp``); the other ranks wait for it on the patient group, however long it takes."""
+    faults.reached("package", rank)
+    return fmt.package(tmp, dst)
 
 
 class BackgroundWrites:
@@ -300,7 +309,7 @@ class BackgroundWrites:
 
 def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt: Format, dst_fmt: Format,
                   files: list[TargetFile], plan: Plan, rt: Runtime,
-                  budget: int) -> tuple[dict[str, int], float, list[TargetFile]]:
+                  budget: int, *, exchange: str = "auto") -> tuple[dict[str, int], float, list[TargetFile]]:
     """Collective: exchange this rank's tensors and write each as soon as it is complete (the writer
     streams tensors or whole files; each finished file is journaled with its checksum), then rank 0
     writes metadata, tracker and checksum manifest last."""
@@ -340,7 +349,7 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
     try:
         try:
             counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out,
-                               read_ahead=overlap)
+                               read_ahead=overlap, exchange=exchange)
             tw = time.perf_counter()
             out.finish()
         finally:

@@ -18,7 +18,7 @@ from typing import Any
 
 from .convert import ReshardOptions, logical_numel, prepare, sliced
 from .datamodel import SourceChunk, TargetTensor, numel
-from .plan import Plan, block_bytes, block_shape, block_spans, make_plan, row_blocks, tensor_boxes
+from .plan import Plan, block_bytes, block_shape, block_spans, make_plan, row_blocks, staging_bytes, tensor_boxes
 from .runtime import Runtime, human_bytes, overlap_io, peak_rss_bytes
 
 
@@ -32,6 +32,7 @@ class RankEstimate:
     peak_wave_bytes: int  # the most a wave holds at once on this rank (reads + send + receive + assembly)
     predicted_peak_rss: int  # peak_wave_bytes + the process's own footprint
     seconds: float  # read + write at the given speeds, exchange at the network speed
+    staging_bytes: int = 0  # pinned host buffers an NCCL exchange holds for the whole job (plan.staging_bytes)
 
 
 def rank_estimates(plan: Plan, chunks: dict[int, SourceChunk], tensors: dict[tuple[int, int], TargetTensor],
@@ -86,7 +87,7 @@ def rank_estimates(plan: Plan, chunks: dict[int, SourceChunk], tensors: dict[tup
     return [RankEstimate(rank=r, read_bytes=plan.read_bytes[r], written_bytes=plan.write_bytes[r], sent_bytes=sent[r],
                          received_bytes=received[r], peak_wave_bytes=peak[r], predicted_peak_rss=base_rss + peak[r],
                          seconds=plan.read_bytes[r] / (read_gbps * gb) + plan.write_bytes[r] / (write_gbps * gb)
-                         + max(sent[r], received[r]) / (net_gbps * gb))
+                         + max(sent[r], received[r]) / (net_gbps * gb), staging_bytes=staging_bytes(plan, r).total)
             for r in range(world)]
 
 
@@ -117,12 +118,13 @@ def print_estimate(est: dict[str, Any], json_path: Path | None) -> None:
     table = Table(title=f"plan: {s['format']} {s['layout']} ({human_bytes(s['bytes'])}) -> {t['format']} "
                         f"{t['layout']} ({t['files']} files) on {est['world']} ranks, {est['waves']} waves; "
                         f"about {est['seconds']:.1f} s at {est['speeds_gbps']['read']:g} GB/s read")
-    for col in ("rank", "read", "written", "sent", "received", "peak wave", "peak RSS", "s"):
+    for col in ("rank", "read", "written", "sent", "received", "peak wave", "peak RSS", "pinned (nccl)", "s"):
         table.add_column(col, justify="right")
     for r in est["ranks"]:
         table.add_row(str(r["rank"]), *(human_bytes(r[k]) for k in ("read_bytes", "written_bytes", "sent_bytes",
                                                                      "received_bytes", "peak_wave_bytes",
-                                                                     "predicted_peak_rss")), f"{r['seconds']:.1f}")
+                                                                     "predicted_peak_rss", "staging_bytes")),
+                      f"{r['seconds']:.1f}")
     Console(stderr=True).print(table)
     if json_path is not None:
         json_path.write_text(json.dumps(est, indent=1, default=str))

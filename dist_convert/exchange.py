@@ -1,7 +1,12 @@
-"""Execute a plan: read this rank's chunks wave by wave, cast on CPU, pack the pieces for each
-destination into one flat byte buffer, and move them with one ``all_to_all_single`` per wave."""
+"""Execute a plan: read this rank's chunks wave by wave, cast on CPU, and move each wave's payloads along the
+job's exchange path (transport.py): peers on the same node through shared memory, others packed into one flat
+byte buffer per wave (staging buffers allocated once per job) and one ``all_to_all_single``."""
 from __future__ import annotations
 
+import dataclasses
+import os
+import secrets
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,10 +26,27 @@ from .plan import (
     block_shape,
     block_spans,
     row_blocks,
+    staging_bytes,
     tensor_boxes,
     transfer_rows,
 )
 from .runtime import Runtime
+from .transport import (
+    COLLECTIVES,
+    ExchangePath,
+    Segment,
+    decide,
+    launch_env,
+    map_part,
+    node_map,
+    pair_bytes,
+    remove_stale,
+    segment_offsets,
+    segment_path,
+    segment_sizes,
+    shm_need,
+    shm_room,
+)
 
 ReadFn = Callable[[list[SourceChunk]], dict[int, torch.Tensor]]
 
@@ -62,6 +84,7 @@ class Assembly:
         self.blocks: dict[Block, torch.Tensor] = {(*k, 0): v for k, v in (into or {}).items()}
         self.handed: set[Block] = set()
         self.error: ConvertError | None = None  # the first error of ``done``: the run stops at the next wave
+        self.done_ns = 0  # time spent in ``done`` (writing), kept out of the exchange's time
 
     @property
     def tensors(self) -> dict[tuple[int, int], torch.Tensor]:
@@ -84,15 +107,19 @@ class Assembly:
         self.handed.add(key)
         if self.error is None and self.done is not None:
             blocks = self.row_blocks[key[:2]]
+            t0 = time.perf_counter_ns()
             try:
                 self.done(key[0], key[1], None if blocks is None else blocks.starts[key[2]], tensor)
             except ConvertError as e:
                 self.error = e
+            finally:
+                self.done_ns += time.perf_counter_ns() - t0
 
-    def put(self, t: Transfer, src: torch.Tensor) -> None:
+    def put(self, t: Transfer, src: torch.Tensor, borrowed: bool = False) -> None:
         """Transfer ``t`` arrived as ``src`` (shaped ``t.shape``: its destination box, or the logical block when
         the target stores it with a view): copied (and cast) into place, through the target's view if any, or
-        handed over as it is when it is a whole block."""
+        handed over as it is when it is a whole block (unless ``borrowed``: ``src`` lies in a buffer the next
+        wave reuses, a staging buffer)."""
         blocks, box = self.row_blocks[(t.file, t.tensor)], t.dst_box
         for b, lo, hi, nbytes in block_spans(t, blocks):
             key = (t.file, t.tensor, b)
@@ -104,7 +131,8 @@ class Assembly:
                 if rows.axis is not None:
                     part = src.narrow(rows.axis, (lo - rows.start) // rows.step, (hi - lo - 1) // rows.step + 1)
                 where = (*where[:d], slice(lo - first, hi - first), *where[d + 1:])
-            if (self.passthrough and t.dst_view is None and key not in self.blocks and nbytes == self.missing[key]
+            if (self.passthrough and not borrowed and t.dst_view is None and key not in self.blocks
+                    and nbytes == self.missing[key]
                     and part.dtype == self.specs[key[:2]].dtype and tuple(part.shape) == self._shape(key)
                     and part.is_contiguous()):
                 self.blocks[key] = part  # the one transfer that fills this block
@@ -133,14 +161,17 @@ def _order(t: Transfer) -> tuple:
 
 
 def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadFn, out: Assembly,
-            what: str = "converting", read_ahead: bool = False) -> dict[str, int]:
-    """Collective. Fills this rank's target tensors in ``out``. Returns byte counters. ``read_ahead``: the
-    next wave's chunks are read in a thread while this wave is exchanged and written."""
-    stats = {"read": 0, "sent": 0, "received": 0, "copied": 0}
+            what: str = "converting", read_ahead: bool = False, *, exchange: str = "auto") -> dict[str, int]:
+    """Collective. Fills this rank's target tensors in ``out``. Returns byte counters and ``exchange_ns``, the
+    time spent moving bytes between ranks (packing, transport, unpacking). ``read_ahead``: the next wave's
+    chunks are read in a thread while this wave is exchanged and written. ``exchange``: the ``--exchange``
+    path (auto, shm, gloo, nccl; transport.decide)."""
+    stats = {"read": 0, "sent": 0, "received": 0, "copied": 0, "exchange_ns": 0}
 
     def mine(i: int) -> list[SourceChunk]:
         return [chunks[c] for c in plan.waves[i].reads.get(rt.rank, [])] if i < len(plan.waves) else []
 
+    mover = Mover(plan, rt, choose_path(plan, rt, exchange)) if rt.distributed else None
     with rt.progress(plan.moved_bytes, what) as bar, ThreadPoolExecutor(1, thread_name_prefix="read") as pool:
         ahead: Future | None = pool.submit(read, mine(0)) if read_ahead and plan.waves else None
         for i, wave in enumerate(plan.waves):
@@ -156,11 +187,30 @@ def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadF
                 else None
             stop_on_error(rt, error)
             stats["read"] += sum(c.nbytes for c in mine(i))
-            _run_wave(wave.transfers, data, rt, out, stats)
+            _run_wave(wave.transfers, data, rt, out, stats, mover, i)
             del data
             bar.advance(sum(t.nbytes for t in wave.transfers))
     stop_on_error(rt, out.error)
     return stats
+
+
+def choose_path(plan: Plan, rt: Runtime, requested: str) -> ExchangePath:
+    """Collective: the job's exchange path (transport.decide) from the plan, the nodes of the ranks (torchrun's
+    GROUP_RANK, gathered) and, where same-node peers would use it, whether every node's /dev/shm can hold the
+    largest wave. Said once on rank 0."""
+    env = launch_env()
+    nodes = node_map(rt.world, env.local_world_size or rt.world, rt.all_gather_object(env.group_rank))
+    pairs = pair_bytes(plan)
+    cuda = rt.device.type == "cuda"
+    path = decide(pairs, nodes, requested, cuda)
+    why = None
+    if path.within == "shm":
+        whys = rt.all_gather_object(shm_room(shm_need(plan, nodes), env.shm_dir))
+        why = next((w for w in whys if w is not None), None)
+        if why is not None:
+            path = decide(pairs, nodes, requested, cuda, shm_ok=False, shm_why=why)
+    rt.log(path.describe())
+    return path
 
 
 def stop_on_error(rt: Runtime, error: ConvertError | None) -> None:
@@ -181,47 +231,215 @@ def payload(src: torch.Tensor, t: Transfer) -> torch.Tensor:
     return (block if t.src_view is None else logical_view(block, t.src_view)).reshape(t.shape)
 
 
+def _fill(buf: torch.Tensor, transfers: list[Transfer], data: dict[int, torch.Tensor]) -> int:
+    """Pack ``transfers`` (in order) into ``buf`` from its start, each at an aligned offset; returns the end."""
+    pos = 0
+    for t in sorted(transfers, key=_order):
+        buf[pos:pos + t.nbytes].view(t.dtype).view(t.shape).copy_(payload(data[t.chunk], t))
+        pos += aligned(t.nbytes)
+    return pos
+
+
+def _drain(buf: torch.Tensor, transfers: list[Transfer], out: Assembly, borrowed: bool = False) -> None:
+    """Put each transfer of ``buf`` laid out by ``_fill``."""
+    pos = 0
+    for t in sorted(transfers, key=_order):
+        out.put(t, buf[pos:pos + t.nbytes].view(t.dtype).view(t.shape), borrowed)
+        pos += aligned(t.nbytes)
+
+
 def pack(send: dict[int, list[Transfer]], data: dict[int, torch.Tensor], world: int,
-         pin: bool = False) -> tuple[torch.Tensor, list[int]]:
+         pin: bool = False, into: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
     """The flat byte buffer this rank sends in a wave, and its bytes per destination rank: per rank in
-    order, each transfer's payload (``payload``: contiguous, cast to the target dtype) at an aligned offset."""
+    order, each transfer's payload (``payload``: contiguous, cast to the target dtype) at an aligned offset.
+    ``into``: a staging buffer to pack into (its first bytes are returned), else a fresh one."""
     sizes = [sum(aligned(t.nbytes) for t in send.get(r, ())) for r in range(world)]
-    buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
+    buf = into[:sum(sizes)] if into is not None else torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin)
     pos = 0
     for r in range(world):
-        for t in sorted(send.get(r, ()), key=_order):
-            buf[pos:pos + t.nbytes].view(t.dtype).view(t.shape).copy_(payload(data[t.chunk], t))
-            pos += aligned(t.nbytes)
+        pos += _fill(buf[pos:pos + sizes[r]], send.get(r, []), data)
     return buf, sizes
 
 
-def unpack(recv: dict[int, list[Transfer]], buf: torch.Tensor, world: int, out: Assembly) -> None:
+def unpack(recv: dict[int, list[Transfer]], buf: torch.Tensor, world: int, out: Assembly,
+           borrowed: bool = False) -> None:
     """Put each transfer of the received flat buffer (per source rank in order, as ``pack`` laid it out)."""
     pos = 0
     for r in range(world):
-        for t in sorted(recv.get(r, ()), key=_order):
-            out.put(t, buf[pos:pos + t.nbytes].view(t.dtype).view(t.shape))
-            pos += aligned(t.nbytes)
+        _drain(buf[pos:], recv.get(r, []), out, borrowed)
+        pos += sum(aligned(t.nbytes) for t in recv.get(r, ()))
+
+
+def _grow(buf: torch.Tensor | None, n: int, device: torch.device, pin: bool = False) -> torch.Tensor:
+    """``buf`` when it holds ``n`` bytes, else a new one of ``n`` (a staging buffer outgrown: see Mover.fall_back)."""
+    if buf is not None and buf.numel() >= n:
+        return buf
+    return torch.empty(n, dtype=torch.uint8, device=device, pin_memory=pin and device.type == "cpu")
+
+
+class Mover:
+    """Moves one job's waves along its ExchangePath. Not frozen: it holds the job's buffers, each allocated once
+    at the largest wave's size and reused by every wave:
+
+    - shm: each rank's segment under /dev/shm (reserved in full: a /dev/shm too small is found here, before
+      any wave, and the job falls back to the collective). Every peer that reads from it maps it once, then its
+      name is removed: no file outlives the start of the first wave, whatever happens to the job later.
+    - the collective's staging buffers (plan.staging_bytes): what this rank packs (pinned with NCCL) and, with
+      NCCL, the device buffers and a pinned host buffer received into with a non-blocking copy. On CPU a wave
+      receives into a fresh buffer: a block that one transfer fills is then handed to the writer as those
+      bytes, never copied, which a reused buffer does not allow (``Assembly.put``'s ``borrowed``)."""
+
+    def __init__(self, plan: Plan, rt: Runtime, path: ExchangePath) -> None:
+        self.plan, self.rt, self.path = plan, rt, path
+        self.group, self.device = None, torch.device("cpu")
+        self.send = self.recv = self.dev_send = self.dev_recv = None
+        self.segment: torch.Tensor | None = None  # this rank's shm segment, mapped
+        self.peers: dict[int, torch.Tensor] = {}  # the segments of the peers that send to this rank, mapped
+        if path.uses_shm:
+            self._map_segments()
+        if self.path.collective is not None:
+            self._join()
+
+    def _map_segments(self) -> None:
+        """Collective: every rank reserves and maps its segment, maps its senders' ones, and the names go."""
+        rt, path = self.rt, self.path
+        env = launch_env()
+        remove_stale(env.shm_dir)
+        ids = rt.all_gather_object((secrets.token_hex(4), os.getpid()))
+        token, pids, run = ids[0][0], [pid for _, pid in ids], env.run_id
+        sizes = segment_sizes(self.plan, path.nodes)  # the same-node peers are the shm ones
+        seg, why = None, None
+        if sizes[rt.rank]:
+            try:
+                seg = Segment(segment_path(run, token, rt.rank, env.shm_dir), sizes[rt.rank])
+            except OSError as e:
+                why = f"/dev/shm could not take {sizes[rt.rank]} bytes ({e.strerror or e})"
+        try:
+            whys = rt.all_gather_object(why)  # every segment exists, or none is used
+            why = next((w for w in whys if w is not None), None)
+            if why is None:
+                senders = {t.reader for w in self.plan.waves for t in w.transfers
+                           if t.writer == rt.rank and path.via(t.reader, t.writer) == "shm"}
+                self.peers = {r: map_part(segment_path(run, token, r, env.shm_dir, pids[r]), 0, sizes[r])
+                              for r in sorted(senders)}
+                rt.barrier()  # every reader holds its mapping: the names can go
+                self.segment = seg.buf if seg is not None else None
+        finally:
+            if seg is not None:
+                seg.unlink()
+        if why is not None:
+            coll = "nccl" if rt.device.type == "cuda" else "gloo"
+            self.path = dataclasses.replace(path, within=coll, note=f"{why}: same-node peers use {coll}")
+            rt.log(f"exchange: falling back: {self.path.note}")
+
+    def _join(self) -> None:
+        """The collective's group and staging buffers (collective: every rank joins)."""
+        kind = self.path.collective
+        if kind == "nccl" or self.rt.backend == "gloo":
+            self.group = self.rt.group
+        else:  # gloo asked for on an NCCL runtime
+            self.group = dist.new_group(backend="gloo")
+        self.device = self.rt.device if kind == "nccl" else torch.device("cpu")
+        size = staging_bytes(self.plan, self.rt.rank, lambda a, b: self.path.via(a, b) in COLLECTIVES)
+        cuda = self.device.type == "cuda"
+        self.send = _grow(self.send, size.send, torch.device("cpu"), pin=cuda)
+        if cuda:
+            self.dev_send = _grow(self.dev_send, size.send, self.device)
+            self.dev_recv = _grow(self.dev_recv, size.receive, self.device)
+            self.recv = _grow(self.recv, size.receive, torch.device("cpu"), pin=True)
+
+    def wave(self, i: int, transfers: list[Transfer], send: dict[int, list[Transfer]],
+             recv: dict[int, list[Transfer]], data: dict[int, torch.Tensor], out: Assembly,
+             stats: dict[str, int]) -> None:
+        rank, path = self.rt.rank, self.path
+        if any(path.via(t.reader, t.writer) in COLLECTIVES for t in transfers):
+            self._collective({r: ts for r, ts in send.items() if path.via(rank, r) in COLLECTIVES},
+                             {r: ts for r, ts in recv.items() if path.via(r, rank) in COLLECTIVES}, data, out, stats)
+        if not any(path.via(t.reader, t.writer) == "shm" for t in transfers):
+            return
+        now = time.perf_counter_ns()
+        offsets, _ = segment_offsets(_shm_sizes(transfers, rank, path))
+        for peer, at in offsets.items():
+            _fill(self.segment[at:], send[peer], data)
+            stats["sent"] += sum(aligned(t.nbytes) for t in send[peer])
+        now = _lap(stats, "pack_ns", now)
+        self.rt.barrier()  # every segment holds this wave
+        now = _lap(stats, "move_ns", now)
+        for r, ts in sorted(recv.items()):
+            if path.via(r, rank) == "shm":
+                at = segment_offsets(_shm_sizes(transfers, r, path))[0][rank]
+                _drain(self.peers[r][at:], ts, out, borrowed=True)  # the next wave packs over it
+                stats["received"] += sum(aligned(t.nbytes) for t in ts)
+        now = _lap(stats, "unpack_ns", now)
+        self.rt.barrier()  # every peer has read this wave: the segments can take the next
+        _lap(stats, "settle_ns", now)  # waiting for the peers' unpacking (and writing): not this rank's exchange
+
+    def _collective(self, send: dict[int, list[Transfer]], recv: dict[int, list[Transfer]],
+                    data: dict[int, torch.Tensor], out: Assembly, stats: dict[str, int]) -> None:
+        world = self.rt.world
+        in_sizes = [sum(aligned(t.nbytes) for t in send.get(r, ())) for r in range(world)]
+        out_sizes = [sum(aligned(t.nbytes) for t in recv.get(r, ())) for r in range(world)]
+        self.send = _grow(self.send, sum(in_sizes), torch.device("cpu"), pin=self.device.type == "cuda")
+        now = time.perf_counter_ns()
+        sendbuf, _ = pack(send, data, world, into=self.send)
+        now = _lap(stats, "pack_ns", now)
+        if self.device.type == "cuda":
+            n, m = sum(in_sizes), sum(out_sizes)
+            self.dev_send = _grow(self.dev_send, n, self.device)
+            self.dev_recv = _grow(self.dev_recv, m, self.device)
+            self.recv = _grow(self.recv, m, torch.device("cpu"), pin=True)
+            self.dev_send[:n].copy_(sendbuf, non_blocking=True)
+            dist.all_to_all_single(self.dev_recv[:m], self.dev_send[:n], out_sizes, in_sizes, group=self.group)
+            self.recv[:m].copy_(self.dev_recv[:m], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            now = _lap(stats, "move_ns", now)
+            unpack(recv, self.recv[:m], world, out, borrowed=True)
+        else:
+            recvbuf = torch.empty(sum(out_sizes), dtype=torch.uint8)
+            dist.all_to_all_single(recvbuf, sendbuf, out_sizes, in_sizes, group=self.group)
+            now = _lap(stats, "move_ns", now)
+            unpack(recv, recvbuf, world, out)
+        _lap(stats, "unpack_ns", now)
+        stats["sent"] += sum(in_sizes)
+        stats["received"] += sum(out_sizes)
+
+
+def _lap(stats: dict[str, int], key: str, since: int) -> int:
+    """Add the nanoseconds since ``since`` to ``stats[key]`` (the exchange's phases: pack, move, unpack)."""
+    now = time.perf_counter_ns()
+    stats[key] = stats.get(key, 0) + now - since
+    return now
+
+
+def _shm_sizes(transfers: list[Transfer], sender: int, path: ExchangePath) -> dict[int, int]:
+    """Bytes ``sender`` packs for each same-node peer in a wave (its segment's parts)."""
+    sizes: dict[int, int] = defaultdict(int)
+    for t in transfers:
+        if t.reader == sender and path.via(t.reader, t.writer) == "shm":
+            sizes[t.writer] += aligned(t.nbytes)
+    return sizes
 
 
 def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runtime, out: Assembly,
-              stats: dict[str, int]) -> None:
+              stats: dict[str, int], mover: Mover | None = None, i: int = 0) -> None:
+    """One wave: the bytes that cross ranks first (every rank has just met in stop_on_error, so ``exchange_ns``
+    holds the exchange, not a peer still reading or copying; nor the writes of tensors it completes), then this
+    rank's own copies."""
     send: dict[int, list[Transfer]] = defaultdict(list)
     recv: dict[int, list[Transfer]] = defaultdict(list)
+    own = []
     for t in transfers:
         if t.reader == rt.rank and t.writer == rt.rank:
-            out.put(t, payload(data[t.chunk], t))
-            stats["copied"] += t.nbytes
+            own.append(t)
         elif t.reader == rt.rank:
             send[t.writer].append(t)
         elif t.writer == rt.rank:
             recv[t.reader].append(t)
-    if not rt.distributed:
-        return
-    sendbuf, in_sizes = pack(send, data, rt.world, pin=rt.device.type == "cuda")
-    out_sizes = [sum(aligned(t.nbytes) for t in recv[r]) for r in range(rt.world)]
-    recvbuf = torch.empty(sum(out_sizes), dtype=torch.uint8, device=rt.device)
-    dist.all_to_all_single(recvbuf, sendbuf.to(rt.device, non_blocking=True), out_sizes, in_sizes, group=rt.group)
-    stats["sent"] += sum(in_sizes)
-    stats["received"] += sum(out_sizes)
-    unpack(recv, recvbuf.cpu(), rt.world, out)
+    if mover is not None:
+        t0, written, settled = time.perf_counter_ns(), out.done_ns, stats.get("settle_ns", 0)
+        mover.wave(i, transfers, send, recv, data, out, stats)
+        stats["exchange_ns"] += (time.perf_counter_ns() - t0 - (out.done_ns - written)
+                                 - (stats.get("settle_ns", 0) - settled))
+    for t in own:
+        out.put(t, payload(data[t.chunk], t))
+        stats["copied"] += t.nbytes

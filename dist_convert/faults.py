@@ -1,7 +1,8 @@
 """Fault injection for the reliability tests: ``DIST_CONVERT_FAULT="ACTION:rank=R:POINT=N"`` makes rank
 R act at the N-th time it reaches POINT. Actions: ``kill`` (SIGKILL itself, as an OOM killer or a
-lost node would), ``hang`` (stop answering collectives). Points: ``file`` (a target file was
-finished and journaled), ``wave`` (an exchange wave begins). Unset, this does nothing."""
+lost node would), ``hang`` (stop answering collectives), ``sleepS`` (take S seconds there: a slow phase).
+Points: ``file`` (a target file was finished and journaled), ``wave`` (an exchange wave begins),
+``package`` (rank 0's packaging of the finished target). Unset, this does nothing."""
 from __future__ import annotations
 
 import os
@@ -35,6 +36,8 @@ def reached(point: str, rank: int) -> None:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action.startswith("sleep"):
+        time.sleep(float(action.removeprefix("sleep")))
     elif action == "hang":
         while True:
             time.sleep(3600)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict, deque
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -445,3 +445,36 @@ def _waves(raw: dict[int, list[Route]], reader_of: dict[int, int], writer_of: di
         pending = later
     return waves
 
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagingBytes:
+    """A rank's exchange staging buffers, allocated once per job at the largest wave's size and reused by
+    every wave (exchange.Staging): what it packs for the collective, and (CUDA: pinned) what it receives."""
+
+    send: int
+    receive: int
+
+    @property
+    def total(self) -> int:
+        return self.send + self.receive
+
+
+def staging_bytes(plan: Plan, rank: int, collective: Callable[[int, int], bool] | None = None) -> StagingBytes:
+    """Pure: the staging buffers of ``rank``: the most bytes (each payload aligned, as packed) it sends and
+    receives over the collective in any one wave. ``collective(reader, writer)``: whether that pair's bytes go
+    over it (default: every pair of different ranks; shared-memory peers do not use the staging buffers).
+
+    The waves are packed with each wave's own send and receive bytes in the budget (``_chunk_cost``); buffers
+    kept at the largest wave's size add at most ``total - that wave's share`` on top in other waves, reported
+    beside the budget (``dist_convert plan``, docs/exchange.md) rather than repacked into it."""
+    over = collective or (lambda a, b: a != b)
+    send = receive = 0
+    for w in plan.waves:
+        s = r = 0
+        for t in w.transfers:
+            if t.reader != t.writer and over(t.reader, t.writer):
+                s += aligned(t.nbytes) if t.reader == rank else 0
+                r += aligned(t.nbytes) if t.writer == rank else 0
+        send, receive = max(send, s), max(receive, r)
+    return StagingBytes(send=send, receive=receive)

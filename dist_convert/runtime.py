@@ -31,6 +31,8 @@ class Runtime:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str = "none"
     timeout_s: float = 1800.0  # collective timeout
+    patient: Any = None  # gloo group for waits on a rank-0-only phase (PATIENT_S); None: ``group``
+    threads: int = 1  # intra-op threads of this rank (casts, FP8 work): threads_per_rank
 
     @property
     def distributed(self) -> bool:
@@ -45,6 +47,16 @@ class Runtime:
         if self.distributed:
             dist.barrier(group=self.group)
 
+    def wait_for_rank0(self, result: Any = None) -> Any:
+        """Collective, after a phase only rank 0 works in (packaging an archive, the final rename, metadata):
+        the others wait on the patient gloo group, whose timeout is PATIENT_S rather than ``--timeout``, so
+        a long archive or a slow file system does not read as a lost rank. Returns rank 0's ``result``."""
+        if not self.distributed:
+            return result
+        box = [result]
+        dist.broadcast_object_list(box, src=0, group=self.patient or self.group)
+        return box[0]
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
@@ -56,14 +68,14 @@ class Runtime:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=0, group=self.patient or self.group)
         return box[0]
 
     def all_ok(self, ok: bool) -> bool:
         """Collective: True when every rank is ok (used to stop all ranks on one rank's failure)."""
         if not self.distributed:
             return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)  # control traffic stays on CPU (gloo)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
@@ -112,14 +124,51 @@ def gpu_index(local_rank: int, visible: int, rank: int) -> int:
     return local_rank
 
 
+PATIENT_S = 24 * 3600.0  # how long ranks wait for a rank-0-only phase (torchrun stops them if rank 0 dies)
+PROCESS_GROUP_BACKEND = {"gloo": "gloo", "nccl": "cpu:gloo,cuda:nccl"}  # control on CPU, bulk CUDA bytes on NCCL
+NCCL_ERRORS_RAISE = "2"  # TORCH_NCCL_ASYNC_ERROR_HANDLING: abort the communicator, raise in Python (not kill)
+
+
+def threads_per_rank(*, local_ranks: int, usable_cpus: int, slurm_cpus_per_task: int | None = None) -> int:
+    """Pure: intra-op threads of one rank (casts, FP8 dequantization): the cores this process may use (its CPU
+    affinity: what Slurm's cgroup or ``taskset`` left it), capped by Slurm's ``SLURM_CPUS_PER_TASK`` (the
+    torchrun agent is the Slurm task), shared by the node's local ranks; at least one."""
+    cpus = usable_cpus if slurm_cpus_per_task is None else min(usable_cpus, slurm_cpus_per_task)
+    return max(1, cpus // max(1, local_ranks))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def job_threads(local: int) -> int:
+    """threads_per_rank from this process's environment; ``DIST_CONVERT_THREADS=N`` sets it outright (the test
+    suite runs many jobs side by side on few cores and asks for one)."""
+    forced = os.environ.get("DIST_CONVERT_THREADS", "")
+    if forced.isdigit() and int(forced) > 0:
+        return int(forced)
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    return threads_per_rank(local_ranks=local, usable_cpus=usable_cpus(),
+                            slurm_cpus_per_task=int(slurm) if slurm.isdigit() else None)
+
+
 def init_runtime(backend: str = "auto", timeout_s: float = 1800.0) -> Runtime:
-    """Join the torchrun job (or run as one process without torchrun)."""
+    """Join the torchrun job (or run as one process without torchrun). With GPUs the process group is
+    ``cpu:gloo,cuda:nccl``: control traffic (votes, barriers, objects, errors) runs on gloo and raises Python
+    exceptions; NCCL's communicator is made only when CUDA bytes are first exchanged (no ``device_id``: eager
+    NCCL set-up would tie every job to CUDA even when nothing crosses ranks)."""
     map_large_allocations()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
         if world != 1:
             raise RuntimeError("WORLD_SIZE > 1 but no torchrun environment")
-        return Runtime()
+        threads = job_threads(1)
+        torch.set_num_threads(threads)
+        return Runtime(threads=threads)
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "auto":
@@ -129,10 +178,14 @@ def init_runtime(backend: str = "auto", timeout_s: float = 1800.0) -> Runtime:
         device = torch.device("cuda", gpu_index(local_rank, torch.cuda.device_count() if torch.cuda.is_available()
                                                 else 0, rank))
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            **({"device_id": device} if backend == "nccl" else {}))
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERRORS_RAISE)
+    threads = job_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    torch.set_num_threads(threads)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=PROCESS_GROUP_BACKEND[backend], timeout=timeout)
+    patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, PATIENT_S)))
     return Runtime(rank=rank, world=world, local_rank=local_rank, group=dist.group.WORLD, device=device,
-                   backend=backend, timeout_s=timeout_s)
+                   backend=backend, timeout_s=timeout_s, patient=patient, threads=threads)
 
 
 def say_together(err: ConvertError, timeout_s: float) -> None:
@@ -188,12 +241,17 @@ def overlap_io(local_ranks: int) -> bool:
     the threads gained nothing: at 2 ranks 3.8-4.9 s against 3.7-4.4 s inline and 130 MB more per rank; at
     1 rank, once blocks are written from the read buffers, 3.5-5.7 s against 3.8-3.9 s and 634-662 MB against
     412-422 MB (queued writes keep their waves' buffers)."""
-    return (os.cpu_count() or 1) // max(1, local_ranks) >= OVERLAP_CORES
+    return job_threads(local_ranks) >= OVERLAP_CORES  # the cores Slurm / the affinity mask gave, not the node's
 
 
 def local_ranks(rt: Runtime) -> int:
     """The ranks of this job on this node (torchrun's LOCAL_WORLD_SIZE; else the whole world)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", rt.world))
+
+
+def peak_gpu_bytes(rt: Runtime) -> int:
+    """The most memory torch's caching allocator handed out on this rank's GPU (0 on CPU)."""
+    return torch.cuda.max_memory_allocated(rt.device) if rt.device.type == "cuda" else 0
 
 
 def peak_rss_bytes() -> int:

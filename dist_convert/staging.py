@@ -133,7 +133,7 @@ class Staging:
             else:
                 src.rename(self.dst)
             fsync_dir(self.dst.parent)
-        self.rt.barrier()
+        self.rt.wait_for_rank0()
 
     def abort(self, e: BaseException) -> BaseException:
         """A failed run leaves nothing that looks like a checkpoint: rank 0 keeps the marked directory

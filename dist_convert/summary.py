@@ -23,6 +23,8 @@ class RankStats:
     wall_s: float
     peak_rss: int
     node: str = field(default_factory=lambda: node_name())
+    exchange_s: float = 0.0  # moving bytes between ranks: packing, transport, unpacking (exchange.execute)
+    peak_gpu: int = 0  # the most GPU memory torch allocated on this rank (0 on CPU)
 
 
 def node_name() -> str:

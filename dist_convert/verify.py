@@ -38,7 +38,7 @@ def logical_files(index: SourceIndex, names: list[str]) -> list[TargetFile]:
 
 
 def _gather_logical(index: SourceIndex, fmt, names: list[str], writer_of: dict[int, int], rt: Runtime,
-                    budget: int) -> dict[str, torch.Tensor]:
+                    budget: int, exchange: str = "auto") -> dict[str, torch.Tensor]:
     files = logical_files(index, names)
     index = sliced(index, files, budget)
     plan = make_plan(index.chunks, files, rt.world, budget, logical_numel(index), writer_of=writer_of,
@@ -46,7 +46,7 @@ def _gather_logical(index: SourceIndex, fmt, names: list[str], writer_of: dict[i
     mine = [files[i] for i in plan.files_of(rt.rank)]
     out = Assembly(mine, plan, rt.rank)
     execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: fmt.read(index, cs), out,
-            what=f"reading {_label(index.iter_dir)}")
+            what=f"reading {_label(index.iter_dir)}", exchange=exchange)
     data = out.finish()
     return {f.name: data[(f.id, 0)] for f in mine}
 
@@ -75,7 +75,7 @@ def compare(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> str |
 
 def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: str = "auto", atol: float = 0.0,
            rtol: float = 0.0, vocab_size: int | None = None, options: FormatOptions | None = None,
-           budget: int = DEFAULT_BUDGET) -> list[Mismatch]:
+           budget: int = DEFAULT_BUDGET, *, exchange: str = "auto") -> list[Mismatch]:
     options = options or FormatOptions()
     fa, ia = load_index(path_a, fmt_a, rt, vocab_size, options)
     fb, ib = load_index(path_b, fmt_b, rt, vocab_size, options)
@@ -92,8 +92,8 @@ def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: 
         raise ConvertError("the two checkpoints share no logical tensors", "compare checkpoints of the same model")
     sizes = {i: numel(ta[n].shape) for i, n in enumerate(names)}
     writer_of = balance(sizes, rt.world)
-    ga = _gather_logical(ia, fa, names, writer_of, rt, budget)
-    gb = _gather_logical(ib, fb, names, writer_of, rt, budget)
+    ga = _gather_logical(ia, fa, names, writer_of, rt, budget, exchange)
+    gb = _gather_logical(ib, fb, names, writer_of, rt, budget, exchange)
     local = [Mismatch(name=n, detail=d) for n in ga if (d := compare(ga[n], gb[n], atol, rtol))]
     for part in rt.all_gather_object(local):
         mismatches += part

@@ -59,6 +59,8 @@ if [ -n "${LOG_DIR:-}" ]; then mkdir -p "$LOG_DIR/$node" && args+=(--log-dir="$L
 # shellcheck disable=SC2016  # ${rank} is torchrun's template macro, not a shell variable
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE=${TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE:-'[rank${rank}]: '}
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+# OpenMP's own pool stays small; each rank sets its intra-op threads (casts, FP8) from the cores it was given:
+# its affinity mask capped by SLURM_CPUS_PER_TASK, shared by the node's ranks (runtime.threads_per_rank)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export DIST_CONVERT_NODE=$node
 

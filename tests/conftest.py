@@ -17,7 +17,9 @@ from workers import Workers
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 ORACLE = ROOT / "tests" / "mcore_oracle.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCHELASTIC_ERROR_FILE": ""}
+# one intra-op thread per rank (runtime.job_threads): the suite runs many jobs side by side on few cores
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DIST_CONVERT_THREADS": "1", "PYTHONWARNINGS": "ignore",
+       "TORCHELASTIC_ERROR_FILE": ""}
 WORKERS = Workers(ENV)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from dist_convert.cli import main as cli_main
 from dist_convert.errors import ConvertError
-from dist_convert.runtime import gpu_index
+from dist_convert.runtime import gpu_index, job_threads, threads_per_rank, usable_cpus
 
 from conftest import ENV, PY, ROOT, assert_refused, ok, run_cli
 
@@ -92,3 +92,25 @@ def test_a_gpu_backend_without_the_gpus_it_needs_is_refused_in_one_line(gpt_a, t
     assert gpu_index(3, 4, 3) == 3
     with pytest.raises(ConvertError, match=r"local rank 4 has no GPU of its own: this process sees 4 .*--nproc_per"):
         gpu_index(4, 4, 4)
+
+
+@pytest.mark.parametrize("local_ranks, cpus, slurm, expect", [
+    (8, 128, None, 16),  # a whole node's cores shared by its 8 ranks
+    (8, 128, 32, 4),  # Slurm gave the torchrun task 32 CPUs (--cpus-per-task): 4 per rank, not 16
+    (8, 16, 64, 2),  # the affinity mask is tighter than Slurm's count: the mask wins
+    (4, 2, None, 1),  # more ranks than cores: one thread each, never 0
+    (1, 2, None, 2),
+])
+def test_threads_per_rank_follow_the_cores_the_job_was_given(local_ranks, cpus, slurm, expect):
+    assert threads_per_rank(local_ranks=local_ranks, usable_cpus=cpus, slurm_cpus_per_task=slurm) == expect
+
+
+
+def test_job_threads_read_slurm_and_the_override(monkeypatch):
+    monkeypatch.delenv("DIST_CONVERT_THREADS", raising=False)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    assert job_threads(1) == 1  # Slurm gave the task one CPU, whatever the machine has
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK")
+    assert job_threads(1) == usable_cpus()
+    monkeypatch.setenv("DIST_CONVERT_THREADS", "3")
+    assert job_threads(8) == 3

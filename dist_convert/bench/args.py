@@ -7,8 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-METHODS = ("floor", "startup", "dist_convert", "whole_model", "mcore", "bridge", "torchrun")
-# bridge only when asked (it needs an hf source and Megatron-Bridge); torchrun: the start-up of a torchrun launch
+METHODS = ("floor", "startup", "dist_convert", "whole_model", "mcore", "bridge", "torchrun", "exchange")
+# bridge only when asked (it needs an hf source and Megatron-Bridge); torchrun: the start-up of a torchrun launch;
+# exchange: dist_convert at each world size above 1 with --exchange shm and with --exchange gloo (their exchange
+# seconds and GB/s; a target whose bytes cross ranks, e.g. --format megatron --targets 1x1)
 DEFAULT_METHODS = METHODS[:5]
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_TARGETS = "1x2,4x1"
@@ -57,7 +59,7 @@ def add_bench_parser(sub: Any, parse_size: Callable[[str], int], default_budget:
     b.add_argument("--reps", type=int, default=3, help="runs per measurement; the median is reported")
     b.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"subset of {','.join(METHODS)} (default {','.join(DEFAULT_METHODS)}; torchrun: with startup, "
-                        "also time the start-up of a torchrun launch)")
+                        "also time the start-up of a torchrun launch; exchange: --exchange shm against gloo)")
     b.add_argument("--bridge-python", type=Path, default=None,
                    help="python of an environment with Megatron-Bridge, for --methods bridge (default: this one)")
     b.add_argument("--memory-budget", type=parse_size, default=default_budget, help="passed to dist_convert")

@@ -187,6 +187,9 @@ def parse_dist_convert(stats: Any) -> tuple[float, list[int], dict]:
     detail = {k: [s[k] for s in stats] for k in ("read_bytes", "written_bytes", "sent_bytes") if k in stats[0]}
     if "write_s" in stats[0]:
         detail["write_s"] = max(s["write_s"] for s in stats)
+    if "exchange_s" in stats[0]:  # the slowest rank's time moving bytes between ranks, and the bytes moved
+        detail["exchange_s"] = max(s["exchange_s"] for s in stats)
+        detail["exchanged_bytes"] = sum(s["sent_bytes"] for s in stats)
     return max(s["wall_s"] for s in stats), [s["peak_rss"] for s in stats], detail
 
 

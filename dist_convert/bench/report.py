@@ -112,6 +112,27 @@ def target_rows(outcomes: list[Outcome], nbytes: int) -> list[dict[str, Any]]:
     return [row(o, nbytes, others, startup.get(o.world)) for o in outcomes]
 
 
+def exchange_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pure: per ``--methods exchange`` run that moved bytes, the median of its runs' exchange seconds (the slowest
+    rank's) and the bytes that crossed ranks over them (GB = 2**30 bytes)."""
+    out = []
+    for r in rows:
+        runs = [x["detail"] for x in r["runs"] if x["detail"].get("exchanged_bytes")]
+        if not r["method"].startswith("exchange_") or r["status"] != "ok" or not runs:
+            continue
+        secs = sorted(d["exchange_s"] for d in runs)
+        median, nbytes = secs[len(secs) // 2], runs[0]["exchanged_bytes"]
+        out.append({"label": r["label"], "world": r["world"], "exchange_s": median, "bytes": nbytes,
+                    "gb_per_s": nbytes / median / 2**30 if median else None, "wall_s": r["wall_s"]})
+    return out
+
+
+def print_exchange(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        _console.print(f"  {r['label']}: {human_bytes(r['bytes'])} across ranks in {r['exchange_s']:.2f} s exchange "
+                       f"({_num(r['gb_per_s'], '{:.3g}')} GB/s), wall {_num(r['wall_s'])} s")
+
+
 def tally(rows: list[dict[str, Any]]) -> dict[str, int]:
     """How many target checks passed and failed."""
     verdicts = [v for r in rows for v in r["checks"].values() if v]

@@ -137,6 +137,15 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
             name = "optimizer" if flags else "dist_convert"
             out.append((Outcome(method=name, label=f"dist_convert{' --optimizer' if flags else ''} w={w}", world=w),
                         dc))
+    if "exchange" in methods:  # the same reshard over shared memory and over gloo (transport.py)
+        for w, path in [(w, p) for w in ranks if w > 1 for p in ("shm", "gloo")]:
+            def ex(dst: Path, stats: Path, w: int = w, path: str = path) -> Run:
+                cmd = measure.python_module(
+                    "dist_convert", "reshard", str(src.path), str(dst), "--target-tp", str(tp), "--target-pp", str(pp),
+                    "--memory-budget", str(ns.memory_budget), "--stats-json", str(stats), "--exchange", path,
+                    *(bridge.DIST_CONVERT_HF_FLAGS if src.format == "hf" else ()), "--nproc", str(w))
+                return measure.time_job(cmd, stats, measure.parse_dist_convert, ns.timeout)
+            out.append((Outcome(method=f"exchange_{path}", label=f"dist_convert --exchange {path} w={w}", world=w), ex))
     if "whole_model" in methods:
         o = Outcome(method="whole_model", label="whole-model w=1", world=1)
         if src.format == "hf":
@@ -248,6 +257,10 @@ def run_targets(ns: argparse.Namespace, methods: list[str], targets: list[tuple[
         report.print_table(f"{src.format} TP={src.tp} PP={src.pp} -> {name}: {human_bytes(src.nbytes)}, "
                            f"median of {ns.reps} ({time.perf_counter() - t0:.0f} s{noise})", rows)
         out["targets"].append({"name": name, "tp": tp, "pp": pp, "rows": rows})
+        exchanges = report.exchange_rows(rows)
+        if exchanges:
+            out["targets"][-1]["exchange"] = exchanges
+            report.print_exchange(exchanges)
         if any(r["method"] == "bridge" for r in rows):
             out["targets"][-1]["bridge"] = bridge.comparison(rows)
             report.print_bridge(f"Megatron-Bridge / dist_convert, hf -> torch_dist {name}, median of {ns.reps}",

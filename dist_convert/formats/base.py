@@ -165,14 +165,15 @@ class IterDirFormat:
 
 
 def on_rank0(rt: Runtime, fn: Callable[[], Any]) -> Any:
-    """Collective: ``fn`` (a small metadata read) runs on rank 0; every rank gets its result or its error."""
+    """Collective: ``fn`` (a metadata read, the final metadata, packaging) runs on rank 0; every rank gets its
+    result or its error, waiting as long as rank 0 takes (Runtime.wait_for_rank0, not ``--timeout``)."""
     result: Any = None
     if rt.rank == 0:
         try:
             result = fn()
         except ConvertError as e:
             result = e
-    result = rt.broadcast_object(result)
+    result = rt.wait_for_rank0(result)
     if isinstance(result, ConvertError):
         raise result
     return result

@@ -68,7 +68,7 @@ class Runtime:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.patient or self.group)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def all_ok(self, ok: bool) -> bool:

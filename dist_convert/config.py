@@ -53,11 +53,16 @@ class ModelConfig:
     # ``duplicated`` TELinear) instead of replicated
     mla_down_split: bool = False
     mtp_num_layers: int = 0  # multi-token-prediction layers (megatron-core MultiTokenPredictionBlock)
-    activation: str = "silu"  # the gate's activation of a gated (``swiglu``) MLP: "silu" | "gelu_tanh" (GeGLU)
+    # the gate's activation of a gated (``swiglu``) MLP: "silu" | "gelu_tanh" (GeGLU) | "quick_gelu" (Megatron-LM's
+    # --quick-geglu: x * sigmoid(1.702 x), gpt-oss's, with glu_linear_offset and activation_func_clamp_value in args)
+    activation: str = "silu"
     zero_centered_gamma: bool = False  # norms compute x * (1 + w) (megatron-core layernorm_zero_centered_gamma)
     # sandwich norms (Gemma 2/3): a norm on the attention output and one on the MLP output, before each residual
     # add (Megatron-Bridge's TERowParallelLinearLayerNorm: linear_proj / linear_fc2 ``.post_layernorm``)
     post_norms: bool = False
+    # the attention softmax (megatron-core ``softmax_type``): "vanilla", "off-by-one", or "learnable" (gpt-oss's
+    # attention sinks: one learnt logit per head, ``core_attention.softmax_offset``)
+    softmax_type: str = "vanilla"
 
     @property
     def stacks(self) -> list[tuple[str, int]]:
@@ -101,6 +106,10 @@ class ModelConfig:
         if self.num_experts:
             layout.validate_experts(self.num_experts, self.expert_ffn, self.moe_shared_expert_intermediate_size,
                                     what)
+            if self.add_bias_linear and layout.expert_tp != 1:  # TransformerConfig.__post_init__ asserts it
+                raise ConvertError(f"{what} ETP={layout.expert_tp}: megatron-core takes linear biases in MoE layers "
+                                   "(gpt-oss's experts and router) only with expert tensor parallelism 1",
+                                   "pass --target-etp 1")
         elif layout.ep != 1 or layout.etp is not None:
             raise ConvertError(f"{what} {layout} sets expert parallelism, but the model has no experts",
                                "drop --target-ep/--target-etp")
@@ -194,7 +203,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
         num_attention_heads=heads,
         num_query_groups=groups,
         kv_channels=int(_get(args, "kv_channels", hidden // heads)),
-        swiglu=bool(_get(args, "swiglu", False)),
+        swiglu=bool(_get(args, "swiglu", False)) or bool(_get(args, "quick_geglu", False)),
         normalization=str(_get(args, "normalization", "LayerNorm")),
         add_bias_linear=bool(_get(args, "add_bias_linear", True)),
         add_qkv_bias=bool(_get(args, "add_qkv_bias", False)) or bool(_get(args, "add_bias_linear", True)),
@@ -211,10 +220,11 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
         **_moe_from_args(args, int(args.num_layers)),
         **_mla_from_args(args, spec or ("local" if impl == "local" else "te")),
         mtp_num_layers=int(_get(args, "mtp_num_layers", 0) or 0),
-        activation=str(_get(args, "glu_activation", "silu")),
+        activation="quick_gelu" if _get(args, "quick_geglu", False) else str(_get(args, "glu_activation", "silu")),
         zero_centered_gamma=bool(_get(args, "layernorm_zero_centered_gamma", False)
                                  or _get(args, "apply_layernorm_1p", False)),
         post_norms=bool(_get(args, "post_norms", False)),
+        softmax_type=str(_get(args, "softmax_type", "vanilla")),
     )
 
 

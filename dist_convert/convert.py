@@ -109,8 +109,10 @@ def target_layout(opts: ReshardOptions, index: SourceIndex, dst_fmt: Format) -> 
         vpp = None  # the source's VPP came from its string, which this target drops
     split = opts.target_split if opts.target_split is not None else (src.split if same_pp else None)
     tp = opts.target_tp or src.tp
-    # ETP follows TP unless the source had one of its own (e.g. ETP=1 under TP=2) or --target-etp is given
-    etp = opts.target_etp or (src.etp if src.etp is not None else tp)
+    # ETP follows TP unless the source had one of its own (e.g. ETP=1 under TP=2) or --target-etp is given; MoE
+    # layers with linear biases (gpt-oss) take only ETP 1 in megatron-core
+    biased_moe = bool(index.cfg.num_experts and index.cfg.add_bias_linear)
+    etp = opts.target_etp or (src.etp if src.etp is not None else 1 if biased_moe else tp)
     layout = Layout(tp=tp, pp=pp, first=first if pp > 1 else None, last=last if pp > 1 else None,
                     vpp=vpp if vpp != 1 else None, split=split if pp > 1 or opts.target_split else None,
                     ep=opts.target_ep or src.ep, etp=None if etp == tp else etp, pipeline_layout=text)

@@ -158,6 +158,9 @@ class SourceChunk:
     # block-scaled FP8 (hf): (file, key, block size) of the stored weight's scale grid; ``dtype`` is then
     # what the reader dequantizes to
     scale: tuple[str, str, tuple[int, int]] | None = None
+    # MXFP4 (hf, gpt-oss experts): the stored pair standing in for tensor ``key``, (blocks file, blocks key, scales
+    # file, scales key); ``shape`` is transformers' dequantized layout and ``dtype`` what the reader dequantizes to
+    mxfp4: tuple[str, str, str, str] | None = None
     twins: tuple[tuple[str, str], ...] = ()  # (file, key) of stored copies the reader checks equal (hf: MTP's)
     flat: int | None = None  # bucket space (optimizer state): where in a stored 1-D tensor this chunk starts
 

@@ -239,7 +239,9 @@ def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) ->
     f: dict[str, Any] = {
         "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.ffn_hidden_size, "num_attention_heads": heads,
         "group_query_attention": groups != heads, "num_query_groups": groups, "kv_channels": cfg.kv_channels,
-        "swiglu": cfg.swiglu, "normalization": cfg.normalization, "add_bias_linear": cfg.add_bias_linear,
+        # Megatron-LM's --swiglu and --quick-geglu are exclusive ways of saying "gated"
+        "swiglu": cfg.swiglu and cfg.activation != "quick_gelu", "normalization": cfg.normalization,
+        "add_bias_linear": cfg.add_bias_linear,
         "add_qkv_bias": cfg.add_qkv_bias, "qk_layernorm": cfg.qk_layernorm,
         "untie_embeddings_and_output_weights": cfg.untie_embeddings_and_output_weights,
         "vocab_size": cfg.vocab_size, "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
@@ -252,7 +254,10 @@ def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) ->
     f.update(multi_latent_attention=cfg.mla, mtp_num_layers=cfg.mtp_num_layers or None)
     # dist_convert's own fields for what Megatron-LM's args cannot say (Megatron-Bridge's Gemma 3 has them),
     # written only where they are set, so a Llama's args stay Megatron-LM's
-    for name, value, unset in (("glu_activation", cfg.activation, "silu"), ("post_norms", cfg.post_norms, False)):
+    # (and megatron-core's own quick_geglu / softmax_type the same way)
+    for name, value, unset in (("glu_activation", cfg.activation, "silu"), ("post_norms", cfg.post_norms, False),
+                               ("quick_geglu", cfg.swiglu and cfg.activation == "quick_gelu", False),
+                               ("softmax_type", cfg.softmax_type, "vanilla")):
         if value != unset or hasattr(args, name):
             f[name] = value
     if cfg.mla:

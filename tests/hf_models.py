@@ -19,6 +19,15 @@ DEEPSEEK = {"vocab_size": 150, "num_hidden_layers": 3, "num_key_value_heads": 4,
             "routed_scaling_factor": 2.5, "rope_interleave": True, "q_lora_rank": 32, "kv_lora_rank": 32,
             "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "num_mtp_layers": 0,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+# GLM-4.5 (Glm4MoeConfig): GQA with q/k/v biases and per-head q/k norm, head_dim 32 != hidden / heads, RoPE on
+# the first half of each head; layer 0 dense, layers 1-2 MoE with DeepSeek-V3's router (8 experts, top-2 of sigmoid
+# + e_score_correction_bias within 1 of 2 groups, renormalised, x2.5) and one ungated shared expert; untied;
+# vocab 150. num_mtp_layers 0: transformers writes num_nextn_predict_layers 1 by default (add_mtp_layer adds it).
+GLM = {"vocab_size": 150, "num_hidden_layers": 3, "head_dim": 32, "tie_word_embeddings": False,
+       "attention_bias": True, "use_qk_norm": True, "first_k_dense_replace": 1, "n_routed_experts": 8,
+       "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "moe_intermediate_size": 32,
+       "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_mtp_layers": 0,
+       "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
 # name -> (transformers config class, overrides)
 FAMILIES = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": False}),  # GQA, untied (Llama 2/3)
@@ -50,6 +59,7 @@ FAMILIES = {
                                               "topk_method": "greedy", "routed_scaling_factor": 1.5}),
     # dims > 128 so the FP8 test sees partial 128x128 blocks (dense 200, experts 160)
     "deepseek_v3_fp8": ("DeepseekV3Config", {**DEEPSEEK, "intermediate_size": 200, "moe_intermediate_size": 160}),
+    "glm4_moe": ("Glm4MoeConfig", GLM),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2_lite", "deepseek_v3_fp8")
 DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v2_lite", "deepseek_v3_fp8")
@@ -95,6 +105,8 @@ def oracle_config(path: Path) -> dict:
     hf = json.loads((path / "config.json").read_text())
     if hf["model_type"] in ("deepseek_v3", "deepseek_v2"):
         return deepseek_oracle_config(hf)
+    if hf["model_type"] == "glm4_moe":
+        return glm_oracle_config(hf)
     rope = hf.get("rope_parameters") or {}
     heads = hf["num_attention_heads"]
     cfg = {"num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
@@ -188,6 +200,53 @@ def deepseek_oracle_config(hf: dict) -> dict:
             "moe_router_topk": hf["num_experts_per_tok"],
             "moe_router_score_function": "softmax" if v2 else "sigmoid", "moe_router_enable_expert_bias": not v2,
             "moe_router_pre_softmax": v2, "moe_router_num_groups": groups if groups > 1 else None,
+            "moe_router_group_topk": group_topk if groups > 1 else None,
+            "moe_router_topk_scaling_factor": hf.get("routed_scaling_factor") or None, "moe_router_dtype": "fp32",
+            "mtp_num_layers": mtp or None}
+
+
+def glm_oracle_config(hf: dict) -> dict:
+    """The oracle's config for an HF Glm4Moe config, by the two codes' rules (written by hand):
+
+    * attention: GQA (num_key_value_heads groups, head_dim channels), q/k/v biases iff attention_bias (o_proj
+      never has one: add_bias_linear False), per-head q/k RMSNorm iff use_qk_norm (megatron-core's
+      q_layernorm / k_layernorm over kv_channels, before RoPE as in HF); scale head_dim^-0.5 both sides.
+    * RoPE: HF rotates the first int(head_dim * partial_rotary_factor) dims of each head with rotate_half
+      (cos/sin = cat(freqs, freqs)) and passes the rest through; megatron-core's RotaryEmbedding with
+      rotary_percent does the same on int(kv_channels * rotary_percent) dims (not interleaved). HF takes
+      the factor from rope_parameters (default 0.5), then the top level.
+    * MoE: layer l is MoE iff l >= first_k_dense_replace; experts of moe_intermediate_size, dense layers
+      of intermediate_size; n_shared_experts * moe_intermediate_size shared, ungated; the router is
+      DeepSeek-V3's (see deepseek_oracle_config): sigmoid, + e_score_correction_bias (expert_bias) for the
+      choice, group score = sum of the top 2 (megatron-core: top topk / group_topk), renormalised (megatron-core
+      renormalises sigmoid top-k > 1), x routed_scaling_factor, logits in fp32.
+    * MTP: num_nextn_predict_layers -> mtp_num_layers (None for 0); the MTP layer is the last layer's spec."""
+    heads, layers, hidden = hf["num_attention_heads"], hf["num_hidden_layers"], hf["hidden_size"]
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"glm oracle config: rope_type {rope.get('rope_type')!r} not mapped (plain rope only)")
+    factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
+    topk, groups, group_topk = hf["num_experts_per_tok"], hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if topk == 1 or not hf.get("norm_topk_prob", True):
+        raise ValueError("glm oracle config: megatron-core renormalises sigmoid top-k only for k > 1")
+    if groups > 1 and topk // group_topk != 2:
+        raise ValueError("glm oracle config: group score rules differ unless top-k / topk_group == 2")
+    k = hf.get("first_k_dense_replace", 1)
+    mtp = hf.get("num_nextn_predict_layers") or 0
+    return {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": hf["intermediate_size"],
+            "num_attention_heads": heads, "num_query_groups": hf["num_key_value_heads"],
+            "kv_channels": hf.get("head_dim") or hidden // heads, "swiglu": True, "normalization": "RMSNorm",
+            "norm_epsilon": hf["rms_norm_eps"], "add_bias_linear": False,
+            "add_qkv_bias": bool(hf.get("attention_bias", False)), "qk_layernorm": bool(hf.get("use_qk_norm")),
+            "untie_embeddings_and_output_weights": not hf["tie_word_embeddings"], "vocab_size": hf["vocab_size"],
+            "make_vocab_size_divisible_by": 128, "position_embedding_type": "rope",
+            "rotary_base": rope.get("rope_theta", hf.get("rope_theta", 10000.0)), "rotary_percent": factor,
+            "max_position_embeddings": hf["max_position_embeddings"], "seq_length": 16,
+            "num_experts": hf["n_routed_experts"], "moe_ffn_hidden_size": hf["moe_intermediate_size"],
+            "moe_shared_expert_intermediate_size": hf["moe_intermediate_size"] * hf["n_shared_experts"],
+            "moe_shared_expert_gate": False, "moe_layer_freq": [int(layer >= k) for layer in range(layers)],
+            "moe_router_topk": topk, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_pre_softmax": False, "moe_router_num_groups": groups if groups > 1 else None,
             "moe_router_group_topk": group_topk if groups > 1 else None,
             "moe_router_topk_scaling_factor": hf.get("routed_scaling_factor") or None, "moe_router_dtype": "fp32",
             "mtp_num_layers": mtp or None}
@@ -341,3 +400,14 @@ def dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     rows = torch.arange(m) // FP8_BLOCK
     cols = torch.arange(n) // FP8_BLOCK
     return w.float() * scale_inv.float()[rows][:, cols]
+
+
+def assert_bit_exact(a_dir: Path, b_dir: Path) -> dict:
+    """Two HF directories hold the same tensors, names, dtypes and bits; returns the first's tensors."""
+    from safetensors.torch import load_file
+
+    a, b = ({k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()} for d in (a_dir, b_dir))
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:10]
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    return b

@@ -55,7 +55,20 @@ num_attention_heads, num_query_groups, kv_channels, swiglu, normalization, add_b
 add_qkv_bias, untie_embeddings_and_output_weights, vocab_size (true vocab),
 make_vocab_size_divisible_by, position_embedding_type, max_position_embeddings, seq_length,
 qk_layernorm, and optionally norm_epsilon, rotary_base, rotary_percent, use_rope_scaling,
-rope_scaling_factor (Llama-3 RoPE scaling).
+rope_scaling_factor (Llama-3 RoPE scaling). A rotary_percent other than 1 (partial RoPE, GLM-4.5) is
+also checked by `compare --check-args`.
+
+gpt-oss keys (each passed on only when a config gives it; Megatron-LM / TransformerConfig names):
+softmax_type ("learnable": attention sinks, DotProductAttention's softmax_offset [heads / tp]),
+quick_geglu (a gated MLP with megatron-core's quick_gelu, x * sigmoid(1.702 x), as Megatron-LM's
+--quick-geglu), glu_linear_offset, activation_func_clamp_value, window_size ([left, right]) and
+window_attn_skip_freq (int or 0/1 list, 1 = sliding), and position_embedding_type "yarn" for GQA
+models with rotary_scaling_factor, yarn_original_max_position_embeddings, yarn_beta_fast,
+yarn_beta_slow, yarn_correction_range_round_to_int, mscale, mscale_all_dim: set on the config as
+config.yarn_* attributes the way Megatron-LM 0.19 does (argument_utils._apply_yarn_config_from_args;
+megatron-core 0.16.1's GPTModel and attention read them with getattr). On CPU, megatron-core's
+local attention runs the sinks (SoftmaxOne) and the sliding window (FusedScaleMaskSoftmax's torch
+path) itself; only the window's mask is built on the CPU instead of "cuda" (see apply_cpu_shims).
 
 Mixture of Experts (MoE): a config with num_experts (absent or null = dense, everything as above)
 may also give moe_ffn_hidden_size (default ffn_hidden_size), moe_shared_expert_intermediate_size
@@ -157,6 +170,8 @@ def apply_cpu_shims():
         in eval mode here, so forking is a no-op context.
       * moe_utils.te_general_gemm: unbound without Transformer Engine, but the MoE router forward
         tests it against None. -> None (only if the name is missing).
+      * fused_softmax.get_sliding_window_causal_mask (transformer/utils.py) builds the sliding-window
+        mask with device="cuda". -> megatron-core's own function, its source compiled with device="cpu".
     """
     import torch
 
@@ -183,6 +198,17 @@ def apply_cpu_shims():
         yield
 
     mp_random.CudaRNGStatesTracker.fork = _fork
+
+    import inspect
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as mcore_utils
+
+    src = inspect.getsource(mcore_utils.get_sliding_window_causal_mask)
+    if 'device="cuda"' in src:
+        scope = {"torch": torch}
+        exec(src.replace('device="cuda"', 'device="cpu"'), scope)
+        fused_softmax.get_sliding_window_causal_mask = scope["get_sliding_window_causal_mask"]
 
 
 # ----------------------------------------------------------------------------- config / args
@@ -258,6 +284,15 @@ MOE_ROUTER_EXTRA = {"moe_router_num_groups": None, "moe_router_group_topk": None
 # which is plain RoPE here unless a config says "yarn").
 MLA_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64,
                 "v_head_dim": 128, "rope_type": "rope"}
+# gpt-oss (TransformerConfig names); passed on only when a config gives them
+GPT_OSS_KEYS = ("softmax_type", "glu_linear_offset", "activation_func_clamp_value", "window_size",
+                "window_attn_skip_freq")
+# YaRN of GQA models: (config attribute, Megatron-LM args name, default of Megatron-LM 0.19)
+YARN_GQA = (("yarn_rotary_scaling_factor", "rotary_scaling_factor", 1.0),
+            ("yarn_original_max_position_embeddings", "yarn_original_max_position_embeddings", 4096),
+            ("yarn_beta_fast", "yarn_beta_fast", 32.0), ("yarn_beta_slow", "yarn_beta_slow", 1.0),
+            ("yarn_mscale", "mscale", 1.0), ("yarn_mscale_all_dim", "mscale_all_dim", 0.0),
+            ("yarn_correction_range_round_to_int", "yarn_correction_range_round_to_int", True))
 YARN_KEYS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
              "mscale", "mscale_all_dim")
 
@@ -414,6 +449,14 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
             extra.update({k: cfg[k] for k in YARN_KEYS if cfg.get(k) is not None})
     if has_mtp(cfg):
         extra.update(mtp_num_layers=cfg["mtp_num_layers"], mtp_loss_scaling_factor=cfg["mtp_loss_scaling_factor"])
+    for k in GPT_OSS_KEYS:  # TransformerConfig has the same names
+        if cfg.get(k) is not None:
+            extra[k] = tuple(cfg[k]) if k == "window_size" else cfg[k]
+    activation = F.silu if cfg["swiglu"] else F.gelu
+    if cfg.get("quick_geglu"):  # as Megatron-LM's --quick-geglu (core_transformer_config_from_args)
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        activation = quick_gelu
     if first is not None:
         extra["num_layers_in_first_pipeline_stage"] = first
     if last is not None:
@@ -433,8 +476,8 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         layernorm_epsilon=cfg["norm_epsilon"],
         add_bias_linear=cfg["add_bias_linear"],
         add_qkv_bias=cfg["add_qkv_bias"],
-        gated_linear_unit=cfg["swiglu"],
-        activation_func=F.silu if cfg["swiglu"] else F.gelu,
+        gated_linear_unit=cfg["swiglu"] or bool(cfg.get("quick_geglu")),
+        activation_func=activation,
         qk_layernorm=cfg["qk_layernorm"],
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -446,6 +489,9 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         perform_initialization=True,
         **extra,
     )
+    if cfg["position_embedding_type"] == "yarn" and not is_mla(cfg):
+        for attr, key, default in YARN_GQA:  # Megatron-LM 0.19's _apply_yarn_config_from_args
+            setattr(config, attr, cfg[key] if cfg.get(key) is not None else default)
     if is_moe(cfg) or is_mla(cfg):
         # the block spec gives mixed dense/MoE layers (get_gpt_layer_local_spec(num_experts=N) makes
         # every layer MoE) and MLA layers from config.multi_latent_attention; qk_layernorm (MLA: the
@@ -888,6 +934,11 @@ def check_args(ck_args, cfg, a):
             want[k] = cfg[k]
     if has_mtp(cfg):
         want["mtp_num_layers"] = cfg["mtp_num_layers"]
+    for k in (*GPT_OSS_KEYS, "quick_geglu", *(key for _, key, _ in YARN_GQA)):
+        if cfg.get(k) is not None:
+            want[k] = tuple(cfg[k]) if k == "window_size" else cfg[k]
+    if cfg["rotary_percent"] != 1.0:  # partial RoPE (GLM-4.5): checked only where a config gives one
+        want["rotary_percent"] = cfg["rotary_percent"]
     want["pipeline_model_parallel_layout"] = a.pipeline_layout
     for k, v in want.items():
         got = getattr(ck_args, k, None if k == "pipeline_model_parallel_layout" else "<absent>")

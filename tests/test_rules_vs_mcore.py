@@ -105,3 +105,35 @@ def test_mla_mtp_table_matches_megatron_core(tmp_path, q_lora=32):
     assert cfg.mla and cfg.mla_down_split and cfg.mtp_num_layers == 1
     assert_torch_dist_matches(ranks, cfg, layout)
     assert_legacy_matches(ranks, cfg, layout)
+
+
+@pytest.mark.parametrize("tp,ep,etp", [(2, 2, 1), (1, 2, None)], ids=["tp2-ep2-etp1", "tp1-ep2"])
+def test_gpt_oss_table_matches_megatron_core(tmp_path, tp, ep, etp):
+    """gpt-oss (tests/gpt_oss_models.py's config): attention sinks (core_attention.softmax_offset, split over TP
+    with the heads), q/k/v/o, router and expert biases, head_dim != hidden / heads, every layer MoE; megatron-core
+    takes MoE biases only at ETP 1, and legacy files exist only with ETP = TP (the second layout)."""
+    import argparse
+
+    from gpt_oss_models import CONFIG, oracle_config_of
+
+    from dist_convert.config import config_from_args
+    from dist_convert.formats.megatron import extra_state_keys, rank_entries
+
+    cfg_dict = oracle_config_of(CONFIG)
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps(cfg_dict))
+    out = tmp_path / "layout.json"
+    flags = ["--tp", str(tp), "--ep", str(ep)] + (["--etp", str(etp)] if etp else [])
+    oracle("layout", 2, "--config", str(config), *flags, "--out", str(out))
+    ranks = json.loads(out.read_text())
+    cfg = config_from_args(argparse.Namespace(**cfg_dict), None, "local", tp)
+    assert cfg.softmax_type == "learnable" and cfg.activation == "quick_gelu" and cfg.kv_channels == 24
+    layout = Layout(tp=tp, pp=1, ep=ep, etp=etp)
+    assert_torch_dist_matches(ranks, cfg, layout)
+    assert any(k.endswith("core_attention.softmax_offset") for r in ranks for k in r["state_dict"])
+    if etp is None:
+        for r in ranks:
+            entries = rank_entries(cfg, layout, r["tp_rank"], r["pp_rank"], "local", r["ep_rank"])
+            got = {k: list(shape) for k, (shape, _) in entries.items()}
+            got.update({k: None for k in extra_state_keys(cfg, layout, r["pp_rank"], "local")})
+            assert got == r["state_dict"], (r["tp_rank"], r["ep_rank"])

@@ -39,8 +39,8 @@ class FormatOptions:
     tokenizer_vocab_file: Path | None = None  # nemo: tokenizer vocab file to put into the target archive
     nemo_style: str | None = None  # nemo target: "mcore" | "legacy" | "megatron_legacy" (None: the source's)
     torch_dist_style: str | None = None  # torch_dist target: "0.16" (common.pt) | "0.19" (None: the source's or 0.16)
-    dtype: torch.dtype | None = None  # --dtype: what hf reads dequantize FP8 weights to (None: bf16)
-    quantize: str | None = None  # hf target: "fp8-block" writes block-scaled FP8 weights (--quantize)
+    dtype: torch.dtype | None = None  # --dtype: what hf reads dequantize FP8 / MXFP4 weights to (None: bf16)
+    quantize: str | None = None  # hf target: "fp8-block" / "mxfp4" writes quantized weights (--quantize)
     allow_missing: tuple[str, ...] = ()  # globs: source tensors that may be missing (left out of the conversion)
     ignore_unexpected: tuple[str, ...] = ()  # globs: unknown source tensors to skip
     optimizer: bool = False  # --optimizer: read the source's optimizer state too (torch_dist, megatron sources)
@@ -195,8 +195,8 @@ class KeyPolicy:
     them (matched against the stored key, and for missing ones against the logical tensors it holds).
     Readers report each file's surprises here and pass their index through ``finish``."""
 
-    dtype: torch.dtype | None = None  # --dtype: what hf reads dequantize FP8 weights to (None: bf16)
-    quantize: str | None = None  # hf target: "fp8-block" writes block-scaled FP8 weights (--quantize)
+    dtype: torch.dtype | None = None  # --dtype: what hf reads dequantize FP8 / MXFP4 weights to (None: bf16)
+    quantize: str | None = None  # hf target: "fp8-block" / "mxfp4" writes quantized weights (--quantize)
     allow_missing: tuple[str, ...] = ()
     ignore_unexpected: tuple[str, ...] = ()
     ignored: list[str] = field(default_factory=list)  # "where: key" of skipped unknown tensors

@@ -26,7 +26,7 @@ from ..layout.topology import Layout
 from ..models import export_family, family_of, hf_from_config, naming_family
 from ..models.base import Family, HFTensors
 from ..runtime import Runtime
-from . import fp8
+from . import fp8, mxfp4
 from .base import FileAtATime, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
 from .safetensors_io import read_boxes, read_header, write_file
 
@@ -59,6 +59,7 @@ def hf_tensors(cfg, fam: Family | None = None) -> HFTensors:
             for hf_suffix, name, part in fam.layer_names(cfg, stack, layer):
                 if name in logical:
                     out[hf + hf_suffix] = part_pieces(name, logical[name].shape, part, cfg)
+    out.update(fam.alternatives(cfg, out.keys(), out))  # the layouts a family stores without a name-table row
     for hf_name in rest:
         if top[hf_name] in logical:
             out[hf_name] = part_pieces(top[hf_name], logical[top[hf_name]].shape, None, cfg)
@@ -153,6 +154,13 @@ class HFFormat:
         cfg = fam.as_stored(cfg, args, found, notes)  # e.g. MTP layers a config declares and the weights lack
         expected = source_tensors(cfg, fam, found)
         scales = {k for k in found if k.endswith(fp8.SCALE_SUFFIX)}
+        pairs = {}  # MXFP4 (gpt-oss releases): tensors stored as blocks + scales, dequantized on read
+        for key in expected:
+            pair = None if key in found else mxfp4.stored_pair(key, found)
+            if pair is not None:
+                pairs[key] = pair[0]
+                scales |= {pair[0][1], pair[0][3]}
+                found[key] = (pair[0][0], torch.uint8, pair[1])
         ignored = sorted(k for k in found if k.endswith(IGNORED_SUFFIXES))
         if ignored:
             notes.append(f"skipped {len(ignored)} rotary inv_freq buffers (recomputed by every loader)")
@@ -179,13 +187,16 @@ class HFFormat:
             scale = None
             if dtype in fp8.FP8_DTYPES:
                 scale = self._scale_of(key, shape, hf, found)
+            if scale is not None or key in pairs:
                 dtype = self.options.dtype or torch.bfloat16  # dequantized on read
             chunks.append(SourceChunk(id=len(chunks), file=f, key=key, shape=shape, dtype=dtype, pieces=pieces,
-                                      offsets=(0,) * len(shape), sliceable=True, scale=scale, twins=twins))
-        if any(c.scale for c in chunks):
-            notes.append(f"dequantized {sum(1 for c in chunks if c.scale)} block-scaled FP8 weights to "
-                         f"{str(self.options.dtype or torch.bfloat16).removeprefix('torch.')} on read")
-            args.params_dtype = self.options.dtype or torch.bfloat16
+                                      offsets=(0,) * len(shape), sliceable=True, scale=scale, twins=twins,
+                                      mxfp4=pairs.get(key)))
+        for kind, n in (("block-scaled FP8", sum(1 for c in chunks if c.scale)), ("MXFP4", len(pairs))):
+            if n:
+                notes.append(f"dequantized {n} {kind} weights to "
+                             f"{str(self.options.dtype or torch.bfloat16).removeprefix('torch.')} on read")
+                args.params_dtype = self.options.dtype or torch.bfloat16
         origin = Origin(kind=self.name, hf_config=copy.deepcopy(hf), tokenizer=path.resolve())  # as the file holds it
         return policy.finish(SourceIndex(format=self.name, iter_dir=path, iteration="release", args=args, cfg=cfg,
                                          layout=Layout(tp=1, pp=1), chunks=chunks, notes=notes, origin=origin))
@@ -211,6 +222,11 @@ class HFFormat:
         by_file: dict[str, list[tuple[SourceChunk, str, Box]]] = {}
         for c in chunks:
             box = Box(c.offsets or (0,) * len(c.shape), c.shape)
+            if c.mxfp4 is not None:  # MXFP4: the blocks and scales covering the box, dequantized below
+                blocks, scales, _ = mxfp4.read_boxes_of(box)
+                by_file.setdefault(c.mxfp4[0], []).append((c, c.mxfp4[1], blocks))
+                by_file.setdefault(c.mxfp4[2], []).append((c, c.mxfp4[3], scales))
+                continue
             by_file.setdefault(c.file, []).append((c, c.key, box))
             if c.scale is not None:  # FP8: the scale blocks covering the box, dequantized below
                 by_file.setdefault(c.scale[0], []).append((c, c.scale[1], fp8.scale_box(box, c.scale[2])))
@@ -227,6 +243,10 @@ class HFFormat:
                                        "the checkpoint is inconsistent; re-download it")
         out: dict[int, torch.Tensor] = {}
         for c in chunks:
+            if c.mxfp4 is not None:
+                out[c.id] = mxfp4.dequantize_to(raw[(c.id, c.mxfp4[1])], raw[(c.id, c.mxfp4[3])],
+                                                Box(c.offsets or (0,) * len(c.shape), c.shape), c.dtype)
+                continue
             t = raw[(c.id, c.key)]
             if c.scale is not None:
                 t = fp8.dequantize(t, raw[(c.id, c.scale[1])], Box(c.offsets or (0, 0), c.shape), c.scale[2], c.dtype)
@@ -240,6 +260,9 @@ class HFFormat:
         tensors = {name: TargetTensor(key=name, shape=shape, dtype=target_dtype(target, dtypes, pieces[0].logical),
                                       pieces=pieces)
                    for name, (shape, pieces) in hf_tensors(target.cfg, fam).items()}
+        if self.options.quantize == "mxfp4" and not any(mxfp4.quantizable(n, t.shape) for n, t in tensors.items()):
+            raise ConvertError(f"--quantize mxfp4 stores gpt-oss's expert weights ({', '.join(mxfp4.EXPERT_WEIGHTS)}), "
+                               f"and this {fam.architecture} has none", "drop --quantize mxfp4 for this model")
         shards = pack_shards([(n, t.nbytes) for n, t in tensors.items()], self.options.max_shard_size)
         names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                    for i in range(len(shards))]
@@ -258,13 +281,18 @@ class HFFormat:
 
     def _stored_sizes(self, t: TargetTensor) -> list[tuple[str, int]]:
         """(name, bytes) of what ``_stored`` writes for target tensor ``t``."""
+        if self.options.quantize == "mxfp4":
+            return mxfp4.stored_sizes(t.key, t.shape) if mxfp4.quantizable(t.key, t.shape) else [(t.key, t.nbytes)]
         if self.options.quantize and fp8.quantizable(t.key, t.shape):
             rows, cols = fp8.scale_grid(t.shape, fp8.DEFAULT_BLOCK)
             return [(t.key, t.shape[0] * t.shape[1]), (t.key + fp8.SCALE_SUFFIX, 4 * rows * cols)]
         return [(t.key, t.nbytes)]
 
     def _stored(self, key: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """What the file holds for one tensor: itself, or with ``--quantize fp8-block`` its FP8 values and scales."""
+        """What the file holds for one tensor: itself, or with ``--quantize fp8-block`` its FP8 values and scales,
+        with ``--quantize mxfp4`` (gpt-oss expert weights) its MXFP4 blocks and scales."""
+        if self.options.quantize == "mxfp4":
+            return mxfp4.stored(key, x) if mxfp4.quantizable(key, tuple(x.shape)) else [(key, x)]
         if self.options.quantize and fp8.quantizable(key, tuple(x.shape)):
             q, scale = fp8.quantize(x)
             return [(key, q), (key + fp8.SCALE_SUFFIX, scale)]
@@ -287,7 +315,8 @@ class HFFormat:
                 copy_tokenizer_files(d, out_dir)
         hf = hf_from_config(target.cfg, target.args, dtype, target.origin.hf_config)
         if self.options.quantize:
-            hf["quantization_config"] = fp8.QUANTIZATION_CONFIG
+            hf["quantization_config"] = copy.deepcopy(
+                mxfp4.QUANTIZATION_CONFIG if self.options.quantize == "mxfp4" else fp8.QUANTIZATION_CONFIG)
         else:
             hf.pop("quantization_config", None)  # dequantized on read: the target holds plain weights
         write_durable(out_dir / CONFIG, json.dumps(hf, indent=2))

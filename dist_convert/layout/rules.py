@@ -76,6 +76,10 @@ LAYER_RULES: tuple[Rule, ...] = (
     Rule("self_attention.linear_kv_up_proj.weight", Kind.COL,
          lambda c: (c.num_attention_heads * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank), _mla),
 ) + (
+    # attention sinks (megatron-core DotProductAttention with softmax_type "learnable"): one logit per head, split
+    # over TP with the heads; the same name in Transformer Engine's attention
+    Rule("self_attention.core_attention.softmax_offset", Kind.COL, lambda c: (c.num_attention_heads,),
+         lambda c: not c.mla and c.softmax_type == "learnable"),
     Rule("self_attention.linear_proj.weight", Kind.ROW, lambda c: (c.hidden_size, c.attn_proj_cols)),
     Rule("self_attention.linear_proj.bias", Kind.REP, _h, _bias),
     # Gemma 2/3 sandwich norms: on the attention and MLP outputs (Megatron-Bridge's TERowParallelLinearLayerNorm)

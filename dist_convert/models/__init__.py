@@ -14,11 +14,11 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConvertError
-from . import deepseek, gemma3, llama, moe
+from . import deepseek, gemma3, glm, gpt_oss, llama, moe
 from .base import Family, Imported
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
-    *llama.FAMILIES, *moe.FAMILIES, *deepseek.FAMILIES, *gemma3.FAMILIES)}
+    *llama.FAMILIES, *moe.FAMILIES, *deepseek.FAMILIES, *gemma3.FAMILIES, *glm.FAMILIES, *gpt_oss.FAMILIES)}
 DEFAULT = FAMILIES["LlamaForCausalLM"]  # the nearest family of a model no family's evidence points at
 
 

@@ -237,10 +237,12 @@ def divisible(vocab_divisible_by: int | None) -> int:
     return vocab_divisible_by or DEFAULT_DIVISIBLE_BY
 
 
-def structure_problems(cfg: ModelConfig, *, activation: str = "silu", gemma_norms: bool = False) -> list[str]:
+def structure_problems(cfg: ModelConfig, *, activation: str = "silu", gemma_norms: bool = False,
+                       gqa_mtp: bool = False) -> list[str]:
     """What of a model no decoder family with a gated ``activation`` MLP, RMSNorm, RoPE and no linear biases
     expresses (the shape Llama, Mistral, Qwen and Gemma share); ``gemma_norms``: with Gemma's sandwich norms
-    computing x * (1 + w) instead of plain pre-norms computing x * w."""
+    computing x * (1 + w) instead of plain pre-norms computing x * w; ``gqa_mtp``: the family stores
+    multi-token-prediction layers over GQA attention (GLM-4.5), not only over multi-latent attention."""
     problems = []
     if cfg.post_norms != gemma_norms:
         problems.append("post-attention / post-feedforward norms" if cfg.post_norms else
@@ -260,8 +262,10 @@ def structure_problems(cfg: ModelConfig, *, activation: str = "silu", gemma_norm
         problems.append("linear-layer biases")
     if cfg.position_embedding_type != "rope":
         problems.append(f"{cfg.position_embedding_type} position embeddings")
-    if cfg.mtp_num_layers and not cfg.mla:
+    if cfg.mtp_num_layers and not cfg.mla and not gqa_mtp:
         problems.append("multi-token-prediction layers without multi-latent attention")
+    if cfg.softmax_type != "vanilla":
+        problems.append(f"an attention softmax of type {cfg.softmax_type!r} (attention sinks)")
     return problems
 
 

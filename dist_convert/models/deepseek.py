@@ -5,6 +5,10 @@ routing) and multi-token-prediction layers.
 HF stores MTP layer k as decoder layer ``num_hidden_layers + k`` with the extra modules ``enorm``,
 ``hnorm``, ``eh_proj`` and ``shared_head.norm``, plus copies of the embedding (``embed_tokens``) and
 the output head (``shared_head.head``); transformers itself does not load them.
+
+The DeepSeek MoE (``moe_from_hf`` / ``moe_to_hf`` / ``moe_problems``, the router: ``router_args``), its names
+(``moe_names``) and the MTP layers (``stack_names``, ``mtp_copies``, ``drop_absent_mtp``) are shared with the
+GLM-4.5 family (``models/glm.py``), which puts the same MoE and MTP layers over GQA attention.
 """
 from __future__ import annotations
 
@@ -67,16 +71,21 @@ def moe_names(num_experts: int) -> tuple[Name, ...]:
             *expert_names("mlp", num_experts), *SHARED_NAMES)
 
 
-def layer_names(cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
-    """(HF suffix, logical name, part) of every tensor of one decoder or MTP layer; HF numbers MTP layer k
-    as decoder layer ``num_layers + k`` and stores copies of the embedding and the output head with it."""
+def stack_names(cfg: ModelConfig, stack: str, layer: int, attention: tuple[Name, ...]) -> list[Name]:
+    """(HF suffix, logical name, part) of every tensor of one decoder or MTP layer with ``attention``'s names
+    and DeepSeek's MoE; HF numbers MTP layer k as decoder layer ``num_layers + k`` and stores copies of the
+    embedding and the output head with it."""
     moe = cfg.layer_is_moe(stack, layer)
-    names = MLA_NAMES + MLP_NORM + (moe_names(cfg.num_experts) if moe else DENSE_MLP)
+    names = attention + MLP_NORM + (moe_names(cfg.num_experts) if moe else DENSE_MLP)
     if stack == "decoder":
         return [(hf, f"decoder.layers.{layer}.{lg}", part) for hf, lg, part in names]
     copies = [(hf, OUTPUT if name == OUTPUT and not cfg.tied else EMBEDDING, None) for hf, name in MTP_COPIES]
     return ([(hf, f"mtp.layers.{layer}.{lg}", part) for hf, lg, part in MTP_NAMES]
             + [(hf, f"mtp.layers.{layer}.{MTP_LAYER}{lg}", part) for hf, lg, part in names] + copies)
+
+
+def layer_names(cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
+    return stack_names(cfg, stack, layer, MLA_NAMES)
 
 
 def mtp_copies(cfg: ModelConfig, found: Collection[str]) -> dict[str, list[str]]:
@@ -90,6 +99,17 @@ def mtp_copies(cfg: ModelConfig, found: Collection[str]) -> dict[str, list[str]]
                 primary = "lm_head.weight" if name == OUTPUT and not cfg.tied else "model.embed_tokens.weight"
                 out.setdefault(primary, []).append(key)
     return out
+
+
+def drop_absent_mtp(cfg: ModelConfig, args: argparse.Namespace, found: Collection[str],
+                    notes: list[str]) -> ModelConfig:
+    """The model without its MTP layers when ``config.json`` declares them and the weights hold none."""
+    if cfg.mtp_num_layers and f"model.layers.{cfg.num_layers}.eh_proj.weight" not in found:
+        notes.append(f"config.json declares {cfg.mtp_num_layers} MTP layers (num_nextn_predict_layers) but the "
+                     "weights hold none; converting the model without them")
+        args.mtp_num_layers = None
+        return cfg.replace(mtp_num_layers=0)
+    return cfg
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -108,10 +128,10 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
                    **{k: float(scaling.get(k, d)) for k, d in YARN_DEFAULTS.items()}}
 
 
-def _router(hf: dict[str, Any], v3: bool, experts: int, topk: int) -> dict[str, Any]:
-    """Megatron-LM router args for DeepSeek's routing. V3: sigmoid scores, a correction bias for the
-    choice, group-limited top-k (group score: sum of the top 2), renormalised, scaled. V2: softmax,
-    greedy top-k, scaled, never renormalised."""
+def router_args(hf: dict[str, Any], v3: bool, experts: int, topk: int, name: str = "DeepSeek-V3") -> dict[str, Any]:
+    """Megatron-LM router args for DeepSeek's routing. V3 (and ``name``, a family routing as V3 does):
+    sigmoid scores, a correction bias for the choice, group-limited top-k (group score: sum of the top 2),
+    renormalised, scaled. V2: softmax, greedy top-k, scaled, never renormalised."""
     groups, group_topk = hf.get("n_group"), hf.get("topk_group")
     scale = float(get(hf, "routed_scaling_factor", 1.0))
     args: dict[str, Any] = {"moe_router_topk": topk, "moe_router_topk_scaling_factor": scale,
@@ -119,13 +139,13 @@ def _router(hf: dict[str, Any], v3: bool, experts: int, topk: int) -> dict[str, 
     if v3:
         if not hf.get("norm_topk_prob", True) and topk > 1:
             raise ConvertError("norm_topk_prob=false with sigmoid routing: megatron-core renormalises the top-k "
-                               "sigmoid scores", "convert a DeepSeek-V3 config with norm_topk_prob true")
+                               "sigmoid scores", f"convert a {name} config with norm_topk_prob true")
         args.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                     moe_router_pre_softmax=False)
         if groups and int(groups) > 1:
             if topk % int(group_topk) or topk // int(group_topk) != 2:
                 raise ConvertError(f"group-limited routing with top-k {topk} over topk_group={group_topk}: "
-                                   "megatron-core scores a group by its top (top-k / topk_group) experts, DeepSeek-V3 "
+                                   f"megatron-core scores a group by its top (top-k / topk_group) experts, {name} "
                                    "by its top 2",
                                    "convert a config where num_experts_per_tok / topk_group == 2")
             args.update(moe_router_num_groups=int(groups), moe_router_group_topk=int(group_topk))
@@ -140,6 +160,32 @@ def _router(hf: dict[str, Any], v3: bool, experts: int, topk: int) -> dict[str, 
         raise ConvertError(f"n_group={groups} does not divide n_routed_experts={experts}",
                            "fix n_group in config.json")
     return args
+
+
+def moe_from_hf(hf: dict[str, Any], layers: int, ffn: int, v3: bool,
+                name: str = "DeepSeek-V3") -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``ModelConfig`` fields, Megatron-LM args) of DeepSeek's MoE as ``config.json`` states it: layer l is MoE
+    iff l >= first_k_dense_replace (and l % moe_layer_freq == 0), experts of moe_intermediate_size, an ungated
+    shared expert of n_shared_experts experts, the router of ``router_args``; empty without routed experts."""
+    experts = int(get(hf, "n_routed_experts", 0))
+    if not experts:
+        return {}, {}
+    dense = int(get(hf, "first_k_dense_replace", 0))
+    freq = int(get(hf, "moe_layer_freq", 1))
+    pattern = tuple(int(layer >= dense and layer % freq == 0) for layer in range(layers))
+    topk = int(get(hf, "num_experts_per_tok", 1))
+    expert_ffn = int(get(hf, "moe_intermediate_size", ffn))
+    shared = int(get(hf, "n_shared_experts", 0)) * expert_ffn
+    moe_cfg = {"num_experts": experts, "moe_ffn_hidden_size": expert_ffn,
+               "moe_layer_pattern": None if all(pattern) else pattern,
+               "moe_shared_expert_intermediate_size": shared or None, "moe_shared_expert_gate": False,
+               "moe_router_expert_bias": v3}
+    moe_args = {"num_experts": experts, "moe_ffn_hidden_size": expert_ffn,
+                "moe_layer_freq": 1 if all(pattern) else list(pattern),
+                "moe_shared_expert_intermediate_size": shared or None, "moe_shared_expert_gate": False,
+                "moe_grouped_gemm": False, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
+                **router_args(hf, v3, experts, topk, name)}
+    return moe_cfg, moe_args
 
 
 def config_from_hf(hf: dict[str, Any], architecture: str,
@@ -162,13 +208,6 @@ def config_from_hf(hf: dict[str, Any], architecture: str,
         raise ConvertError("rope_interleave=false: megatron-core's MLA always de-interleaves the RoPE dimensions",
                            "convert a config with rope_interleave true (as DeepSeek releases have)")
     q_lora = hf.get("q_lora_rank")
-    experts = int(get(hf, "n_routed_experts", 0))
-    dense = int(get(hf, "first_k_dense_replace", 0))
-    freq = int(get(hf, "moe_layer_freq", 1))
-    pattern = tuple(int(experts > 0 and layer >= dense and layer % freq == 0) for layer in range(layers))
-    topk = int(get(hf, "num_experts_per_tok", 1))
-    expert_ffn = int(get(hf, "moe_intermediate_size", ffn))
-    shared = int(get(hf, "n_shared_experts", 0)) * expert_ffn
     mtp = int(get(hf, "num_nextn_predict_layers", 0)) if v3 else 0
     theta, rope_args = _rope(hf)
     divisible = vocab_divisible_by or DEFAULT_DIVISIBLE_BY
@@ -177,18 +216,7 @@ def config_from_hf(hf: dict[str, Any], architecture: str,
     if hf.get("quantization_config"):  # FP8 releases: dequantized on read to bf16 unless --dtype says otherwise
         dtype = torch.bfloat16
     max_pos = int(get(hf, "max_position_embeddings", 4096))
-    moe_cfg: dict[str, Any] = {}
-    moe_args: dict[str, Any] = {}
-    if experts:
-        moe_cfg = {"num_experts": experts, "moe_ffn_hidden_size": expert_ffn,
-                   "moe_layer_pattern": None if all(pattern) else pattern,
-                   "moe_shared_expert_intermediate_size": shared or None, "moe_shared_expert_gate": False,
-                   "moe_router_expert_bias": v3}
-        moe_args = {"num_experts": experts, "moe_ffn_hidden_size": expert_ffn,
-                    "moe_layer_freq": 1 if all(pattern) else list(pattern),
-                    "moe_shared_expert_intermediate_size": shared or None, "moe_shared_expert_gate": False,
-                    "moe_grouped_gemm": False, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
-                    **_router(hf, v3, experts, topk)}
+    moe_cfg, moe_args = moe_from_hf(hf, layers, ffn, v3)
     cfg = ModelConfig(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
         num_query_groups=heads, kv_channels=hidden // heads, swiglu=True, normalization="RMSNorm",
@@ -220,6 +248,12 @@ def export_problems(cfg: ModelConfig, args: argparse.Namespace) -> list[str]:
     problems = []
     if cfg.qk_layernorm is False:
         problems.append("no q/kv layernorms (DeepSeek always has q_a_layernorm / kv_a_layernorm)")
+    return problems + moe_problems(cfg, args)
+
+
+def moe_problems(cfg: ModelConfig, args: argparse.Namespace) -> list[str]:
+    """What of an MoE model DeepSeek's MoE keys (first_k_dense_replace, n_shared_experts, ...) cannot express."""
+    problems = []
     if cfg.num_experts:
         pattern = cfg.moe_layer_pattern or (1,) * cfg.num_layers
         dense = pattern.index(1) if 1 in pattern else cfg.num_layers
@@ -243,13 +277,25 @@ def architecture_of(cfg: ModelConfig, args: argparse.Namespace) -> str:
     return V3 if (sigmoid or cfg.q_lora_rank is not None or cfg.mtp_num_layers or not cfg.num_experts) else V2
 
 
+def moe_to_hf(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """DeepSeek's MoE keys of ``config.json`` for an MoE model (``moe_problems`` says what they cannot express)."""
+    pattern = cfg.moe_layer_pattern or (1,) * cfg.num_layers
+    groups = getattr(args, "moe_router_num_groups", None)
+    return {"n_routed_experts": cfg.num_experts, "moe_intermediate_size": cfg.expert_ffn,
+            "n_shared_experts": (cfg.moe_shared_expert_intermediate_size or 0) // cfg.expert_ffn,
+            "num_experts_per_tok": int(getattr(args, "moe_router_topk", 2) or 2),
+            "first_k_dense_replace": pattern.index(1),
+            "routed_scaling_factor": float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
+            "n_group": int(groups) if groups else 1,
+            "topk_group": int(getattr(args, "moe_router_group_topk", None) or 1) if groups else 1}
+
+
 def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any] | None,
                    dtype_name: str) -> dict[str, Any]:
     """``config.json`` of an MLA model (``base``, the source's DeepSeek config, updated, when of that architecture)."""
     arch = architecture_of(cfg, args)
     same = isinstance(base, dict) and arch in (base.get("architectures") or [])
     hf: dict[str, Any] = copy.deepcopy(base) if same else {}
-    pattern = cfg.moe_layer_pattern or (1,) * cfg.num_layers
     hf.update({
         "architectures": [arch], "model_type": hf.get("model_type") or ("deepseek_v3" if arch.startswith(
             "DeepseekV3") else "deepseek_v2"), "hidden_act": "silu", "hidden_size": cfg.hidden_size,
@@ -264,14 +310,7 @@ def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, base: dict[str, A
     if arch == V3:
         hf.update(num_nextn_predict_layers=cfg.mtp_num_layers, rope_interleave=True)
     if cfg.num_experts:
-        groups = getattr(args, "moe_router_num_groups", None)
-        hf.update(n_routed_experts=cfg.num_experts, moe_intermediate_size=cfg.expert_ffn,
-                  n_shared_experts=(cfg.moe_shared_expert_intermediate_size or 0) // cfg.expert_ffn,
-                  num_experts_per_tok=int(getattr(args, "moe_router_topk", 2) or 2),
-                  first_k_dense_replace=pattern.index(1), moe_layer_freq=1,
-                  routed_scaling_factor=float(getattr(args, "moe_router_topk_scaling_factor", None) or 1.0),
-                  n_group=int(groups) if groups else 1,
-                  topk_group=int(getattr(args, "moe_router_group_topk", None) or 1) if groups else 1)
+        hf.update(moe_to_hf(cfg, args), moe_layer_freq=1)
         if arch == V3:
             hf.update(norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc")
         else:
@@ -323,12 +362,7 @@ class DeepSeek(Family):
 
     def as_stored(self, cfg: ModelConfig, args: argparse.Namespace, found: Collection[str],
                   notes: list[str]) -> ModelConfig:
-        if cfg.mtp_num_layers and f"model.layers.{cfg.num_layers}.eh_proj.weight" not in found:
-            notes.append(f"config.json declares {cfg.mtp_num_layers} MTP layers (num_nextn_predict_layers) but the "
-                         "weights hold none; converting the model without them")
-            args.mtp_num_layers = None
-            return cfg.replace(mtp_num_layers=0)
-        return cfg
+        return drop_absent_mtp(cfg, args, found, notes)
 
     def stored_copies(self, cfg: ModelConfig, found: Collection[str]) -> dict[str, list[str]]:
         return mtp_copies(cfg, found)

@@ -157,3 +157,17 @@ def test_planner_at_deepseek_v3_scale():
     assert f.write_max <= 1.15 * share and f.write_min >= 0.8 * share
     assert f.read_max <= 1.16 * share
     print(f"{case}: {f.plan_s:.1f} s, {f.read_chunks} chunks, {f.target_files} files, {f.waves} waves")
+
+
+@pytest.mark.parametrize("case,params,write_max", [("gpt-oss-120b hf -> TP1 PP4 EP16", 116.8e9, 1.45),
+                                                   ("GLM-4.5 hf -> TP4 PP8 EP16", 356.7e9, 1.2)],
+                         ids=["gpt-oss-120b", "GLM-4.5"])
+def test_planner_at_gpt_oss_and_glm_scale(case, params, write_max):
+    """gpt-oss-120b (36 layers, 128 experts) over 64 ranks and GLM-4.5 (92 layers, 160 experts, its MTP layer placed
+    by a layout string) over 128: every rank reads and writes about its share (the first and last stages hold the
+    embedding and the output layer on top)."""
+    f = plan_case(case)
+    share = f.params * 2 / f.world
+    assert abs(f.params - params) < 0.1e9 and f.waves >= 1
+    assert 0.8 * share <= f.write_min and f.write_max <= write_max * share
+    assert 0.8 * share <= f.read_min and f.read_max <= 1.16 * share

@@ -1,6 +1,7 @@
-"""``bench --plan-scale``: the planner alone at DeepSeek-V3's real shape (61 layers, 256 experts, MTP,
-685B parameters with the MTP layer), no tensors: the chunks an HF release (163 shards) or a torch_dist
-save at one layout would be indexed as, planned into a torch_dist target at another over many ranks.
+"""``bench --plan-scale``: the planner alone at real shapes, no tensors: DeepSeek-V3 (61 layers, 256 experts,
+MTP: 685B parameters), gpt-oss-120b (36 layers, 128 experts: 117B) and GLM-4.5 (92 layers, 160 experts, MTP:
+357B); the chunks an HF release or a torch_dist save at one layout would be indexed as, planned into a torch_dist
+target at another over many ranks.
 Reports what every rank of such a run computes before it reads a byte: plan time, chunks, waves,
 per-rank bytes read / written and the per-wave memory bound."""
 from __future__ import annotations
@@ -34,13 +35,39 @@ DEEPSEEK_V3: dict[str, Any] = {
     "tie_word_embeddings": False, "rope_theta": 10000,
     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                      "original_max_position_embeddings": 4096, "type": "yarn"}, "torch_dtype": "bfloat16"}
-HF_SHARDS = 163
-# the layouts planned: DeepSeek-V3's Megatron recipes (16 and 8 pipeline stages, MTP on the last)
-CASES: dict[str, tuple[Layout | None, Layout, int]] = {
-    "hf -> TP8 PP16 EP64": (None, Layout(tp=8, pp=16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"), 128),
-    "TP8 PP16 EP64 -> TP4 PP8 EP32": (Layout(tp=8, pp=16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"),
+# gpt-oss-120b's config.json (its experts ship in MXFP4; planned here as the bf16 tensors they dequantize to)
+GPT_OSS_120B: dict[str, Any] = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": True, "swiglu_limit": 7.0,
+    "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                          "truncate": False, "original_max_position_embeddings": 4096},
+    "torch_dtype": "bfloat16"}
+# GLM-4.5's config.json (355B; its MTP layer makes 357B)
+GLM_45: dict[str, Any] = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 5120,
+    "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 92, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 160, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5, "use_qk_norm": True,
+    "attention_bias": True, "rope_theta": 1000000, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+MODELS = {"DeepSeek-V3": DEEPSEEK_V3, "gpt-oss-120b": GPT_OSS_120B, "GLM-4.5": GLM_45}
+HF_SHARDS = {"DeepSeek-V3": 163, "gpt-oss-120b": 15, "GLM-4.5": 93}
+# the cases planned: (model, source layout or None for its HF release, target layout, ranks); DeepSeek-V3's
+# Megatron recipes (16 and 8 pipeline stages, MTP on the last)
+CASES: dict[str, tuple[str, Layout | None, Layout, int]] = {
+    "hf -> TP8 PP16 EP64": ("DeepSeek-V3", None,
+                            Layout(tp=8, pp=16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"), 128),
+    "TP8 PP16 EP64 -> TP4 PP8 EP32": ("DeepSeek-V3",
+                                      Layout(tp=8, pp=16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"),
                                       Layout(tp=4, pp=8, ep=32, etp=1, pipeline_layout="Et*7|(tttttttt|)*6ttttttmL"),
                                       128),
+    "gpt-oss-120b hf -> TP1 PP4 EP16": ("gpt-oss-120b", None, Layout(tp=1, pp=4, ep=16, etp=1), 64),
+    "GLM-4.5 hf -> TP4 PP8 EP16": ("GLM-4.5", None,
+                                   Layout(tp=4, pp=8, ep=16, etp=1, pipeline_layout="Et*11|(t*12|)*6t*9mL"), 128),
 }
 
 
@@ -62,7 +89,8 @@ class PlanFigures:
     planner_rss: int  # peak RSS of the planning process
 
 
-def hf_chunks(cfg: Any, dtype: torch.dtype = torch.bfloat16, shards: int = HF_SHARDS) -> list[SourceChunk]:
+def hf_chunks(cfg: Any, dtype: torch.dtype = torch.bfloat16, shards: int = HF_SHARDS["DeepSeek-V3"]
+              ) -> list[SourceChunk]:
     """The chunks ``HFFormat`` indexes for an HF release of ``cfg`` in ``shards`` files."""
     tensors = hf_tensors(cfg)
     sizes = [(k, numel(shape) * dtype.itemsize) for k, (shape, _) in tensors.items()]
@@ -82,14 +110,14 @@ def torch_dist_chunks(target: Target, dtypes: dict[str, torch.dtype]) -> list[So
 
 
 def plan_case(case: str, budget: int = 4 << 30) -> PlanFigures:
-    src_layout, dst_layout, world = CASES[case]
+    model, src_layout, dst_layout, world = CASES[case]
     t0 = time.perf_counter()
-    cfg, args, _ = config_from_hf(DEEPSEEK_V3, None)
-    origin = Origin(kind="hf", hf_config=DEEPSEEK_V3)
+    cfg, args, _ = config_from_hf(MODELS[model], None)
+    origin = Origin(kind="hf", hf_config=MODELS[model])
     dtypes = dict.fromkeys(logical_tensors(cfg), torch.bfloat16)
     dtypes.update({n: torch.float32 for n in dtypes if n.endswith(".mlp.router.expert_bias")})
     if src_layout is None:
-        chunks = hf_chunks(cfg)
+        chunks = hf_chunks(cfg, shards=HF_SHARDS[model])
     else:
         cfg.check_layout(src_layout, "source")
         chunks = torch_dist_chunks(Target(cfg=cfg, layout=src_layout, dtype=None, args=args, iteration=0,

@@ -49,9 +49,12 @@ def program(name: str) -> Callable[[list[str]], int]:
 
 def run_captured(run: Callable[[list[str]], int], argv: list[str], out: Path, err: Path) -> int:
     """``run(argv)`` with fds 1 and 2 sent to ``out`` and ``err``; SystemExit and uncaught exceptions
-    become exit codes as they would for a process (a traceback and 1)."""
+    become exit codes as they would for a process (a traceback and 1). The environment is the worker's again
+    after each job, as a process's would be: a job's ``os.environ`` settings (Megatron-LM's attention backend sets
+    NVTE_FUSED_ATTN) never reach the next job."""
     sys.stdout.flush()
     sys.stderr.flush()
+    env = dict(os.environ)
     saved = os.dup(1), os.dup(2)
     with open(out, "wb") as fo, open(err, "wb") as fe:
         os.dup2(fo.fileno(), 1)
@@ -68,6 +71,8 @@ def run_captured(run: Callable[[list[str]], int], argv: list[str], out: Path, er
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            os.environ.clear()
+            os.environ.update(env)
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
             os.close(saved[0])

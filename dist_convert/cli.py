@@ -116,10 +116,13 @@ def _target_flags(r: argparse.ArgumentParser) -> None:
     r.add_argument("--nemo-style", choices=("mcore", "legacy", "megatron_legacy"), default=None,
                    help="nemo target: megatron-core keys, legacy NeMo Megatron keys, or legacy keys with the "
                         "megatron_legacy QKV layout (default: the source's for a .nemo source, else mcore)")
-    r.add_argument("--torch-dist-style", choices=("0.16", "0.19"), default=None,
-                   help="torch_dist target: where the common state (args) goes. 0.16: common.pt, which megatron-core "
-                        "0.14-0.20 all load; 0.19: a common_state item inside the DCP, as megatron-core 0.19+ saves "
-                        "(0.16-0.18 cannot load it). Default: the source's style, else 0.16")
+    r.add_argument("--mcore-style", "--torch-dist-style", dest="torch_dist_style", choices=("0.16", "0.19"),
+                   default=None,
+                   help="the megatron-core line a torch_dist or megatron target is written for. torch_dist: where the "
+                        "common state (args) goes; 0.16: common.pt, which megatron-core 0.14-0.20 all load; 0.19: a "
+                        "common_state item inside the DCP, as megatron-core 0.19+ saves (0.16-0.18 cannot load it). "
+                        "megatron (legacy rank files): a Mamba2 mixer's conv1d is named conv1d.weight (0.16) or "
+                        "conv1d_weight (0.19+). Default: the source's style, else 0.16")
     r.add_argument("--optimizer", action="store_true",
                    help="convert the distributed optimizer's state too (master params and Adam moments; "
                         "dp_reshardable, fully_reshardable, non-distributed or legacy distrib_optim.pt sources) into "

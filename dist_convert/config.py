@@ -10,6 +10,9 @@ from .errors import ConvertError
 from .layout.topology import Layout
 
 DEFAULT_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
+# MambaModel's layer symbols -> (mixer, MLP) of the layer (megatron-core's hybrid layer allocation)
+HYBRID_SYMBOLS: dict[str, tuple[str | None, str | None]] = {
+    "M": ("mamba", None), "*": ("attention", None), "-": (None, "dense"), "E": (None, "moe")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +66,22 @@ class ModelConfig:
     # the attention softmax (megatron-core ``softmax_type``): "vanilla", "off-by-one", or "learnable" (gpt-oss's
     # attention sinks: one learnt logit per head, ``core_attention.softmax_offset``)
     softmax_type: str = "vanilla"
+    # hybrid stacks. MambaModel (Nemotron-H): one symbol per layer, "M" Mamba2 mixer, "*" attention, "-" MLP, "E" MoE
+    # (megatron-core's hybrid_override_pattern / hybrid_layer_pattern); its final norm is decoder.final_norm
+    hybrid_pattern: str | None = None
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_num_groups: int = 0
+    mamba_state_dim: int = 0
+    # GPTModel with Gated DeltaNet layers (experimental_attention_variant "gated_delta_net"; Qwen3-Next/3.5):
+    # 1 per GDN layer, 0 per (gated) full-attention layer
+    linear_attention_pattern: tuple[int, ...] | None = None
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    attention_output_gate: bool = False  # linear_qkv holds a sigmoid gate per query head (fused.QKVG)
 
     @property
     def stacks(self) -> list[tuple[str, int]]:
@@ -70,6 +89,39 @@ class ModelConfig:
         if self.family == "t5":
             return [("encoder", self.encoder_num_layers), ("decoder", self.num_layers)]
         return [("decoder", self.num_layers)] + ([("mtp", self.mtp_num_layers)] if self.mtp_num_layers else [])
+
+    def layer_kind(self, stack: str, layer: int) -> tuple[str | None, str | None]:
+        """(mixer, MLP) of a layer: mixer "attention" | "mamba" | "gdn" | None, MLP "dense" | "moe" | None.
+        A hybrid (MambaModel) layer has one of the two; a GPTModel layer both."""
+        if self.hybrid_pattern is not None and stack == "decoder":
+            return HYBRID_SYMBOLS[self.hybrid_pattern[layer]]
+        gdn = stack == "decoder" and self.linear_attention_pattern is not None \
+            and bool(self.linear_attention_pattern[layer])
+        return ("gdn" if gdn else "attention"), ("moe" if self.layer_is_moe(stack, layer) else "dense")
+
+    @property
+    def grouped_experts(self) -> bool:
+        """Legacy rank files name routed experts as TEGroupedMLP does: as the source's did, and always for MambaModel
+        (its layer spec builds TEGroupedMLP experts)."""
+        return self.moe_grouped or self.hybrid_pattern is not None
+
+    @property
+    def mamba_d_inner(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def mamba_sections(self) -> tuple[tuple[str, int], ...]:
+        """Mamba2 ``in_proj`` rows: [z | x | B | C | dt], each split over TP on its own."""
+        di, gn = self.mamba_d_inner, self.mamba_num_groups * self.mamba_state_dim
+        return (("z", di), ("x", di), ("B", gn), ("C", gn), ("dt", self.mamba_num_heads))
+
+    @property
+    def gdn_sections(self) -> tuple[tuple[str, int], ...]:
+        """Gated DeltaNet ``in_proj`` rows: [query | key | value | z | beta | alpha], each split over TP on its own."""
+        qk = self.linear_num_key_heads * self.linear_key_head_dim
+        vd = self.linear_num_value_heads * self.linear_value_head_dim
+        nv = self.linear_num_value_heads
+        return (("query", qk), ("key", qk), ("value", vd), ("z", vd), ("beta", nv), ("alpha", nv))
 
     def layer_is_moe(self, stack: str, layer: int) -> bool:
         """Whether layer ``layer`` of ``stack`` has an MoE MLP (an MTP layer is built like the last decoder layer)."""
@@ -103,6 +155,7 @@ class ModelConfig:
                                        "splits MLA's down-projections over TP",
                                        f"choose {flag} among the divisors of {n}, or --target-spec te (which "
                                        "replicates them)")
+        self._check_hybrid(layout, what)
         if self.num_experts:
             layout.validate_experts(self.num_experts, self.expert_ffn, self.moe_shared_expert_intermediate_size,
                                     what)
@@ -114,8 +167,28 @@ class ModelConfig:
             raise ConvertError(f"{what} {layout} sets expert parallelism, but the model has no experts",
                                "drop --target-ep/--target-etp")
 
+    def _check_hybrid(self, layout: Layout, what: str) -> None:
+        """megatron-core splits a Mamba2 mixer by whole heads and groups, a Gated DeltaNet by whole key and value
+        heads (MambaMixer / TransformerConfig assert it); MambaModel has no virtual pipeline stages."""
+        flag = "--target-tp" if what == "target" else "the source layout"
+        counts = (("mamba_num_heads", self.mamba_num_heads), ("mamba_num_groups", self.mamba_num_groups)) \
+            if self.hybrid_pattern is not None else ()
+        if self.linear_attention_pattern is not None:
+            counts += (("linear_num_key_heads", self.linear_num_key_heads),
+                       ("linear_num_value_heads", self.linear_num_value_heads))
+        for name, n in counts:
+            if n % layout.tp:
+                raise ConvertError(f"{what} TP={layout.tp} does not divide {name}={n}: megatron-core splits the "
+                                   "mixer by whole heads and groups", f"choose {flag} among the divisors of {n}")
+        if self.hybrid_pattern is not None and (layout.vpp or layout.pipeline_layout):
+            raise ConvertError(f"{what} {layout}: megatron-core's MambaModel builds no virtual pipeline stages "
+                               "or layout strings", "drop --target-vpp / --target-pipeline-layout; use --target-pp "
+                               "with --target-num-layers-in-first/last-stage")
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` (0-based, global) is an MoE layer."""
+        if self.hybrid_pattern is not None:
+            return self.hybrid_pattern[layer] == "E"
         if not self.num_experts:
             return False
         return self.moe_layer_pattern is None or bool(self.moe_layer_pattern[layer])
@@ -135,7 +208,8 @@ class ModelConfig:
 
     @property
     def qkv_rows(self) -> int:
-        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+        gate = self.num_attention_heads if self.attention_output_gate else 0
+        return (self.num_attention_heads + gate + 2 * self.num_query_groups) * self.kv_channels
 
     @property
     def fc1_rows(self) -> int:
@@ -220,12 +294,83 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
         **_moe_from_args(args, int(args.num_layers)),
         **_mla_from_args(args, spec or ("local" if impl == "local" else "te")),
         mtp_num_layers=int(_get(args, "mtp_num_layers", 0) or 0),
-        activation="quick_gelu" if _get(args, "quick_geglu", False) else str(_get(args, "glu_activation", "silu")),
+        activation=_activation(args),
         zero_centered_gamma=bool(_get(args, "layernorm_zero_centered_gamma", False)
                                  or _get(args, "apply_layernorm_1p", False)),
         post_norms=bool(_get(args, "post_norms", False)),
         softmax_type=str(_get(args, "softmax_type", "vanilla")),
+        attention_output_gate=bool(_get(args, "attention_output_gate", False)),
+        **_hybrid_from_args(args),
     )
+
+
+def _activation(args: argparse.Namespace) -> str:
+    if _get(args, "quick_geglu", False):
+        return "quick_gelu"
+    if _get(args, "squared_relu", False):
+        return "squared_relu"
+    return str(_get(args, "glu_activation", "silu"))
+
+
+def hybrid_pattern_of(pattern: str, num_layers: int | None = None) -> str:
+    """The per-layer symbols of megatron-core's hybrid layer pattern (pipeline splits ``|`` dropped); refused in one
+    line when a symbol is one megatron-core's MambaModel does not build here, or the count disagrees."""
+    symbols = pattern.replace("|", "")
+    bad = sorted(set(symbols) - set(HYBRID_SYMBOLS))
+    if bad or not symbols:
+        raise ConvertError(f"hybrid layer pattern {pattern!r} has symbol(s) {''.join(bad) or 'none'}: megatron-core's "
+                           "MambaModel layers converted here are M (Mamba2), * (attention), - (MLP) and E (MoE)",
+                           "convert a model whose hybrid_override_pattern uses only M, *, - and E (multi-token "
+                           "prediction after '/' and G/D/+ layers are not supported)")
+    if num_layers is not None and len(symbols) != num_layers:
+        raise ConvertError(f"hybrid layer pattern {pattern!r} has {len(symbols)} layers but num_layers is {num_layers}",
+                           "fix num_layers or the pattern in the checkpoint args")
+    return symbols
+
+
+def _hybrid_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    pattern = _get(args, "hybrid_layer_pattern", None) or _get(args, "hybrid_override_pattern", None)
+    if pattern:
+        out.update(hybrid_pattern=hybrid_pattern_of(str(pattern), int(args.num_layers)),
+                   mamba_num_heads=int(_get(args, "mamba_num_heads", 0) or 0),
+                   mamba_head_dim=int(_get(args, "mamba_head_dim", 64)),
+                   mamba_num_groups=int(_get(args, "mamba_num_groups", 8)),
+                   mamba_state_dim=int(_get(args, "mamba_state_dim", 128)))
+        if not out["mamba_num_heads"]:  # megatron-core: d_inner = 2 * hidden (expand 2) without mamba_num_heads
+            out["mamba_num_heads"] = 2 * int(args.hidden_size) // out["mamba_head_dim"]
+    if _get(args, "experimental_attention_variant", None) == "gated_delta_net":
+        out.update(linear_attention_pattern=linear_attention_pattern(_get(args, "linear_attention_freq", None),
+                                                                     int(args.num_layers)),
+                   linear_num_key_heads=int(_get(args, "linear_num_key_heads", 16)),
+                   linear_num_value_heads=int(_get(args, "linear_num_value_heads", 32)),
+                   linear_key_head_dim=int(_get(args, "linear_key_head_dim", 128)),
+                   linear_value_head_dim=int(_get(args, "linear_value_head_dim", 128)),
+                   linear_conv_kernel_dim=int(_get(args, "linear_conv_kernel_dim", 4)))
+    elif _get(args, "experimental_attention_variant", None):
+        raise ConvertError(f"experimental_attention_variant={args.experimental_attention_variant!r}: the variants "
+                           "converted here are gated_delta_net", "convert a model of a supported layer kind")
+    return out
+
+
+def linear_attention_freq(pattern: tuple[int, ...]) -> int | list[int]:
+    """The inverse of :func:`linear_attention_pattern`: N when every N-th layer is full attention, else the 0/1 list."""
+    if 0 in pattern:
+        n = pattern.index(0) + 1
+        if pattern == tuple(0 if (i + 1) % n == 0 else 1 for i in range(len(pattern))):
+            return n
+    return list(pattern)
+
+
+def linear_attention_pattern(freq: Any, num_layers: int) -> tuple[int, ...]:
+    """megatron-core's ``linear_attention_freq``: an int N (layer i, 0-based, is full attention iff (i + 1) % N == 0,
+    the others Gated DeltaNet) or a 0/1 list (1 = linear attention)."""
+    if isinstance(freq, int) and freq >= 1:
+        return tuple(0 if (i + 1) % freq == 0 else 1 for i in range(num_layers))
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and not set(int(x) for x in freq) - {0, 1}:
+        return tuple(int(x) for x in freq)
+    raise ConvertError(f"linear_attention_freq={freq!r} is neither a positive int nor one 0/1 per layer "
+                       f"({num_layers} layers)", "fix linear_attention_freq in the checkpoint args")
 
 
 def _mla_from_args(args: argparse.Namespace, spec: str) -> dict[str, Any]:

@@ -194,9 +194,9 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
     if f.optimizer and dst_fmt.name != "torch_dist":
         raise ConvertError(f"--optimizer writes the optimizer state into a torch_dist target, not {dst_fmt.name}",
                            "pass --dst-format torch_dist, or drop --optimizer to convert the model alone")
-    if f.torch_dist_style and dst_fmt.name != "torch_dist":
-        raise ConvertError(f"--torch-dist-style applies to torch_dist targets, not {dst_fmt.name}",
-                           "drop --torch-dist-style or pass --dst-format torch_dist")
+    if f.torch_dist_style and dst_fmt.name not in ("torch_dist", "megatron"):
+        raise ConvertError(f"--mcore-style applies to torch_dist and megatron targets, not {dst_fmt.name}",
+                           "drop --mcore-style or pass --dst-format torch_dist / megatron")
     layout = target_layout(opts, index, dst_fmt)
     spec = opts.target_spec or index.cfg.spec
     # MLA's down-projections: split over TP in the local spec, replicated in today's TE spec (the source's

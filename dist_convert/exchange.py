@@ -226,9 +226,10 @@ def stop_on_error(rt: Runtime, error: ConvertError | None) -> None:
 def payload(src: torch.Tensor, t: Transfer) -> torch.Tensor:
     """View of the transfer's box in a source chunk, shaped as its payload (``t.shape``): through the
     source's view (strided, permuted) when it has one; otherwise only size-1 axes differ. Either way it
-    stays a view; ``copy_`` then casts and copies in one pass."""
+    stays a view (but for a shifted piece's transfer, ``add``); ``copy_`` then casts and copies in one pass."""
     block = src[t.src_box.slices()]
-    return (block if t.src_view is None else logical_view(block, t.src_view)).reshape(t.shape)
+    out = (block if t.src_view is None else logical_view(block, t.src_view)).reshape(t.shape)
+    return out + t.add if t.add else out  # a shifted piece (in the source dtype, before any cast)
 
 
 def _fill(buf: torch.Tensor, transfers: list[Transfer], data: dict[int, torch.Tensor]) -> int:

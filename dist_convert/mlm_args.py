@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig
+from .config import ModelConfig, linear_attention_freq
 from .errors import ConvertError
 from .layout.topology import Layout
 
@@ -255,7 +255,10 @@ def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) ->
     # dist_convert's own fields for what Megatron-LM's args cannot say (Megatron-Bridge's Gemma 3 has them),
     # written only where they are set, so a Llama's args stay Megatron-LM's
     # (and megatron-core's own quick_geglu / softmax_type the same way)
-    for name, value, unset in (("glu_activation", cfg.activation, "silu"), ("post_norms", cfg.post_norms, False),
+    for name, value, unset in (("glu_activation", cfg.activation if cfg.swiglu else "silu", "silu"),
+                               ("squared_relu", cfg.activation == "squared_relu" and not cfg.swiglu, False),
+                               ("attention_output_gate", cfg.attention_output_gate, False),
+                               ("post_norms", cfg.post_norms, False),
                                ("quick_geglu", cfg.swiglu and cfg.activation == "quick_gelu", False),
                                ("softmax_type", cfg.softmax_type, "vanilla")):
         if value != unset or hasattr(args, name):
@@ -286,6 +289,25 @@ def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) ->
                      "moe_router_enable_expert_bias"):
             if not hasattr(args, name):
                 f[name] = copy.deepcopy(BY_NAME[name].default)
+    f.update(_hybrid_fields(args, cfg))
+    return f
+
+
+def _hybrid_fields(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Any]:
+    """MambaModel's pattern and Mamba2 sizes; a Gated DeltaNet model's variant, layer frequency and sizes."""
+    f: dict[str, Any] = {}
+    if cfg.hybrid_pattern is not None:
+        f.update(is_hybrid_model=True, hybrid_override_pattern=cfg.hybrid_pattern, mamba_num_heads=cfg.mamba_num_heads,
+                 mamba_head_dim=cfg.mamba_head_dim, mamba_num_groups=cfg.mamba_num_groups,
+                 mamba_state_dim=cfg.mamba_state_dim)
+        if getattr(args, "hybrid_layer_pattern", None):  # megatron-core 0.19's name, where the source used it
+            f["hybrid_layer_pattern"] = cfg.hybrid_pattern
+    pattern = cfg.linear_attention_pattern
+    if pattern is not None:
+        f.update(experimental_attention_variant="gated_delta_net", linear_attention_freq=linear_attention_freq(pattern),
+                 linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
+                 linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
+                 linear_conv_kernel_dim=cfg.linear_conv_kernel_dim)
     return f
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
@@ -40,6 +41,7 @@ class Transfer:
     dtype: torch.dtype  # target dtype
     src_view: View | None = None  # how the source chunk stores the logical block (layout.boxes.View)
     dst_view: View | None = None  # how the target tensor stores it
+    add: float = 0.0  # added to the values on the way (the target piece's shift less the source piece's)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -229,15 +231,22 @@ def balance(sizes: dict[int, int], world: int, load: list[int] | None = None,
 
 
 def split_files(files: list[TargetFile], world: int) -> list[TargetFile]:
-    """Spread target files over ``world`` writers when there are fewer files than ranks and the
-    format lets any rank write any part (DCP: a file is just a group of chunks). Each file's tensors
-    are split largest-first into ``ceil(world / len(files))`` parts of near-equal bytes; objects stay
-    with the first part. Otherwise the files are returned as they are."""
-    if not files or len(files) >= world:
+    """Spread target files over ``world`` writers where the format lets any rank write any part (DCP: a file is
+    just a group of chunks): with fewer files than ranks each file's tensors are split largest-first into
+    ``ceil(world / len(files))`` parts of near-equal bytes; where a part would still hold well over a rank's share
+    (the first expert rank's files hold every tensor but the routed experts), every file is cut into parts of about
+    half a share, so that the writers balance. Objects stay with a file's first part. Otherwise the files are returned
+    as they are."""
+    if not files:
         return files
-    parts = -(-world // len(files))
+    share = sum(f.nbytes for f in files) / world
+    even = -(-world // len(files)) if len(files) < world else 1
+    lopsided = share > 0 and max(f.nbytes for f in files) / even > 1.5 * share
+    if len(files) >= world and not lopsided:
+        return files
     out: list[TargetFile] = []
     for f in files:
+        parts = max(even, math.ceil(2 * f.nbytes / share)) if lopsided else even
         owner = balance({j: t.nbytes for j, t in enumerate(f.tensors)}, parts)
         for p in range(parts):
             tensors = [t for j, t in enumerate(f.tensors) if owner[j] == p]
@@ -352,6 +361,7 @@ class Route:
     dst_view: View | None
     nbytes: int  # in the target dtype
     dtype: torch.dtype  # the target's
+    add: float = 0.0
 
 
 def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, budget: int,
@@ -378,7 +388,8 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
                 nbytes = o.inter.numel * dtype.itemsize
                 raw[cid].append(Route(file=spot.file, tensor=spot.tensor, src_box=piece_box(sp, o.inter),
                                       dst_box=piece_box(spot.piece, o.inter), src_view=sp.view,
-                                      dst_view=spot.piece.view, nbytes=nbytes, dtype=dtype))
+                                      dst_view=spot.piece.view, nbytes=nbytes, dtype=dtype,
+                                      add=spot.piece.shift - sp.shift))
                 consumer_bytes[cid][writer_of[spot.file]] += nbytes
     prefer = {cid: max(cb, key=cb.get) for cid, cb in consumer_bytes.items()}
     sizes = {cid: by_id[cid].nbytes for cid in kept if cid in raw}  # chunks no target file needs are not read
@@ -438,7 +449,8 @@ def _waves(raw: dict[int, list[Route]], reader_of: dict[int, int], writer_of: di
             for x in raw[cid]:
                 wave.transfers.append(Transfer(chunk=cid, src_box=x.src_box, reader=r, file=x.file, tensor=x.tensor,
                                                dst_box=x.dst_box, writer=writer_of[x.file], nbytes=x.nbytes,
-                                               dtype=x.dtype, src_view=x.src_view, dst_view=x.dst_view))
+                                               dtype=x.dtype, src_view=x.src_view, dst_view=x.dst_view,
+                                               add=x.add))
             for rank, c in cost.items():
                 used[rank] += c
         waves.append(wave)

@@ -459,8 +459,9 @@ def stored_parallel(iter_dir: Path) -> tuple[int | None, int | None]:
             from megatron.core.safe_globals import SAFE_GLOBALS
 
             f = sorted(iter_dir.glob("mp_rank_*/model_optim_rng.pt"))[0]
-            with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-                args = torch.load(f, map_location="cpu", weights_only=True).get("args")
+            # registered for good, as megatron-core does: the safe_globals context would drop them again on exit
+            torch.serialization.add_safe_globals(list(SAFE_GLOBALS))
+            args = torch.load(f, map_location="cpu", weights_only=True).get("args")
         else:
             args = dist_checkpointing.load_common_state_dict(str(iter_dir)).get("args")
     if args is not None:
@@ -496,8 +497,9 @@ def load_strict(model, iter_dir: Path, problems: list[str]) -> None:
             return
         from megatron.core.safe_globals import SAFE_GLOBALS
 
-        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-            sd = torch.load(f, map_location="cpu", weights_only=True)["model"]
+        # registered for good, as megatron-core does: the safe_globals context would drop them again on exit
+        torch.serialization.add_safe_globals(list(SAFE_GLOBALS))
+        sd = torch.load(f, map_location="cpu", weights_only=True)["model"]
     else:
         sharded = m.sharded_state_dict()
         loaded = dist_checkpointing.load({"model": sharded}, str(iter_dir), strict=StrictHandling.RAISE_ALL)

@@ -133,10 +133,10 @@ def test_damaged_019_checkpoints_are_refused(src19, tmp_path, name, damage, need
                    *needles)
 
 
-def test_torch_dist_style_needs_a_torch_dist_target(src19, tmp_path):
-    assert_refused(run_cli("reshard", str(src19.torch_dist), str(tmp_path / "dst"), "--dst-format", "megatron",
-                           "--torch-dist-style", "0.19", nproc=2), tmp_path, "--torch-dist-style",
-                   "--dst-format torch_dist")
+def test_mcore_style_needs_a_megatron_core_target(src19, tmp_path):
+    assert_refused(run_cli("reshard", str(src19.torch_dist), str(tmp_path / "dst"), "--dst-format", "hf",
+                           "--torch-dist-style", "0.19", nproc=2), tmp_path, "--mcore-style",
+                   "--dst-format torch_dist / megatron")
 
 
 def test_speculate_under_mcore19(src19, tmp_path):

@@ -1,7 +1,8 @@
 """``bench --plan-scale``: the planner alone at real shapes, no tensors: DeepSeek-V3 (61 layers, 256 experts,
-MTP: 685B parameters), gpt-oss-120b (36 layers, 128 experts: 117B) and GLM-4.5 (92 layers, 160 experts, MTP:
-357B); the chunks an HF release or a torch_dist save at one layout would be indexed as, planned into a torch_dist
-target at another over many ranks.
+MTP: 685B parameters), gpt-oss-120b (36 layers, 128 experts: 117B), GLM-4.5 (92 layers, 160 experts, MTP:
+357B), Nemotron-3-Nano (52 hybrid Mamba2 / MoE / attention layers: 31.6B) and Qwen3-Next-80B (48 Gated DeltaNet /
+gated attention layers, 512 experts: 79.7B); the chunks an HF release or a torch_dist save at one layout would be
+indexed as, planned into a torch_dist target at another over many ranks.
 Reports what every rank of such a run computes before it reads a byte: plan time, chunks, waves,
 per-rank bytes read / written and the per-wave memory bound."""
 from __future__ import annotations
@@ -54,8 +55,28 @@ GLM_45: dict[str, Any] = {
     "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5, "use_qk_norm": True,
     "attention_bias": True, "rope_theta": 1000000, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
-MODELS = {"DeepSeek-V3": DEEPSEEK_V3, "gpt-oss-120b": GPT_OSS_120B, "GLM-4.5": GLM_45}
-HF_SHARDS = {"DeepSeek-V3": 163, "gpt-oss-120b": 15, "GLM-4.5": 93}
+# NVIDIA-Nemotron-3-Nano-30B-A3B's config.json (52 hybrid layers: 23 Mamba2, 23 MoE, 6 attention; 31.6B)
+NEMOTRON_3_NANO: dict[str, Any] = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 131072, "hidden_size": 2688,
+    "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME", "num_attention_heads": 32,
+    "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 1856, "mamba_num_heads": 64, "mamba_head_dim": 64,
+    "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "n_routed_experts": 128, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False,
+    "max_position_embeddings": 262144, "torch_dtype": "bfloat16"}
+# Qwen3-Next-80B-A3B's config.json (48 layers, 3 Gated DeltaNet : 1 gated attention, 512 experts; 79.7B)
+QWEN3_NEXT_80B: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "intermediate_size": 5120, "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 512,
+    "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "partial_rotary_factor": 0.25,
+    "rope_theta": 10000000, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16"}
+MODELS = {"DeepSeek-V3": DEEPSEEK_V3, "gpt-oss-120b": GPT_OSS_120B, "GLM-4.5": GLM_45,
+          "Nemotron-3-Nano": NEMOTRON_3_NANO, "Qwen3-Next-80B": QWEN3_NEXT_80B}
+HF_SHARDS = {"DeepSeek-V3": 163, "gpt-oss-120b": 15, "GLM-4.5": 93, "Nemotron-3-Nano": 13, "Qwen3-Next-80B": 41}
 # the cases planned: (model, source layout or None for its HF release, target layout, ranks); DeepSeek-V3's
 # Megatron recipes (16 and 8 pipeline stages, MTP on the last)
 CASES: dict[str, tuple[str, Layout | None, Layout, int]] = {
@@ -68,6 +89,8 @@ CASES: dict[str, tuple[str, Layout | None, Layout, int]] = {
     "gpt-oss-120b hf -> TP1 PP4 EP16": ("gpt-oss-120b", None, Layout(tp=1, pp=4, ep=16, etp=1), 64),
     "GLM-4.5 hf -> TP4 PP8 EP16": ("GLM-4.5", None,
                                    Layout(tp=4, pp=8, ep=16, etp=1, pipeline_layout="Et*11|(t*12|)*6t*9mL"), 128),
+    "Nemotron-3-Nano hf -> TP1 PP2 EP16": ("Nemotron-3-Nano", None, Layout(tp=1, pp=2, ep=16, etp=1), 32),
+    "Qwen3-Next-80B hf -> TP2 PP4 EP16": ("Qwen3-Next-80B", None, Layout(tp=2, pp=4, ep=16, etp=1), 64),
 }
 
 

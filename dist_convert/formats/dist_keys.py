@@ -3,12 +3,13 @@ tensor at each coordinate of its leading layer / expert axes, the ``_extra_state
 what the stored keys of a checkpoint show about its layer spec. ``torch_dist.py`` reads and writes with it."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..layout.boxes import Box, Piece, chunk_pieces
+from ..layout.boxes import Box, Kind, Piece, chunk_pieces
 from ..layout.rules import (
     MTP_LAYER,
     LogicalTensor,
@@ -27,6 +28,7 @@ class DistGroup:
 
     lead: tuple[int, ...]
     members: dict[tuple[int, ...], LogicalTensor]
+    row_offset: int = 0  # a section key (``<key>.<section>``): its members are rows from here of their tensors
 
 
 def placement(t: LogicalTensor, cfg: ModelConfig, per_layer: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -47,21 +49,38 @@ def dist_groups(cfg: ModelConfig) -> dict[str, DistGroup]:
     groups: dict[str, DistGroup] = {}
     for t in logical_tensors(cfg).values():
         lead, at = placement(t, cfg, per_layer)
-        groups.setdefault(torch_dist_key(t, per_layer or t.stack == "mtp"),
-                          DistGroup(lead=lead, members={})).members[at] = t
+        key = torch_dist_key(t, per_layer or t.stack == "mtp")
+        for suffix, offset, member in sections_of(t):
+            groups.setdefault(key + suffix, DistGroup(lead=lead, members={}, row_offset=offset)).members[at] = member
         for alias in t.aliases:
             groups[alias] = DistGroup(lead=(), members={(): t})
     return groups
+
+
+def sections_of(t: LogicalTensor) -> list[tuple[str, int, LogicalTensor]]:
+    """(key suffix, first row, stored tensor) of each torch_dist key holding ``t``: one, ``t`` itself, unless
+    megatron-core keys its sections one by one (Mamba2's in_proj ``.z .x .B .C .dt``, conv1d ``.x .B .C``; Gated
+    DeltaNet's ``.query .key .value .z .beta .alpha``): then each a whole section, column-parallel on its own."""
+    if not t.section_names:
+        return [("", 0, t)]
+    out, row = [], 0
+    for name, n in zip(t.section_names, t.sections, strict=True):
+        out.append((f".{name}", row, dataclasses.replace(t, kind=Kind.COL, shape=(n,) + t.shape[1:], sections=(),
+                                                        section_names=())))
+        row += n
+    return out
 
 
 def block_pieces(g: DistGroup, box: Box) -> list[Piece]:
     """Pieces of a stored block holding ``box`` of the key's global tensor (one per leading coordinate)."""
     n = len(g.lead)
     inner = Box(box.offsets[n:], box.sizes[n:])
+    shift = (g.row_offset,) + (0,) * (len(inner.offsets) - 1)
     pieces = []
     for idx in itertools.product(*(range(k) for k in box.sizes[:n])):
         t = g.members[tuple(o + i for o, i in zip(box.offsets[:n], idx, strict=True))]
-        pieces += chunk_pieces(t.name, t.kind, inner, t.shape[0], (0,) * len(inner.sizes), lead=idx)
+        for p in chunk_pieces(t.name, t.kind, inner, t.shape[0], (0,) * len(inner.sizes), lead=idx):
+            pieces.append(Piece(p.logical, p.lbox.shifted(shift), p.sbox) if g.row_offset else p)
     return pieces
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Collection
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from ..datamodel import Origin, SourceChunk, SourceIndex, Target, TargetFile, Ta
 from ..durable import write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box, Piece
-from ..layout.fused import fused_for
+from ..layout.fused import fused_for, part_in
 from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
 from ..models import export_family, family_of, hf_from_config, naming_family
@@ -41,7 +42,7 @@ def part_pieces(logical: str, lshape: tuple[int, ...], part: str | None, cfg) ->
     if part is None:
         full = Box.full(lshape)
         return lshape, [Piece(logical, full, full)]
-    return fused_for(part, cfg, lshape[0]).pieces(logical, lshape, part)
+    return fused_for(part, cfg, lshape[0]).pieces(logical, lshape, part_in(part))
 
 
 def hf_tensors(cfg, fam: Family | None = None) -> HFTensors:
@@ -55,10 +56,12 @@ def hf_tensors(cfg, fam: Family | None = None) -> HFTensors:
     out[first] = part_pieces(top[first], logical[top[first]].shape, None, cfg)
     for stack, count in cfg.stacks:
         for layer in range(count):
-            hf = f"model.layers.{fam.hf_layer(cfg, stack, layer)}."
+            hf = f"{fam.hf_layers}{fam.hf_layer(cfg, stack, layer)}."
             for hf_suffix, name, part in fam.layer_names(cfg, stack, layer):
                 if name in logical:
-                    out[hf + hf_suffix] = part_pieces(name, logical[name].shape, part, cfg)
+                    shape, pieces = part_pieces(name, logical[name].shape, part, cfg)
+                    shift = fam.shifts.get(hf_suffix, 0.0)
+                    out[hf + hf_suffix] = shape, [replace(p, shift=shift) for p in pieces] if shift else pieces
     out.update(fam.alternatives(cfg, out.keys(), out))  # the layouts a family stores without a name-table row
     for hf_name in rest:
         if top[hf_name] in logical:

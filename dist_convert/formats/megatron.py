@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from ..layout.rules import (
     OUTPUT_MODULES,
     expert_modules,
     extra_state_modules,
+    hybrid,
     is_grouped_expert_key,
     logical_tensors,
     model_family,
@@ -85,6 +87,24 @@ def _looks_like(path: Path) -> bool:
 
 
 MTP_LEGACY = "mtp_model_layer."  # megatron-core >= 0.17's state_dict name of MTP_LAYER
+# megatron-core 0.19's state_dict names of a Mamba2 mixer's convolution (torch_dist keys keep the old ones): a
+# target of style "0.19" is written with them, a source is read with either
+STYLE_019 = ((".mixer.conv1d.weight", ".mixer.conv1d_weight"), (".mixer.conv1d.bias", ".mixer.conv1d_bias"))
+
+
+def key_in_style(key: str, style: str) -> str:
+    """A state-dict key (0.16 naming) as megatron-core of ``style`` names it."""
+    for old, new in STYLE_019 if style == "0.19" else ():
+        if key.endswith(old):
+            return key[:-len(old)] + new
+    return key
+
+
+def key_from_019(key: str) -> str:
+    for old, new in STYLE_019:
+        if key.endswith(new):
+            return key[:-len(new)] + old
+    return key
 
 
 def _mla_down_split(cfg: ModelConfig, stored: dict[str, tuple[tuple[int, ...], Any]]) -> bool:
@@ -105,6 +125,8 @@ def extra_state_keys(cfg: ModelConfig, layout: Layout, pp_rank: int, spec: str) 
             continue
         for i in range(count):
             mods = extra_state_modules(cfg, stack, spec, off + i)
+            if hybrid(cfg) and cfg.layer_kind(stack, off + i)[0] == "attention":  # TE's attention core: state_dict
+                mods += ("self_attention.core_attention",)                       # only (no torch_dist object)
             if cfg.layer_is_moe(stack, off + i):
                 mods += tuple(MTP_LAYER + m for m in experts) if stack == "mtp" else experts
             keys += [chunk_key(f"{stack}.layers.{i}.{m}._extra_state", vp, layout) for m in mods]
@@ -143,17 +165,18 @@ def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:
             raise ConvertError(f"{path} has no 'model' entry (found {keys})",
                                "point SRC at a Megatron checkpoint saved with its model state")
         # TE keeps FP8 metadata in `_extra_state` (bytes or uint8 tensors): state, not weights
-        tensors, objects = {}, []
+        tensors, objects, style = {}, [], None
         for entry in entries or ["model"]:
             for k, v in ckpt[entry].items():
                 key = f"{entry}/{k}" if entries else k
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state"):
                     # megatron-core >= 0.17 names an MTP layer's TransformerLayer mtp_model_layer in state_dict
-                    tensors[key.replace("." + MTP_LEGACY, "." + MTP_LAYER)] = (tuple(v.shape), v.dtype)
+                    tensors[key_from_019(key.replace("." + MTP_LEGACY, "." + MTP_LAYER))] = (tuple(v.shape), v.dtype)
+                    style = "0.19" if key_from_019(key) != key else style
                 else:
                     objects.append(key)
         return {"args": ckpt.get("args"), "origin": ckpt.get(ORIGIN_KEY), "iteration": ckpt.get("iteration"),
-                "tensors": tensors,
+                "tensors": tensors, "style": style,
                 "objects": objects, "chunks": len(entries), "optimizer": ckpt.get("optimizer"),
                 "scheduler": ckpt.get("opt_param_scheduler"), "counters": optim_sources.counters(ckpt),
                 "training": [k for k in COMMON_TRAINING_STATE if k in ckpt]
@@ -228,7 +251,7 @@ class MegatronFormat(IterDirFormat):
                                   optimizer is not None)
         return policy.finish(SourceIndex(format=self.name, iter_dir=iter_dir, iteration=iteration, args=args, cfg=cfg,
                                          layout=layout, chunks=chunks, notes=[note] if note else [],
-                                         optimizer=optimizer, origin=origin))
+                                         optimizer=optimizer, origin=origin, style=files[(0, 0, 0)]["style"]))
 
     @staticmethod
     def _rank_files(iter_dir: Path, names: list[str], indexed: dict[str, dict[str, Any]],
@@ -267,13 +290,16 @@ class MegatronFormat(IterDirFormat):
             for c in group:
                 entry, key = split_chunk_key(c.key)
                 stored = ckpt[entry]
-                out[c.id] = stored[key] if key in stored else stored[key.replace("." + MTP_LAYER, "." + MTP_LEGACY)]
+                out[c.id] = stored[key] if key in stored else stored[key_in_style(key, "0.19")] \
+                    if key_in_style(key, "0.19") in stored else stored[key.replace("." + MTP_LAYER, "." + MTP_LEGACY)]
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         lay = target.layout
-        return rank_target_files(target, dtypes,
-                                 lambda t, p, e: f"{rank_dir_name(t, p, lay.pp, e, lay.ep)}/{MODEL_FILE}")
+        files = rank_target_files(target, dtypes,
+                                  lambda t, p, e: f"{rank_dir_name(t, p, lay.pp, e, lay.ep)}/{MODEL_FILE}")
+        style = self.options.torch_dist_style or target.style or "0.16"
+        return [replace(f, tensors=[replace(t, key=key_in_style(t.key, style)) for t in f.tensors]) for f in files]
 
     def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
         lay = target.layout

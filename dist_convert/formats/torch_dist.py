@@ -381,7 +381,7 @@ class TorchDistFormat(IterDirFormat):
                         expert_objects(cfg, stack, layer, layers[stack], e, per_layer))
         for m in top_extra_state_modules(cfg):
             objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
-        if cfg.family == "t5":  # GPTModel drops its output layer's
+        if cfg.family == "t5" or cfg.hybrid_pattern is not None:  # GPTModel drops its output layer's, MambaModel not
             for m in OUTPUT_MODULES[cfg.family]:
                 objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
         if target.optimizer is not None:  # model-space (fully_reshardable) optimizer state beside each chunk

@@ -55,6 +55,7 @@ class Kind(str, Enum):
     ROW = "row"  # split dim 1
     VOCAB = "vocab"  # split dim 0 of the padded vocabulary
     GLU = "glu"  # SwiGLU fc1: [gate; up], each half split on dim 0
+    PARTS = "parts"  # dim 0 is named sections (Mamba2 / Gated DeltaNet in_proj, conv1d), each split on its own
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +110,9 @@ class Piece:
     lbox: Box
     sbox: Box
     view: View | None = field(default=None, kw_only=True)
+    # the stored values are the logical ones plus ``shift`` (computed in the stored dtype): a norm weight HF keeps as
+    # w where megatron-core keeps w - 1 (zero-centred gamma)
+    shift: float = field(default=0.0, kw_only=True)
 
     def __post_init__(self) -> None:
         v = self.view
@@ -129,19 +133,24 @@ def mcore_global_shape(kind: Kind, logical_shape: tuple[int, ...], padded_rows: 
     return tuple(logical_shape)
 
 
-def tp_chunks(kind: Kind, global_shape: tuple[int, ...], tp_rank: int, tp: int) -> list[Box]:
+def tp_chunks(kind: Kind, global_shape: tuple[int, ...], tp_rank: int, tp: int,
+              sections: tuple[int, ...] = ()) -> list[Box]:
     """Boxes of the mcore-global tensor held by ``tp_rank``, in the order they are stacked on dim 0
-    of that rank's local tensor (SwiGLU: the gate part, then the up part)."""
+    of that rank's local tensor (SwiGLU: the gate part, then the up part; ``Kind.PARTS``: the rank's run of
+    each of ``sections``, the row counts of the tensor's sections in order)."""
     if kind is Kind.REP:
         return [Box.full(global_shape)]
     if kind is Kind.ROW:
         n = global_shape[1] // tp
         return [Box((0, tp_rank * n) + (0,) * (len(global_shape) - 2), (global_shape[0], n) + global_shape[2:])]
     rest0 = (0,) * (len(global_shape) - 1)
-    if kind is Kind.GLU:  # fused.GLU's parts: [gate; up]
-        half = global_shape[0] // 2
+    if kind in (Kind.GLU, Kind.PARTS):  # fused.GLU's parts: [gate; up]; or the named sections
+        if kind is Kind.GLU:
+            sections = (global_shape[0] // 2,) * 2
+        assert sum(sections) == global_shape[0], (sections, global_shape)
+        starts = [sum(sections[:i]) for i in range(len(sections))]
         return [Box((lo,) + rest0, (n,) + global_shape[1:])
-                for lo, n in part_tp_rows([[(0, half)], [(half, half)]], tp_rank, tp)]
+                for lo, n in part_tp_rows([[(a, n)] for a, n in zip(starts, sections, strict=True)], tp_rank, tp)]
     n = global_shape[0] // tp  # COL, VOCAB
     return [Box((tp_rank * n,) + rest0, (n,) + global_shape[1:])]
 
@@ -185,9 +194,10 @@ def chunk_pieces(logical: str, kind: Kind, chunk: Box, logical_rows: int, local_
 
 
 def local_pieces(logical: str, kind: Kind, global_shape: tuple[int, ...], logical_rows: int,
-                 tp_rank: int, tp: int, lead: tuple[int, ...] = ()) -> tuple[tuple[int, ...], list[Piece]]:
+                 tp_rank: int, tp: int, lead: tuple[int, ...] = (),
+                 sections: tuple[int, ...] = ()) -> tuple[tuple[int, ...], list[Piece]]:
     """Local shape and pieces of the tensor a TP rank holds (legacy per-rank files)."""
-    chunks = tp_chunks(kind, global_shape, tp_rank, tp)
+    chunks = tp_chunks(kind, global_shape, tp_rank, tp, sections)
     pieces: list[Piece] = []
     row = 0
     for c in chunks:
@@ -216,7 +226,7 @@ def piece_box(piece: Piece, inner: Box) -> Box:
 
 def sub_piece(piece: Piece, inner: Box) -> Piece:
     """The part of ``piece`` that holds ``inner`` (a sub-box of its logical box), with the same view."""
-    return Piece(piece.logical, inner, piece_box(piece, inner), view=piece.view)
+    return Piece(piece.logical, inner, piece_box(piece, inner), view=piece.view, shift=piece.shift)
 
 
 def piece_within(piece: Piece, box: Box) -> Piece | None:

@@ -6,6 +6,13 @@ per group), and every format takes its q/k/v or gate/up from these declarations:
   then its key head, then its value head (``head_dim`` rows each).
 * :class:`GLU`: ``linear_fc1`` of a gated MLP (SwiGLU/GeGLU; dense, routed expert or shared expert),
   ``[gate; up]``.
+* :class:`QKVG`: ``linear_qkv`` with an output gate (``attention_output_gate``, Qwen3-Next/3.5): per query group
+  its query heads, the same heads' gates, its key and value head.
+* :class:`GDNInProj`: a Gated DeltaNet's ``in_proj``, ``[q | k | v | z | beta | alpha]``.
+
+A format may store several parts in one tensor in an order of its own: a *composite* part (``composites``) names
+those parts and whether they interleave group by group (HF's ``q_proj`` of a gated attention: ``[q_h; gate_h]``
+per head) or follow one another whole.
 
 All of it is row algebra on dim 0 of the logical tensor: :meth:`Fused.pieces` gives boxes (each rank
 reads only its slices), :meth:`Fused.moves` reorders stored rows, :meth:`Fused.tp_rows` gives what a
@@ -56,6 +63,9 @@ class Fused(ABC):
     """
 
     parts: ClassVar[tuple[str, ...]] = ()
+    # name -> (parts, by group): a tensor holding several parts, group by group in the first part's group order
+    # (each part's rows of that group), or each part whole after the other
+    composites: ClassVar[dict[str, tuple[tuple[str, ...], bool]]] = {}
 
     @abstractmethod
     def blocks(self) -> list[Block]:
@@ -66,8 +76,15 @@ class Fused(ABC):
         return sum(b.rows for b in self.blocks())
 
     def rows(self, part: str, group: int | None = None) -> list[Extent]:
-        """(fused row start, count) of ``part`` (of one group, or all), in the part's own row order."""
+        """(fused row start, count) of ``part`` (of one group, or all), in the part's own row order; a composite
+        part's rows are its parts' in its own order."""
         self._check(part)
+        if part in self.composites:
+            members, by_group = self.composites[part]
+            if not by_group:
+                return [e for m in members for e in self.rows(m, group)]
+            groups = dict.fromkeys(b.group for b in self.blocks() if b.part == members[0])
+            return [e for g in groups for m in members for e in self.rows(m, g)]
         return [(b.start, b.rows) for b in self.blocks() if b.part == part and group in (None, b.group)]
 
     def part_rows(self, part: str) -> int:
@@ -138,8 +155,9 @@ class Fused(ABC):
         return out
 
     def _check(self, part: str) -> None:
-        if part not in self.parts:
-            raise ValueError(f"{type(self).__name__} has parts {', '.join(self.parts)}, not {part}")
+        if part not in self.parts and part not in self.composites:
+            raise ValueError(f"{type(self).__name__} has parts {', '.join((*self.parts, *self.composites))}, "
+                             f"not {part}")
 
     def _check_rows(self, rows: int) -> None:
         if rows != self.total_rows:
@@ -180,6 +198,71 @@ class QKV(Fused):
 
 
 @dataclass(frozen=True, kw_only=True)
+class QKVG(Fused):
+    """megatron-core's ``linear_qkv`` with ``attention_output_gate``: per query group, its ``heads // groups`` query
+    heads, then those heads' output gates, then one key and one value head (``head_dim`` rows each). Query and
+    gate blocks are numbered by head, key and value blocks by group; the composite ``q_gate`` is HF's ``q_proj``
+    ([q_h; gate_h] per head). Under TP a rank holds a contiguous run of the group-major rows, as :class:`QKV`."""
+
+    parts: ClassVar[tuple[str, ...]] = ("q", "gate", "k", "v")
+    composites: ClassVar[dict[str, tuple[tuple[str, ...], bool]]] = {"q_gate": (("q", "gate"), True)}
+    heads: int
+    groups: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.groups < 1 or self.heads % self.groups:
+            raise ValueError(f"{self.heads} attention heads do not split into {self.groups} query groups")
+
+    def blocks(self) -> list[Block]:
+        d, per_group = self.head_dim, self.heads // self.groups
+        out, row = [], 0
+        for g in range(self.groups):
+            heads = range(g * per_group, (g + 1) * per_group)
+            for part, group in [*(("q", h) for h in heads), *(("gate", h) for h in heads), ("k", g), ("v", g)]:
+                out.append(Block(part=part, group=group, start=row, rows=d))
+                row += d
+        return out
+
+    def tp_rows(self, tp_rank: int, tp: int) -> list[Extent]:
+        n, rem = divmod(self.total_rows, tp)
+        if rem:
+            raise ValueError(f"{self} does not split over TP={tp}")
+        return [(tp_rank * n, n)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GDNInProj(Fused):
+    """A Gated DeltaNet's ``in_proj`` as megatron-core holds it: ``[q | k | v | z | beta | alpha]``, each part all
+    heads in key-head order (key head g's q and k, then its ``v_heads // k_heads`` value heads' v, z, beta and alpha;
+    blocks are numbered by key head). Composites: ``qkvz`` and ``ba`` interleave by key head (Qwen3-Next's
+    ``in_proj_qkvz`` / ``in_proj_ba``), ``qkv`` is q, k, v whole (Qwen3.5's ``in_proj_qkv``). Each part splits over
+    TP on its own (the default :meth:`Fused.tp_rows`)."""
+
+    parts: ClassVar[tuple[str, ...]] = ("q", "k", "v", "z", "b", "a")
+    composites: ClassVar[dict[str, tuple[tuple[str, ...], bool]]] = {
+        "qkvz": (("q", "k", "v", "z"), True), "ba": (("b", "a"), True), "qkv": (("q", "k", "v"), False)}
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+    def __post_init__(self) -> None:
+        if self.k_heads < 1 or self.v_heads % self.k_heads:
+            raise ValueError(f"{self.v_heads} value heads do not split into {self.k_heads} key heads")
+
+    def blocks(self) -> list[Block]:
+        r = self.v_heads // self.k_heads
+        sizes = {"q": self.k_dim, "k": self.k_dim, "v": r * self.v_dim, "z": r * self.v_dim, "b": r, "a": r}
+        out, row = [], 0
+        for part in self.parts:
+            for g in range(self.k_heads):
+                out.append(Block(part=part, group=g, start=row, rows=sizes[part]))
+                row += sizes[part]
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
 class GLU(Fused):
     """``linear_fc1`` of a gated MLP: ``[gate; up]``, ``ffn`` rows each. Under TP each rank holds
     ``[gate_r; up_r]`` (the default :meth:`Fused.tp_rows`)."""
@@ -200,9 +283,15 @@ class HeadConfig(Protocol):
     kv_channels: int
 
 
-def qkv(cfg: HeadConfig) -> QKV:
-    """The ``linear_qkv`` of a model config."""
-    return QKV(heads=cfg.num_attention_heads, groups=cfg.num_query_groups, head_dim=cfg.kv_channels)
+def qkv(cfg: HeadConfig) -> QKV | QKVG:
+    """The ``linear_qkv`` of a model config (with its output gates where ``attention_output_gate``)."""
+    kind = QKVG if getattr(cfg, "attention_output_gate", False) else QKV
+    return kind(heads=cfg.num_attention_heads, groups=cfg.num_query_groups, head_dim=cfg.kv_channels)
+
+
+def gdn_in_proj(cfg) -> GDNInProj:  # a ModelConfig with Gated DeltaNet layers
+    return GDNInProj(k_heads=cfg.linear_num_key_heads, v_heads=cfg.linear_num_value_heads,
+                     k_dim=cfg.linear_key_head_dim, v_dim=cfg.linear_value_head_dim)
 
 
 def glu(rows: int) -> GLU:
@@ -213,12 +302,23 @@ def glu(rows: int) -> GLU:
     return GLU(ffn=rows // 2)
 
 
-OWNERS = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "glu", "up": "glu"}  # part -> its fused tensor
+# name-table part -> its fused tensor. The gated attention's parts are q_gate (HF's q_proj) / k / v; a Gated
+# DeltaNet's carry a ``gdn_`` prefix in the name tables (its own parts / composites after it)
+OWNERS = {"q": "qkv", "k": "qkv", "v": "qkv", "q_gate": "qkv", "gate": "glu", "up": "glu",
+          **{f"gdn_{p}": "gdn" for p in (*GDNInProj.parts, *GDNInProj.composites)}}
 
 
 def fused_for(part: str, cfg: HeadConfig, rows: int) -> Fused:
-    """The fused tensor of ``rows`` rows that part ``part`` (a name-table entry: q, k, v, gate, up) is of."""
+    """The fused tensor of ``rows`` rows that part ``part`` (a name-table entry: q, k, v, q_gate, gate, up,
+    gdn_qkvz, ...) is of; :func:`part_in` gives the part's name in it."""
     owner = OWNERS.get(part)
     if owner is None:
         raise ValueError(f"no fused tensor has a part named {part} (known: {', '.join(OWNERS)})")
+    if owner == "gdn":
+        return gdn_in_proj(cfg)
     return qkv(cfg) if owner == "qkv" else glu(rows)
+
+
+def part_in(part: str) -> str:
+    """A name-table part's name in its fused tensor (``gdn_qkvz`` -> ``qkvz``)."""
+    return part.removeprefix("gdn_")

@@ -39,7 +39,8 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
     def add(key: str, name: str, vp: int) -> None:
         t = tensors[name]
         gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
-        out[chunk_key(key, vp, layout)] = local_pieces(name, t.kind, gshape, t.shape[0], tp_rank, layout.tp)
+        out[chunk_key(key, vp, layout)] = local_pieces(name, t.kind, gshape, t.shape[0], tp_rank, layout.tp,
+                                                        sections=t.sections)
 
     for _, vp, stack, offset, count in chunks:
         for name, t in tensors.items():
@@ -48,7 +49,7 @@ def rank_entries(cfg: ModelConfig, layout: Layout, tp_rank: int, pp_rank: int,
                 if t.expert is not None:
                     if t.expert not in mine:
                         continue
-                    suffix = expert_key(suffix, t.expert - mine.start, cfg.moe_grouped)
+                    suffix = expert_key(suffix, t.expert - mine.start, cfg.grouped_experts)
                 add(f"{t.layer_prefix}{t.layer - offset}.{suffix}", name, vp)
     vps = {vp for _, vp, *_ in chunks}
     for name, t in tensors.items():

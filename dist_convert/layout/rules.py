@@ -36,6 +36,11 @@ class Rule:
     layers: str = "all"  # MoE models: "all" layers, "dense" layers only, or "moe" layers only
     per_expert: bool = False  # one tensor per (global) expert: ``name`` has an ``{e}`` field
     dist_name: str | None = None  # torch_dist key suffix when it differs from te_name / name
+    mixer: str | None = None  # the layer kind it belongs to: "mamba" / "gdn" (None: attention, or MLP by its name)
+    # Kind.PARTS: the named row sections, each split over TP on its own; ``dist_split``: torch_dist keys each
+    # section on its own (``<key>.<section>``, megatron-core's ShardedTensorFactory of the Mamba2 / GDN mixers)
+    sections: Callable[[ModelConfig], tuple[tuple[str, int], ...]] | None = None
+    dist_split: bool = False
 
 
 # Per-layer tensors: suffix after ``decoder.layers.<N>.``
@@ -127,6 +132,48 @@ MTP_RULES: tuple[Rule, ...] = (
 )
 MTP_LAYER = "transformer_layer."
 
+Sections = Callable[[ModelConfig], tuple[tuple[str, int], ...]]
+_mamba_in: Sections = lambda c: c.mamba_sections  # noqa: E731  [z | x | B | C | dt]
+_mamba_conv: Sections = lambda c: c.mamba_sections[1:4]  # noqa: E731  [x | B | C]
+_gdn_in: Sections = lambda c: c.gdn_sections  # noqa: E731  [query | key | value | z | beta | alpha]
+_gdn_conv: Sections = lambda c: c.gdn_sections[:3]  # noqa: E731  [query | key | value]
+
+
+def _rows(sections: Sections, cfg: ModelConfig) -> int:
+    return sum(n for _, n in sections(cfg))
+
+
+MAMBA_CONV_KERNEL = 4  # megatron-core's MambaMixer d_conv (fixed by its layer spec)
+# Mamba2 mixer layers of megatron-core's MambaModel ("M"): the pre-norm is fused into in_proj (Transformer Engine)
+MAMBA_RULES: tuple[Rule, ...] = (
+    Rule("input_layernorm.weight", Kind.REP, _h, mixer="mamba", te_name="mixer.in_proj.layer_norm_weight"),
+    Rule("mixer.in_proj.weight", Kind.PARTS, lambda c: (_rows(_mamba_in, c), c.hidden_size), mixer="mamba",
+         sections=_mamba_in, dist_split=True),
+    Rule("mixer.conv1d.weight", Kind.PARTS, lambda c: (_rows(_mamba_conv, c), 1, MAMBA_CONV_KERNEL), mixer="mamba",
+         sections=_mamba_conv, dist_split=True),
+    Rule("mixer.conv1d.bias", Kind.PARTS, lambda c: (_rows(_mamba_conv, c),), mixer="mamba", sections=_mamba_conv,
+         dist_split=True),
+    Rule("mixer.dt_bias", Kind.COL, lambda c: (c.mamba_num_heads,), mixer="mamba"),
+    Rule("mixer.A_log", Kind.COL, lambda c: (c.mamba_num_heads,), mixer="mamba"),
+    Rule("mixer.D", Kind.COL, lambda c: (c.mamba_num_heads,), mixer="mamba"),
+    Rule("mixer.norm.weight", Kind.COL, lambda c: (c.mamba_d_inner,), mixer="mamba"),
+    Rule("mixer.out_proj.weight", Kind.ROW, lambda c: (c.hidden_size, c.mamba_d_inner), mixer="mamba"),
+)
+# Gated DeltaNet layers of a GPTModel (experimental_attention_variant "gated_delta_net"); the input norm is fused
+# into in_proj, the output norm (over one value head) is replicated
+GDN_RULES: tuple[Rule, ...] = (
+    Rule("input_layernorm.weight", Kind.REP, _h, mixer="gdn", te_name="self_attention.in_proj.layer_norm_weight"),
+    Rule("self_attention.in_proj.weight", Kind.PARTS, lambda c: (_rows(_gdn_in, c), c.hidden_size), mixer="gdn",
+         sections=_gdn_in, dist_split=True),
+    Rule("self_attention.conv1d.weight", Kind.PARTS, lambda c: (_rows(_gdn_conv, c), 1, c.linear_conv_kernel_dim),
+         mixer="gdn", sections=_gdn_conv, dist_split=True),
+    Rule("self_attention.dt_bias", Kind.COL, lambda c: (c.linear_num_value_heads,), mixer="gdn"),
+    Rule("self_attention.A_log", Kind.COL, lambda c: (c.linear_num_value_heads,), mixer="gdn"),
+    Rule("self_attention.out_norm.weight", Kind.REP, lambda c: (c.linear_value_head_dim,), mixer="gdn"),
+    Rule("self_attention.out_proj.weight", Kind.ROW,
+         lambda c: (c.hidden_size, c.linear_num_value_heads * c.linear_value_head_dim), mixer="gdn"),
+)
+
 # T5 decoder layers add cross-attention (linear_kv rows are group-major [k_g; v_g], so a dim-0 split is exact).
 CROSS_RULES: tuple[Rule, ...] = (
     Rule("pre_cross_attn_layernorm.weight", Kind.REP, _h),
@@ -149,8 +196,9 @@ TOP_RULES: tuple[tuple[Rule, str], ...] = (
     (Rule("embedding.position_embeddings.weight", Kind.REP,
           lambda c: (c.max_position_embeddings or 0, c.hidden_size),
           lambda c: c.position_embedding_type == "learned_absolute"), "first"),
-    (Rule("decoder.final_layernorm.weight", Kind.REP, _h), "last"),
+    (Rule("decoder.final_layernorm.weight", Kind.REP, _h, lambda c: c.hybrid_pattern is None), "last"),
     (Rule("decoder.final_layernorm.bias", Kind.REP, _h, _norm_bias), "last"),
+    (Rule("decoder.final_norm.weight", Kind.REP, _h, lambda c: c.hybrid_pattern is not None), "last"),  # MambaModel
     (Rule("output_layer.weight", Kind.VOCAB, lambda c: (c.vocab_size, c.hidden_size),
           lambda c: c.untie_embeddings_and_output_weights), "last"),
 )
@@ -191,8 +239,12 @@ POST_NORM_EXTRA_STATE_MODULES = (
 
 
 def top_extra_state_modules(cfg: ModelConfig) -> tuple[str, ...]:
-    """Top-level modules (on the last stage) with an ``_extra_state`` entry in torch_dist."""
-    return ("decoder.final_layernorm",) if cfg.post_norms and cfg.spec == "te" else ()
+    """Top-level modules (on the last stage) with an ``_extra_state`` entry in torch_dist: Transformer Engine 2's
+    final norm (MambaModel's ``decoder.final_norm``)."""
+    if cfg.hybrid_pattern is not None:
+        return ("decoder.final_norm",)
+    return ("decoder.final_layernorm",) if (cfg.post_norms or cfg.linear_attention_pattern) and cfg.spec == "te" \
+        else ()
 
 
 CROSS_EXTRA_STATE_MODULES = {
@@ -224,6 +276,8 @@ class LogicalTensor:
     aliases: tuple[str, ...] = ()
     expert: int | None = None  # MoE: the global expert index of a routed expert's tensor
     dist_suffix: str | None = None  # torch_dist key suffix when it differs from te_name / suffix
+    sections: tuple[int, ...] = ()  # Kind.PARTS: row counts of the sections split over TP on their own
+    section_names: tuple[str, ...] = ()  # torch_dist keys them one by one (``<key>.<name>``)
 
     @property
     def layer_prefix(self) -> str:
@@ -237,13 +291,18 @@ def effective_kind(rule: Rule, cfg: ModelConfig) -> Kind:
     return rule.kind
 
 
+MLP_PREFIXES = ("mlp.", "pre_mlp_layernorm")
+
+
 def _layer_rule_applies(rule: Rule, cfg: ModelConfig, stack: str, layer: int) -> bool:
+    """Whether the layer has the rule's tensor: its mixer (attention, Mamba2, Gated DeltaNet) or its MLP (dense or
+    MoE; a hybrid layer has one of the two) is the kind the rule belongs to."""
     if not rule.when(cfg):
         return False
-    if rule.layers == "all":
-        return True
-    moe = cfg.layer_is_moe(stack, layer)
-    return moe if rule.layers == "moe" else not moe
+    mixer, mlp = cfg.layer_kind(stack, layer)
+    if rule.mixer is None and rule.name.startswith(MLP_PREFIXES):
+        return mlp is not None and (rule.layers == "all" or (rule.layers == "moe") == (mlp == "moe"))
+    return (rule.mixer or "attention") == mixer
 
 
 def mla_kind(rule: Rule, cfg: ModelConfig) -> Kind:
@@ -264,12 +323,15 @@ def _layer_tensors(rule: Rule, cfg: ModelConfig, stack: str, layer: int, inner: 
     if cfg.mla and rule.dist_name is None:  # no key map in the MLA specs: each spec keys its own modules
         dist = te_name if cfg.spec == "te" else rule.name
     te_name, dist = (inner + te_name if te_name else None), (inner + dist if dist else None)
+    sections = rule.sections(cfg) if rule.sections else ()
     out = []
     for e in range(cfg.num_experts) if rule.per_expert else [None]:
         suffix = inner + (rule.name.format(e=e) if e is not None else rule.name)
         full = f"{stack}.layers.{layer}.{suffix}"
         out.append(LogicalTensor(name=full, kind=mla_kind(rule, cfg), shape=rule.shape(cfg), layer=layer, suffix=suffix,
-                                 stage="layer", te_name=te_name, stack=stack, expert=e, dist_suffix=dist))
+                                 stage="layer", te_name=te_name, stack=stack, expert=e, dist_suffix=dist,
+                                 sections=tuple(n for _, n in sections),
+                                 section_names=tuple(name for name, _ in sections) if rule.dist_split else ()))
     return out
 
 
@@ -288,7 +350,9 @@ def logical_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
         if not any(rule.name.startswith(f"{name}.") for name, _ in stacks):
             out[rule.name] = _top(rule, stage, cfg)
     for name, count in stacks:
-        rules = LAYER_RULES + (CROSS_RULES if cfg.family == "t5" and name == "decoder" else ())
+        rules = LAYER_RULES + (CROSS_RULES if cfg.family == "t5" and name == "decoder" else ()) \
+            + (MAMBA_RULES if cfg.hybrid_pattern is not None else ()) \
+            + (GDN_RULES if cfg.linear_attention_pattern is not None else ())
         for layer in range(count):
             if name == "mtp":
                 for rule in MTP_RULES:
@@ -316,11 +380,39 @@ def holders(stage: str, layout: Layout) -> list[tuple[int, int]]:
     return [(p, 0) for p in ranks]
 
 
+def hybrid(cfg: ModelConfig) -> bool:
+    """Layers of more than one kind: MambaModel's hybrid stack, or Gated DeltaNet among attention layers."""
+    return cfg.hybrid_pattern is not None or cfg.linear_attention_pattern is not None
+
+
+# a hybrid layer's modules with an ``_extra_state`` (Transformer Engine 2: its linears and norms, not its attention
+# core), by the layer's mixer and MLP kind (see ``te2_layer_modules``)
+MIXER_EXTRA_STATE = {"mamba": ("mixer.in_proj", "mixer.out_proj"),
+                     "gdn": ("self_attention.in_proj", "self_attention.out_norm", "self_attention.out_proj"),
+                     "attention": ("self_attention.linear_qkv", "self_attention.linear_proj"),
+                     None: ()}
+MLP_EXTRA_STATE = {"dense": ("mlp.linear_fc1", "mlp.linear_fc2"), "moe": ("pre_mlp_layernorm",), None: ()}
+
+
+def te2_layer_modules(cfg: ModelConfig, stack: str, layer: int) -> tuple[str, ...]:
+    """The ``_extra_state`` modules of a hybrid model's layer (always Transformer Engine's spec: MambaModel and the
+    Gated DeltaNet spec have no other); an MoE layer's routed experts are ``expert_objects``'."""
+    mixer, mlp = cfg.layer_kind(stack, layer)
+    out = MIXER_EXTRA_STATE[mixer] + MLP_EXTRA_STATE[mlp]
+    if mixer == "attention" and cfg.qk_layernorm:
+        out += ("self_attention.q_layernorm", "self_attention.k_layernorm")
+    if mlp == "moe" and cfg.moe_shared_expert_intermediate_size:
+        out += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+    return tuple(MTP_LAYER + m for m in out) if stack == "mtp" else out
+
+
 def extra_state_modules(cfg: ModelConfig, stack: str, spec: str, layer: int | None = None) -> tuple[str, ...]:
     """Modules of a layer with an ``_extra_state`` entry. An MoE layer (``layer`` given) has no dense
     MLP but its shared experts' linears; its routed experts' entries are named by ``expert_modules``.
     An MTP layer has its eh_proj's and its TransformerLayer's (under ``transformer_layer.``)."""
     cross = CROSS_EXTRA_STATE_MODULES[spec] if cfg.family == "t5" and stack == "decoder" else ()
+    if hybrid(cfg) and layer is not None:
+        return te2_layer_modules(cfg, stack, layer)
     base = EXTRA_STATE_MODULES[spec]
     if cfg.post_norms and spec == "te":
         base = tuple(m for m in POST_NORM_EXTRA_STATE_MODULES if cfg.qk_layernorm or "_layernorm" not in m)
@@ -342,7 +434,7 @@ def extra_state_modules(cfg: ModelConfig, stack: str, spec: str, layer: int | No
 def expert_modules(cfg: ModelConfig, local_experts: int) -> tuple[str, ...]:
     """Legacy ``state_dict`` modules of an MoE layer's routed experts with an ``_extra_state``:
     SequentialMLP has one per local expert and linear, TEGroupedMLP one per grouped linear."""
-    if cfg.moe_grouped:
+    if cfg.grouped_experts:
         return ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2")
     return tuple(f"mlp.experts.local_experts.{i}.linear_fc{j}" for i in range(local_experts) for j in (1, 2))
 
@@ -391,9 +483,11 @@ def torch_dist_key(t: LogicalTensor, per_layer: bool = False) -> str:  # per_lay
 
 def per_layer_keys(cfg: ModelConfig) -> bool:
     """megatron-core (TransformerBlock.sharded_state_dict) keys every decoder layer on its own, without
-    a layer axis, when ``moe_layer_freq`` is a list or an int > 1 (``moe_layer_pattern`` set). MTP layers
-    are always keyed on their own (MultiTokenPredictionBlock.sharded_state_dict)."""
-    return bool(cfg.num_experts) and cfg.moe_layer_pattern is not None
+    a layer axis, when ``moe_layer_freq`` is a list or an int > 1 (``moe_layer_pattern`` set), or the layers are of
+    more than one kind (Gated DeltaNet and attention: ``linear_attention_freq``); MambaModel's stack always does.
+    MTP layers are always keyed on their own (MultiTokenPredictionBlock.sharded_state_dict)."""
+    mixed = cfg.linear_attention_pattern is not None and len(set(cfg.linear_attention_pattern)) > 1
+    return (bool(cfg.num_experts) and cfg.moe_layer_pattern is not None) or cfg.hybrid_pattern is not None or mixed
 
 
 

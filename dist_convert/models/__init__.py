@@ -14,11 +14,12 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConvertError
-from . import deepseek, gemma3, glm, gpt_oss, llama, moe
+from . import deepseek, gemma3, glm, gpt_oss, llama, moe, nemotron_h, qwen3_next
 from .base import Family, Imported
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
-    *llama.FAMILIES, *moe.FAMILIES, *deepseek.FAMILIES, *gemma3.FAMILIES, *glm.FAMILIES, *gpt_oss.FAMILIES)}
+    *llama.FAMILIES, *moe.FAMILIES, *deepseek.FAMILIES, *gemma3.FAMILIES, *glm.FAMILIES, *gpt_oss.FAMILIES,
+    *nemotron_h.FAMILIES, *qwen3_next.FAMILIES)}
 DEFAULT = FAMILIES["LlamaForCausalLM"]  # the nearest family of a model no family's evidence points at
 
 

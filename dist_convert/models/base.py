@@ -64,6 +64,10 @@ class Family(ABC):
     architecture: str
     model_type: str
     scope: ClassVar[str] = "none of the supported Hugging Face families"
+    hf_layers: ClassVar[str] = "model.layers."  # HF's prefix of layer N's tensors (before ``N.``)
+    # HF layer suffix -> what HF's values exceed the logical (megatron-core's) ones by (a norm weight HF keeps as w
+    # where megatron-core keeps w - 1); the engine adds it on the way, in the stored dtype
+    shifts: ClassVar[dict[str, float]] = {}
 
     # -- config.json <-> model ---------------------------------------------------------------------------
     @abstractmethod
@@ -266,6 +270,19 @@ def structure_problems(cfg: ModelConfig, *, activation: str = "silu", gemma_norm
         problems.append("multi-token-prediction layers without multi-latent attention")
     if cfg.softmax_type != "vanilla":
         problems.append(f"an attention softmax of type {cfg.softmax_type!r} (attention sinks)")
+    return problems + hybrid_problems(cfg)
+
+
+def hybrid_problems(cfg: ModelConfig, *, gdn: bool = False) -> list[str]:
+    """A hybrid stack's layers, which only the families built for them express (``gdn``: a family with Gated
+    DeltaNet layers and gated attention, Qwen3-Next / Qwen3.5)."""
+    problems = []
+    if cfg.hybrid_pattern is not None:
+        problems.append("Mamba2 layers (a MambaModel hybrid stack)")
+    if (cfg.linear_attention_pattern is not None) != gdn:
+        problems.append("Gated DeltaNet layers" if not gdn else "no Gated DeltaNet layers")
+    if cfg.attention_output_gate != gdn:
+        problems.append("attention output gates" if not gdn else "no attention output gates")
     return problems
 
 

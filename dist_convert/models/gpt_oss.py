@@ -46,6 +46,7 @@ from .base import (
     divisible,
     get,
     hf_dtype,
+    hybrid_problems,
     in_layer,
     layer_prefix,
     require_int,
@@ -204,6 +205,7 @@ def gpt_oss_problems(cfg: ModelConfig, args: argparse.Namespace) -> list[str]:
         problems.append("dense layers, shared experts or a router expert bias (gpt-oss has none)")
     if cfg.mtp_num_layers:
         problems.append("multi-token-prediction layers")
+    problems += hybrid_problems(cfg)
     if problems:
         return problems
     # the expert and router maths is not in the tensors: the arguments say it

@@ -153,6 +153,10 @@ class MoE(Family):
             cfg, qkv_bias=None if self.qkv_bias_flag else self.qkv_bias, qk_norm=self.qk_norm)
         if problems:
             return ", ".join(problems)
+        return self.moe_problem(cfg)
+
+    def moe_problem(self, cfg: ModelConfig) -> str | None:
+        """What of the model's Mixture-of-Experts layers this family cannot express."""
         if not cfg.num_experts:
             return "no Mixture-of-Experts layers"
         shared = bool(cfg.moe_shared_expert_intermediate_size)

@@ -167,6 +167,11 @@ class HFFormat:
         ignored = sorted(k for k in found if k.endswith(IGNORED_SUFFIXES))
         if ignored:
             notes.append(f"skipped {len(ignored)} rotary inv_freq buffers (recomputed by every loader)")
+        unconverted = sorted(k for k in found if fam.unconverted and k.startswith(tuple(fam.unconverted)))
+        if unconverted:
+            notes.append(f"skipped {len(unconverted)} tensors under {', '.join(fam.unconverted)} ("
+                         f"{'; '.join(fam.unconverted.values())}): the converted model is the rest")
+            ignored += unconverted
         if cfg.tied and "lm_head.weight" in found:  # a stored copy of the tied embedding: a replica
             expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
         policy = KeyPolicy.of(self.options)

@@ -68,6 +68,9 @@ class Family(ABC):
     # HF layer suffix -> what HF's values exceed the logical (megatron-core's) ones by (a norm weight HF keeps as w
     # where megatron-core keeps w - 1); the engine adds it on the way, in the stored dtype
     shifts: ClassVar[dict[str, float]] = {}
+    # stored name prefixes of parts a release carries and the family does not convert -> what they are (skipped on
+    # read with a note, as transformers' own loader skips them)
+    unconverted: ClassVar[dict[str, str]] = {}
 
     # -- config.json <-> model ---------------------------------------------------------------------------
     @abstractmethod

@@ -101,6 +101,8 @@ class GatedDeltaNet(MoE):
     scope: ClassVar[str] = "no supported Hugging Face family (Qwen3NextForCausalLM, Qwen3_5ForCausalLM and " \
                            "Qwen3_5MoeForCausalLM included)"
     shifts: ClassVar[dict[str, float]] = {"linear_attn.norm.weight": 1.0}  # HF's w = megatron-core's w + 1
+    # the releases' multi-token-prediction layer (transformers ignores it too)
+    unconverted: ClassVar[dict[str, str]] = {"mtp.": "the multi-token-prediction layer, not converted yet"}
 
     def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
         layers = require_int(hf, "num_hidden_layers")

@@ -26,7 +26,7 @@ from dist_convert.layout.boxes import Box, Kind, local_pieces, tp_chunks
 from dist_convert.layout.fused import QKVG, GDNInProj
 from dist_convert.layout.rules import extra_state_modules, logical_tensors, per_layer_keys
 from dist_convert.layout.topology import Layout
-from dist_convert.models import config_from_hf, export_family
+from dist_convert.models import config_from_hf, export_family, hf_from_config
 from dist_convert.plan import Transfer
 
 NEMOTRON = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 300,
@@ -221,3 +221,21 @@ def test_gdn_refusals_and_other_families_refuse_hybrids():
     assert export_family(cfg, args).architecture == "Qwen3MoeForCausalLM"
     hybrid_cfg = nemotron()
     assert "Mamba2 layers" in FAMILIES["LlamaForCausalLM"].why_not(hybrid_cfg, argparse.Namespace())
+
+
+def test_a_mamba_model_routing_otherwise_is_not_exported_as_nemotron_h():
+    cfg, args, _ = config_from_hf(NEMOTRON, None)
+    assert hf_from_config(cfg, args, torch.float32)["architectures"] == ["NemotronHForCausalLM"]
+    softmax = argparse.Namespace(**{**vars(args), "moe_router_score_function": "softmax"})
+    with pytest.raises(ConvertError, match="router scoring other than Nemotron-H's") as e:
+        hf_from_config(cfg, softmax, torch.float32)
+    assert "--dst-format torch_dist" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_qwen3_next_older_config_keeps_its_full_attention_interval():
+    older = {**{k: v for k, v in QWEN3_NEXT.items() if k != "layer_types"}, "full_attention_interval": 2}
+    cfg, args, _ = config_from_hf(older, None)
+    assert cfg.linear_attention_pattern == (1, 0, 1, 0)
+    back = hf_from_config(cfg, args, torch.float32, base=older)
+    assert "layer_types" not in back and back["full_attention_interval"] == 2
+    assert hf_from_config(cfg, args, torch.float32)["layer_types"] == QWEN3_NEXT["layer_types"]  # no base: stated

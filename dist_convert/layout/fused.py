@@ -198,7 +198,7 @@ class QKV(Fused):
 
 
 @dataclass(frozen=True, kw_only=True)
-class QKVG(Fused):
+class QKVG(QKV):
     """megatron-core's ``linear_qkv`` with ``attention_output_gate``: per query group, its ``heads // groups`` query
     heads, then those heads' output gates, then one key and one value head (``head_dim`` rows each). Query and
     gate blocks are numbered by head, key and value blocks by group; the composite ``q_gate`` is HF's ``q_proj``
@@ -206,13 +206,6 @@ class QKVG(Fused):
 
     parts: ClassVar[tuple[str, ...]] = ("q", "gate", "k", "v")
     composites: ClassVar[dict[str, tuple[tuple[str, ...], bool]]] = {"q_gate": (("q", "gate"), True)}
-    heads: int
-    groups: int
-    head_dim: int
-
-    def __post_init__(self) -> None:
-        if self.groups < 1 or self.heads % self.groups:
-            raise ValueError(f"{self.heads} attention heads do not split into {self.groups} query groups")
 
     def blocks(self) -> list[Block]:
         d, per_group = self.head_dim, self.heads // self.groups
@@ -223,12 +216,6 @@ class QKVG(Fused):
                 out.append(Block(part=part, group=group, start=row, rows=d))
                 row += d
         return out
-
-    def tp_rows(self, tp_rank: int, tp: int) -> list[Extent]:
-        n, rem = divmod(self.total_rows, tp)
-        if rem:
-            raise ValueError(f"{self} does not split over TP={tp}")
-        return [(tp_rank * n, n)]
 
 
 @dataclass(frozen=True, kw_only=True)

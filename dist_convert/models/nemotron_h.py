@@ -29,7 +29,6 @@ from .base import (
     DTYPE_NAMES,
     EXPERT_FC1,
     EXPERT_FC2,
-    EXPORT_FIX,
     Dims,
     Family,
     HFTensors,
@@ -113,8 +112,8 @@ def fixed_problems(hf: dict[str, Any]) -> list[str]:
     return [what for bad, what in checks if bad]
 
 
-def nemotron_problems(cfg: ModelConfig) -> list[str]:
-    """What of a model ``NemotronHForCausalLM`` cannot express."""
+def nemotron_problems(cfg: ModelConfig, args: argparse.Namespace) -> list[str]:
+    """What of a model ``NemotronHForCausalLM`` cannot express (its router's maths included, where the args say it)."""
     problems = []
     if cfg.hybrid_pattern is None:
         problems.append("no Mamba2 hybrid stack (Nemotron-H is megatron-core's MambaModel)")
@@ -131,6 +130,10 @@ def nemotron_problems(cfg: ModelConfig) -> list[str]:
         problems.append("multi-token prediction, attention sinks or multi-latent attention")
     if "E" in cfg.hybrid_pattern and not (cfg.moe_router_expert_bias and cfg.moe_shared_expert_intermediate_size):
         problems.append("MoE layers without a router correction bias or a shared expert")
+    a = vars(args)
+    if "E" in cfg.hybrid_pattern and (a.get("moe_router_score_function") not in (None, "sigmoid")
+                                      or a.get("moe_router_pre_softmax")):
+        problems.append("a router scoring other than Nemotron-H's (sigmoid scores, top-k renormalised)")
     return problems
 
 
@@ -225,10 +228,7 @@ class NemotronH(Family):
         return 10 if cfg.hybrid_pattern is not None else 0
 
     def why_not(self, cfg: ModelConfig, args: argparse.Namespace) -> str | None:
-        return ", ".join(nemotron_problems(cfg)) or None
-
-    def refusal(self, problem: str) -> ConvertError:
-        return ConvertError(f"the model has {problem}, which {self.scope} can express", EXPORT_FIX)
+        return ", ".join(nemotron_problems(cfg, args)) or None
 
     def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
         assert cfg.hybrid_pattern is not None

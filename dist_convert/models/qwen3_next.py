@@ -26,7 +26,6 @@ from ..errors import ConvertError
 from .base import (
     ATTENTION_NAMES,
     DENSE_MLP,
-    EXPORT_FIX,
     MLP_NORM,
     Imported,
     Name,
@@ -149,7 +148,9 @@ class GatedDeltaNet(MoE):
                 hf.pop("intermediate_size", None)
         assert cfg.linear_attention_pattern is not None
         hf.update({k: getattr(cfg, k) for k in GDN_SIZES})
-        hf["layer_types"] = [LINEAR if g else FULL for g in cfg.linear_attention_pattern]
+        kept = same and "layer_types" not in hf and linear_pattern(hf, cfg.num_layers) == cfg.linear_attention_pattern
+        if not kept:  # else the source's full_attention_interval says it
+            hf["layer_types"] = [LINEAR if g else FULL for g in cfg.linear_attention_pattern]
         if not same:
             share = float(get(vars(args), "rotary_percent", PARTIAL_ROTARY_DEFAULT))
             hf.pop("rope_theta", None)
@@ -183,9 +184,6 @@ class GatedDeltaNet(MoE):
             return "dense layers between MoE layers or a router that does not renormalise its top-k (Qwen3.5-MoE " \
                    "has neither)"
         return self.moe_problem(cfg) if self.experts else None
-
-    def refusal(self, problem: str) -> ConvertError:
-        return ConvertError(f"the model has {problem}, which {self.scope} can express", EXPORT_FIX)
 
     def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
         gdn = stack == "decoder" and cfg.linear_attention_pattern is not None and cfg.linear_attention_pattern[layer]

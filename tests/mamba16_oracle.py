@@ -97,6 +97,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gemma3_oracle import is_legacy  # noqa: E402
+from nemotron_h_oracle import hf_logits, megatron_logits, tensor_state  # noqa: E402
+
 SEQ = 16  # judge input length: > conv kernel (4) and > the tiny model's chunk_size (8)
 KINDS = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E"}
 TENSOR_OPS = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
@@ -653,18 +656,7 @@ def rank_truth(m, truth: dict) -> dict:
     return out
 
 
-def tensor_state(m) -> dict:
-    import torch
-
-    return {k: v.detach().clone() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)
-            and not k.endswith("_extra_state")}
-
-
 # ----------------------------------------------------------------------------- loading
-
-
-def is_legacy(iter_dir: Path) -> bool:
-    return any(p.name.startswith("mp_rank_") for p in iter_dir.iterdir())
 
 
 def legacy_file(iter_dir: Path) -> Path:
@@ -764,24 +756,6 @@ def judge_ids(vocab: int):
     import torch
 
     return torch.randint(3, vocab, (2, SEQ), generator=torch.Generator().manual_seed(1234))
-
-
-def megatron_logits(m, ids):
-    import torch
-
-    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    with torch.no_grad():
-        return m(input_ids=ids, position_ids=pos, attention_mask=None).float()
-
-
-def hf_logits(hf: str, ids):
-    import torch
-    from transformers import NemotronHForCausalLM
-
-    model = NemotronHForCausalLM.from_pretrained(hf, dtype=torch.float32, use_mamba_kernels=False,
-                                                 attn_implementation="eager").eval()
-    with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits.float()
 
 
 # ----------------------------------------------------------------------------- commands

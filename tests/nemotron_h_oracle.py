@@ -114,6 +114,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gemma3_oracle import is_legacy, unwrap  # noqa: E402
+
 VOCAB = 300
 PATTERN = "M*-EM-"
 TINY = {"vocab_size": VOCAB, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -532,12 +534,6 @@ def build(provider):
     return model
 
 
-def unwrap(m):
-    while hasattr(m, "module"):
-        m = m.module
-    return m
-
-
 def init_dist(pp: int = 1):
     from gemma3_oracle import init_dist as g3_init
 
@@ -688,10 +684,6 @@ def cmd_bridge_import(a, serving=False) -> int:
 
 
 # ----------------------------------------------------------------------------- judge
-
-
-def is_legacy(iter_dir: Path) -> bool:
-    return any(p.name.startswith("mp_rank_") for p in iter_dir.iterdir())
 
 
 def legacy_file(iter_dir: Path, tp_rank: int, pp_rank: int, pp: int) -> Path:

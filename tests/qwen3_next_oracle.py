@@ -77,6 +77,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gemma3_oracle import is_legacy, unwrap  # noqa: E402
+from nemotron_h_oracle import judge_ids, megatron_logits, tensor_state  # noqa: E402
+
 VOCAB = 300
 SEQ = 16
 ARCHS = {  # arch -> (config class, model class, Bridge's model_type)
@@ -399,12 +402,6 @@ def build(provider):
     return model
 
 
-def unwrap(m):
-    while hasattr(m, "module"):
-        m = m.module
-    return m
-
-
 # ----------------------------------------------------------------------------- make
 
 
@@ -493,10 +490,6 @@ def cmd_bridge_import(a, serving=False) -> int:
 # ----------------------------------------------------------------------------- judge
 
 
-def is_legacy(iter_dir: Path) -> bool:
-    return any(p.name.startswith("mp_rank_") for p in iter_dir.iterdir())
-
-
 def legacy_rank_file(iter_dir: Path) -> Path:
     """Megatron-LM's rank file name: mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]."""
     from megatron.core import parallel_state as ps
@@ -554,20 +547,6 @@ def load_into(m, iter_dir: Path, problems: list[str]) -> None:
     problems += [f"load_state_dict: unexpected {k}" for k in res.unexpected_keys]
 
 
-def tensor_state(m) -> dict:
-    import torch
-
-    return {k: v.detach().clone() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)
-            and not k.endswith("_extra_state")}
-
-
-def judge_ids():
-    import torch
-
-    g = torch.Generator().manual_seed(1234)
-    return torch.randint(3, VOCAB, (2, SEQ), generator=g)
-
-
 def hf_logits(hf: str, ids):
     import torch
 
@@ -578,14 +557,6 @@ def hf_logits(hf: str, ids):
         raise RuntimeError(f"transformers' load of {hf} is not clean: {bad}")
     with torch.no_grad():
         return model.eval()(input_ids=ids, use_cache=False).logits.float()
-
-
-def megatron_logits(m, ids):
-    import torch
-
-    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    with torch.no_grad():
-        return m(input_ids=ids, position_ids=pos, attention_mask=None).float()
 
 
 def cmd_judge(a, serving=False) -> int:

@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # torch, the formats and the runtime are imported when a comm
     from .runtime import Runtime
 
 
-FORMAT_CHOICES = ("auto", "torch_dist", "fsdp_dtensor", "megatron", "hf", "nemo", "nemo2", "bridge")
+FORMAT_CHOICES = ("auto", "torch_dist", "fsdp_dtensor", "megatron", "hf", "nemo", "nemo2", "bridge", "peft",
+                  "bridge_lora")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -70,7 +71,8 @@ def format_options(ns: argparse.Namespace) -> FormatOptions:
                          torch_dist_style=getattr(ns, "torch_dist_style", None), allow_missing=tuple(ns.allow_missing),
                          dtype=cast.get(getattr(ns, "dtype", "keep")),
                          quantize=None if getattr(ns, "quantize", "none") == "none" else ns.quantize,
-                         ignore_unexpected=tuple(ns.ignore_unexpected), optimizer=getattr(ns, "optimizer", False))
+                         ignore_unexpected=tuple(ns.ignore_unexpected), optimizer=getattr(ns, "optimizer", False),
+                         base=getattr(ns, "base", None))
 
 
 def _target_flags(r: argparse.ArgumentParser) -> None:
@@ -123,6 +125,13 @@ def _target_flags(r: argparse.ArgumentParser) -> None:
                         "common_state item inside the DCP, as megatron-core 0.19+ saves (0.16-0.18 cannot load it). "
                         "megatron (legacy rank files): a Mamba2 mixer's conv1d is named conv1d.weight (0.16) or "
                         "conv1d_weight (0.19+). Default: the source's style, else 0.16")
+    r.add_argument("--lora", type=Path, default=None, metavar="ADAPTER",
+                   help="merge this LoRA adapter into the model as it is written (W + alpha/r * B @ A, each rank its "
+                        "own slices, in float32 before any cast): an HF peft directory or a Megatron-Bridge LoRA PEFT "
+                        "checkpoint of the source model")
+    r.add_argument("--base", type=Path, default=None,
+                   help="adapter sources: the model the adapter adapts (any format; its config and names), when the "
+                        "adapter does not name a local one")
     r.add_argument("--optimizer", action="store_true",
                    help="convert the distributed optimizer's state too (master params and Adam moments; "
                         "dp_reshardable, fully_reshardable, non-distributed or legacy distrib_optim.pt sources) into "
@@ -192,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("ckpt", type=Path)
     i.add_argument("--format", choices=FORMAT_CHOICES, default="auto")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--base", type=Path, default=None,
+                   help="an adapter: the model it adapts, when its config names no local one")
     _common(i)
 
     v = sub.add_parser("verify", help="compare every logical tensor of two checkpoints; or check one's checksums")
@@ -204,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--b-format", choices=FORMAT_CHOICES, default="auto")
     v.add_argument("--atol", type=float, default=0.0)
     v.add_argument("--rtol", type=float, default=0.0)
+    v.add_argument("--base", type=Path, default=None,
+                   help="adapters: the model they adapt, when their config names no local one")
     _common(v)
     _exchange_flag(v)
     add_bench_parser(sub, parse_size, DEFAULT_BUDGET)
@@ -223,7 +236,7 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
                               formats=formats, target_split=ns.target_split, stats_json=getattr(ns, "stats_json", None),
                               resume=getattr(ns, "resume", False), target_ep=ns.target_ep, target_etp=ns.target_etp,
                               target_pipeline_layout=ns.target_pipeline_layout,
-                              exchange=getattr(ns, "exchange", "auto"))
+                              exchange=getattr(ns, "exchange", "auto"), lora=getattr(ns, "lora", None))
         if ns.cmd == "plan":
             from .estimate import estimate, print_estimate
             if ns.world < 1:

@@ -22,6 +22,7 @@ from .formats.base import Format, FormatOptions, data_dir, on_rank0
 from .integrity import Entry, Journal, fingerprint, refuse_incomplete
 from .layout.rules import logical_tensors
 from .layout.topology import Layout, pipeline_vpp
+from .lora.merge import Merger, open_adapter
 from .mlm_args import args_for_target
 from .optim.state import optimizer_numel
 from .plan import DEFAULT_BUDGET, Plan, block_bytes, make_plan, split_chunks, split_files
@@ -58,6 +59,7 @@ class ReshardOptions:
     target_etp: int | None = None  # MoE: expert-tensor-parallel size (default: the source's relation to TP)
     target_pipeline_layout: str | None = None  # megatron-core pipeline_model_parallel_layout string
     exchange: str = "auto"  # --exchange: how bytes cross ranks (transport.decide)
+    lora: Path | None = None  # --lora: an adapter to merge into the model as it is written
 
 
 def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None,
@@ -75,7 +77,10 @@ def sliced(index: SourceIndex, files: list[TargetFile], budget: int) -> SourceIn
 
 
 def logical_numel(index: SourceIndex) -> dict[str, int]:
-    """Every logical tensor the conversion covers (with --optimizer: the optimizer state's too)."""
+    """Every logical tensor the conversion covers (with --optimizer: the optimizer state's too; an adapter
+    source: the adapter's)."""
+    if index.adapter is not None:
+        return index.adapter.logical_numel()
     out = {name: numel(t.shape) for name, t in logical_tensors(index.cfg).items()}
     return out if index.optimizer is None else {**out, **optimizer_numel(index.cfg)}
 
@@ -184,7 +189,7 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
         if path is not None and not path.exists():
             raise ConvertError(f"{flag} {path} does not exist", f"pass an existing path to {flag}")
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
-    dst_fmt = get_format(opts.dst_format or src_fmt.name, opts.formats)
+    dst_fmt = get_format(adapter_target(opts, index, src_fmt.name), opts.formats)
     if f.nemo_style and dst_fmt.name != "nemo":
         raise ConvertError(f"--nemo-style applies to .nemo targets, not {dst_fmt.name}",
                            "drop --nemo-style or pass --dst-format nemo")
@@ -222,11 +227,41 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
     index.notes.extend(index.origin.missing())
     target = Target(cfg=cfg, layout=layout, dtype=dtype, args=args, iteration=index.iteration,
                     style=index.style if index.format == dst_fmt.name else None,
-                    optimizer=index.optimizer and index.optimizer.for_layout(cfg, layout), origin=index.origin)
+                    optimizer=index.optimizer and index.optimizer.for_layout(cfg, layout), origin=index.origin,
+                    adapter=index.adapter)
     files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)
     if dst_fmt.any_writer:  # give every rank a part to write
         files = split_files(files, world)
     return Prepared(src_fmt=src_fmt, dst_fmt=dst_fmt, index=index, target=target, files=files)
+
+
+ADAPTER_TARGETS = {"hf": "peft", "peft": "peft", "torch_dist": "bridge_lora", "bridge": "bridge_lora",
+                   "bridge_lora": "bridge_lora"}
+
+
+def adapter_target(opts: ReshardOptions, index: SourceIndex, src_format: str) -> str:
+    """The target format's name: ``--dst-format`` (default: the source's); for an adapter source the adapter
+    format of that side (hf: a peft directory; torch_dist, bridge: a Megatron-Bridge LoRA checkpoint)."""
+    name = opts.dst_format or src_format
+    if opts.lora is not None and (index.adapter is not None or opts.formats.optimizer):
+        raise ConvertError("--lora merges an adapter into a whole model; " + (
+            f"the source {opts.src} is an adapter itself" if index.adapter is not None else
+            "the optimizer state (--optimizer) is of the model without it"),
+            "pass the base model as SRC" if index.adapter is not None else "drop --optimizer (or --lora)")
+    if index.adapter is None:
+        if name in ("peft", "bridge_lora"):
+            raise ConvertError(f"--dst-format {name} writes LoRA adapters, and {opts.src} is a whole model",
+                               "convert an adapter (SRC = a peft directory or a Megatron-Bridge LoRA checkpoint), or "
+                               "merge one into the model with --lora")
+        return name
+    if name not in ADAPTER_TARGETS:
+        raise ConvertError(f"{opts.src} is a LoRA adapter; --dst-format {name} holds whole models",
+                           "pass --dst-format hf (an HF peft directory) or torch_dist (a Megatron-Bridge LoRA "
+                           "checkpoint), or merge the adapter into its base: reshard BASE DST --lora ADAPTER")
+    if opts.formats.optimizer:
+        raise ConvertError("--optimizer converts a model's optimizer state; the source is an adapter",
+                           "drop --optimizer")
+    return ADAPTER_TARGETS[name]
 
 
 def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
@@ -235,15 +270,19 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     p = prepare(opts, rt, rt.world)
     src_fmt, dst_fmt, index, target, files = p.src_fmt, p.dst_fmt, p.index, p.target, p.files
     layout = target.layout
+    merger = open_adapter(opts.lora, index, rt, opts.formats) if opts.lora is not None else None
     run = {"dst_format": dst_fmt.name, "src": str(opts.src.resolve()), "src_format": index.format,
            "iteration": index.iteration, "files": len(files)}
+    if opts.lora is not None:
+        run["lora"] = str(opts.lora.resolve())
     marker = {**run, "world": rt.world, "fingerprint": fingerprint(files, run)}
     staging = stage(opts.dst, rt, marker=marker, resume=opts.resume, overwrite=opts.overwrite)
     with staging.guard():
         finished = staging.resumed(files) if opts.resume else {}
         todo = [f for f in files if f.id not in finished]
         index = sliced(index, todo, opts.memory_budget)
-        plan = make_plan(index.chunks, todo, rt.world, opts.memory_budget, logical_numel(index), absent=index.absent)
+        work = merger.work_files(todo) if merger is not None else todo  # merged tensors are assembled in float32
+        plan = make_plan(index.chunks, work, rt.world, opts.memory_budget, logical_numel(index), absent=index.absent)
         rt.log(f"[bold]reshard[/] {index.format} {index.layout} -> {dst_fmt.name} {layout}  "
                f"({len(index.chunks)} source chunks, {human_bytes(index.nbytes)}; {len(files)} target files"
                f"{f', {len(finished)} finished before (--resume)' if opts.resume else ''}; {rt.world} ranks; "
@@ -251,7 +290,8 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         for note in index.notes:
             rt.log(f"note: {note}")
         counters, write_s, my_files = _convert_into(staging, target, index, src_fmt, dst_fmt, files, plan, rt,
-                                                    opts.memory_budget, exchange=opts.exchange)
+                                                    opts.memory_budget, exchange=opts.exchange, work=work,
+                                                    merge=merger)
         artifact = on_rank0(rt, lambda: package(dst_fmt, staging.tmp, opts.dst, rt.rank))
     staging.commit(artifact)
     mine = RankStats(rank=rt.rank, files=len(my_files), tensors=sum(len(f.tensors) for f in my_files),
@@ -311,10 +351,12 @@ class BackgroundWrites:
 
 def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt: Format, dst_fmt: Format,
                   files: list[TargetFile], plan: Plan, rt: Runtime,
-                  budget: int, *, exchange: str = "auto") -> tuple[dict[str, int], float, list[TargetFile]]:
+                  budget: int, *, exchange: str = "auto", work: list[TargetFile] | None = None,
+                  merge: Merger | None = None) -> tuple[dict[str, int], float, list[TargetFile]]:
     """Collective: exchange this rank's tensors and write each as soon as it is complete (the writer
     streams tensors or whole files; each finished file is journaled with its checksum), then rank 0
-    writes metadata, tracker and checksum manifest last."""
+    writes metadata, tracker and checksum manifest last. ``work``: the files as the plan moves them (``merge``'s
+    float32 working copies of the tensors an adapter is merged into)."""
     tmp = staging.tmp
     prefix = data_dir(dst_fmt, index.iteration)
     tmp_iter = tmp / prefix if prefix else tmp
@@ -347,7 +389,8 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
     # a writer that takes row blocks (DCP formats) gets tensors in blocks: memory stays flat as they grow, and a
     # block one transfer fills is written from the read or receive buffer itself
     blocks = block_bytes(budget) if dst_fmt.row_blocks else None
-    out = Assembly(my_files, plan, rt.rank, background.put, block_bytes=blocks)
+    working = {f.id: f for f in work or files}
+    out = Assembly([working[f.id] for f in my_files], plan, rt.rank, background.put, block_bytes=blocks, merge=merge)
     try:
         try:
             counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out,

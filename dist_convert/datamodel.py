@@ -187,6 +187,7 @@ class SourceIndex:
     absent: frozenset[str] = frozenset()  # logical tensors the source lacks, left out (--allow-missing)
     style: str | None = None  # on-disk style where a format has several (torch_dist: "0.16" | "0.19")
     optimizer: OptimizerState | None = None  # of a source read with --optimizer (None: the model only)
+    adapter: Any = None  # lora.adapter.AdapterSpec of an adapter-only source (its chunks: the adapter's tensors)
 
     @property
     def nbytes(self) -> int:
@@ -251,6 +252,7 @@ class Target:
     style: str | None = None  # the source's on-disk style, kept when the format stays (torch_dist: "0.16" | "0.19")
     optimizer: OptimizerState | None = None  # to write with the model (--optimizer; None: the model only)
     origin: Origin = Origin()  # the source's (SourceIndex.origin); empty for a model made from nothing
+    adapter: Any = None  # lora.adapter.AdapterSpec: an adapter-only target, laid out from this source adapter
 
 
 # Tensors megatron-core keeps in their own dtype whatever the params dtype (MoE router.expert_bias: fp32)

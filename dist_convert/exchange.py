@@ -10,14 +10,15 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from . import faults
-from .datamodel import SourceChunk, TargetFile, numel
+from .datamodel import SourceChunk, TargetFile, TargetTensor, numel
 from .errors import ConvertError
-from .layout.boxes import logical_view, write_logical
+from .layout.boxes import Box, logical_view, write_logical
 from .plan import (
     Plan,
     Transfer,
@@ -52,6 +53,16 @@ ReadFn = Callable[[list[SourceChunk]], dict[int, torch.Tensor]]
 
 
 Done = Callable[[int, int, "int | None", torch.Tensor], None]  # (file, tensor, first row or None: whole, data)
+
+
+class Merge(Protocol):
+    """What the assembly asks of a merge epilogue (``lora.merge.Merger``)."""
+
+    stored: dict[tuple[int, int], torch.dtype]  # (file, tensor) it changes -> the dtype they are written in
+
+    def apply(self, fid: int, j: int, t: TargetTensor, block: Box, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
 Block = tuple[int, int, int]  # (file id, tensor index, row block)
 
 
@@ -64,11 +75,18 @@ class Assembly:
     assembled in row blocks (plan.row_blocks), each handed over on its own with its first row, so memory
     holds only the blocks being filled however large a tensor is; and a block that one transfer fills whole,
     in its dtype, is handed over as the transfer's own bytes (the read or receive buffer), never copied.
-    Without ``done`` every tensor is kept whole in ``tensors``; ``into`` gives preallocated ones to fill."""
+    Without ``done`` every tensor is kept whole in ``tensors``; ``into`` gives preallocated ones to fill.
+
+    ``merge`` (``lora.merge.Merger``; ``files`` are then its ``work_files``): the tensors it names in ``stored`` are
+    assembled as float32 in buffers of their own, and each complete block goes through ``merge.apply`` (the
+    adapter's product added, the stored dtype cast) before it is handed over."""
 
     def __init__(self, files: list[TargetFile], plan: Plan, rank: int, done: Done | None = None,
-                 into: dict[tuple[int, int], torch.Tensor] | None = None, block_bytes: int | None = None) -> None:
+                 into: dict[tuple[int, int], torch.Tensor] | None = None, block_bytes: int | None = None,
+                 merge: Merge | None = None) -> None:
         self.specs = {(f.id, j): t for f in files for j, t in enumerate(f.tensors)}
+        self.merge = merge
+        self.merged = set(merge.stored) if merge is not None else set()
         self.passthrough = block_bytes is not None and done is not None
         limit = block_bytes if self.passthrough else None
         boxes = tensor_boxes(plan, rank)
@@ -109,6 +127,12 @@ class Assembly:
             blocks = self.row_blocks[key[:2]]
             t0 = time.perf_counter_ns()
             try:
+                if key[:2] in self.merged:
+                    shape = self._shape(key)
+                    first = [0] * len(shape)
+                    if blocks is not None:
+                        first[blocks.axis] = blocks.starts[key[2]]
+                    tensor = self.merge.apply(key[0], key[1], self.specs[key[:2]], Box(tuple(first), shape), tensor)
                 self.done(key[0], key[1], None if blocks is None else blocks.starts[key[2]], tensor)
             except ConvertError as e:
                 self.error = e
@@ -132,6 +156,7 @@ class Assembly:
                     part = src.narrow(rows.axis, (lo - rows.start) // rows.step, (hi - lo - 1) // rows.step + 1)
                 where = (*where[:d], slice(lo - first, hi - first), *where[d + 1:])
             if (self.passthrough and not borrowed and t.dst_view is None and key not in self.blocks
+                    and key[:2] not in self.merged
                     and nbytes == self.missing[key]
                     and part.dtype == self.specs[key[:2]].dtype and tuple(part.shape) == self._shape(key)
                     and part.is_contiguous()):

@@ -35,7 +35,23 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
         "bytes": index.nbytes,
         "dtypes": dict(dtypes),
         "notes": index.notes,
+        "adapter": None if index.adapter is None else adapter_info(index.adapter),
     }
+
+
+def adapter_info(spec) -> dict:
+    """What an adapter holds: kind, base, ranks, scales, targets in both namings, layers, fused-A sharing."""
+    from .lora.adapter import module_type
+
+    layers = sorted({int(p.logical.split(".")[2]) for m in spec.modules for p in m.base})
+    return {"kind": spec.kind, "base": spec.base_ref, "modules": len(spec.modules),
+            "ranks": sorted({m.r for m in spec.modules}), "alphas": sorted({str(m.alpha) for m in spec.modules}),
+            "scales": sorted({round(m.scale, 6) for m in spec.modules}),
+            "rslora": any(m.rslora for m in spec.modules),
+            "targets": sorted({m.name.rsplit(".", 1)[-1] for m in spec.modules}),
+            "megatron_targets": sorted({module_type(p.logical) for m in spec.modules for p in m.base}),
+            "layers": layers, "shared_a": sum(1 for m in spec.modules if m.same_a),
+            "params": sum(spec.logical_numel().values())}
 
 
 def print_description(info: dict, as_json: bool) -> None:
@@ -53,6 +69,8 @@ def print_description(info: dict, as_json: bool) -> None:
             ("logical tensors", str(info["logical_tensors"])), ("stored chunks", str(info["stored_chunks"])),
             ("bytes", human_bytes(info["bytes"])),
             ("dtypes", ", ".join(f"{k}: {v} chunks" for k, v in info["dtypes"].items()))]
+    if info["adapter"] is not None:
+        rows += [(f"adapter {k}", str(v)) for k, v in info["adapter"].items()]
     rows += [(k, str(v)) for k, v in info["config"].items()]
     rows += [("note", n) for n in info["notes"]]
     for k, v in rows:

@@ -79,6 +79,8 @@ def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: 
     options = options or FormatOptions()
     fa, ia = load_index(path_a, fmt_a, rt, vocab_size, options)
     fb, ib = load_index(path_b, fmt_b, rt, vocab_size, options)
+    if ia.adapter is not None or ib.adapter is not None:
+        return verify_adapters(fa, ia, fb, ib, rt, atol, rtol)
     ta, tb = logical_tensors(ia.cfg), logical_tensors(ib.cfg)
     mismatches = [Mismatch(name=n, detail="only in A") for n in ta if n not in tb]
     mismatches += [Mismatch(name=n, detail="only in B") for n in tb if n not in ta]
@@ -98,4 +100,32 @@ def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: 
     for part in rt.all_gather_object(local):
         mismatches += part
     rt.log(f"compared {len(names)} logical tensors: {ia.format} {ia.layout} vs {ib.format} {ib.layout}")
+    return mismatches
+
+
+def verify_adapters(fa, ia: SourceIndex, fb, ib: SourceIndex, rt: Runtime, atol: float,
+                    rtol: float) -> list[Mismatch]:
+    """Two LoRA adapters compared by what they do: on every base tensor either adapts, the sum of its modules'
+    ``scale * B @ A`` (float32), so adapters of different structure (peft's q/k/v, Bridge's fused qkv, ranks
+    padded or blocked) compare equal when they change the model equally. Each rank computes its share."""
+    from .layout.boxes import Box
+    from .lora.merge import AdapterReader, Merger
+
+    if ia.adapter is None or ib.adapter is None:
+        raise ConvertError(f"{ia.iter_dir if ia.adapter is None else ib.iter_dir} is a whole model and the other a "
+                           "LoRA adapter", "compare two adapters, or two models (merge an adapter: reshard --lora)")
+    ma = Merger(ia.adapter, AdapterReader(ia, lambda cs: fa.read(ia, cs)))
+    mb = Merger(ib.adapter, AdapterReader(ib, lambda cs: fb.read(ib, cs)))
+    shapes = logical_tensors(ia.cfg)
+    names = sorted(set(ma.modules) | set(mb.modules))
+    local = []
+    for name in names[rt.rank::rt.world]:
+        box = Box.full(shapes[name].shape)
+        da, db = (m.delta(name, box) if name in m.modules else torch.zeros(box.sizes) for m in (ma, mb))
+        detail = compare(da, db, atol, rtol)
+        if detail is not None:
+            local.append(Mismatch(name=f"{name} (scale * B @ A)", detail=detail))
+    mismatches = [m for part in rt.all_gather_object(local) for m in part]
+    rt.log(f"compared the adapters' products on {len(names)} base tensors: {ia.format} {ia.layout} vs {ib.format} "
+           f"{ib.layout}")
     return mismatches

@@ -26,7 +26,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${PIP[@]}" "megatron-core==0.19.2" numpy packaging psutil "pyyaml>=5.1" "safetensors>=0.4" "rich>=13" "pytest>=8"
   # Megatron-Bridge 0.6.2 without its deps (they pin CUDA-only packages), then what its import path needs
   "${PIP[@]}" --no-deps "megatron-bridge==0.6.2"
-  "${PIP[@]}" "transformers>=5.8,<=5.12.1" accelerate omegaconf einops "hydra-core>=1.3.4,<1.4" tqdm regex six \
+  "${PIP[@]}" "transformers>=5.8,<=5.12.1" "peft==0.21.2" accelerate omegaconf einops "hydra-core>=1.3.4,<1.4" tqdm regex six \
     "nvidia-modelopt==0.47.0" requests datasets "megatron-energon~=7.0" tensorboard
   # the editable install writes dist_convert.egg-info into the checkout: one at a time (launch/test.sh runs
   # setup.sh and setup_mcore19.sh side by side)

@@ -13,10 +13,12 @@ if TYPE_CHECKING:
     from .base import Format, FormatOptions
 
 # name -> (module, class), in detection order: hf first (config.json + safetensors: nothing else has them);
+# peft (adapter_config.json) and bridge_lora (run_config.yaml with a peft: section) before what they extend;
 # bridge before torch_dist (a Bridge iteration is a torch_dist save plus run_config.yaml); nemo before
 # megatron (an extracted .nemo at TP>1 PP=1 also has mp_rank_XX/ directories)
 FORMATS: dict[str, tuple[str, str]] = {
-    "hf": ("hf", "HFFormat"), "nemo2": ("nemo2", "Nemo2Format"), "bridge": ("bridge", "BridgeFormat"),
+    "hf": ("hf", "HFFormat"), "peft": ("peft", "PeftFormat"), "nemo2": ("nemo2", "Nemo2Format"),
+    "bridge_lora": ("bridge_lora", "BridgeLoraFormat"), "bridge": ("bridge", "BridgeFormat"),
     "torch_dist": ("torch_dist", "TorchDistFormat"), "fsdp_dtensor": ("fsdp_dtensor", "FsdpDtensorFormat"),
     "nemo": ("nemo", "NemoFormat"), "megatron": ("megatron", "MegatronFormat"),
 }

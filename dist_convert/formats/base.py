@@ -44,6 +44,7 @@ class FormatOptions:
     allow_missing: tuple[str, ...] = ()  # globs: source tensors that may be missing (left out of the conversion)
     ignore_unexpected: tuple[str, ...] = ()  # globs: unknown source tensors to skip
     optimizer: bool = False  # --optimizer: read the source's optimizer state too (torch_dist, megatron sources)
+    base: Path | None = None  # --base: the model an adapter-only source adapts (its config, names and shapes)
 
 
 class Format(Protocol):

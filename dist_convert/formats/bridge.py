@@ -135,6 +135,9 @@ class BridgeFormat(TorchDistFormat):
         return {**super().common_state(target), "content_metadata": {"singleton_local_shards": False,
                                                                        "chained_optim_avoid_prefix": True}}
 
+    def run_config_sections(self, target: Target, y: dict[str, Any]) -> None:
+        """Sections a kind of Bridge checkpoint adds to run_config.yaml (a LoRA adapter's ``peft:``)."""
+
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
         """The torch_dist metadata, then run_config.yaml, train_state.pt and tokenizer/."""
         args, cfg = target.args, target.cfg
@@ -155,6 +158,7 @@ class BridgeFormat(TorchDistFormat):
                               "tokenizer_type": "HuggingFaceTokenizer" if tok is not None else "NullTokenizer",
                               "tokenizer_model": str(tok) if tok is not None else None,
                               "vocab_size": None if tok is not None else cfg.vocab_size}
+        self.run_config_sections(target, y)
         write_durable(iter_dir / RUN_CONFIG, yaml.safe_dump(y, sort_keys=False))
         buf = io.BytesIO()
         zero = torch.tensor(0)

@@ -43,11 +43,12 @@ def placement(t: LogicalTensor, cfg: ModelConfig, per_layer: bool) -> tuple[tupl
     return lead, at
 
 
-def dist_groups(cfg: ModelConfig) -> dict[str, DistGroup]:
-    """torch_dist key -> its group (aliases: a group of their own with the same tensor)."""
+def dist_groups(cfg: ModelConfig, tensors: Iterable[LogicalTensor] | None = None) -> dict[str, DistGroup]:
+    """torch_dist key -> its group (aliases: a group of their own with the same tensor). ``tensors``: these
+    instead of the model's (a LoRA adapter's, ``lora/bridge.py``)."""
     per_layer = per_layer_keys(cfg)
     groups: dict[str, DistGroup] = {}
-    for t in logical_tensors(cfg).values():
+    for t in logical_tensors(cfg).values() if tensors is None else tensors:
         lead, at = placement(t, cfg, per_layer)
         key = torch_dist_key(t, per_layer or t.stack == "mtp")
         for suffix, offset, member in sections_of(t):

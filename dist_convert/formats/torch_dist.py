@@ -349,6 +349,12 @@ class TorchDistFormat(IterDirFormat):
         read_boxes(index.iter_dir, self.trust_pickle, requests)
         return {c.id: out[c.id].view(c.shape) for c in chunks}
 
+    saves_objects = True  # the _extra_state objects megatron-core saves with the modules (a LoRA adapter: none)
+
+    def target_groups(self, target: Target) -> dict[str, DistGroup]:
+        """The torch_dist keys of the target (the model's)."""
+        return dist_groups(target.cfg)
+
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         """One file per target (tp, pp, ep) rank with its main-replica chunks, as megatron-core saves
         them (a routed expert's chunks per expert-TP rank, in the file of its expert rank)."""
@@ -359,7 +365,7 @@ class TorchDistFormat(IterDirFormat):
         ranks = [(t, p, e) for e in range(layout.ep) for p in range(layout.pp) for t in range(layout.tp)]
         tensors: dict[tuple[int, int, int], list[TargetTensor]] = {r: [] for r in ranks}
         objects: dict[tuple[int, int, int], dict[str, Any]] = {r: {} for r in ranks}
-        for key, g in dist_groups(cfg).items():
+        for key, g in self.target_groups(target).items():
             for at, t in g.members.items():
                 holder = stage[(t.stack, t.layer)] if t.layer is not None else holders(t.stage, layout)[0][0]
                 gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
@@ -373,15 +379,16 @@ class TorchDistFormat(IterDirFormat):
                             TargetTensor(key=self.prefix + key, shape=box.sizes, dtype=dtype,
                                          pieces=block_pieces(g, box), offsets=box.offsets,
                                          global_shape=g.lead + gshape))
-        for (stack, layer), p in stage.items():
+        for (stack, layer), p in stage.items() if self.saves_objects else ():
             objects[(0, p, 0)].update(layer_objects(cfg, stack, layer, layers[stack], per_layer))
             if cfg.layer_is_moe(stack, layer):
                 for e in range(cfg.num_experts):
                     objects[(0, p, layout.expert_rank(e, cfg.num_experts))].update(
                         expert_objects(cfg, stack, layer, layers[stack], e, per_layer))
-        for m in top_extra_state_modules(cfg):
+        for m in top_extra_state_modules(cfg) if self.saves_objects else ():
             objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
-        if cfg.family == "t5" or cfg.hybrid_pattern is not None:  # GPTModel drops its output layer's, MambaModel not
+        # GPTModel drops its output layer's _extra_state, T5 and MambaModel keep it
+        if self.saves_objects and (cfg.family == "t5" or cfg.hybrid_pattern is not None):
             for m in OUTPUT_MODULES[cfg.family]:
                 objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
         if target.optimizer is not None:  # model-space (fully_reshardable) optimizer state beside each chunk

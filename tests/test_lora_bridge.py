@@ -1,0 +1,65 @@
+"""LoRA adapters between Megatron-Bridge and HF peft under torchrun (gloo, 2 ranks), judged by Megatron-Bridge
+0.6.2's own LoRA code on CPU (tests/bridge_lora_oracle.py: its ``save_checkpoint`` makes the LoRA PEFT checkpoint,
+its ``save_hf_adapter`` and merged export are the truth, its ``load_peft_adapter_checkpoint`` at TP2 and
+``export_adapter_ckpt`` read what dist_convert writes) and by peft 0.21.2 (tests/peft_oracle.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_lora import tensors
+
+from conftest import assert_refused, ok, oracle, run_cli
+
+
+def bridge_lora(cmd: str, nproc: int, *args: str) -> str:
+    return oracle(cmd, nproc, *args, program="bridge_lora", runtime="mcore19").stdout
+
+
+@pytest.fixture(scope="session")
+def made(tmp_path_factory) -> Path:
+    """A tiny Llama (with tokenizer), Megatron-Bridge's LoRA PEFT checkpoint of it (dim 4, alpha 8, every adapter
+    tensor random), Bridge's HF peft export of that adapter and Bridge's merged HF model."""
+    root = tmp_path_factory.mktemp("bridge_lora")
+    oracle("make-hf", 1, "--root", str(root), program="bridge", runtime="mcore19")
+    bridge_lora("make", 1, "--hf", str(root / "llama"), "--out", str(root / "made"))
+    return root
+
+
+def test_bridge_adapter_to_peft_is_bridges_save_hf_adapter(made, tmp_path):
+    dst = tmp_path / "peft"
+    ok(run_cli("reshard", str(made / "made" / "peft_ckpt"), str(dst), "--dst-format", "hf", nproc=2))
+    out = oracle("check", 1, "--hf", str(made / "llama"), "--adapter", str(dst), "--ref",
+                 str(made / "made" / "hf_adapter"), "--tensors", program="peft", runtime="mcore19").stdout
+    assert "ORACLE OK" in out
+
+
+@pytest.mark.parametrize("source", ["hf_adapter", "peft_ckpt"])
+def test_bridge_loads_the_tp2_adapter_and_exports_it_back(made, tmp_path, source):
+    """Bridge's own HF export (q/k/v sharing one A) and Bridge's own checkpoint, written as Bridge's LoRA
+    checkpoint at TP2: Bridge loads every adapter tensor at TP2 and its forward equals peft's."""
+    dst = tmp_path / "tp2"
+    ok(run_cli("reshard", str(made / "made" / source), str(dst), "--dst-format", "torch_dist", "--target-tp", "2",
+               "--base", str(made / "llama"), nproc=2))
+    ref = str(made / "made" / "hf_adapter")
+    assert "ORACLE OK" in bridge_lora("load", 2, "--ckpt", str(dst), "--hf", str(made / "llama"), "--tp", "2",
+                                      "--ref-adapter", ref)
+    assert "ORACLE OK" in bridge_lora("export", 1, "--ckpt", str(dst), "--hf", str(made / "llama"), "--out",
+                                      str(tmp_path / "exported"), "--ref-adapter", ref)
+
+
+def test_merge_of_a_bridge_adapter_is_bridges_merge(made, tmp_path):
+    dst = tmp_path / "merged"
+    ok(run_cli("reshard", str(made / "llama"), str(dst), "--lora", str(made / "made" / "peft_ckpt"),
+               "--dst-format", "hf", nproc=2))
+    got, want = tensors(dst), tensors(made / "made" / "merged")
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
+
+
+def test_canonical_lora_is_refused_in_one_line(made, tmp_path):
+    bridge_lora("make", 1, "--hf", str(made / "llama"), "--out", str(tmp_path / "canonical"), "--canonical")
+    assert_refused(run_cli("reshard", str(tmp_path / "canonical" / "peft_ckpt"), str(tmp_path / "dst"),
+                           "--dst-format", "hf", nproc=2), tmp_path, "CanonicalLoRA", "peft=LoRA")

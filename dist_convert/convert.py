@@ -295,7 +295,9 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         artifact = on_rank0(rt, lambda: package(dst_fmt, staging.tmp, opts.dst, rt.rank))
     staging.commit(artifact)
     mine = RankStats(rank=rt.rank, files=len(my_files), tensors=sum(len(f.tensors) for f in my_files),
-                     read_bytes=counters["read"], written_bytes=plan.write_bytes[rt.rank], sent_bytes=counters["sent"],
+                     read_bytes=counters["read"] + (merger.reader.read_bytes if merger is not None else 0),
+                     written_bytes=sum(f.nbytes for f in my_files),  # as stored
+                     sent_bytes=counters["sent"],
                      received_bytes=counters["received"], write_s=write_s, wall_s=time.perf_counter() - t0,
                      peak_rss=peak_rss_bytes(), exchange_s=counters.get("exchange_ns", 0) / 1e9,
                      peak_gpu=peak_gpu_bytes(rt))

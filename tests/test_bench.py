@@ -204,6 +204,36 @@ def test_bench_optimizer_source_costs_seven_times_the_weights(tmp_path):
     assert predicted_rss(src, 1, 1, 1, True, ns, tmp_path) > 100 * MB  # a process's own footprint and more
 
 
+def test_bench_lora_merges_a_synthetic_adapter(tmp_path):
+    """``bench --lora R``: a synthetic peft adapter of the synthetic source on every projection; the lora method
+    merges it (every projection changes, nothing else), reading only the adapter's bytes besides the weights."""
+    from argparse import Namespace
+
+    from dist_convert.bench.run import Source, jobs
+    from dist_convert.bench.synth_lora import write_adapter
+
+    shape = LlamaShape(num_layers=2, hidden_size=32, ffn_hidden_size=96, num_attention_heads=8, num_query_groups=4,
+                       vocab_size=1000)
+    write_synthetic(tmp_path / "src", shape, torch.bfloat16, "torch_dist", Layout(tp=2, pp=1), 0, Runtime())
+    params = write_adapter(tmp_path / "src", tmp_path / "adapter", 8)
+    # rank 8 x (in + out) of q [32, 32], k and v [16, 32], o [32, 32], gate and up [96, 32], down [32, 96], 2 layers
+    assert params == 2 * 8 * (64 + 48 + 48 + 64 + 128 + 128 + 128)
+    stats = {}
+    for name, extra in (("weights", []), ("lora", ["--lora", str(tmp_path / "adapter")])):
+        out = tmp_path / f"{name}.json"
+        assert cli_main(["reshard", str(tmp_path / "src"), str(tmp_path / name), "--target-tp", "1", "--stats-json",
+                         str(out), *extra]) == 0
+        stats[name] = json.loads(out.read_text())[0]
+    assert stats["lora"]["written_bytes"] == stats["weights"]["written_bytes"]  # bf16 as stored, merged in fp32
+    assert stats["lora"]["read_bytes"] - stats["weights"]["read_bytes"] == 4 * params  # one rank: all the adapter
+    assert cli_main(["verify", str(tmp_path / "weights"), str(tmp_path / "lora")]) == 1
+    src = Source(path=tmp_path / "src", format="torch_dist", tp=2, pp=1, nbytes=0, files=[], shape="tiny",
+                 adapter=tmp_path / "adapter")
+    ns = Namespace(optimizer=False, memory_budget=256 << 20, timeout=300.0)
+    labels = [o.label for o, _ in jobs(src, 1, 1, [1], ["dist_convert"], ns)]
+    assert labels == ["dist_convert w=1", "dist_convert --lora w=1"]
+
+
 def _output(bench, method, world):
     return next(r["output"] for r in bench["targets"][0]["rows"] if (r["method"], r["world"]) == (method, world))
 

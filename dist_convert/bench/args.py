@@ -69,6 +69,9 @@ def add_bench_parser(sub: Any, parse_size: Callable[[str], int], default_budget:
     b.add_argument("--optimizer", action="store_true",
                    help="the synthetic torch_dist checkpoint also holds a distributed Adam's state (model space), "
                         "and each dist_convert world size runs twice: weights only, and with --optimizer")
+    b.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="each dist_convert world size also runs with --lora: a synthetic peft adapter of rank R on "
+                        "every projection merged as the target is written (method lora)")
     b.add_argument("--workdir", type=Path, default=None, help="where to write (default: a new directory in $TMPDIR)")
     b.add_argument("--keep", action="store_true", help="keep the source and each method's last output")
     b.add_argument("--drop-caches", action="store_true", help="empty the page cache before every run (root)")

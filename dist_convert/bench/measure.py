@@ -46,7 +46,8 @@ class Outcome:
     """One method at one target: its runs (median reported) or why it did not run. Not frozen: it is filled in
     as the method runs (runs, status and reason, the output kept, the predicted RSS, the agreement check)."""
 
-    method: str  # floor | help | startup | startup_torchrun | dist_convert | optimizer | whole_model | mcore | bridge
+    # floor | help | startup | startup_torchrun | dist_convert | optimizer | lora | whole_model | mcore | bridge
+    method: str
     label: str
     world: int | None
     runs: list[Run] = field(default_factory=list)

@@ -91,7 +91,7 @@ def row(o: Outcome, nbytes: int, others: dict[str, Outcome], startup: Outcome | 
         checks["mcore"] = _ratio_check(wall, others.get("mcore"), MCORE_FACTOR)
     if wall is not None and (o.method == "help" or (o.method == "startup" and o.world == TARGET_WORLD)):
         checks["launch"] = _verdict(wall <= (HELP_S if o.method == "help" else LAUNCH_S))
-    if rss is not None and o.world and o.method in ("dist_convert", "optimizer"):
+    if rss is not None and o.world and o.method in ("dist_convert", "optimizer", "lora"):
         checks["rss"] = _verdict(rss_ok(rss, nbytes, o.world))
     if rss is not None and o.predicted_rss:
         checks["plan"] = _verdict(abs(rss - o.predicted_rss) <= PLAN_TOLERANCE * rss)

@@ -4,6 +4,7 @@ Face source) Megatron-Bridge's import, interleaved rep by rep."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -30,6 +31,7 @@ class Source:
     files: list[Path]
     shape: str
     make_s: float | None = None
+    adapter: Path | None = None  # --lora: the synthetic adapter merged by the lora method
 
 
 def check_options(ns: argparse.Namespace) -> tuple[list[str], list[tuple[int, int]]]:
@@ -81,7 +83,22 @@ def make_source(ns: argparse.Namespace, size: int, targets: list[tuple[int, int]
         raise ConvertError(f"writing the synthetic checkpoint failed ({e})", "check --src-tp/--src-pp/--size") from None
     files = measure.source_files(out)
     return Source(path=out, format=ns.format, tp=tp, pp=pp, nbytes=measure.total_bytes(files), files=files,
-                  shape=str(shape), make_s=wall)
+                  shape=str(shape), make_s=wall, adapter=make_adapter(ns, out, work))
+
+
+def make_adapter(ns: argparse.Namespace, base: Path, work: Path) -> Path | None:
+    """--lora R: a synthetic peft adapter of rank R of ``base`` (None without --lora)."""
+    if not ns.lora:
+        return None
+    out = work / f"{base.name}_lora{ns.lora}"
+    measure.remove(out)
+    try:
+        measure.run_command(measure.python_module("dist_convert.bench.synth_lora", "--base", str(base), "--out",
+                                                  str(out), "--rank", str(ns.lora), "--seed", str(ns.seed)),
+                            ns.timeout)
+    except MethodFailed as e:
+        raise ConvertError(f"writing the synthetic adapter failed ({e})", "check --lora") from None
+    return out
 
 
 def existing_source(path: Path) -> Source:
@@ -125,8 +142,9 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
                                 world=w), start))
     if "dist_convert" in methods:
         # one process, or `--nproc w` (dist_convert's own launch); --optimizer: each world size also converts the
-        # optimizer state (method "optimizer", beside the weights)
-        for w, flags in [(w, f) for w in ranks for f in ((), ("--optimizer",))[:1 + bool(ns.optimizer)]]:
+        # optimizer state (method "optimizer", beside the weights); --lora: also merges an adapter (method "lora")
+        variants = [()] + [("--optimizer",)] * bool(ns.optimizer) + [("--lora", str(src.adapter))] * bool(src.adapter)
+        for w, flags in [(w, f) for w in ranks for f in variants]:
             def dc(dst: Path, stats: Path, w: int = w, flags: tuple[str, ...] = flags) -> Run:
                 cmd = measure.python_module(
                     "dist_convert", "reshard", str(src.path), str(dst), "--target-tp", str(tp), "--target-pp", str(pp),
@@ -134,8 +152,8 @@ def jobs(src: Source, tp: int, pp: int, ranks: list[int], methods: list[str], ns
                     *(bridge.DIST_CONVERT_HF_FLAGS if src.format == "hf" else ()), *flags,
                     *(("--nproc", str(w)) if w > 1 else ()))
                 return measure.time_job(cmd, stats, measure.parse_dist_convert, ns.timeout)
-            name = "optimizer" if flags else "dist_convert"
-            out.append((Outcome(method=name, label=f"dist_convert{' --optimizer' if flags else ''} w={w}", world=w),
+            name = flags[0].removeprefix("--") if flags else "dist_convert"
+            out.append((Outcome(method=name, label=f"dist_convert{' ' + flags[0] if flags else ''} w={w}", world=w),
                         dc))
     if "exchange" in methods:  # the same reshard over shared memory and over gloo (transport.py)
         for w, path in [(w, p) for w in ranks if w > 1 for p in ("shm", "gloo")]:
@@ -243,6 +261,8 @@ def predicted_rss(src: Source, tp: int, pp: int, world: int, optimizer: bool, ns
 
 def run_targets(ns: argparse.Namespace, methods: list[str], targets: list[tuple[int, int]], work: Path) -> dict:
     src = existing_source(ns.src.resolve()) if ns.src else make_source(ns, ns.size, targets, work)
+    if ns.src and ns.lora:
+        src = dataclasses.replace(src, adapter=make_adapter(ns, src.path, work))
     _console.print(f"source: {src.format} TP={src.tp} PP={src.pp}, {len(src.files)} files, {human_bytes(src.nbytes)}"
                    + (f" (written in {src.make_s:.1f} s)" if src.make_s else ""))
     out = {"source": {"path": str(src.path), "format": src.format, "tp": src.tp, "pp": src.pp, "bytes": src.nbytes,

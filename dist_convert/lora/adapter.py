@@ -100,6 +100,11 @@ def as_fraction(value: object, what: str, fix: str) -> Fraction:
     return Fraction(value)
 
 
+def stored_at(p: Piece, o: Box) -> tuple[int, int]:
+    """(row, column) of the adapted weight where its base piece ``p`` holds logical box ``o`` (inside ``p.lbox``)."""
+    return p.sbox.offsets[0] + o.offsets[0] - p.lbox.offsets[0], p.sbox.offsets[1] + o.offsets[1] - p.lbox.offsets[1]
+
+
 def identity_pieces(logical: str, shape: tuple[int, ...]) -> tuple[Piece, ...]:
     full = Box.full(shape)
     return (Piece(logical, full, full),)

@@ -21,13 +21,14 @@ from ..formats.base import FormatOptions, on_rank0
 from ..layout.boxes import Box, Piece
 from ..layout.rules import logical_tensors
 from ..runtime import Runtime
-from .adapter import AdapterModule, AdapterSpec
+from .adapter import AdapterSpec, stored_at
 
 WORK_DTYPE = torch.float32
 
 
 class AdapterReader:
-    """Rank-local reads of boxes of an adapter's tensors (float32), each chunk read from disk at most once."""
+    """Rank-local reads of boxes of an adapter's tensors (float32): of each stored chunk holding a part of the box,
+    exactly that part (chunks of peft's safetensors and of torch_dist items are sliceable), nothing cached."""
 
     def __init__(self, index: SourceIndex, read: Callable[[list[SourceChunk]], dict[int, torch.Tensor]]) -> None:
         self.read = read
@@ -35,22 +36,25 @@ class AdapterReader:
         for c in index.chunks:
             for p in c.pieces:
                 self.pieces.setdefault(p.logical, []).append((c, p))
-        self.cache: dict[int, torch.Tensor] = {}
         self.read_bytes = 0
 
     def box(self, logical: str, box: Box) -> torch.Tensor:
-        hits = [(c, p, o) for c, p in self.pieces.get(logical, ()) for o in [p.lbox.intersect(box)] if o is not None]
-        todo = [c for c in {c.id: c for c, _, _ in hits}.values() if c.id not in self.cache]
-        if todo:
-            self.cache.update(self.read(todo))
-            self.read_bytes += sum(c.nbytes for c in todo)
         out = torch.zeros(box.sizes, dtype=WORK_DTYPE)
-        for c, p, o in hits:
+        parts = []
+        for c, p in self.pieces.get(logical, ()):
+            o = p.lbox.intersect(box)
+            if o is None:
+                continue
             lead = len(p.sbox.sizes) - len(p.lbox.sizes)
-            at = o.relative_to(p.lbox)
-            src = self.cache[c.id][p.sbox.slices()[:lead] + Box(tuple(a + b for a, b in zip(
-                p.sbox.offsets[lead:], at.offsets, strict=True)), o.sizes).slices()]
-            out[o.relative_to(box).slices()] = src.reshape(o.sizes)
+            at = Box(p.sbox.offsets[:lead] + tuple(a + b - d for a, b, d in zip(
+                p.sbox.offsets[lead:], o.offsets, p.lbox.offsets, strict=True)), p.sbox.sizes[:lead] + o.sizes)
+            start = c.offsets or (0,) * len(c.shape)
+            parts.append((o, replace(c, id=len(parts), shape=at.sizes,
+                                     offsets=tuple(a + b for a, b in zip(start, at.offsets, strict=True)))))
+        got = self.read([c for _, c in parts]) if parts else {}
+        for o, c in parts:
+            out[o.relative_to(box).slices()] = got[c.id].reshape(o.sizes)
+            self.read_bytes += c.nbytes
         return out
 
 
@@ -103,21 +107,22 @@ class Merger:
         return tensor.to(self.stored[(fid, j)])
 
     def delta(self, logical: str, box: Box) -> torch.Tensor:
-        """sum over the modules adapting ``box`` of logical tensor ``logical``: scale * B[rows] @ A[:, cols]."""
+        """sum over the modules adapting ``box`` of logical tensor ``logical``: scale * B[rows] @ A[:, cols] (the
+        columns of A read once per module, the rows of B each piece needs)."""
         out = torch.zeros(box.sizes, dtype=WORK_DTYPE)
         for m in self.modules[logical]:
-            for q in m.base:
-                o = box.intersect(q.lbox) if q.logical == logical else None
-                if o is not None:
-                    out[o.relative_to(box).slices()] += self._product(m, q, o)
+            hits = [(stored_at(q, o), o) for q in m.base if q.logical == logical
+                    for o in [box.intersect(q.lbox)] if o is not None]
+            if not hits:
+                continue
+            first = min(col for (_, col), _ in hits)
+            last = max(col + o.sizes[1] for (_, col), o in hits)
+            a = self.reader.box(m.a, Box((0, first), (m.r, last - first)))
+            for (row, col), o in hits:
+                b = self.reader.box(m.b, Box((row, 0), (o.sizes[0], m.r)))
+                part = a[:, col - first:col - first + o.sizes[1]]
+                out[o.relative_to(box).slices()] += (b @ part).mul_(m.scale)  # peft's order: (B @ A) * scaling
         return out
-
-    def _product(self, m: AdapterModule, q: Piece, o: Box) -> torch.Tensor:
-        row = q.sbox.offsets[0] + o.offsets[0] - q.lbox.offsets[0]
-        col = q.sbox.offsets[1] + o.offsets[1] - q.lbox.offsets[1]
-        b = self.reader.box(m.b, Box((row, 0), (o.sizes[0], m.r)))
-        a = self.reader.box(m.a, Box((0, col), (m.r, o.sizes[1])))
-        return (b @ a).mul_(m.scale)  # peft's order: (B @ A) * scaling
 
 
 def open_adapter(path: Path, base: SourceIndex, rt: Runtime, options: FormatOptions) -> Merger:

@@ -17,7 +17,7 @@ from fractions import Fraction
 
 from ..errors import ConvertError
 from ..layout.boxes import Box, Piece
-from .adapter import AdapterModule
+from .adapter import AdapterModule, stored_at
 
 KEEP_PEFT = "merge the adapter into the base (--lora) instead, or keep the peft layout (--dst-format hf)"
 
@@ -42,17 +42,11 @@ class Laid:
     b: tuple[Piece, ...]
 
 
-def _rows(p: Piece, o: Box) -> tuple[int, int]:
-    """(first stored row, first stored column) of piece ``p`` at logical box ``o`` (inside ``p.lbox``)."""
-    return p.sbox.offsets[0] + o.offsets[0] - p.lbox.offsets[0], p.sbox.offsets[1] + o.offsets[1] - p.lbox.offsets[1]
-
-
-def lay_out(sources: Sequence[AdapterModule], slots: Sequence[Slot], *, rank: int | None = None, multiple: int = 1,
+def lay_out(sources: Sequence[AdapterModule], slots: Sequence[Slot], *, multiple: int = 1,
             keep_empty: bool = False) -> list[Laid]:
-    """Each slot as a module holding the sources' products on its box. ``rank``: every module gets this rank
-    (Megatron-Bridge has one ``dim``; at least each module's own); else its blocks' sum. ``multiple``: ranks are
-    padded up to a multiple of it (a column-parallel A splits its rank over TP). ``keep_empty``: slots no source
-    touches are kept as zero modules (Bridge wraps every layer), else dropped."""
+    """Each slot as a module holding the sources' products on its box, of rank the sum of its blocks' (``with_rank``
+    gives every module one rank). ``multiple``: ranks are padded with zeros up to a multiple of it. ``keep_empty``:
+    slots no source touches are kept as zero modules (Bridge wraps every layer), else dropped."""
     by_logical: dict[str, list[tuple[AdapterModule, Piece]]] = {}
     for m in sources:
         for p in m.base:
@@ -76,18 +70,14 @@ def lay_out(sources: Sequence[AdapterModule], slots: Sequence[Slot], *, rank: in
                     if shared:
                         twins.add(m.name)
                 c = offset[m.name]
-                (yr, yc), (mr, mc) = _rows(yp, o), _rows(mp, o)
+                (yr, yc), (mr, mc) = stored_at(yp, o), stored_at(mp, o)
                 n, k = o.sizes
                 b[(m.b, mr, yr, n)] = Piece(m.b, Box((mr, 0), (n, m.r)), Box((yr, c), (n, m.r)))
                 if m.name not in twins:
                     a[(m.a, mc, yc, k)] = Piece(m.a, Box((0, mc), (m.r, k)), Box((c, yc), (m.r, k)))
         if not order and not keep_empty:
             continue
-        need = sum(m.r for m in order if m.name not in twins)
-        r = rank if rank is not None else need
-        if r < need:
-            raise ValueError(f"{y.name}: rank {r} < {need}")
-        r = -(-max(r, 1) // multiple) * multiple
+        r = -(-max(sum(m.r for m in order if m.name not in twins), 1) // multiple) * multiple
         out.append(Laid(module=AdapterModule(name=y.name, a=y.a, b=y.b, r=r, alpha=_alpha(y.name, order, r),
                                              rslora=_keeps_rslora(order, r), shape=y.shape, base=y.base),
                         a=tuple(a.values()), b=tuple(b.values())))

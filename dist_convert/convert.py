@@ -281,7 +281,7 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         finished = staging.resumed(files) if opts.resume else {}
         todo = [f for f in files if f.id not in finished]
         index = sliced(index, todo, opts.memory_budget)
-        work = merger.work_files(todo) if merger is not None else todo  # merged tensors are assembled in float32
+        work = merger.work_files(todo, source_dtypes(index)) if merger is not None else todo  # uncast until merged
         plan = make_plan(index.chunks, work, rt.world, opts.memory_budget, logical_numel(index), absent=index.absent)
         rt.log(f"[bold]reshard[/] {index.format} {index.layout} -> {dst_fmt.name} {layout}  "
                f"({len(index.chunks)} source chunks, {human_bytes(index.nbytes)}; {len(files)} target files"

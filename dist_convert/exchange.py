@@ -78,8 +78,9 @@ class Assembly:
     Without ``done`` every tensor is kept whole in ``tensors``; ``into`` gives preallocated ones to fill.
 
     ``merge`` (``lora.merge.Merger``; ``files`` are then its ``work_files``): the tensors it names in ``stored`` are
-    assembled as float32 in buffers of their own, and each complete block goes through ``merge.apply`` (the
-    adapter's product added, the stored dtype cast) before it is handed over."""
+    assembled uncast in buffers of their own (never a passed-through read buffer), and each complete block goes
+    through ``merge.apply`` (the adapter's product added in float32, the stored dtype cast) before it is handed
+    over."""
 
     def __init__(self, files: list[TargetFile], plan: Plan, rank: int, done: Done | None = None,
                  into: dict[tuple[int, int], torch.Tensor] | None = None, block_bytes: int | None = None,

@@ -1,8 +1,8 @@
 """The merge of an adapter into the base as it is written: ``W' = W + scale * B @ A`` on each target tensor's own
 boxes, by the rank that writes it, before any cast.
 
-A target tensor holding adapted weights is assembled in float32 (the plan moves its bytes as float32: the cast
-from the source dtype is exact), and when a row block of it is complete the merge adds, for each of its pieces,
+A target tensor holding adapted weights is assembled in its source dtype (the plan casts nothing on the way), and
+when a row block of it is complete the merge, in float32 (exact from bf16 / fp16), adds for each of its pieces
 the adapter's product on that piece's logical box: the rows of B and the columns of A the box needs, read by this
 rank from the adapter's own files (a column-parallel shard reads its rows of B and all of A, a row-parallel one
 all of B and its columns of A, an HF ``q_proj`` the q rows of a fused Bridge B). Then it is cast to its stored dtype.
@@ -59,7 +59,7 @@ class AdapterReader:
 
 
 class Merger:
-    """Which target tensors an adapter changes, their float32 working copies, and the merge epilogue."""
+    """Which target tensors an adapter changes, what the plan moves them as, and the merge epilogue."""
 
     def __init__(self, spec: AdapterSpec, reader: AdapterReader) -> None:
         self.modules = spec.by_logical()
@@ -69,9 +69,10 @@ class Merger:
     def touches(self, t: TargetTensor) -> bool:
         return any(p.logical in self.modules for p in t.pieces)
 
-    def work_files(self, files: list[TargetFile]) -> list[TargetFile]:
-        """The files as the plan and the assembly see them: adapted tensors in float32 (what they are written
-        as is kept in ``stored``). Refuses adapted weights stored through a view (transposed, strided)."""
+    def work_files(self, files: list[TargetFile], dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
+        """The files as the plan and the assembly see them: adapted tensors in their source dtype (``dtypes``), so
+        nothing is cast before the merge (what they are written as is kept in ``stored``). Refuses adapted weights
+        stored through a view (transposed, strided)."""
         out = []
         for f in files:
             tensors = []
@@ -83,33 +84,37 @@ class Merger:
                                            "the LoRA merge does not write yet", "merge into another --dst-format "
                                            "(torch_dist, hf of a family storing plain weights), then convert that")
                     self.stored[(f.id, j)] = t.dtype
-                    t = replace(t, dtype=WORK_DTYPE)
+                    t = replace(t, dtype=dtypes[t.pieces[0].logical])
                 tensors.append(t)
             out.append(replace(f, tensors=tensors))
         return out
 
     def apply(self, fid: int, j: int, t: TargetTensor, block: Box, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (float32) is ``block`` of target tensor ``t``: add the adapter's product on each of its pieces,
-        then cast to the stored dtype."""
+        """``tensor`` (the source dtype) is ``block`` of target tensor ``t``: in float32 (exact), the adapter's
+        product added on each of its pieces, then cast to the stored dtype."""
         if (fid, j) not in self.stored:
             return tensor
+        work = tensor.to(WORK_DTYPE)  # the assembly's own buffer: changed in place when it is float32 already
         for p in t.pieces:
-            if p.logical not in self.modules:
-                continue
-            sb = p.sbox.intersect(block)
+            sb = p.sbox.intersect(block) if p.logical in self.modules else None
             if sb is None:
                 continue
             lead = len(p.sbox.sizes) - len(p.lbox.sizes)
             lb = Box(tuple(a + b - c for a, b, c in zip(p.lbox.offsets, sb.offsets[lead:], p.sbox.offsets[lead:],
                                                         strict=True)), sb.sizes[lead:])
-            region = tensor[sb.relative_to(block).slices()]
-            region += self.delta(p.logical, lb).view(region.shape)
-        return tensor.to(self.stored[(fid, j)])
+            self.add(p.logical, lb, work[sb.relative_to(block).slices()][(0,) * lead])
+        return work.to(self.stored[(fid, j)])
 
     def delta(self, logical: str, box: Box) -> torch.Tensor:
-        """sum over the modules adapting ``box`` of logical tensor ``logical``: scale * B[rows] @ A[:, cols] (the
-        columns of A read once per module, the rows of B each piece needs)."""
+        """The adapter's product on ``box`` of logical tensor ``logical`` (float32)."""
         out = torch.zeros(box.sizes, dtype=WORK_DTYPE)
+        if logical in self.modules:
+            self.add(logical, box, out)
+        return out
+
+    def add(self, logical: str, box: Box, out: torch.Tensor) -> None:
+        """``out`` (float32, ``box.sizes``) += for each module adapting ``box`` of logical tensor ``logical``:
+        scale * B[rows] @ A[:, cols] (the columns of A read once per module, the rows of B each piece needs)."""
         for m in self.modules[logical]:
             hits = [(stored_at(q, o), o) for q in m.base if q.logical == logical
                     for o in [box.intersect(q.lbox)] if o is not None]
@@ -122,7 +127,6 @@ class Merger:
                 b = self.reader.box(m.b, Box((row, 0), (o.sizes[0], m.r)))
                 part = a[:, col - first:col - first + o.sizes[1]]
                 out[o.relative_to(box).slices()] += (b @ part).mul_(m.scale)  # peft's order: (B @ A) * scaling
-        return out
 
 
 def open_adapter(path: Path, base: SourceIndex, rt: Runtime, options: FormatOptions) -> Merger:

@@ -182,3 +182,21 @@ def test_refused_adapter_configs(config, needle, tmp_path):
         check_config({"peft_type": "LORA", **config}, tmp_path)
     check_config({"peft_type": "LORA", "use_dora": False, "megatron_core": "megatron.core", "modules_to_save": None},
                  tmp_path)
+
+
+def test_expert_and_other_adapters_are_refused(tmp_path):
+    from dist_convert.formats.bridge_lora import stored_types
+    from dist_convert.lora.adapter import check_base_pieces
+
+    assert stored_types(["decoder.layers.self_attention.linear_qkv" + IN, "decoder.layers.mlp.linear_fc2" + OUT],
+                        tmp_path) == {"linear_qkv", "linear_fc2"}
+    for key in ("decoder.layers.mlp.experts.experts.linear_fc1" + IN, "decoder.layers.mlp.shared_experts.linear_fc1" +
+                OUT, "decoder.layers.mixer.in_proj" + IN):
+        with pytest.raises(ConvertError, match="not the adapter of an attention"):
+            stored_types([key], tmp_path)
+    assert module_type("decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight") is None
+    assert module_type("decoder.layers.1.self_attention.linear_q_proj.weight") is None  # MLA
+    expert = Piece("decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight", Box((0, 0), (4, 4)),
+                   Box((0, 0), (4, 4)))
+    with pytest.raises(ConvertError, match="not supported"):
+        check_base_pieces("model.layers.1.mlp.experts.0.gate_proj", [expert])

@@ -341,11 +341,14 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
             copy_durable(src / name, dst / name)
 
 
-def dropped_state_note(parts: list[str], optimizer_kept: bool = False) -> str | None:
+def dropped_state_note(parts: list[str], optimizer_kept: bool = False, loads: str | None = None) -> str | None:
     """The one note line on the training state a conversion drops (None: the source holds none);
-    ``optimizer_kept``: --optimizer converts the optimizer state, so only the rest is dropped."""
+    ``optimizer_kept``: --optimizer converts the optimizer state, so only the rest is dropped; ``loads``: how the
+    target is loaded without it (default: what the target's Megatron-LM args say)."""
     if not parts:
         return None
+    if loads is not None:
+        return f"dropped the training state (not converted): {', '.join(parts)}; {loads}"
     if optimizer_kept:
         return (f"dropped the training state besides the optimizer's (not converted): {', '.join(parts)}; the "
                 "target's args say no_save_rng, so Megatron-LM loads it without RNG state")

@@ -31,7 +31,7 @@ from ..runtime import Runtime
 from .base import KeyPolicy, on_rank0, read_origin
 from .bridge import BridgeFormat, _looks_like_bridge, bridge_args, bridge_origin, read_run_config
 from .dist_keys import DistGroup, dist_groups
-from .torch_dist import TRAINING_STATE, open_weights
+from .torch_dist import TRAINING_STATE, open_weights, training_state_note
 
 LORA = "megatron.bridge.peft.lora.LoRA"
 IN, OUT = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
@@ -141,6 +141,9 @@ class BridgeLoraFormat(BridgeFormat):
                             layout=layout, chunks=chunks, style=style, origin=bridge_origin(iter_dir, y, origin),
                             adapter=spec, notes=[f"LoRA adapter of {len(modules)} modules (dim {dim}, alpha "
                                                  f"{peft.get('alpha')})"])
+        note = training_state_note(md.state_dict_metadata, common, loads="a fine-tuning run resumes from the target "
+                                   "with checkpoint.load_optim and load_rng off")
+        index.notes += [note] if note else []
         return policy.finish(index)
 
     # -- target --------------------------------------------------------------------------------------------

@@ -120,9 +120,10 @@ def read_common(iter_dir: Path, md: Any, trust_pickle: bool) -> tuple[dict[str, 
     return common, style
 
 
-def training_state_note(keys: Iterable[str], common: dict[str, Any], kept: bool = False) -> str | None:
+def training_state_note(keys: Iterable[str], common: dict[str, Any], kept: bool = False,
+                        loads: str | None = None) -> str | None:
     """One line on the training state the source holds and a conversion drops (None: none); ``kept``:
-    the optimizer state (and its scheduler) is converted, not dropped."""
+    the optimizer state (and its scheduler) is converted, not dropped; ``loads``: see ``dropped_state_note``."""
     counts: Counter[str] = Counter()
     for k in keys:
         for prefix, name in TRAINING_STATE.items():
@@ -133,7 +134,7 @@ def training_state_note(keys: Iterable[str], common: dict[str, Any], kept: bool 
              for name, n in counts.items()]
     kept_common = ("optimizer", "opt_param_scheduler", *COUNTERS) if kept else ()
     return dropped_state_note(parts + [k for k in COMMON_TRAINING_STATE
-                                       if k in common and k not in counts and k not in kept_common], kept)
+                                       if k in common and k not in counts and k not in kept_common], kept, loads)
 
 
 def open_weights(iter_dir: Path, trust_pickle: bool) -> tuple[Any, dict[str, Any], str]:

@@ -81,6 +81,28 @@ def test_merge_into_torch_dist_tp2_gives_peft_logits_in_megatron_core(lora, tmp_
     torch.testing.assert_close(got["logits"], want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family,variant,layout", [
+    ("qwen3", "plain", ("--target-tp", "2")),  # q/k norm, head_dim 32 != hidden / heads
+    ("qwen3_moe", "qv", ("--target-tp", "2", "--target-ep", "2")),  # MoE: attention adapters; experts refused
+])
+def test_merge_across_families_and_layouts(tmp_path, family, variant, layout):
+    make_hf_model(tmp_path, family)
+    base, adapter, merged = tmp_path / family, tmp_path / "adapter", tmp_path / "merged"
+    peft("make", "--hf", str(base), "--out", str(adapter), "--variant", variant)
+    peft("merge", "--hf", str(base), "--adapter", str(adapter), "--out", str(merged))
+    ok(run_cli("reshard", str(base), str(tmp_path / "mcore"), "--lora", str(adapter), "--dst-format", "torch_dist",
+               *layout, nproc=2))
+    ok(run_cli("reshard", str(tmp_path / "mcore"), str(tmp_path / "hf"), "--dst-format", "hf", nproc=2))
+    got, want = tensors(tmp_path / "hf"), tensors(merged)
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
+    if family == "qwen3_moe":  # peft puts adapters on the packed experts as target_parameters: one line
+        peft("make", "--hf", str(base), "--out", str(tmp_path / "experts"))
+        assert_refused(run_cli("reshard", str(base), str(tmp_path / "dst"), "--lora", str(tmp_path / "experts"),
+                               "--dst-format", "hf", nproc=2), tmp_path, "target_parameters")
+
+
 @pytest.mark.parametrize("variant", ["plain", "qv"])
 def test_peft_adapter_to_bridge_lora_tp2_and_back(lora, tmp_path, variant):
     mega, back = tmp_path / "bridge", tmp_path / "peft"

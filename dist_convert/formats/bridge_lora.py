@@ -173,10 +173,7 @@ class BridgeLoraFormat(BridgeFormat):
         return dist_groups(target.cfg, [t for a, b, _ in tensors.values() for t in (a, b)])
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
-        if target.adapter is None:
-            raise ConvertError("--dst-format bridge_lora writes adapters; the source is a whole model",
-                               "convert an adapter (peft directory or Megatron-Bridge LoRA checkpoint), or merge one "
-                               "with --lora into --dst-format bridge")
+        assert target.adapter is not None, "convert.adapter_target sends only adapter sources here"
         placed = placements(self.laid(target))
         common = next(iter(dtypes.values()), torch.float32)
         virtual = {name: dtypes.get(ps[0].logical, common) if ps else common for name, ps in placed.items()}

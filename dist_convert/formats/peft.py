@@ -227,10 +227,7 @@ class PeftFormat(HFFormat):
         return lay_out(target.adapter.modules, peft_slots(hf_tensors(target.cfg, fam)))
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
-        if target.adapter is None:
-            raise ConvertError("--dst-format peft writes adapters; the source is a whole model",
-                               "convert an adapter (peft directory or Megatron-Bridge LoRA checkpoint), or merge one "
-                               "with --lora into --dst-format hf")
+        assert target.adapter is not None, "convert.adapter_target sends only adapter sources here"
         laid = self.laid(target)
         placed = placements(laid)
         tensors = []

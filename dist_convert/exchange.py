@@ -252,9 +252,11 @@ def stop_on_error(rt: Runtime, error: ConvertError | None) -> None:
 def payload(src: torch.Tensor, t: Transfer) -> torch.Tensor:
     """View of the transfer's box in a source chunk, shaped as its payload (``t.shape``): through the
     source's view (strided, permuted) when it has one; otherwise only size-1 axes differ. Either way it
-    stays a view (but for a shifted piece's transfer, ``add``); ``copy_`` then casts and copies in one pass."""
+    stays a view (but for a shifted or scaled piece's transfer, ``mul`` and ``add``); ``copy_`` then casts and
+    copies in one pass."""
     block = src[t.src_box.slices()]
     out = (block if t.src_view is None else logical_view(block, t.src_view)).reshape(t.shape)
+    out = out * t.mul if t.mul != 1 else out  # a scaled piece (a power of two: exact)
     return out + t.add if t.add else out  # a shifted piece (in the source dtype, before any cast)
 
 

@@ -42,6 +42,7 @@ class Transfer:
     src_view: View | None = None  # how the source chunk stores the logical block (layout.boxes.View)
     dst_view: View | None = None  # how the target tensor stores it
     add: float = 0.0  # added to the values on the way (the target piece's shift less the source piece's)
+    mul: float = 1.0  # the values are multiplied by it first (the target piece's scale over the source piece's)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -362,6 +363,7 @@ class Route:
     nbytes: int  # in the target dtype
     dtype: torch.dtype  # the target's
     add: float = 0.0
+    mul: float = 1.0
 
 
 def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, budget: int,
@@ -389,7 +391,8 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
                 raw[cid].append(Route(file=spot.file, tensor=spot.tensor, src_box=piece_box(sp, o.inter),
                                       dst_box=piece_box(spot.piece, o.inter), src_view=sp.view,
                                       dst_view=spot.piece.view, nbytes=nbytes, dtype=dtype,
-                                      add=spot.piece.shift - sp.shift))
+                                      add=spot.piece.shift - sp.shift * spot.piece.scale / sp.scale,
+                                      mul=spot.piece.scale / sp.scale))
                 consumer_bytes[cid][writer_of[spot.file]] += nbytes
     prefer = {cid: max(cb, key=cb.get) for cid, cb in consumer_bytes.items()}
     sizes = {cid: by_id[cid].nbytes for cid in kept if cid in raw}  # chunks no target file needs are not read
@@ -450,7 +453,7 @@ def _waves(raw: dict[int, list[Route]], reader_of: dict[int, int], writer_of: di
                 wave.transfers.append(Transfer(chunk=cid, src_box=x.src_box, reader=r, file=x.file, tensor=x.tensor,
                                                dst_box=x.dst_box, writer=writer_of[x.file], nbytes=x.nbytes,
                                                dtype=x.dtype, src_view=x.src_view, dst_view=x.dst_view,
-                                               add=x.add))
+                                               add=x.add, mul=x.mul))
             for rank, c in cost.items():
                 used[rank] += c
         waves.append(wave)

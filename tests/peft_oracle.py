@@ -3,7 +3,7 @@ causal LM. Runs in the second runtime (Python 3.12); imports peft, transformers,
 dist_convert. Every model is loaded in fp32 on CPU; the fixed tokens are
 ``torch.arange(2 * 16).reshape(2, 16) % vocab_size``.
 
-  peft_oracle.py make --hf HF_DIR --out ADIR [--variant plain|patterns|rslora|dora|bias|qv] [--seed N]
+  peft_oracle.py make --hf HF_DIR --out ADIR [--variant plain|patterns|rslora|dora|bias|qv|ranks] [--seed N]
       peft's own adapter: ``LoraConfig(r=4, lora_alpha=8, target_modules=q/k/v/o/gate/up/down_proj,
       lora_dropout=0, task_type=CAUSAL_LM, init_lora_weights=False)``, ``get_peft_model``, then every adapter
       tensor (lora_A, lora_B, lora_B's bias, DoRA's magnitude) set from a generator seeded by
@@ -13,7 +13,7 @@ dist_convert. Every model is loaded in fp32 on CPU; the fixed tokens are
       the per-module rank and alpha peft built are checked against PATTERN_EXPECT); rslora (use_rslora,
       scaling alpha / sqrt(r)); dora (use_dora: lora_magnitude_vector); bias (lora_bias: lora_B has a bias;
       the Llama projections have none, so peft cannot merge it); qv (q_proj and v_proj of layer 1 only,
-      layers_to_transform=[1]).
+      layers_to_transform=[1]); ranks (rank_pattern at one alpha: scales powers of two apart).
   peft_oracle.py merge --hf HF_DIR --adapter ADIR --out MDIR [--atol 1e-5]
       The truth of merged weights: ``PeftModel.from_pretrained(base, ADIR)``, ``merge_and_unload
       (safe_merge=True)``, ``save_pretrained(MDIR)`` (safetensors, config; the HF directory's tokenizer and
@@ -76,7 +76,9 @@ PATTERN_EXPECT = {"model.layers.0.self_attn.q_proj": (2, ALPHA), "model.layers.0
                   "model.layers.1.mlp.gate_proj": (R, 4), "model.layers.1.mlp.up_proj": (2, ALPHA),
                   "model.layers.1.mlp.down_proj": (8, ALPHA)}
 VARIANTS = {"plain": {}, "patterns": PATTERNS, "rslora": {"use_rslora": True}, "dora": {"use_dora": True},
-            "bias": {"lora_bias": True}, "qv": {"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [1]}}
+            "bias": {"lora_bias": True}, "qv": {"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [1]},
+            # rank_pattern at one alpha: scales 1 (q), 4 (layer 1's down_proj), 2 (the rest), powers of two apart
+            "ranks": {"rank_pattern": {"q_proj": 8, "model.layers.1.mlp.down_proj": 2}}}
 CONFIG_FIELDS = ("r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern", "use_rslora", "use_dora",
                  "lora_bias", "layers_to_transform")
 

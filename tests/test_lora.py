@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from conftest import assert_refused, ok, oracle, run_cli
 from hf_models import hf_logits, make_hf_model, oracle_config
 
-VARIANTS = ("plain", "patterns", "rslora", "qv", "dora")
+VARIANTS = ("plain", "patterns", "rslora", "qv", "dora", "ranks")
 
 
 def peft(cmd: str, *args: str) -> str:
@@ -103,7 +103,7 @@ def test_merge_across_families_and_layouts(tmp_path, family, variant, layout):
                                "--dst-format", "hf", nproc=2), tmp_path, "target_parameters")
 
 
-@pytest.mark.parametrize("variant", ["plain", "qv"])
+@pytest.mark.parametrize("variant", ["plain", "qv", "ranks"])
 def test_peft_adapter_to_bridge_lora_tp2_and_back(lora, tmp_path, variant):
     mega, back = tmp_path / "bridge", tmp_path / "peft"
     ok(run_cli("reshard", str(lora / variant), str(mega), "--dst-format", "torch_dist", "--target-tp", "2",
@@ -145,7 +145,7 @@ def test_bad_adapters_are_refused(lora, tmp_path):
         (["reshard", base, "DST", "--lora", str(lora / "plain"), "--optimizer", "--dst-format", "torch_dist"],
          ("--optimizer",)),
         (["reshard", str(lora / "patterns"), "DST", "--dst-format", "torch_dist", "--base", base],
-         ("different scales", "--dst-format hf")),
+         ("no power of two", "--dst-format hf")),
         (["reshard", base, "DST", "--lora", str(renamed_adapter(lora / "plain", tmp_path / "l5", "layers.1.",
                                                                 "layers.5.")), "--dst-format", "hf"],
          ("model.layers.5.", "--base")),

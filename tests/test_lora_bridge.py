@@ -65,15 +65,16 @@ def test_canonical_lora_is_refused_in_one_line(made, tmp_path):
                            "--dst-format", "hf", nproc=2), tmp_path, "CanonicalLoRA", "peft=LoRA")
 
 
-def test_bridge_runs_a_block_structured_adapter_as_peft_runs_the_original(made, tmp_path):
+@pytest.mark.parametrize("variant,dim", [("plain", 12), ("ranks", 16)])
+def test_bridge_runs_a_block_structured_adapter_as_peft_runs_the_original(made, tmp_path, variant, dim):
     """peft's own adapter (q/k/v and gate/up each with their own A) becomes one block-structured Bridge module per
-    fused tensor (dim 3 x 4, padded to TP): Bridge loads it at TP2 and its LoRA forward gives the logits peft gives
-    with the original adapter."""
+    fused tensor (plain: dim 3 x 4; ranks: q of rank 8 beside k and v of 4, scales a power of two apart, folded into
+    B): Bridge loads it at TP2 and its LoRA forward gives the logits peft gives with the original adapter."""
     llama, adapter, dst = made / "llama", tmp_path / "peft", tmp_path / "tp2"
-    oracle("make", 1, "--hf", str(llama), "--out", str(adapter), "--variant", "plain", program="peft",
+    oracle("make", 1, "--hf", str(llama), "--out", str(adapter), "--variant", variant, program="peft",
            runtime="mcore19")
     ok(run_cli("reshard", str(adapter), str(dst), "--dst-format", "torch_dist", "--target-tp", "2", "--base",
                str(llama), nproc=2))
-    assert "dim: 12" in (dst / "release" / "run_config.yaml").read_text()
+    assert f"dim: {dim}" in (dst / "release" / "run_config.yaml").read_text()
     assert "ORACLE OK" in bridge_lora("load", 2, "--ckpt", str(dst), "--hf", str(llama), "--tp", "2", "--ref-adapter",
                                       str(adapter), "--logits-only")

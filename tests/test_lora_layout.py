@@ -16,7 +16,7 @@ from dist_convert.layout.boxes import Box, Kind, Piece
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.lora.adapter import AdapterModule, identity_pieces, module_type
 from dist_convert.lora.merge import Merger
-from dist_convert.lora.structure import Slot, compose, lay_out, placements
+from dist_convert.lora.structure import Slot, compose, lay_out, placements, with_rank
 from dist_convert.models import config_from_hf
 
 CFG = config_from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100,
@@ -57,7 +57,7 @@ def assemble(laid, src: dict[str, torch.Tensor]) -> tuple[list[AdapterModule], d
         for name, shape in ((m.a, (m.r, m.shape[1])), (m.b, (m.shape[0], m.r))):
             t = torch.zeros(shape)
             for p in compose([Piece(name, Box.full(shape), Box.full(shape))], placed):
-                t[p.sbox.slices()] = src[p.logical][p.lbox.slices()]
+                t[p.sbox.slices()] = src[p.logical][p.lbox.slices()] * p.scale
             out[name] = t
     return [x.module for x in laid], out
 
@@ -77,14 +77,34 @@ def test_peft_modules_become_one_block_structured_bridge_module_per_fused_tensor
     # q of rank 2 with alpha 4 has k's and v's scale (8 / 4): one fused module of rank 2 + 4 + 4, alpha 2 * 10
     sources = [module(s, r=2, alpha=4) if s.name.endswith("q_proj") else module(s, r=4) for s in PEFT_SLOTS.values()]
     laid = lay_out(sources, bridge_slots())
-    qkv = next(x.module for x in laid if x.module.name == "decoder.layers.0.self_attention.linear_qkv")
-    assert (qkv.r, qkv.alpha) == (10, 20)
+    qkv = next(x for x in laid if x.module.name == "decoder.layers.0.self_attention.linear_qkv")
+    assert (qkv.module.r, qkv.module.alpha) == (10, 20) and {p.scale for p in qkv.b} == {1.0}
     fc1 = next(x.module for x in laid if x.module.name == "decoder.layers.0.mlp.linear_fc1")
     assert (fc1.r, fc1.alpha) == (8, 16)
-    # with alpha 8 q's scale is 4: one fused module cannot hold two scales
-    with pytest.raises(ConvertError, match="different scales"):
-        lay_out([module(s, r=2) if s.name.endswith("q_proj") else module(s, r=4) for s in PEFT_SLOTS.values()],
-                bridge_slots())
+
+
+def test_scales_a_power_of_two_apart_are_folded_into_b_exactly():
+    """peft's rank_pattern at one alpha: q of rank 2 (scale 4) beside k and v of rank 4 (scale 2). One fused module
+    takes the common scale, q's B is stored times 2 (exact in binary), and every product stays peft's bit for bit;
+    Bridge's one alpha for the whole adapter folds o_proj's alpha 16 (scale 4) likewise."""
+    sources = [module(s, r=2) if s.name.endswith("q_proj") else module(s, r=4, alpha=16 if s.name.endswith("o_proj")
+                                                                       else 8) for s in PEFT_SLOTS.values()]
+    src = random_tensors(sources)
+    laid = with_rank(lay_out(sources, bridge_slots(), keep_empty=True), 12)
+    assert {x.module.alpha for x in laid} == {24}  # scale 2 x dim 12
+    qkv = next(x for x in laid if x.module.name == "decoder.layers.0.self_attention.linear_qkv")
+    q_rows = {p.scale for p in qkv.b if p.logical.endswith("q_proj.lora_B.weight")}
+    assert q_rows == {2.0} and {p.scale for p in qkv.b} == {1.0, 2.0}
+    proj = next(x for x in laid if x.module.name == "decoder.layers.0.self_attention.linear_proj")
+    assert {p.scale for p in proj.b} == {2.0}
+    mods, fused = assemble(laid, src)
+    want = deltas(sources, src)
+    for name, t in deltas(mods, fused).items():
+        assert torch.equal(t, want[name]), name
+    # scales 3 and 2 (alpha 12 on k): no power of two apart, refused
+    with pytest.raises(ConvertError, match="no power of two"):
+        lay_out([module(s, r=4, alpha=12) if s.name.endswith("k_proj") else module(s, r=4)
+                 for s in PEFT_SLOTS.values()], bridge_slots())
 
 
 def test_layout_round_trip_keeps_every_product_exactly():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from ..layout.boxes import Kind
 from ..layout.rules import LogicalTensor, logical_tensors
 from ..layout.topology import Layout
 from ..lora.adapter import AdapterModule, AdapterSpec, as_fraction, identity_pieces, module_type
-from ..lora.structure import KEEP_PEFT, Laid, Slot, compose, lay_out, placements, with_rank
+from ..lora.structure import Laid, Slot, compose, lay_out, placements, with_rank
 from ..runtime import Runtime
 from .base import KeyPolicy, on_rank0, read_origin
 from .bridge import BridgeFormat, _looks_like_bridge, bridge_args, bridge_origin, read_run_config
@@ -158,13 +157,7 @@ class BridgeLoraFormat(BridgeFormat):
                       base=identity_pieces(n, t.shape)) for n, t in base.items()]
         laid = lay_out(sources, slots, keep_empty=True)
         need = max(x.module.r for x in laid)
-        dim = -(-need // target.layout.tp) * target.layout.tp
-        scales = {x.module.alpha / x.module.r for x in laid if x.a}
-        if len(scales) > 1:
-            raise ConvertError("Megatron-Bridge's LoRA has one dim and alpha for all modules, and this adapter's "
-                               f"modules scale differently ({', '.join(str(s) for s in sorted(scales))})", KEEP_PEFT)
-        scale = scales.pop() if scales else Fraction(1)
-        return with_rank(laid, dim, scale * dim)
+        return with_rank(laid, -(-need // target.layout.tp) * target.layout.tp)
 
     def target_groups(self, target: Target) -> dict[str, DistGroup]:
         laid = self.laid(target)

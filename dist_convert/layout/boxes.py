@@ -113,6 +113,9 @@ class Piece:
     # the stored values are the logical ones plus ``shift`` (computed in the stored dtype): a norm weight HF keeps as
     # w where megatron-core keeps w - 1 (zero-centred gamma)
     shift: float = field(default=0.0, kw_only=True)
+    # the stored values are the logical ones times ``scale`` (a power of two: exact): a LoRA B whose module's scale
+    # the stored adapter's one alpha states otherwise (lora/structure.py)
+    scale: float = field(default=1.0, kw_only=True)
 
     def __post_init__(self) -> None:
         v = self.view

@@ -11,6 +11,7 @@ one block-structured fused module of rank ``r_q + r_k + r_v`` (zero blocks add e
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -78,36 +79,51 @@ def lay_out(sources: Sequence[AdapterModule], slots: Sequence[Slot], *, multiple
         if not order and not keep_empty:
             continue
         r = -(-max(sum(m.r for m in order if m.name not in twins), 1) // multiple) * multiple
-        out.append(Laid(module=AdapterModule(name=y.name, a=y.a, b=y.b, r=r, alpha=_alpha(y.name, order, r),
-                                             rslora=_keeps_rslora(order, r), shape=y.shape, base=y.base),
-                        a=tuple(a.values()), b=tuple(b.values())))
+        if len(order) == 1 and order[0].rslora and order[0].r == r:  # kept as it is: rslora stays rslora
+            alpha, rslora, factor = order[0].alpha, True, {}
+        else:
+            scale, factor = one_scale(y.name, order)
+            alpha, rslora = scale * r, False
+        by_b = {m.b: factor.get(m.name, 1) for m in order}
+        out.append(Laid(module=AdapterModule(name=y.name, a=y.a, b=y.b, r=r, alpha=alpha, rslora=rslora,
+                                             shape=y.shape, base=y.base), a=tuple(a.values()),
+                        b=tuple(scaled(p, by_b[p.logical]) for p in b.values())))
     return out
 
 
-def _keeps_rslora(order: list[AdapterModule], r: int) -> bool:
-    return len(order) == 1 and order[0].rslora and order[0].r == r
+def power_of_two(x: Fraction) -> bool:
+    return x > 0 and x.numerator & (x.numerator - 1) == 0 and x.denominator & (x.denominator - 1) == 0
 
 
-def _alpha(name: str, order: list[AdapterModule], r: int) -> Fraction:
-    """The alpha giving rank ``r`` the sources' one scale (refused when they differ or it is irrational)."""
-    if not order:
-        return Fraction(r)  # a zero module: any scale; Bridge's convention alpha = dim
-    if _keeps_rslora(order, r):
-        return order[0].alpha
-    scales = {m.exact_scale for m in order}
-    if None in scales:
-        raise ConvertError(f"{order[0].name} is an rslora module (alpha / sqrt(r), r={order[0].r} not a square) that "
-                           f"becomes part of {name} of rank {r}, whose scale cannot equal it exactly", KEEP_PEFT)
-    if len(scales) > 1:
-        raise ConvertError(f"the modules {', '.join(m.name for m in order)} that form {name} have different scales "
-                           f"({', '.join(str(s) for s in sorted(scales))}; peft alpha_pattern / rank_pattern), which "
-                           "one fused module cannot hold", KEEP_PEFT)
-    return scales.pop() * r
+def scaled(p: Piece, factor: Fraction) -> Piece:
+    return p if factor == 1 else replace(p, scale=p.scale * float(factor))
 
 
-def with_rank(laid: list[Laid], dim: int, alpha: Fraction) -> list[Laid]:
-    """Every module at rank ``dim`` and ``alpha`` (zero modules too: a format with one alpha states one)."""
-    return [replace(x, module=replace(x.module, r=dim, alpha=alpha)) for x in laid]
+def one_scale(name: str, modules: Sequence[AdapterModule]) -> tuple[Fraction, dict[str, Fraction]]:
+    """The one scale a module ``name`` holding these modules' blocks gets (the most common of theirs; 1 for none),
+    and the factor each other one's B is stored with so its product keeps its own scale: a power of two, exact in
+    binary floating point (peft's ``rank_pattern`` at one alpha gives such). Refused otherwise, and for rslora
+    scales alpha / sqrt(r) with r not a square."""
+    irrational = next((m for m in modules if m.exact_scale is None), None)
+    if irrational is not None:
+        raise ConvertError(f"{irrational.name} is an rslora module (alpha / sqrt(r), r={irrational.r} not a square) "
+                           f"that becomes part of {name}, whose scale cannot equal it exactly", KEEP_PEFT)
+    scales = [m.exact_scale for m in modules]
+    scale = Counter(scales).most_common(1)[0][0] if scales else Fraction(1)
+    bad = sorted({s for s in scales if not power_of_two(s / scale)})
+    if bad:
+        raise ConvertError(f"{name} holds modules with scales {scale} and {', '.join(str(s) for s in bad)} (peft "
+                           "alpha_pattern / rank_pattern), whose ratio is no power of two: one alpha cannot state "
+                           "both exactly", KEEP_PEFT)
+    return scale, {m.name: m.exact_scale / scale for m in modules if m.exact_scale != scale}
+
+
+def with_rank(laid: list[Laid], dim: int) -> list[Laid]:
+    """Every module at rank ``dim`` and one alpha (a format with one ``dim`` and ``alpha``: Megatron-Bridge's LoRA;
+    zero modules too): modules of another scale store their B times its ratio to the common one (``one_scale``)."""
+    scale, factor = one_scale("the adapter", [x.module for x in laid if x.b])
+    return [replace(x, module=replace(x.module, r=dim, alpha=scale * dim, rslora=False),
+                    b=tuple(scaled(p, factor.get(x.module.name, 1)) for p in x.b)) for x in laid]
 
 
 def compose(pieces: Sequence[Piece], placed: dict[str, Sequence[Piece]]) -> list[Piece]:
@@ -126,7 +142,7 @@ def compose(pieces: Sequence[Piece], placed: dict[str, Sequence[Piece]]) -> list
             dst = Box(p.sbox.offsets[:lead] + tuple(a + b for a, b in zip(p.sbox.offsets[lead:], rel.offsets,
                                                                           strict=True)),
                       p.sbox.sizes[:lead] + o.sizes)
-            out.append(Piece(q.logical, src, dst))
+            out.append(Piece(q.logical, src, dst, scale=q.scale * p.scale))
     return out
 
 

@@ -74,6 +74,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bridge_oracle import install_shims  # noqa: E402
+from gemma3_oracle import compare, init_dist  # noqa: E402
 
 from mcore_oracle import end_parallel, report, resolve_iter_dir  # noqa: E402
 
@@ -96,20 +97,10 @@ def te_off_for_peft() -> None:
 
 
 def start_parallel(tp: int) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:  # one plain process, no torchrun
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(port))
-        dist.init_process_group(backend="gloo")
-    parallel_state.initialize_model_parallel(tp, 1)
+    """The gloo process group and megatron-core's groups at TP ``tp``, which must be the world size."""
+    _, world = init_dist()
+    if world != tp:
+        raise SystemExit(f"TP={tp} needs {tp} processes, not {world}")
 
 
 def rank0() -> bool:
@@ -220,20 +211,6 @@ def read_adapter(adir) -> tuple[dict, dict]:
 
     adir = Path(adir)
     return load_file(adir / "adapter_model.safetensors"), json.loads((adir / "adapter_config.json").read_text())
-
-
-def compare_tensors(got: dict, want: dict, what: str) -> list[str]:
-    import torch
-
-    problems = [f"{what}: missing {k}" for k in sorted(set(want) - set(got))]
-    problems += [f"{what}: unexpected {k}" for k in sorted(set(got) - set(want))]
-    for k in sorted(set(got) & set(want)):
-        x, y = got[k], want[k]
-        if x.shape != y.shape or x.dtype != y.dtype:
-            problems.append(f"{what}: {k} {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
-        elif not torch.equal(x, y):
-            problems.append(f"{what}: {k} max abs diff {(x.double() - y.double()).abs().max().item():.3g}")
-    return problems
 
 
 def compare_configs(got: dict, want: dict, what: str) -> list[str]:
@@ -434,7 +411,7 @@ def cmd_export(a) -> int:
         what = f"Megatron-Bridge export_adapter_ckpt of {iter_dir}: {len(state)} adapter tensors"
         if a.ref_adapter:
             ref_state, ref_cfg = read_adapter(a.ref_adapter)
-            problems += compare_tensors(state, ref_state, "adapter")
+            problems += compare(state, ref_state, "adapter")
             problems += compare_configs(cfg, ref_cfg, "adapter")
             what += f" == {a.ref_adapter}"
         rc = report(problems, what)
@@ -581,7 +558,7 @@ def cmd_load(a) -> int:
         ref_state, ref_cfg = read_adapter(a.ref_adapter)
         what = f"Megatron-Bridge load_peft_adapter_checkpoint at TP={a.tp}: {len(params)} local adapter params"
         if not a.logits_only:  # --logits-only: the ref is structured otherwise (e.g. per-projection A): its forward
-            problems += compare_tensors(state, ref_state, f"TP{a.tp} export vs {a.ref_adapter}")
+            problems += compare(state, ref_state, f"TP{a.tp} export vs {a.ref_adapter}")
             what += f", {len(state)} exported adapter tensors == ref"
 
         if not a.no_logits:
@@ -590,7 +567,7 @@ def cmd_load(a) -> int:
             got = tp_logits(model, tokens)[..., :100].float()
             if rank0():
                 want, plain, loaded = peft_logits(a.hf, a.ref_adapter, tokens)
-                problems += compare_tensors({k: v for k, v in loaded.items()}, ref_state, "peft's loaded adapter")
+                problems += compare({k: v for k, v in loaded.items()}, ref_state, "peft's loaded adapter")
                 diff = (got - want).abs().max().item()
                 effect = (want - plain).abs().max().item()
                 say(f"logits: Bridge TP{a.tp} LoRA forward vs transformers+peft: max |diff| {diff:.3g} "

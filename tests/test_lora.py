@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
+from test_hf import tensors
 
 from conftest import assert_refused, ok, oracle, run_cli
 from hf_models import hf_logits, make_hf_model, oracle_config
@@ -40,14 +40,6 @@ def lora(tmp_path_factory) -> Path:
         peft("merge", "--hf", str(root / "llama"), "--adapter", str(root / variant), "--out",
              str(root / f"merged-{variant}"))
     return root
-
-
-def tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            out.update({k: fh.get_tensor(k) for k in fh.keys()})
-    return out
 
 
 @pytest.mark.parametrize("variant,dtype", [("patterns", "keep"), ("rslora", "bf16")])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_lora import tensors
+from test_hf import tensors
 
 from conftest import assert_refused, ok, oracle, run_cli
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..config import config_from_args
-from ..datamodel import ORIGIN_KEY, SourceChunk, SourceIndex, Target, TargetFile
+from ..datamodel import ORIGIN_KEY, SourceIndex, Target, TargetFile
 from ..errors import ConvertError
 from ..layout.boxes import Kind
 from ..layout.rules import LogicalTensor, logical_tensors
@@ -119,14 +119,8 @@ class BridgeLoraFormat(BridgeFormat):
         tensors = adapter_tensors(cfg, stored_types(list(stored), iter_dir), dim)
         groups = dist_groups(cfg, [t for a, b, _ in tensors.values() for t in (a, b)])
         policy = KeyPolicy.of(self.options)
-        fix = f"the adapter does not fit the model its {iter_dir / 'run_config.yaml'} describes; check the checkpoint"
-        policy.unexpected(str(iter_dir), set(stored) - set(groups), fix)
-        policy.missing(str(iter_dir), {k: {t.name for t in g.members.values()} for k, g in groups.items()
-                                       if k not in stored}, fix)
-        chunks: list[SourceChunk] = []
-        for key, g in groups.items():
-            if key in stored:
-                self.key_chunks(chunks, key, key, g, stored[key])
+        chunks = self.group_chunks(iter_dir, stored, groups, policy, f"the adapter does not fit the model its "
+                                   f"{iter_dir / 'run_config.yaml'} describes; check the checkpoint")
         alpha = as_fraction(peft.get("alpha", 32), f"{iter_dir / 'run_config.yaml'} peft.alpha",
                             "restore run_config.yaml as Megatron-Bridge saved it")
         modules = tuple(AdapterModule(name=stem, a=a.name, b=b.name, r=dim, alpha=alpha,

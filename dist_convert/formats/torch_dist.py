@@ -270,14 +270,8 @@ class TorchDistFormat(IterDirFormat):
         cfg.check_layout(layout, "source")
         groups = dist_groups(cfg)
         policy = KeyPolicy.of(self.options)
-        fix = "the args do not describe this model (or it is not a GPT model); check the source"
-        policy.unexpected(str(iter_dir), set(stored) - set(groups), fix)
-        policy.missing(str(iter_dir), {k: {t.name for t in g.members.values()} for k, g in groups.items()
-                                       if k not in stored}, fix)
-        chunks: list[SourceChunk] = []
-        for key, g in groups.items():
-            if key in stored:
-                self.key_chunks(chunks, key, key, g, stored[key])
+        chunks = self.group_chunks(iter_dir, stored, groups, policy,
+                                   "the args do not describe this model (or it is not a GPT model); check the source")
         index = SourceIndex(format=self.name, iter_dir=iter_dir, iteration=iteration, args=args, cfg=cfg, layout=layout,
                             chunks=chunks, style=style, origin=origin)
         if self.options.optimizer:
@@ -285,6 +279,19 @@ class TorchDistFormat(IterDirFormat):
         note = training_state_note(md.state_dict_metadata, common, kept=self.options.optimizer)
         index.notes += [note] if note else []
         return policy.finish(index)
+
+    def group_chunks(self, iter_dir: Path, stored: dict[str, Any], groups: dict[str, DistGroup], policy: KeyPolicy,
+                     fix: str) -> list[SourceChunk]:
+        """The chunks of the ``stored`` keys (DCP metadata) the torch_dist ``groups`` expect, the keys either side
+        lacks reported to ``policy`` (refused unless --ignore-unexpected / --allow-missing say otherwise)."""
+        policy.unexpected(str(iter_dir), set(stored) - set(groups), fix)
+        policy.missing(str(iter_dir), {k: {t.name for t in g.members.values()} for k, g in groups.items()
+                                       if k not in stored}, fix)
+        chunks: list[SourceChunk] = []
+        for key, g in groups.items():
+            if key in stored:
+                self.key_chunks(chunks, key, key, g, stored[key])
+        return chunks
 
     def key_chunks(self, chunks: list[SourceChunk], stored_key: str, key: str, g: DistGroup, meta: Any,
                     state: str | None = None) -> None:

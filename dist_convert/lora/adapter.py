@@ -87,9 +87,6 @@ class AdapterSpec:
                 out.setdefault(name, []).append(m)
         return out
 
-    def nbytes_params(self) -> int:
-        return sum(self.logical_numel().values())
-
 
 def as_fraction(value: object, what: str, fix: str) -> Fraction:
     """A config's alpha as an exact fraction (floats by their exact binary value)."""

@@ -19,6 +19,7 @@ from .errors import ConvertError
 from .exchange import Assembly, execute, stop_on_error
 from .formats import detect_format, get_format
 from .formats.base import Format, FormatOptions, data_dir, on_rank0
+from .formats.dcp_meta import writer_note
 from .integrity import Entry, Journal, fingerprint, refuse_incomplete
 from .layout.rules import logical_tensors
 from .layout.topology import Layout, pipeline_vpp
@@ -287,7 +288,8 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
                f"({len(index.chunks)} source chunks, {human_bytes(index.nbytes)}; {len(files)} target files"
                f"{f', {len(finished)} finished before (--resume)' if opts.resume else ''}; {rt.world} ranks; "
                f"{len(plan.waves)} waves)")
-        for note in index.notes:
+        for note in index.notes + ([dcp_note] if getattr(dst_fmt, "writes_dcp", False) and (dcp_note := writer_note())
+                                   else []):
             rt.log(f"note: {note}")
         counters, write_s, my_files = _convert_into(staging, target, index, src_fmt, dst_fmt, files, plan, rt,
                                                     opts.memory_budget, exchange=opts.exchange, work=work,

@@ -82,6 +82,10 @@ def test_streamed_files_load_with_dcp_and_match_its_metadata(tmp_path):
     write_metadata(ours, json.loads(json.dumps(items)))  # the records survive the journal (--resume)
     with open(ref / ".metadata", "rb") as fh:
         expected = pickle.load(fh).state_dict_metadata
+    for md in expected.values():  # torch 2.15+ records each tensor's strides, which no older release unpickles;
+        if getattr(getattr(md, "properties", None), "strides", None) is not None:  # dist_convert writes none
+            assert md.properties.strides == torch.empty(md.size).stride()  # (contiguous, as it stores every item)
+            md.properties.strides = None
     with open(ours / ".metadata", "rb") as fh:
         got = pickle.load(fh)
     assert got.state_dict_metadata == expected

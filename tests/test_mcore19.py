@@ -12,9 +12,11 @@ import shutil
 import pytest
 import torch
 from test_speculate import spec_oracle
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from dist_convert.formats.dcp_meta import as_dcp
+from dist_convert.formats.distcp import load_metadata
 
 from conftest import CONFIGS, assert_refused, make_gpt, ok, oracle, run_cli
 
@@ -34,7 +36,7 @@ def it(root):
 
 def style_of(root) -> str:
     d = it(root)
-    items = FileSystemReader(str(d)).read_metadata().state_dict_metadata
+    items = load_metadata(d).state_dict_metadata  # torch 2.13's DCP cannot unpickle 2.15's (strides)
     config = json.loads((d / "metadata.json").read_text())
     if (d / "common.pt").is_file():
         assert ITEM not in items and config["common_backend"] == "torch"
@@ -104,7 +106,7 @@ def test_tp_a_multiple_of_the_query_groups_runs_in_megatron_core(tmp_path, gpt_a
 def _replace_common(iter_dir, payload: bytes) -> None:
     """Point the checkpoint's common_state item at ``payload`` (a new .distcp file), as a save would store it."""
     (iter_dir / "__9_0.distcp").write_bytes(payload)
-    md = FileSystemReader(str(iter_dir)).read_metadata()
+    md = as_dcp(load_metadata(iter_dir))  # the 2.15 save's metadata as this torch's DCP objects
     md.storage_data[MetadataIndex(ITEM)] = _StorageInfo("__9_0.distcp", 0, len(payload))
     with open(iter_dir / ".metadata", "wb") as fh:
         pickle.dump(md, fh)

@@ -19,10 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "job_worker.py"
 # the interpreters a worker can run under: the default venv's, and the second runtime (Python 3.12 +
 # megatron-core 0.19.2, built by launch/setup_mcore19.sh)
-RUNTIMES = {"default": Path(sys.executable), "mcore19": ROOT / ".venv-mcore19" / "bin" / "python"}
+RUNTIMES = {"default": Path(sys.executable), "mcore19": ROOT / ".venv-mcore19" / "bin" / "python",
+            "newest": ROOT / ".venv-newest" / "bin" / "python"}  # torch 2.15 + megatron-core 0.19.2 (setup_newest.sh)
 # launch/test.sh sets up .venv-mcore19 while the first tests run: it names the file that the set-up's exit
 # status is written to, and the first use of that runtime waits for it
-SETUP_STATUS = {"mcore19": "DIST_CONVERT_MCORE19_SETUP_STATUS"}
+SETUP_STATUS = {"mcore19": "DIST_CONVERT_MCORE19_SETUP_STATUS", "newest": "DIST_CONVERT_NEWEST_SETUP_STATUS"}
 SETUP_WAIT = 1800.0  # seconds: the set-up of a clean machine on a loaded 2-core one takes 5-7 minutes
 
 
@@ -100,7 +101,7 @@ class Worker:
     def _log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
 
-    def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    def run(self, argv: list[str], timeout: float, cwd: str | None = None) -> subprocess.CompletedProcess:
         """Run one job on every rank: rank 0's output first, then the others', as torchrun merges them.
         The exit code is the first non-zero one of any rank (0 if none), as torchrun reports it."""
         if not self.alive:
@@ -109,7 +110,7 @@ class Worker:
             self._start()
         n = self.jobs
         self.jobs += 1
-        line = (json.dumps({"id": n, "argv": argv}) + "\n").encode()
+        line = (json.dumps({"id": n, "argv": argv, "cwd": cwd}) + "\n").encode()
         for c in self.conns:
             c.sendall(line)
         rcs: dict[int, int] = {}
@@ -178,7 +179,7 @@ class Workers:
         self.pool: dict[tuple[str, int | None, str], Worker] = {}  # least recently used first
 
     def run(self, program: str, world: int | None, argv: list[str], timeout: float,
-            runtime: str = "default") -> subprocess.CompletedProcess:
+            runtime: str = "default", cwd: str | None = None) -> subprocess.CompletedProcess:
         key = (program, world, runtime)
         worker = self.pool.pop(key, None) or Worker(program, world, self.env, runtime)
         if not worker.alive:
@@ -187,7 +188,7 @@ class Workers:
                     break
                 other.stop()
         self.pool[key] = worker
-        return worker.run(argv, timeout)
+        return worker.run(argv, timeout, cwd)
 
     def stop(self) -> None:
         for w in self.pool.values():

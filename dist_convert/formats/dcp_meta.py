@@ -69,14 +69,25 @@ class TensorProperties(_StandIn):
     requires_grad: bool = False
     memory_format: torch.memory_format = torch.contiguous_format
     pin_memory: bool = False
+    # torch 2.15 added the stored chunk's strides as a sixth item of the pickled state; torch 2.14 and older
+    # unpickle only five, and 2.15 still takes five: written as five unless a source's strides are kept
+    strides: tuple[int, ...] | None = None
     _dcp = (DCP_METADATA, "TensorProperties")
 
     def _state(self) -> tuple:
         encoding = next(k for k, v in _MEMORY_FORMATS.items() if v == self.memory_format)
-        return self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory
+        five = self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory
+        return five if self.strides is None else (*five, self.strides)
+
+    def _reduce(self, cls: Any) -> tuple:
+        fn, args, state = super()._reduce(cls)
+        if "strides" not in getattr(cls, "__dataclass_fields__", {"strides": None}):  # the running torch's DCP
+            state = state[:5]  # is older than the source's: its class takes five
+        return fn, args, state
 
     def __setstate__(self, state: tuple) -> None:
-        self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory = state
+        self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory = state[:5]
+        self.strides = state[5] if len(state) > 5 else None
         self.memory_format = _MEMORY_FORMATS[MemFormat(getattr(encoding, "value", encoding))]
 
 
@@ -221,6 +232,77 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save_global can name
         self.memoize(obj)
 
 
+# torch releases whose DCP reads the forged .metadata as its own: the suite checks every one of them
+# (launch/setup.sh: 2.13; launch/setup_mcore19.sh: 2.15); any other release is checked at start-up
+VERIFIED_TORCH = ("2.13", "2.15")
+WRITER_ENV = "DIST_CONVERT_DCP_METADATA"  # "forge" | "dcp" | "auto" (the default): how .metadata is pickled
+_forge_problem: list[str | None] = []  # the start-up check's answer, once per process
+
+
+def forge_problem(sample: Metadata | None = None) -> str | None:
+    """Why the running torch's DCP does not unpickle a ``.metadata`` forged here (the Python pickler naming the
+    stand-ins DCP's way) into what its own classes, built by keyword, hold; None when it does. ``sample``: the
+    metadata to try (default: one of every kind of item a writer here records). Imports DCP."""
+    md = sample or finished(Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([4, 2]),
+                                                        [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 2]))]),
+                             "obj": BytesStorageMetadata()},
+        storage_data={MetadataIndex("w", (0, 0)): StorageInfo("__0_0.distcp", 0, 64),
+                      MetadataIndex("obj"): StorageInfo("__0_0.distcp", 64, 8)}), Path("ckpt"))
+    try:
+        got = pickle.loads(dumps(md, python=True))
+        want = constructed(md)
+    except Exception as e:  # noqa: BLE001 - any failure is the answer
+        return f"{type(e).__name__}: {e}"
+    if type(got) is not type(want) or got != want:
+        return "DCP's classes unpickle it to other values than they hold when built"
+    return None
+
+
+def use_forge() -> bool:
+    """Whether ``.metadata`` is forged (fast: no DCP import) or pickled from DCP's own objects (``constructed``):
+    forged on the torch releases the suite verifies, else as the start-up check (``forge_problem``) says;
+    ``DIST_CONVERT_DCP_METADATA=forge|dcp`` decides instead."""
+    how = os.environ.get(WRITER_ENV, "auto")
+    if how in ("forge", "dcp"):
+        return how == "forge"
+    if ".".join(torch.__version__.split(".")[:2]) in VERIFIED_TORCH:
+        return True
+    if not _forge_problem:
+        _forge_problem.append(forge_problem())
+    return _forge_problem[0] is None
+
+
+def writer_note() -> str | None:
+    """The note a run writing ``.metadata`` prints when it does not forge it (None when it does)."""
+    if use_forge():
+        return None
+    why = f" ({_forge_problem[0]})" if _forge_problem and _forge_problem[0] else ""
+    return (f"torch {torch.__version__}'s DCP metadata classes differ from the ones dist_convert writes{why}: "
+            "every .metadata is pickled from DCP's own objects instead (importing DCP adds about 1.5 s)")
+
+
+def constructed(md: Metadata) -> Any:
+    """``md`` as DCP's own objects, each built by keyword through its constructor as ``FileSystemWriter`` builds
+    them (no stand-in state involved): what is pickled when the running torch's classes differ from the
+    stand-ins (``use_forge``)."""
+    meta, fs = importlib.import_module(DCP_METADATA), importlib.import_module(DCP_FILESYSTEM)
+    items: dict[str, Any] = {}
+    for key, v in md.state_dict_metadata.items():
+        if isinstance(v, BytesStorageMetadata):
+            items[key] = meta.BytesStorageMetadata()
+            continue
+        chunks = [meta.ChunkStorageMetadata(offsets=c.offsets, sizes=c.sizes) for c in v.chunks]
+        items[key] = meta.TensorStorageMetadata(properties=meta.TensorProperties(dtype=v.properties.dtype),
+                                                size=v.size, chunks=chunks)
+    storage = {meta.MetadataIndex(fqn=i.fqn, offset=i.offset): fs._StorageInfo(
+        relative_path=s.relative_path, offset=s.offset, length=s.length) for i, s in (md.storage_data or {}).items()}
+    sm = md.storage_meta
+    return meta.Metadata(state_dict_metadata=items, storage_data=storage, version=md.version,
+                         storage_meta=None if sm is None else meta.StorageMeta(checkpoint_id=sm.checkpoint_id,
+                                                                                save_id=sm.save_id))
+
+
 PYTHON_PICKLER_MAX = 10000  # items: past about this the Python pickler is slower than importing DCP (1.4 s)
 
 
@@ -230,6 +312,8 @@ def dumps(md: Metadata, python: bool | None = None) -> bytes:
     already; else rebuilt as DCP's objects (importing DCP) and pickled by the C pickler, as DCP itself does.
     ``python``: force one way."""
     if python is None:
+        if not use_forge():
+            return pickle.dumps(constructed(md), protocol=PROTOCOL)
         python = len(md.storage_data or ()) <= PYTHON_PICKLER_MAX and DCP_METADATA not in sys.modules
     if not python:
         return pickle.dumps(as_dcp(md), protocol=PROTOCOL)

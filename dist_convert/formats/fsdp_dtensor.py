@@ -143,6 +143,7 @@ class FsdpDtensorFormat(IterDirFormat):
     looks_like = staticmethod(_looks_like)
     any_writer = True
     row_blocks = True  # StreamWriter
+    writes_dcp = True  # a .metadata: dcp_meta.writer_note at start-up
 
     def __init__(self, options=None) -> None:
         super().__init__(options)

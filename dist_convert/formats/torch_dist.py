@@ -222,6 +222,7 @@ class TorchDistFormat(IterDirFormat):
     looks_like = staticmethod(_looks_like)
     any_writer = True
     row_blocks = True  # StreamWriter.put_rows
+    writes_dcp = True  # a .metadata: dcp_meta.writer_note at start-up
     prefix = ""  # of every model key (NeMo 2: "module.")
 
     def __init__(self, options=None) -> None:

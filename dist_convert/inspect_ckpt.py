@@ -1,35 +1,126 @@
-"""``inspect``: what a checkpoint holds (format, iteration, layout, config, tensors, bytes, dtypes)."""
+"""``inspect``: what a checkpoint holds (format, iteration, layout, the config fields its model uses, bytes,
+dtypes; with ``--tensors`` every logical tensor). It refuses neither missing nor unexpected tensors: the
+reader's notes name them."""
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from .config import ModelConfig
 from .convert import load_index
+from .datamodel import SourceChunk
 from .formats.base import FormatOptions
 from .layout.rules import logical_tensors
+from .layout.topology import Layout
 from .runtime import Runtime, human_bytes
 
+# Every ModelConfig field is in exactly one place: ALWAYS_SHOWN, or one group of CONFIG_GROUPS, which shows it only
+# when the model uses the feature (tests/test_cli.py fails on a field that is in neither, or in two).
+ALWAYS_SHOWN = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "swiglu", "normalization", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+                "vocab_size", "make_vocab_size_divisible_by", "position_embedding_type", "qk_layernorm", "spec")
 
-def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options: FormatOptions) -> dict:
+
+def _default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(ModelConfig) if f.name == name)
+
+
+def _changed(name: str) -> tuple[str, Callable[[ModelConfig], bool], tuple[str, ...]]:
+    """A single option, shown when it is not at its ModelConfig default."""
+    return name, lambda c: getattr(c, name) != _default(name), (name,)
+
+
+# (group, when the model uses it, its fields)
+CONFIG_GROUPS: tuple[tuple[str, Callable[[ModelConfig], bool], tuple[str, ...]], ...] = (
+    ("attention", lambda c: not c.multi_latent_attention, ("kv_channels",)),  # MLA has head dims of its own
+    ("t5", lambda c: c.family == "t5", ("encoder_num_layers", "relative_attention_num_buckets")),
+    ("moe", lambda c: c.num_experts > 0,
+     ("num_experts", "moe_ffn_hidden_size", "moe_layer_pattern", "moe_shared_expert_intermediate_size",
+      "moe_shared_expert_gate", "moe_router_expert_bias", "moe_grouped")),
+    ("mla", lambda c: c.multi_latent_attention,
+     ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+      "mla_down_split")),
+    ("mtp", lambda c: c.mtp_num_layers > 0, ("mtp_num_layers",)),
+    ("mamba", lambda c: c.hybrid_pattern is not None,
+     ("hybrid_pattern", "mamba_num_heads", "mamba_head_dim", "mamba_num_groups", "mamba_state_dim")),
+    ("gated_delta_net", lambda c: c.linear_attention_pattern is not None,
+     ("linear_attention_pattern", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+      "linear_value_head_dim", "linear_conv_kernel_dim")),
+    ("max_position_embeddings", lambda c: c.max_position_embeddings is not None, ("max_position_embeddings",)),
+    *(_changed(name) for name in ("activation", "zero_centered_gamma", "post_norms", "softmax_type",
+                                  "attention_output_gate")),
+)
+
+
+def used_config(cfg: ModelConfig) -> dict[str, Any]:
+    """Pure: the config fields the model uses (ALWAYS_SHOWN, and each group whose feature it has), in ModelConfig
+    order, as plain values."""
+    shown = set(ALWAYS_SHOWN).union(*(fields for _, used, fields in CONFIG_GROUPS if used(cfg)))
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k in shown}
+
+
+def _stored_dtype(c: SourceChunk) -> str:
+    """How a chunk is stored: its dtype, or the quantized form a reader dequantizes (to ``c.dtype``)."""
+    dtype = str(c.dtype).replace("torch.", "")
+    if c.scale is not None:
+        return f"fp8-block->{dtype}"
+    return f"mxfp4->{dtype}" if c.mxfp4 is not None else dtype
+
+
+def tensor_rows(cfg: ModelConfig, chunks: Iterable[SourceChunk], layout: Layout | None = None) -> list[dict[str, Any]]:
+    """Pure: one row per logical tensor of the model, in model order, then the stored logical tensors the model
+    does not name (an adapter's, the optimizer state's; their shape is the extent of their stored boxes):
+    name, global shape, stored dtypes, how TP splits it (``kind``; None when unknown), the routed expert and, with
+    ``layout``, its EP rank, and how many stored pieces hold it (0: the source lacks it)."""
+    pieces: Counter[str] = Counter()
+    dtypes: dict[str, set[str]] = defaultdict(set)
+    extent: dict[str, list[int]] = {}
+    for c in chunks:
+        for p in c.pieces:
+            pieces[p.logical] += 1
+            dtypes[p.logical].add(_stored_dtype(c))
+            end = [o + s for o, s in zip(p.lbox.offsets, p.lbox.sizes, strict=True)]
+            extent[p.logical] = [max(a, b) for a, b in zip(extent.get(p.logical, end), end, strict=True)]
+    model = logical_tensors(cfg)
+    rows = []
+    for t in model.values():
+        ep_rank = None if t.expert is None or layout is None else layout.expert_rank(t.expert, cfg.num_experts)
+        rows.append({"name": t.name, "shape": list(t.shape), "dtypes": sorted(dtypes.get(t.name, ())),
+                     "kind": t.kind.value, "expert": t.expert, "ep_rank": ep_rank, "pieces": pieces[t.name]})
+    for name in sorted(set(pieces) - set(model)):
+        rows.append({"name": name, "shape": extent[name], "dtypes": sorted(dtypes[name]), "kind": None,
+                     "expert": None, "ep_rank": None, "pieces": pieces[name]})
+    return rows
+
+
+def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options: FormatOptions,
+             tensors: bool = False) -> dict:
+    """Collective: what ``path`` holds (``tensors``: also every logical tensor, under "tensors"). Missing and
+    unexpected tensors are not refused, whatever ``options`` say: the index's notes name them."""
+    options = dataclasses.replace(options, allow_missing=("*",), ignore_unexpected=("*",))
     _, index = load_index(path, fmt, rt, vocab_size, options)
     dtypes = Counter(str(c.dtype).replace("torch.", "") for c in index.chunks)
     chunks = index.layout.stack_chunks(index.cfg.stacks)
-    return {
+    info = {
         "path": str(index.iter_dir),
         "format": index.format,
         "iteration": index.iteration,
         "layout": {"tp": index.layout.tp, "pp": index.layout.pp, "first_stage_layers": index.layout.first,
                    "last_stage_layers": index.layout.last, "vpp": index.layout.vpp,
-                   "pipeline_split_rank": index.layout.split, "pipeline_layout": index.layout.pipeline_layout},
+                   "pipeline_split_rank": index.layout.split, "pipeline_layout": index.layout.pipeline_layout,
+                   "ep": index.layout.ep, "expert_tp": index.layout.expert_tp},
         "stage_layers": [sum(n for p, _, stack, _, n in chunks if p == s and stack != "mtp")
                          for s in range(index.layout.pp)],
         "mtp_stage": next((p for p, _, stack, _, _ in chunks if stack == "mtp"), None),
-        "config": dataclasses.asdict(index.cfg),
+        "config": used_config(index.cfg),
+        "config_all": dataclasses.asdict(index.cfg),
         "logical_tensors": len(logical_tensors(index.cfg)),
         "stored_chunks": len(index.chunks),
         "bytes": index.nbytes,
@@ -37,6 +128,11 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
         "notes": index.notes,
         "adapter": None if index.adapter is None else adapter_info(index.adapter),
     }
+    if tensors:
+        rows = tensor_rows(index.cfg, index.chunks, index.layout)
+        # an adapter source stores the adapter's tensors only: the base model's are not in it
+        info["tensors"] = rows if index.adapter is None else [r for r in rows if r["pieces"]]
+    return info
 
 
 def adapter_info(spec) -> dict:
@@ -54,16 +150,32 @@ def adapter_info(spec) -> dict:
             "params": sum(spec.logical_numel().values())}
 
 
+def tensor_table(rows: list[dict[str, Any]], title: str = "logical tensors") -> Table:
+    """The ``--tensors`` rows as a rich table (the expert column only for a model with routed experts)."""
+    experts = any(r["expert"] is not None for r in rows)
+    table = Table(title=title)
+    for col in ("name", "shape", "dtype", "TP split") + (("expert (EP rank)",) if experts else ()) + ("pieces",):
+        table.add_column(col, justify="right" if col in ("pieces", "expert (EP rank)") else "left")
+    for r in rows:
+        expert = "" if r["expert"] is None else str(r["expert"]) + (
+            "" if r["ep_rank"] is None else f" ({r['ep_rank']})")
+        table.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(r["dtypes"]) or "-", r["kind"] or "?",
+                      *((expert,) if experts else ()), str(r["pieces"]) if r["pieces"] else "absent")
+    return table
+
+
 def print_description(info: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(info, indent=2, default=str))
         return
     table = Table(title=f"{info['path']}", show_header=False)
     table.add_column("field", style="bold")
-    table.add_column("value")
+    table.add_column("value", overflow="fold")
     lay = info["layout"]
+    experts = f" EP={lay['ep']} ETP={lay['expert_tp']}" if info["config"].get("num_experts") else ""
     rows = [("format", info["format"]), ("iteration", str(info["iteration"])),
-            ("layout", f"TP={lay['tp']} PP={lay['pp']} stages={info['stage_layers']}"
+            ("layout", f"TP={lay['tp']} PP={lay['pp']}{experts} stages={info['stage_layers']}"
+                       + (f" VPP={lay['vpp']}" if lay["vpp"] else "")
                        + (f" layout={lay['pipeline_layout']!r}" if lay["pipeline_layout"] else "")
                        + (f" MTP on stage {info['mtp_stage']}" if info["mtp_stage"] is not None else "")),
             ("logical tensors", str(info["logical_tensors"])), ("stored chunks", str(info["stored_chunks"])),
@@ -75,4 +187,10 @@ def print_description(info: dict, as_json: bool) -> None:
     rows += [("note", n) for n in info["notes"]]
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if "tensors" in info:
+        rows = info["tensors"]
+        if not console.is_terminal:  # piped: one line per tensor, whole names (a terminal wraps them to fit)
+            console = Console(width=max(console.width, max((len(r["name"]) for r in rows), default=0) + 90))
+        console.print(tensor_table(rows))

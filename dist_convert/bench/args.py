@@ -37,23 +37,29 @@ def add_bench_parser(sub: Any, parse_size: Callable[[str], int], default_budget:
     """The ``bench`` subcommand's arguments (``parse_size``, ``default_budget``: the CLI's)."""
     b = sub.add_parser("bench", help="time dist_convert against the I/O floor, a whole-model single-process "
                                      "converter, megatron-core's own load + save and Megatron-Bridge's HF import "
-                                     "(one process; launches torchrun)")
+                                     "(one process; launches torchrun)",
+                       description="Time dist_convert against the I/O floor, a whole-model single-process converter, "
+                                   "megatron-core's own load + save and Megatron-Bridge's HF import. Runs in one "
+                                   "process: it makes a synthetic checkpoint (or takes --src) and launches each "
+                                   "measured job itself (dist_convert --nproc N, megatron-core under torchrun); "
+                                   "prints the median of --reps runs per method and world size.")
     b.add_argument("--size", type=parse_size, default=1 << 30, help="synthetic checkpoint size (default 1GB)")
     b.add_argument("--sizes", default=None, help="scaling mode, e.g. 256MB,512MB,1GB: dist_convert at 2 ranks "
                                                  "per size with a fixed --memory-budget (memory flat, cost linear)")
     b.add_argument("--plan-scale", action="store_true",
                    help="plan DeepSeek-V3 (671B, 256 experts, MTP) from its HF release and from one Megatron layout "
                         "to another over 128 ranks, without tensors: plan time, per-rank bytes, memory bound")
-    b.add_argument("--dtype", choices=tuple(ITEMSIZE), default="bf16")
+    b.add_argument("--dtype", choices=tuple(ITEMSIZE), default="bf16",
+                   help="dtype of the synthetic checkpoint's tensors (default bf16)")
     b.add_argument("--format", choices=("torch_dist", "megatron", "hf"), default="torch_dist",
                    help="synthetic checkpoint format (hf: a Llama directory with a tokenizer, imported to torch_dist)")
     b.add_argument("--src-tp", type=int, default=2, help="layout of the synthetic checkpoint (default TP=2 PP=1; "
                                                          "hf: ignored)")
-    b.add_argument("--src-pp", type=int, default=1)
+    b.add_argument("--src-pp", type=int, default=1, help="pipeline stages of the synthetic checkpoint (default 1)")
     b.add_argument("--src", type=Path, default=None, help="time this existing checkpoint (torch_dist, megatron or a "
                                                           "Hugging Face directory) instead of a synthetic one")
     b.add_argument("--target-tp", type=int, default=None, help="one target layout (with --target-pp)")
-    b.add_argument("--target-pp", type=int, default=None)
+    b.add_argument("--target-pp", type=int, default=None, help="one target layout (with --target-tp)")
     b.add_argument("--targets", type=parse_targets, default=None, help=f"TPxPP list (default {DEFAULT_TARGETS})")
     b.add_argument("--ranks", type=_ints, default=None, help="dist_convert world sizes (default 1,2,4; --sizes: 2)")
     b.add_argument("--reps", type=int, default=3, help="runs per measurement; the median is reported")

@@ -31,6 +31,9 @@ GLM = {"vocab_size": 150, "num_hidden_layers": 3, "head_dim": 32, "tie_word_embe
 # name -> (transformers config class, overrides)
 FAMILIES = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": False}),  # GQA, untied (Llama 2/3)
+    # the docs' runnable examples (tests/test_examples.py): 4 layers, 8 heads in 4 groups (TP up to 4)
+    "llama_docs": ("LlamaConfig", {"tie_word_embeddings": False, "num_hidden_layers": 4, "num_attention_heads": 8,
+                                   "num_key_value_heads": 4}),
     "llama32": ("LlamaConfig", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0,
                                 "max_position_embeddings": 16384}),  # Llama 3.2: tied, Llama-3 RoPE scaling
     "mistral": ("MistralConfig", {"tie_word_embeddings": False, "num_key_value_heads": 1}),  # MQA

@@ -5,8 +5,8 @@ megatron-core and process-group start-up once per (program, world size) instead 
   python tests/job_worker.py --program cli --socket SOCK --spool DIR        # one process, no torchrun
 
 Every rank connects to the test session's Unix socket SOCK and says its rank; the session sends each
-rank the same job (``{"id": n, "argv": [...]}``, one JSON line) and every rank answers
-``{"id": n, "rc": rc}`` once it has run it, with its stdout and stderr (file descriptors 1 and 2, so
+rank the same job (``{"id": n, "argv": [...], "cwd": dir or null}``, one JSON line, run in ``cwd``) and
+every rank answers ``{"id": n, "rc": rc}`` once it has run it, with its stdout and stderr (file descriptors 1 and 2, so
 C++ output too) in ``DIR/job{n}.rank{r}.out`` / ``.err``. Programs:
   * ``cli``: ``dist_convert.cli.main(argv)``; under torchrun in the worker's process group, joined once
     (``--backend``/``--timeout`` of a job do not apply); without torchrun exactly as one process runs it.
@@ -99,7 +99,11 @@ def main() -> int:
     for line in lines:
         job = json.loads(line)
         n = job["id"]
-        rc = run_captured(run, job["argv"], a.spool / f"job{n}.rank{rank}.out", a.spool / f"job{n}.rank{rank}.err")
+        os.chdir(job.get("cwd") or ROOT)  # a job may run elsewhere (docs examples use relative paths)
+        try:
+            rc = run_captured(run, job["argv"], a.spool / f"job{n}.rank{rank}.out", a.spool / f"job{n}.rank{rank}.err")
+        finally:
+            os.chdir(ROOT)
         healthy = True
         if dist.is_initialized():
             try:

@@ -38,30 +38,31 @@ def which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SBIN))
 
 
-def missing_programs() -> list[str]:
-    return [p for p in DAEMONS + CLIENTS if which(p) is None]
-
-
-def ensure_slurm(timeout: float = 900) -> str | None:
-    """Install Debian's slurm-wlm and munge when missing. Returns None when Slurm is usable, else the
-    reason it cannot be installed here (for a pytest skip)."""
-    missing = missing_programs()
+def ensure_debian(what: str, programs: list[str], packages: list[str], timeout: float = 900) -> str | None:
+    """Install Debian ``packages`` when any of ``programs`` is missing. Returns None when they are all there, else
+    the reason they cannot be installed here (for a pytest skip); ``what`` names them in that reason."""
+    missing = [p for p in programs if which(p) is None]
     if not missing:
         return None
     if os.geteuid() != 0:
-        return f"Slurm is not installed ({', '.join(missing)} missing) and installing it needs root"
+        return f"{what} is not installed ({', '.join(missing)} missing) and installing it needs root"
     if which("apt-get") is None:
-        return f"Slurm is not installed ({', '.join(missing)} missing) and there is no apt-get to install it"
+        return f"{what} is not installed ({', '.join(missing)} missing) and there is no apt-get to install it"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "-q", "slurm-wlm", "munge"]):
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "-q", *packages]):
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return f"Slurm could not be installed: {' '.join(cmd)} ran over {timeout:.0f} s"
+            return f"{what} could not be installed: {' '.join(cmd)} ran over {timeout:.0f} s"
         if proc.returncode != 0:
-            return f"Slurm could not be installed: {' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-500:]}"
-    missing = missing_programs()
-    return f"apt-get installed slurm-wlm and munge, but {', '.join(missing)} are still missing" if missing else None
+            return f"{what} could not be installed: {' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-500:]}"
+    missing = [p for p in programs if which(p) is None]
+    return f"apt-get installed {' and '.join(packages)}, but {', '.join(missing)} is still missing" if missing else None
+
+
+def ensure_slurm(timeout: float = 900) -> str | None:
+    """Install Debian's slurm-wlm and munge when missing (``ensure_debian``)."""
+    return ensure_debian("Slurm", DAEMONS + CLIENTS, ["slurm-wlm", "munge"], timeout)
 
 
 def _alive(pid: int) -> bool:

@@ -144,7 +144,7 @@ def _same(real, ours) -> None:
 
 @pytest.mark.parametrize("source", ["megatron-core", "dcp.save"])
 @pytest.mark.parametrize("python", [True, False], ids=["python-pickler", "as-dcp"])
-def test_metadata_stand_ins_round_trip_dcp_metadata(gpt_a, tmp_path, source, python):
+def test_metadata_stand_ins_round_trip_dcp_metadata(request, tmp_path, source, python):
     """``dcp_meta`` reads a real ``.metadata`` (megatron-core 0.16.1's save, or ``dcp.save``'s) into stand-ins
     with every value DCP's own reader gives, and ``dumps`` of them (by the Python pickler under DCP's names, or
     rebuilt as DCP's objects for the C pickler) loads with plain pickle as DCP's own classes, equal to the
@@ -155,7 +155,7 @@ def test_metadata_stand_ins_round_trip_dcp_metadata(gpt_a, tmp_path, source, pyt
         _save(tmp_path, {**_tensors(), "obj": ["payload", 3]})
         path = tmp_path / ".metadata"
     else:
-        path = next(gpt_a.torch_dist.glob("iter_*")) / ".metadata"
+        path = next(request.getfixturevalue("gpt_a").torch_dist.glob("iter_*")) / ".metadata"  # only then made
     real = pickle.loads(path.read_bytes())
     with open(path, "rb") as fh:
         ours = dcp_meta.loads(fh)

@@ -34,14 +34,18 @@ MAX_RANKS = 2
 VENV_BIN = Path(sys.executable).parent  # python, dist_convert
 
 
+MARKER_LINE = re.compile(rf"^{re.escape(MARKER)}$", re.M)  # a line of its own (prose may name the marker)
+
+
 def pages() -> list[Path]:
-    return [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))] if MARKER in p.read_text()]
+    return [p for p in (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
+            if MARKER_LINE.search(p.read_text())]
 
 
 def blocks(page: Path) -> list[str]:
     text = page.read_text()
     found = FENCE.findall(text)
-    assert len(found) == text.count(MARKER), f"{page}: a {MARKER} line not directly above a ```bash fence"
+    assert len(found) == len(MARKER_LINE.findall(text)), f"{page}: a {MARKER} line not directly above a ```bash fence"
     return found
 
 

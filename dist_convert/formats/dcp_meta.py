@@ -233,7 +233,7 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save_global can name
 
 
 # torch releases whose DCP reads the forged .metadata as its own: the suite checks every one of them
-# (launch/setup.sh: 2.13; launch/setup_mcore19.sh: 2.15); any other release is checked at start-up
+# (launch/setup.sh: 2.13; launch/setup_newest.sh: 2.15); any other release is checked at start-up
 VERIFIED_TORCH = ("2.13", "2.15")
 WRITER_ENV = "DIST_CONVERT_DCP_METADATA"  # "forge" | "dcp" | "auto" (the default): how .metadata is pickled
 _forge_problem: list[str | None] = []  # the start-up check's answer, once per process

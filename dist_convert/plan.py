@@ -277,10 +277,15 @@ def split_chunks(chunks: list[SourceChunk], files: list[TargetFile], max_bytes: 
         if c.contiguous_cuts:
             cuts = contiguous_cuts(cuts, c.shape)
         spans = [list(itertools.pairwise(sorted(s))) for s in cuts]
+        # the pieces by the box covering each in the chunk: a cell of a chunk of many pieces (an HF tensor of
+        # every expert) looks only at those it can hold
+        every = range(len(c.pieces))
+        stored = BoxIndex([(piece_box(sp, sp.lbox), i) for i, sp in enumerate(c.pieces)]) if len(every) > 8 else None
         for cell in itertools.product(*spans):
             for box in _row_blocks(Box(tuple(a for a, _ in cell), tuple(b - a for a, b in cell)),
                                    c.dtype.itemsize, max_bytes):
-                out.append(_sub_chunk(c, box, len(out)))
+                near = every if stored is None else sorted(o.value for o in stored.overlapping(box))
+                out.append(_sub_chunk(c, box, len(out), near))
     return out
 
 
@@ -321,11 +326,12 @@ def _row_blocks(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
             for o in range(lo, lo + n, per)]
 
 
-def _sub_chunk(c: SourceChunk, box: Box, cid: int) -> SourceChunk:
-    """The part ``box`` (chunk coordinates) of chunk ``c``, with its pieces."""
+def _sub_chunk(c: SourceChunk, box: Box, cid: int, near: Iterable[int]) -> SourceChunk:
+    """The part ``box`` (chunk coordinates) of chunk ``c``, with its pieces (of ``c.pieces[i]`` for i in
+    ``near``, in order: those whose covering box meets ``box``)."""
     pieces = []
-    for sp in c.pieces:
-        part = piece_within(sp, box)
+    for i in near:
+        part = piece_within(c.pieces[i], box)
         if part is not None:
             pieces.append(replace(part, sbox=part.sbox.relative_to(box)))
     base = c.offsets or (0,) * len(c.shape)

@@ -168,7 +168,7 @@ def test_planner_at_gpt_oss_glm_and_nemotron_scale(case, params, write_max):
     by a layout string) over 128 and Nemotron-3-Nano (52 Mamba2 / MoE / attention layers) over 32: every rank reads
     and writes about its share (the first and last stages hold the embedding and the output layer on top; Nemotron's
     first expert rank holds every Mamba2 mixer, its files are cut so that other ranks write parts of them).
-    Qwen3-Next-80B's case (79.67B, the published count) is bench --plan-scale's: it plans 78k chunks in ~45 s."""
+    Qwen3-Next-80B's case (79.67B, the published count) is bench --plan-scale's: it plans 78k chunks in ~25 s."""
     f = plan_case(case)
     share = f.params * 2 / f.world
     assert abs(f.params - params) < 0.1e9 and f.waves >= 1

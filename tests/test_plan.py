@@ -340,3 +340,34 @@ def test_box_index_finds_exactly_the_overlapping_boxes():
             q = Box((r0, c0), (rng.randint(1, shape[0] - r0), rng.randint(1, shape[1] - c0)))
             want = {(i, b.intersect(q)) for i, b in enumerate(boxes) if b.intersect(q) is not None}
             assert {(v, inter) for _, inter, v in index.overlapping(q)} == want
+
+
+def test_cutting_a_chunk_of_many_pieces_keeps_every_piece_of_each_cell():
+    """gpt-oss's HF expert tensors hold every expert of a layer, gate and up interleaved: hundreds of strided pieces
+    per chunk. split_chunks looks up the pieces near each cell through an index of their covering boxes; each cell
+    must hold exactly the parts that testing every piece of the chunk finds (``piece_within``), in the same order."""
+    from dataclasses import replace
+
+    from dist_convert.bench.plan_scale import GPT_OSS_120B, hf_chunks
+    from dist_convert.layout.boxes import Box, piece_within
+    from dist_convert.models import config_from_hf
+    from dist_convert.plan import split_chunks
+
+    hf = {**GPT_OSS_120B, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
+          "num_local_experts": 16, "hidden_size": 64, "intermediate_size": 48, "num_attention_heads": 8,
+          "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 256}
+    cfg, args, _ = config_from_hf(hf, None)
+    dtypes = dict.fromkeys(logical_tensors(cfg), torch.bfloat16)
+    target = Target(cfg=cfg, layout=Layout(tp=2, pp=1, ep=4, etp=1), dtype=None, args=args, iteration=0)
+    files = split_files(TorchDistFormat().target_files(target, dtypes), 8)
+    chunks = hf_chunks(cfg, shards=2)
+    assert max(len(c.pieces) for c in chunks) >= 32  # the expert tensors
+    by_key = {c.key: c for c in chunks}
+    cut = split_chunks(chunks, files, 1 << 30)
+    assert len(cut) > len(chunks)
+    for c in cut:
+        whole = by_key[c.key]
+        box = Box(c.offsets, c.shape)  # HF chunks start at the origin: chunk coordinates are the tensor's
+        brute = [replace(p, sbox=p.sbox.relative_to(box)) for sp in whole.pieces
+                 if (p := piece_within(sp, box)) is not None]
+        assert c.pieces == brute, c.key

@@ -11,7 +11,7 @@
 #   5. a table: per job the wall time, GB/s per rank, the exchange's share of the wall time, peak GPU and host
 #      memory
 # usage: bash launch/gpu_check.sh [--cpu] [--out DIR]     (under 5 minutes on one 8-GPU node)
-# --cpu: steps 1-3 and 5 on 2 CPU ranks over gloo with a smaller model, each verify in one process (the suite runs
+# --cpu: steps 1-3 and 5 on 2 CPU ranks over gloo with a smaller model, the verifies in one process (the suite runs
 #        it; speculate on CPU is judged by tests/test_speculate.py with the same flags)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -53,8 +53,17 @@ cat > "$W/config.json" <<JSON
 JSON
 step() { echo "+ $*" >&2; "$@"; }
 dc() { step torchrun --nproc_per_node="$N" -m dist_convert "$@" --backend "$BACKEND"; }
-# verify on every rank on a GPU node; in the CPU dry run one process reads both sides (a launch less per check)
-check() { if [ "$MODE" = gpu ]; then dc verify "$@"; else step "$PY" -m dist_convert verify "$@"; fi; }
+# verify on every rank on a GPU node; in the CPU dry run one process runs all three checks (each reads both
+# sides), two launches less
+checks() {
+  if [ "$MODE" = gpu ]; then
+    while [ $# -gt 0 ]; do dc verify "$1" "$2"; shift 2; done
+  else
+    step "$PY" -c 'import sys; from dist_convert.cli import main
+a = sys.argv[1:]
+sys.exit(max(main(["verify", x, y]) for x, y in zip(a[::2], a[1::2])))' "$@"
+  fi
+}
 
 echo "== 1. megatron-core makes the source (TP=$N)"
 step judge --nproc_per_node="$N" tests/mcore_oracle.py make --config "$W/config.json" --tp "$N" --pp 1 --seed 7 \
@@ -65,9 +74,7 @@ dc reshard "$W/mid" "$W/back" --target-tp "$N" --target-pp 1 --stats-json "$W/ba
 dc reshard "$W/mid" "$W/back_coll" --target-tp "$N" --target-pp 1 --exchange "$BACKEND" \
   --stats-json "$W/back_coll.json"
 echo "== 3. verify"
-check "$W/src" "$W/back"
-check "$W/src" "$W/mid"
-check "$W/back" "$W/back_coll"
+checks "$W/src" "$W/back" "$W/src" "$W/mid" "$W/back" "$W/back_coll"
 SPEC_TP=2 ALGOS="eagle medusa"
 [ "$MODE" = cpu ] && ALGOS=""  # the suite's dry run: speculate on CPU is tests/test_speculate.py's
 [ -n "$ALGOS" ] && echo "== 4. speculate at TP=2 on $N ranks"

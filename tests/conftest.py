@@ -78,6 +78,11 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     WORKERS.stop()
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    if WORKERS.started:
+        terminalreporter.write_line(WORKERS.summary())
+
+
 @dataclass
 class Source:
     name: str

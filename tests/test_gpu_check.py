@@ -1,6 +1,6 @@
 """``launch/gpu_check.sh --cpu``: the device check's dry mode runs whole on this CPU machine (gloo, 2 ranks):
 megatron-core makes the source, dist_convert reshards it and back bit-exactly (shared memory, and gloo for every
-byte), each verify in one process, and the figures table is printed. (Its speculate step is GPU-only: on CPU
+byte), the three verifies in one process, and the figures table is printed. (Its speculate step is GPU-only: on CPU
 tests/test_speculate.py runs and judges the same command.)"""
 from __future__ import annotations
 

@@ -64,9 +64,9 @@ CASES = [
     ("019_to_016_tp4", 4, "default", "src19", ["--target-tp", "4", "--torch-dist-style", "0.16"], "0.16",
      "default", 4, 1),
     ("016_under_mcore19", 2, "mcore19", "gpt_a", ["--target-tp", "1", "--target-pp", "1"], "0.16", "mcore19", 1, 1),
-    ("016_to_019_under_mcore19", 4, "mcore19", "gpt_a", ["--target-tp", "4", "--target-pp", "1",
+    ("016_to_019_under_mcore19", 2, "mcore19", "gpt_a", ["--target-tp", "4", "--target-pp", "1",
                                                            "--torch-dist-style", "0.19"], "0.19", "mcore19", 4, 1),
-    ("019_to_megatron_under_mcore19", 4, "mcore19", "src19", ["--dst-format", "megatron", "--target-pp", "2"], None,
+    ("019_to_megatron_under_mcore19", 2, "mcore19", "src19", ["--dst-format", "megatron", "--target-pp", "2"], None,
      "default", 2, 2),
 ]
 

@@ -19,7 +19,7 @@ CASES = [
     ("A", "torch_dist", "megatron", 1, 3, 2, 2, []),  # uneven target stages [2, 1, 1]
     ("B", "megatron", "megatron", 1, 2, 3, 2, []),  # uneven source [2, 4] -> [3, 3]; untied, biases
     ("B", "torch_dist", "torch_dist", 4, 1, None, 4, []),  # TP up from 2 to 4, more ranks than files
-    ("B", "megatron", "torch_dist", 2, 3, None, 1, []),  # torchrun with a single rank
+    ("B", "megatron", "torch_dist", 2, 2, None, 1, []),  # torchrun with a single rank; uneven [2, 4] -> [3, 3]
 ]
 
 

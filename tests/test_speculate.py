@@ -65,9 +65,9 @@ def test_speculate_bad_input(gpt_a, tmp_path):
     assert_refused(run_cli("speculate", src, dst, "--target-tp", "1", "--eagle-layers", "1", "--medusa-heads", "2"),
                    tmp_path, "both --eagle-layers and --medusa-heads")
     assert_refused(run_cli("speculate", src, dst, "--target-tp", "1"), tmp_path, "--eagle-layers", "--medusa-heads")
-    assert_refused(run_cli("speculate", src, dst, "--target-tp", "2", "--target-pp", "1", "--medusa-heads", "2",
-                           nproc=3), tmp_path,
-                   "world size 3 is not a multiple of target TP x PP = 2", "--nproc_per_node")
+    assert_refused(run_cli("speculate", src, dst, "--target-tp", "1", "--target-pp", "4", "--medusa-heads", "2",
+                           nproc=2), tmp_path,
+                   "world size 2 is not a multiple of target TP x PP = 4", "--nproc_per_node")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"algorithm": "lookahead", "config": {}}))
     assert_refused(run_cli("speculate", src, dst, "--target-tp", "1", "--spec-config", str(bad)), tmp_path,

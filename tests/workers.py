@@ -17,12 +17,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "job_worker.py"
-# the interpreters a worker can run under: the default venv's, and the second runtime (Python 3.12 +
-# megatron-core 0.19.2, built by launch/setup_mcore19.sh)
+# the three interpreters a worker can run under: the default venv's (Python 3.11 + megatron-core 0.16.1), the
+# second runtime (Python 3.12 + megatron-core 0.19.2, launch/setup_mcore19.sh) and the newest stack (torch 2.15 +
+# megatron-core 0.19.2, launch/setup_newest.sh)
 RUNTIMES = {"default": Path(sys.executable), "mcore19": ROOT / ".venv-mcore19" / "bin" / "python",
-            "newest": ROOT / ".venv-newest" / "bin" / "python"}  # torch 2.15 + megatron-core 0.19.2 (setup_newest.sh)
-# launch/test.sh sets up .venv-mcore19 while the first tests run: it names the file that the set-up's exit
-# status is written to, and the first use of that runtime waits for it
+            "newest": ROOT / ".venv-newest" / "bin" / "python"}
+# launch/test.sh sets up .venv-mcore19 and .venv-newest while the first tests run: it names, per runtime, the file
+# that the set-up's exit status is written to, and the first use of that runtime waits for it
 SETUP_STATUS = {"mcore19": "DIST_CONVERT_MCORE19_SETUP_STATUS", "newest": "DIST_CONVERT_NEWEST_SETUP_STATUS"}
 SETUP_WAIT = 1800.0  # seconds: the set-up of a clean machine on a loaded 2-core one takes 5-7 minutes
 
@@ -51,6 +52,7 @@ class Worker:
         self.program, self.world, self.env, self.runtime = program, world, env, runtime
         self.proc: subprocess.Popen | None = None
         self.jobs = 0
+        self.starts: list[float] = []  # seconds each start took, until every rank connected
 
     @property
     def nranks(self) -> int:
@@ -71,6 +73,7 @@ class Worker:
         python = runtime_python(self.runtime)
         if not python.exists():
             raise RuntimeError(f"{python} is missing: run bash launch/setup_mcore19.sh (launch/test.sh does)")
+        began = time.monotonic()
         cmd = ([str(python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}", *args]
                if self.world else [str(python), *args])
         self.log = self.spool / "worker.log"
@@ -97,6 +100,7 @@ class Worker:
             server.close()
         self.conns = [conns[r] for r in range(self.nranks)]
         self.replies = [c.makefile("r") for c in self.conns]
+        self.starts.append(time.monotonic() - began)
 
     def _log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
@@ -175,14 +179,16 @@ class Workers:
     runtimes, made them evict each other once the third came: the suite took 24 min 56 s against 20 min 04 s with
     20, the same day) and peaks at about 10 GB in use on a 24 GB machine."""
 
-    def __init__(self, env: dict[str, str], max_ranks: int = 20) -> None:
+    def __init__(self, env: dict[str, str], max_ranks: int = 24) -> None:
         self.env, self.max_ranks = env, max_ranks
         self.pool: dict[tuple[str, int | None, str], Worker] = {}  # least recently used first
+        self.started: dict[tuple[str, int | None, str], Worker] = {}  # every worker of the session, for summary()
 
     def run(self, program: str, world: int | None, argv: list[str], timeout: float,
             runtime: str = "default", cwd: str | None = None) -> subprocess.CompletedProcess:
         key = (program, world, runtime)
-        worker = self.pool.pop(key, None) or Worker(program, world, self.env, runtime)
+        worker = self.pool.pop(key, None) or self.started.get(key) or Worker(program, world, self.env, runtime)
+        self.started[key] = worker
         if not worker.alive:
             for other in list(self.pool.values()):
                 if sum(w.nranks for w in self.pool.values() if w.alive) + worker.nranks <= self.max_ranks:
@@ -195,3 +201,12 @@ class Workers:
         for w in self.pool.values():
             w.stop()
         self.pool.clear()
+
+    def summary(self) -> str:
+        """One line: how many worker starts the session paid for and how long they took, the restarted ones named
+        (a start costs a few seconds of imports per rank: a worker started again is time the suite loses)."""
+        starts = [t for w in self.started.values() for t in w.starts]
+        again = sorted((f"{p}/w{w or 0}/{r} x{len(x.starts)}" for (p, w, r), x in self.started.items()
+                        if len(x.starts) > 1))
+        return (f"test workers: {len(starts)} starts of {len(self.started)} workers, {sum(starts):.0f} s starting"
+                + (f"; started again: {', '.join(again)}" if again else ""))

@@ -139,13 +139,13 @@ def test_bad_options_are_refused(tmp_path, capsys):
 def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "bench.json"
-    proc = ok(run_cli("bench", "--size", "8MB", "--reps", "1", "--ranks", "1,2", "--target-tp", "1", "--target-pp", "2",
+    proc = ok(run_cli("bench", "--size", "8MB", "--reps", "1", "--ranks", "2", "--target-tp", "1", "--target-pp", "2",
                       "--workdir", str(tmp), "--keep", "--json", str(out), "--markdown", str(tmp / "bench.md"),
                       "--no-predict", timeout=600))  # plan's prediction: test_bench_optimizer_...
     assert "wall/floor" in proc.stderr  # the table
     md = (tmp / "bench.md").read_text().splitlines()
     rows = [ln for ln in md if ln.startswith("| dist_convert w=")]
-    assert len(rows) == 2 and all(len(r.split("|")) == len(report.HEAD) + 2 for r in rows)  # a cell per column
+    assert len(rows) == 1 and all(len(r.split("|")) == len(report.HEAD) + 2 for r in rows)  # a cell per column
     return json.loads(out.read_text())
 
 
@@ -156,8 +156,9 @@ def test_bench_end_to_end_reports_every_method(bench):
     (target,) = bench["targets"]
     assert (target["tp"], target["pp"]) == (1, 2)
     rows = {(r["method"], r["world"]): r for r in target["rows"]}
-    assert set(rows) == {("floor", None), ("help", None), ("startup", 1), ("startup", 2), ("dist_convert", 1),
-                         ("dist_convert", 2), ("whole_model", 1), ("mcore", 2)}
+    # one rank's rows (dist_convert w=1, its start-up) are tests/test_install.py's bench run
+    assert set(rows) == {("floor", None), ("help", None), ("startup", 2), ("dist_convert", 2), ("whole_model", 1),
+                         ("mcore", 2)}
     for (method, _), r in rows.items():
         assert r["status"] == "ok", r
         assert r["wall_s"] > 0 and r["gb_per_s"] > 0 and r["x_floor"] > 0
@@ -167,7 +168,6 @@ def test_bench_end_to_end_reports_every_method(bench):
     assert dc["net_s"] == pytest.approx(dc["wall_s"] - start["wall_s"])
     for check in ("floor", "whole", "mcore", "rss"):  # the 2-rank targets; at 8 MB start-up is all there is
         assert dc["checks"][check] in ("PASS", "FAIL")
-    assert rows[("dist_convert", 1)]["checks"]["rss"] in ("PASS", "FAIL")
     assert start["checks"]["launch"] in ("PASS", "FAIL")
     assert rows[("help", None)]["checks"]["launch"] in ("PASS", "FAIL")
     assert len(rows[("mcore", 2)]["runs"][0]["peak_rss_per_rank"]) == 2
@@ -246,7 +246,6 @@ def test_megatron_core_loads_the_synthetic_checkpoint_and_agrees(bench):
 
 def test_whole_model_baseline_equals_dist_convert(bench):
     assert cli_main(["verify", _output(bench, "whole_model", 1), _output(bench, "dist_convert", 2)]) == 0
-    assert cli_main(["verify", _output(bench, "dist_convert", 1), _output(bench, "dist_convert", 2)]) == 0
 
 
 def test_a_failed_job_names_its_rank_and_what_it_printed(tmp_path):

@@ -173,13 +173,15 @@ class Worker:
 
 class Workers:
     """The session's workers, by (program, world). At most ``max_ranks`` worker processes stay alive
-    (each holds torch, and the oracle's megatron-core, in memory: about 300-450 MB, plus a torchrun agent
-    per worker and megatron-core's save Manager per rank that saved): starting one more first stops the
-    least recently used. 20 keeps the workers of all three runtimes warm through a session (16, right for two
-    runtimes, made them evict each other once the third came: the suite took 24 min 56 s against 20 min 04 s with
-    20, the same day) and peaks at about 10 GB in use on a 24 GB machine."""
+    (each holds torch, and the oracle's megatron-core, in memory: about 250 MB per CLI rank, 370 MB per oracle rank,
+    more with Megatron-Bridge and transformers loaded, plus a torchrun agent per worker and megatron-core's save
+    Manager per rank that saved): starting one more first stops the least recently used. 20 keeps most workers of
+    the three runtimes warm (16 made them evict each other: 24 min 56 s against 20 min 04 s with 20, the same day).
+    24 (with the tests' worlds trimmed: no worker for a single job at an odd world size) started workers 19 times in a
+    clean-clone run, against 36 at 20 before the trim, but brought memory in use to 18.7 GB of this 24 GB machine:
+    too close to the edge for a suite that must not flake."""
 
-    def __init__(self, env: dict[str, str], max_ranks: int = 24) -> None:
+    def __init__(self, env: dict[str, str], max_ranks: int = 20) -> None:
         self.env, self.max_ranks = env, max_ranks
         self.pool: dict[tuple[str, int | None, str], Worker] = {}  # least recently used first
         self.started: dict[tuple[str, int | None, str], Worker] = {}  # every worker of the session, for summary()

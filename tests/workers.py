@@ -177,9 +177,9 @@ class Workers:
     more with Megatron-Bridge and transformers loaded, plus a torchrun agent per worker and megatron-core's save
     Manager per rank that saved): starting one more first stops the least recently used. 20 keeps most workers of
     the three runtimes warm (16 made them evict each other: 24 min 56 s against 20 min 04 s with 20, the same day).
-    24 (with the tests' worlds trimmed: no worker for a single job at an odd world size) started workers 19 times in a
-    clean-clone run, against 36 at 20 before the trim, but brought memory in use to 18.7 GB of this 24 GB machine:
-    too close to the edge for a suite that must not flake."""
+    With the tests' worlds trimmed (no worker for a single job at an odd world size), a clean-clone run started
+    workers 28 times at 20 (15.0 GB in use at most) and 19 times at 24, which brought memory in use to 18.7 GB of this
+    24 GB machine: too close to the edge for a suite that must not flake."""
 
     def __init__(self, env: dict[str, str], max_ranks: int = 20) -> None:
         self.env, self.max_ranks = env, max_ranks

@@ -14,6 +14,7 @@ import torch
 
 from . import faults
 from .config import ModelConfig
+from .cuts import split_chunks, split_files
 from .datamodel import SourceIndex, Target, TargetFile, WrittenFile, numel, omit_absent
 from .errors import ConvertError
 from .exchange import Assembly, execute, stop_on_error
@@ -26,7 +27,7 @@ from .layout.topology import Layout, pipeline_vpp
 from .lora.merge import Merger, open_adapter
 from .mlm_args import args_for_target
 from .optim.state import optimizer_numel
-from .plan import DEFAULT_BUDGET, Plan, block_bytes, make_plan, split_chunks, split_files
+from .plan import DEFAULT_BUDGET, Plan, block_bytes, make_plan
 from .runtime import Runtime, human_bytes, local_ranks, overlap_io, peak_gpu_bytes, peak_rss_bytes
 from .staging import Staging, refuse_existing, stage, write_error
 from .summary import RankStats, print_summary
@@ -71,7 +72,7 @@ def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None,
 
 
 def sliced(index: SourceIndex, files: list[TargetFile], budget: int) -> SourceIndex:
-    """The index with sliceable chunks cut to what each target piece needs (see plan.split_chunks)."""
+    """The index with sliceable chunks cut to what each target piece needs (see cuts.split_chunks)."""
     if not any(c.sliceable for c in index.chunks):
         return index
     return dataclasses.replace(index, chunks=split_chunks(index.chunks, files, max(1, budget // 4)))

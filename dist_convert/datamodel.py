@@ -151,7 +151,7 @@ class SourceChunk:
     dtype: torch.dtype
     pieces: list[Piece]
     offsets: tuple[int, ...] | None = None  # DCP: chunk offset in the stored global tensor
-    sliceable: bool = False  # boxes of it can be read on their own: plan.split_chunks cuts it
+    sliceable: bool = False  # boxes of it can be read on their own: cuts.split_chunks cuts it
     contiguous_cuts: bool = False  # only boxes that are one contiguous byte run (DCP items read by offset)
     origin: tuple[int, ...] | None = None  # DCP: offsets of the stored item this chunk is (a part of)
     origin_shape: tuple[int, ...] | None = None  # DCP: that stored item's shape

@@ -15,9 +15,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from dist_convert.cuts import contiguous_cuts
 from dist_convert.formats.distcp import ItemFileWriter, is_contiguous_box, locate, write_metadata
 from dist_convert.layout.boxes import Box
-from dist_convert.plan import contiguous_cuts
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dist_convert.config import ModelConfig
+from dist_convert.cuts import split_chunks
 from dist_convert.datamodel import SourceChunk, Target
 from dist_convert.errors import ConvertError
 from dist_convert.formats.hf import hf_tensors, pack_shards
@@ -14,7 +15,7 @@ from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 from dist_convert.models import config_from_hf, hf_from_config
-from dist_convert.plan import make_plan, select_source, split_chunks
+from dist_convert.plan import make_plan, select_source
 
 
 def hf_config(**over) -> dict:

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from dist_convert.config import ModelConfig
+from dist_convert.cuts import split_files
 from dist_convert.datamodel import SourceChunk, Target
 from dist_convert.exchange import Assembly, execute
 from dist_convert.formats.megatron import MegatronFormat, rank_entries
 from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
-from dist_convert.plan import Plan, aligned, make_plan, split_files
+from dist_convert.plan import Plan, aligned, make_plan
 from dist_convert.runtime import Runtime
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
@@ -349,9 +350,9 @@ def test_cutting_a_chunk_of_many_pieces_keeps_every_piece_of_each_cell():
     from dataclasses import replace
 
     from dist_convert.bench.plan_scale import GPT_OSS_120B, hf_chunks
+    from dist_convert.cuts import split_chunks
     from dist_convert.layout.boxes import Box, piece_within
     from dist_convert.models import config_from_hf
-    from dist_convert.plan import split_chunks
 
     hf = {**GPT_OSS_120B, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"],
           "num_local_experts": 16, "hidden_size": 64, "intermediate_size": 48, "num_attention_heads": 8,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dist_convert.plan
+from dist_convert.cuts import split_chunks
 from dist_convert.datamodel import SourceChunk, TargetFile, TargetTensor
 from dist_convert.exchange import Assembly, execute, pack, payload, unpack
 from dist_convert.layout.boxes import (
@@ -26,7 +27,7 @@ from dist_convert.layout.boxes import (
     sub_piece,
     write_logical,
 )
-from dist_convert.plan import Plan, make_plan, split_chunks
+from dist_convert.plan import Plan, make_plan
 from dist_convert.runtime import Runtime
 
 E, H, F = 4, 6, 4  # experts, hidden, ffn (per half of fc1)

@@ -189,8 +189,8 @@ class Workers:
     def run(self, program: str, world: int | None, argv: list[str], timeout: float,
             runtime: str = "default", cwd: str | None = None) -> subprocess.CompletedProcess:
         key = (program, world, runtime)
-        worker = self.pool.pop(key, None) or self.started.get(key) or Worker(program, world, self.env, runtime)
-        self.started[key] = worker
+        self.pool.pop(key, None)
+        worker = self.started.get(key) or self.started.setdefault(key, Worker(program, world, self.env, runtime))
         if not worker.alive:
             for other in list(self.pool.values()):
                 if sum(w.nranks for w in self.pool.values() if w.alive) + worker.nranks <= self.max_ranks:

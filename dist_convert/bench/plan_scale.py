@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
+from ..cuts import split_chunks, split_files
 from ..datamodel import Origin, SourceChunk, Target, TargetFile, numel
 from ..formats.hf import hf_tensors, pack_shards
 from ..formats.torch_dist import TorchDistFormat
 from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
 from ..models import config_from_hf
-from ..plan import make_plan, split_chunks, split_files
+from ..plan import make_plan
 from ..runtime import human_bytes as human
 from ..runtime import peak_rss_bytes
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import bisect
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
@@ -315,3 +317,11 @@ class BoxIndex:
             if inter is not None:
                 out.append(Overlap(b, inter, v))
         return out
+
+
+def by_logical(items: Iterable[tuple[str, Box, object]]) -> dict[str, BoxIndex]:
+    """Boxes per logical tensor, indexed for overlap queries (``items``: (logical name, box, value))."""
+    groups: dict[str, list[tuple[Box, object]]] = defaultdict(list)
+    for name, box, value in items:
+        groups[name].append((box, value))
+    return {name: BoxIndex(group) for name, group in groups.items()}

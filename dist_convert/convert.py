@@ -27,7 +27,7 @@ from .layout.topology import Layout, pipeline_vpp
 from .lora.merge import Merger, open_adapter
 from .mlm_args import args_for_target
 from .optim.state import optimizer_numel
-from .plan import DEFAULT_BUDGET, Plan, block_bytes, make_plan
+from .plan import DEFAULT_BUDGET, Plan, block_bytes, check_coverage, make_plan
 from .runtime import Runtime, human_bytes, local_ranks, overlap_io, peak_gpu_bytes, peak_rss_bytes
 from .staging import Staging, refuse_existing, stage, write_error
 from .summary import RankStats, print_summary
@@ -208,10 +208,10 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
     spec = opts.target_spec or index.cfg.spec
     # MLA's down-projections: split over TP in the local spec, replicated in today's TE spec (the source's
     # own choice stays when the spec does)
-    cfg = index.cfg.replace(spec=spec, mla_down_split=index.cfg.mla_down_split if spec == index.cfg.spec
-                            else spec == "local",
-                            make_vocab_size_divisible_by=index.cfg.make_vocab_size_divisible_by
+    cfg = index.cfg.replace(spec=spec, make_vocab_size_divisible_by=index.cfg.make_vocab_size_divisible_by
                             if opts.vocab_divisible_by is None else opts.vocab_divisible_by)
+    if cfg.mla is not None and spec != index.cfg.spec:
+        cfg = cfg.replace(mla__down_split=spec == "local")
     if cfg.mla:
         cfg.check_layout(layout)  # the target spec decides whether MLA's down-projections split over TP
     if dst_fmt.sharded:
@@ -232,6 +232,9 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
                     optimizer=index.optimizer and index.optimizer.for_layout(cfg, layout), origin=index.origin,
                     adapter=index.adapter)
     files = omit_absent(dst_fmt.target_files(target, source_dtypes(index)), index.absent)
+    # before anything is written: the target holds every logical tensor of the source, or says it drops it
+    check_coverage(files, logical_numel(index), index.absent,
+                   index.adapter.twin_a() if index.adapter is not None else frozenset())
     if dst_fmt.any_writer:  # give every rank a part to write
         files = split_files(files, world)
     return Prepared(src_fmt=src_fmt, dst_fmt=dst_fmt, index=index, target=target, files=files)

@@ -103,13 +103,16 @@ class Origin:
     nemo2_context: Path | None = None  # the NeMo 2 context/ directory a nemo2 target copies (relaid out)
     bridge_run_config: dict[str, Any] | None = None  # Megatron-Bridge's run_config.yaml, parsed
     tokenizer: Path | None = None  # a directory holding the tokenizer files (HF model, Bridge tokenizer/, NeMo 2)
+    # which of its family's optional sets of stored copies the HF source held (models.base.Family.optional_sets)
+    hf_stored: dict[str, bool] | None = None
 
     DOCUMENTS: ClassVar[tuple[str, ...]] = ("hf_config", "nemo_config", "bridge_run_config")
     PATHS: ClassVar[tuple[str, ...]] = ("nemo_archive", "nemo2_context", "tokenizer")
 
     def record(self) -> dict[str, Any]:
         """Plain values only (``torch.load(weights_only=True)`` and JSON read it): paths as strings."""
-        out: dict[str, Any] = {"version": ORIGIN_VERSION, "kind": self.kind, "hf_model_id": self.hf_model_id}
+        out: dict[str, Any] = {"version": ORIGIN_VERSION, "kind": self.kind, "hf_model_id": self.hf_model_id,
+                               "hf_stored": None if self.hf_stored is None else dict(self.hf_stored)}
         out.update({name: plain(getattr(self, name)) for name in self.DOCUMENTS})
         out.update({name: None if getattr(self, name) is None else str(getattr(self, name)) for name in self.PATHS})
         return out
@@ -127,6 +130,9 @@ class Origin:
         for name in cls.DOCUMENTS:
             if isinstance(record.get(name), dict):
                 given[name] = record[name]
+        stored = record.get("hf_stored")
+        if isinstance(stored, dict) and all(isinstance(k, str) and isinstance(v, bool) for k, v in stored.items()):
+            given["hf_stored"] = stored
         for name in cls.PATHS:
             if isinstance(record.get(name), str):
                 given[name] = Path(record[name])

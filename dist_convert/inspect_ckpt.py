@@ -6,64 +6,66 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from .config import ModelConfig
+from .config import OPTIONAL, RECORDS, ModelConfig
 from .convert import load_index
 from .datamodel import SourceChunk
+from .features import LAYOUT
 from .formats.base import FormatOptions
 from .layout.rules import logical_tensors
 from .layout.topology import Layout
 from .runtime import Runtime, human_bytes
 
-# Every ModelConfig field is in exactly one place: ALWAYS_SHOWN, or one group of CONFIG_GROUPS, which shows it only
-# when the model uses the feature (tests/test_cli.py fails on a field that is in neither, or in two).
-ALWAYS_SHOWN = ("family", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                "swiglu", "normalization", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
-                "vocab_size", "make_vocab_size_divisible_by", "position_embedding_type", "qk_layernorm", "spec")
+# The essentials of the always-present records, shown whatever their value (the rest only where not plain)
+ESSENTIAL = {"position": ("kind",), "norm": ("kind",), "mlp": ("gated",), "attention": ("qk_norm",)}
 
 
-def _default(name: str) -> Any:
-    return next(f.default for f in dataclasses.fields(ModelConfig) if f.name == name)
+def shown_name(record: str | None, f: dataclasses.Field) -> str:
+    """The name inspect shows a field under: a core field its own; a record's field its Megatron-LM args name (what
+    a training run's args call it), or ``record.field`` where no args name says it (how tensors are stored)."""
+    args = f.metadata.get("arg") or ()
+    if record is None:
+        return f.name
+    return f"{record}.{f.name}" if f.metadata.get("kind") == LAYOUT or not args else args[0]
 
 
-def _changed(name: str) -> tuple[str, Callable[[ModelConfig], bool], tuple[str, ...]]:
-    """A single option, shown when it is not at its ModelConfig default."""
-    return name, lambda c: getattr(c, name) != _default(name), (name,)
-
-
-# (group, when the model uses it, its fields)
-CONFIG_GROUPS: tuple[tuple[str, Callable[[ModelConfig], bool], tuple[str, ...]], ...] = (
-    ("attention", lambda c: not c.multi_latent_attention, ("kv_channels",)),  # MLA has head dims of its own
-    ("t5", lambda c: c.family == "t5", ("encoder_num_layers", "relative_attention_num_buckets")),
-    ("moe", lambda c: c.num_experts > 0,
-     ("num_experts", "moe_ffn_hidden_size", "moe_layer_pattern", "moe_shared_expert_intermediate_size",
-      "moe_shared_expert_gate", "moe_router_expert_bias", "moe_grouped")),
-    ("mla", lambda c: c.multi_latent_attention,
-     ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-      "mla_down_split")),
-    ("mtp", lambda c: c.mtp_num_layers > 0, ("mtp_num_layers",)),
-    ("mamba", lambda c: c.hybrid_pattern is not None,
-     ("hybrid_pattern", "mamba_num_heads", "mamba_head_dim", "mamba_num_groups", "mamba_state_dim")),
-    ("gated_delta_net", lambda c: c.linear_attention_pattern is not None,
-     ("linear_attention_pattern", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-      "linear_value_head_dim", "linear_conv_kernel_dim")),
-    ("max_position_embeddings", lambda c: c.max_position_embeddings is not None, ("max_position_embeddings",)),
-    *(_changed(name) for name in ("activation", "zero_centered_gamma", "post_norms", "softmax_type",
-                                  "attention_output_gate")),
-)
+def inspect_names() -> list[tuple[str | None, str, str]]:
+    """(record or None for the core, field, shown name) of every field of ModelConfig and its records, in order."""
+    out: list[tuple[str | None, str, str]] = [(None, f.name, shown_name(None, f))
+                                              for f in dataclasses.fields(ModelConfig) if f.name not in RECORDS]
+    for name, cls in RECORDS.items():
+        if cls.presence:
+            out.append((name, "", cls.presence[0]))
+        out += [(name, f.name, shown_name(name, f)) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    return out
 
 
 def used_config(cfg: ModelConfig) -> dict[str, Any]:
-    """Pure: the config fields the model uses (ALWAYS_SHOWN, and each group whose feature it has), in ModelConfig
-    order, as plain values."""
-    shown = set(ALWAYS_SHOWN).union(*(fields for _, used, fields in CONFIG_GROUPS if used(cfg)))
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k in shown}
+    """Pure: what of the model config inspect shows, as plain values, in ModelConfig order: the core (the context
+    length where known, the head size where the attention has one), each always-present record's essentials and
+    every field that differs from the plain model's, and every field of each optional feature the model has."""
+    out: dict[str, Any] = {}
+    for record, field, name in inspect_names():
+        if record is None:
+            value = getattr(cfg, field)
+            if not (field == "max_position_embeddings" and value is None or field == "kv_channels" and cfg.mla):
+                out[name] = value
+            continue
+        rec = getattr(cfg, record)
+        if rec is None:
+            continue
+        if not field:  # an optional feature's presence
+            out[name] = "gated_delta_net" if record == "gdn" else True
+        elif record in OPTIONAL or field in ESSENTIAL.get(record, ()) or \
+                getattr(rec, field) != getattr(type(rec)(), field):
+            out[name] = getattr(rec, field)
+    return out
 
 
 def _stored_dtype(c: SourceChunk) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig, linear_attention_freq
+from .config import RECORDS, ModelConfig
 from .errors import ConvertError
 from .layout.topology import Layout
 
@@ -196,6 +196,10 @@ _PLAIN = (type(None), bool, int, float, str, bytes, torch.dtype, torch.Size)
 LEGACY_ORIGIN_ARGS = ("hf_config", "nemo_config", "nemo_source", "nemo2_source", "bridge_source", "hf_model_id",
                       "bridge_layer_spec")
 HF_TOKENIZER = "HuggingFaceTokenizer"
+# the args of the plain model: each always-present record's defaults (a field at its plain value is not written
+# unless Megatron-LM's table lists it or the source has it)
+PLAIN_ARGS: dict[str, Any] = {k: v for name in ("position", "attention", "norm", "mlp", "embedding")
+                              for k, v in RECORDS[name]().to_args().items()}
 
 
 def complete_args(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dtype: torch.dtype | None = None,
@@ -213,7 +217,7 @@ def complete_args(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dt
     for a in ARGS:
         if a.source == "" and not hasattr(out, a.name):
             setattr(out, a.name, copy.deepcopy(a.default))
-    for name, value in {**_model_fields(out, cfg, layout), **_precision_fields(out, dtype), **_norm_fields(out),
+    for name, value in {**_model_fields(out, cfg, layout), **_precision_fields(out, dtype),
                         **_layout_fields(out, cfg, layout, ckpt_format, optimizer_saved, rng_saved)}.items():
         setattr(out, name, value)
     check_loadable(out)
@@ -235,80 +239,34 @@ def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, 
 
 
 def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) -> dict[str, Any]:
-    heads, groups = cfg.num_attention_heads, cfg.num_query_groups
-    f: dict[str, Any] = {
-        "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.ffn_hidden_size, "num_attention_heads": heads,
-        "group_query_attention": groups != heads, "num_query_groups": groups, "kv_channels": cfg.kv_channels,
-        # Megatron-LM's --swiglu and --quick-geglu are exclusive ways of saying "gated"
-        "swiglu": cfg.swiglu and cfg.activation != "quick_gelu", "normalization": cfg.normalization,
-        "add_bias_linear": cfg.add_bias_linear,
-        "add_qkv_bias": cfg.add_qkv_bias, "qk_layernorm": cfg.qk_layernorm,
-        "untie_embeddings_and_output_weights": cfg.untie_embeddings_and_output_weights,
-        "vocab_size": cfg.vocab_size, "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
-        "padded_vocab_size": cfg.padded_vocab(layout.tp), "position_embedding_type": cfg.position_embedding_type,
-        "use_rotary_position_embeddings": cfg.position_embedding_type == "rope",
-        "max_position_embeddings": cfg.max_position_embeddings if cfg.max_position_embeddings is not None
-        else getattr(args, "max_position_embeddings", None),
-        "transformer_impl": "local" if cfg.spec == "local" else "transformer_engine",
-    }
-    f.update(multi_latent_attention=cfg.mla, mtp_num_layers=cfg.mtp_num_layers or None)
-    # dist_convert's own fields for what Megatron-LM's args cannot say (Megatron-Bridge's Gemma 3 has them),
-    # written only where they are set, so a Llama's args stay Megatron-LM's
-    # (and megatron-core's own quick_geglu / softmax_type the same way)
-    for name, value, unset in (("glu_activation", cfg.activation if cfg.swiglu else "silu", "silu"),
-                               ("squared_relu", cfg.activation == "squared_relu" and not cfg.swiglu, False),
-                               ("attention_output_gate", cfg.attention_output_gate, False),
-                               ("post_norms", cfg.post_norms, False),
-                               ("quick_geglu", cfg.swiglu and cfg.activation == "quick_gelu", False),
-                               ("softmax_type", cfg.softmax_type, "vanilla")):
-        if value != unset or hasattr(args, name):
-            f[name] = value
-    if cfg.mla:
-        f.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_head_dim=cfg.qk_head_dim,
-                 qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim)
-    else:
-        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
-            if not hasattr(args, name):
-                f[name] = copy.deepcopy(BY_NAME[name].default)
-    if cfg.family == "t5":  # Megatron-LM's T5 keeps its own num_layers; the stacks have their own fields
-        f.update(encoder_num_layers=cfg.encoder_num_layers, decoder_num_layers=cfg.num_layers)
+    """The model's fields, as its records write them (``ModelConfig.to_args``). A field Megatron-LM's table does not
+    list (dist_convert's own, Megatron-Bridge's, a newer megatron-core's) is written only where it says something:
+    its value is not the plain model's, or the source's args have it; so a Llama's args stay Megatron-LM's."""
+    plain = PLAIN_ARGS
+    f: dict[str, Any] = {name: value for name, value in cfg.to_args().items()
+                         if name in BY_NAME or value != plain.get(name) or hasattr(args, name)}
+    f["padded_vocab_size"] = cfg.padded_vocab(layout.tp)
+    f["max_position_embeddings"] = cfg.max_position_embeddings if cfg.max_position_embeddings is not None \
+        else getattr(args, "max_position_embeddings", None)
+    if cfg.t5 is not None:  # Megatron-LM's T5 keeps its own num_layers; the stacks have their own fields
+        f.update(decoder_num_layers=cfg.num_layers)
         f["num_layers"] = getattr(args, "num_layers", None) or cfg.num_layers
     else:
         f["num_layers"] = cfg.num_layers
     if not getattr(args, "seq_length", None):
         f["seq_length"] = f["max_position_embeddings"]
-    if cfg.num_experts:
-        f.update(num_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.expert_ffn,
-                 moe_layer_freq=1 if cfg.moe_layer_pattern is None else list(cfg.moe_layer_pattern),
-                 moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-                 moe_shared_expert_gate=cfg.moe_shared_expert_gate,
-                 moe_router_enable_expert_bias=cfg.moe_router_expert_bias)
-    else:  # Megatron-LM: no num_experts means a dense model, and no expert FFN size
-        f.update(num_experts=None, moe_ffn_hidden_size=None)
-        for name in ("moe_layer_freq", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-                     "moe_router_enable_expert_bias"):
-            if not hasattr(args, name):
-                f[name] = copy.deepcopy(BY_NAME[name].default)
-    f.update(_hybrid_fields(args, cfg))
+    for a in ARGS:  # the model fields of features the model lacks: Megatron-LM's defaults where the source has none
+        if a.source == CFG and a.name not in f and not hasattr(args, a.name):
+            f[a.name] = copy.deepcopy(a.default)
     return f
 
 
-def _hybrid_fields(args: argparse.Namespace, cfg: ModelConfig) -> dict[str, Any]:
-    """MambaModel's pattern and Mamba2 sizes; a Gated DeltaNet model's variant, layer frequency and sizes."""
-    f: dict[str, Any] = {}
-    if cfg.hybrid_pattern is not None:
-        f.update(is_hybrid_model=True, hybrid_override_pattern=cfg.hybrid_pattern, mamba_num_heads=cfg.mamba_num_heads,
-                 mamba_head_dim=cfg.mamba_head_dim, mamba_num_groups=cfg.mamba_num_groups,
-                 mamba_state_dim=cfg.mamba_state_dim)
-        if getattr(args, "hybrid_layer_pattern", None):  # megatron-core 0.19's name, where the source used it
-            f["hybrid_layer_pattern"] = cfg.hybrid_pattern
-    pattern = cfg.linear_attention_pattern
-    if pattern is not None:
-        f.update(experimental_attention_variant="gated_delta_net", linear_attention_freq=linear_attention_freq(pattern),
-                 linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads,
-                 linear_key_head_dim=cfg.linear_key_head_dim, linear_value_head_dim=cfg.linear_value_head_dim,
-                 linear_conv_kernel_dim=cfg.linear_conv_kernel_dim)
-    return f
+def model_args(cfg: ModelConfig, dtype: torch.dtype, **extra: Any) -> argparse.Namespace:
+    """The Megatron-LM args of a model known only by its config (a Hugging Face import): the model's fields,
+    Megatron-LM's defaults, the dtype, a TP1 PP1 layout and ``extra``."""
+    out = complete_args(argparse.Namespace(hidden_dropout=0.0, attention_dropout=0.0, **extra), cfg, Layout(tp=1, pp=1),
+                        dtype)
+    return out
 
 
 def _precision_fields(args: argparse.Namespace, dtype: torch.dtype | None) -> dict[str, Any]:
@@ -319,16 +277,6 @@ def _precision_fields(args: argparse.Namespace, dtype: torch.dtype | None) -> di
         dtype = (torch.bfloat16 if getattr(args, "bf16", False) else
                  torch.float16 if getattr(args, "fp16", False) else torch.float32)
     return {"params_dtype": dtype, "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16}
-
-
-def _norm_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The norm epsilon and zero-centred gamma under both names (Megatron-LM 0.19 and earlier)."""
-    eps = next((v for v in (getattr(args, "layernorm_epsilon", None), getattr(args, "norm_epsilon", None))
-                if v is not None), BY_NAME["layernorm_epsilon"].default)
-    p1 = next((v for v in (getattr(args, "layernorm_zero_centered_gamma", None),
-                           getattr(args, "apply_layernorm_1p", None)) if v is not None), False)
-    return {"layernorm_epsilon": float(eps), "norm_epsilon": float(eps),
-            "layernorm_zero_centered_gamma": bool(p1), "apply_layernorm_1p": bool(p1)}
 
 
 def _layout_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, ckpt_format: str | None,
@@ -353,7 +301,7 @@ def _layout_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, c
         "world_size": world, "data_parallel_size": world // (layout.tp * layout.pp * cp),
         "no_save_optim": None if optimizer_saved else True, "no_save_rng": None if rng_saved else True,
     }
-    if cfg.family == "t5":
+    if cfg.t5 is not None:
         f["pipeline_model_parallel_split_rank"] = layout.split
     if ckpt_format is not None:
         f["ckpt_format"] = ckpt_format

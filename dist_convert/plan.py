@@ -13,7 +13,7 @@ import torch
 from .datamodel import SourceChunk, TargetFile, numel, row_axis
 from .defaults import DEFAULT_BUDGET  # noqa: F401 - the engine's name for it
 from .errors import ConvertError
-from .layout.boxes import Box, Piece, View, by_logical, logical_sizes, piece_box
+from .layout.boxes import Box, Piece, View, by_logical, logical_sizes, piece_box, union_numel
 
 ALIGN = 16  # bytes: every segment of an exchange buffer starts aligned for any dtype
 
@@ -210,6 +210,28 @@ def select_source(chunks: list[SourceChunk], logical_numel: dict[str, int],
         raise ConvertError(f"source holds tensors the target does not: {sorted(unknown)[:3]}",
                            "the model config differs between source and target")
     return kept
+
+
+def check_coverage(files: list[TargetFile], logical_numel: dict[str, int], absent: Collection[str] = frozenset(),
+                   dropped: Collection[str] = frozenset()) -> None:
+    """Refuse, before anything is read or written, a target that does not hold every element of every logical tensor
+    of the source: a tensor a target leaves out only because its format declared it dropped (``dropped``, with a
+    note) or because the source lacks it (``absent``, --allow-missing). A name-table row a format forgot is caught
+    here, never written as a model without it."""
+    boxes: dict[str, list[Box]] = defaultdict(list)
+    for f in files:
+        for t in f.tensors:
+            for p in t.pieces:
+                boxes[p.logical].append(p.lbox)
+    short = [(name, union_numel(boxes.get(name, ())), n) for name, n in logical_numel.items()
+             if name not in absent and name not in dropped]
+    short = [s for s in short if s[1] < s[2]]
+    if short:
+        name, have, want = short[0]
+        raise ConvertError(f"the target would not hold all of {len(short)} logical tensor(s) of the source, e.g. "
+                           f"{name} ({have} of {want} elements): its format's name table has no place for them",
+                           "a dist_convert bug in that format's tables: please report it; meanwhile convert to "
+                           "--dst-format torch_dist, which holds every tensor")
 
 
 def balance(sizes: dict[int, int], world: int, load: list[int] | None = None,

@@ -2,7 +2,10 @@
 
 * ``<!-- generated: flags CMD -->``: the flag table of subcommand CMD, from ``dist_convert.cli.build_parser()``;
 * ``<!-- generated: errors -->``: every ``ConvertError`` the package can raise (its cause and fix as written in the
-  code, ``<...>`` where a value is filled in at run time), by module, read from the source with ``ast``.
+  code, ``<...>`` where a value is filled in at run time), by module, read from the source with ``ast``;
+* ``<!-- generated: settings -->``: the audit of megatron-core's settings (``dist_convert.features.audit``): each
+  setting read, the record field holding it and the Hugging Face families that write a value other than the plain
+  one; the settings refused on read; those known not to change the forward pass, by reason.
 
 Each region runs from its marker line to ``<!-- end generated -->``.
 
@@ -123,6 +126,52 @@ def error_list() -> str:
     return "\n".join(out)
 
 
+# ---- the settings audit -----------------------------------------------------------------------------------------
+
+def settings_table() -> str:
+    sys.path.insert(0, str(ROOT))
+    import dataclasses
+
+    from dist_convert.config import RECORDS, ModelConfig
+    from dist_convert.features import LAYOUT, NUMERICS, SETTING, SIZE
+    from dist_convert.features.audit import COVERED, NOT_MATH, UNCONVERTED
+    from dist_convert.models import FAMILIES, PREFERENCE
+
+    kinds = {SETTING: "setting", SIZE: "size", LAYOUT: "layout", NUMERICS: "precision"}
+
+    def writes_other(allowed: object, plain: object) -> bool:
+        return callable(allowed) or not isinstance(allowed, (set, frozenset, tuple, list)) or \
+            any(v != plain for v in allowed)
+
+    def families(key: str, plain: object = False) -> str:
+        names = [a.removesuffix("ForCausalLM") for a in PREFERENCE
+                 if key in FAMILIES[a].expresses() and writes_other(FAMILIES[a].expresses()[key], plain)]
+        return ", ".join(names) or "none (refused on export to hf)"
+
+    rows = ["| field | Megatron-LM args | megatron-core | kind | what | HF families writing other values |",
+            "|---|---|---|---|---|---|"]
+    fields = [(None, f) for f in dataclasses.fields(ModelConfig) if f.name not in RECORDS]
+    fields += [(name, f) for name, cls in RECORDS.items() for f in dataclasses.fields(cls)]
+    for record, f in fields:
+        key = f.name if record is None else f"{record}.{f.name}"
+        kind = f.metadata.get("kind", "")
+        fams = families(key, f.default) if kind == SETTING else "every family that has the feature" if kind == SIZE else "-"
+        rows.append(f"| `{key}` | {', '.join(f'`{a}`' for a in f.metadata.get('arg', ())) or '-'} | "
+                    f"{', '.join(f'`{a}`' for a in f.metadata.get('config', ())) or '-'} | {kinds.get(kind, kind)} | "
+                    f"{_md(f.metadata.get('what', ''))} | {fams} |")
+    out = ["Every field of `ModelConfig`'s core and feature records:", "", *rows, "",
+           "Optional features (a record present or not) a family writes: "
+           + "; ".join(f"`{name}`: {families(name)}" for name in RECORDS if RECORDS[name].what), "",
+           "Refused on read (a stored layout or structure dist_convert does not convert):", ""]
+    out += [f"- `{name}` ({_md(why)})" for name, (_, why) in UNCONVERTED.items()]
+    out += ["", "Meaningful only with a setting that is read: "
+            + ", ".join(f"`{name}` (with `{by}`)" for name, by in COVERED.items()), "",
+            "Known not to change the forward pass:", ""]
+    for reason in dict.fromkeys(NOT_MATH.values()):
+        out.append(f"- {_md(reason)}: " + ", ".join(f"`{n}`" for n, r in NOT_MATH.items() if r == reason))
+    return "\n".join(out) + "\n"
+
+
 # ---- regions ----------------------------------------------------------------------------------------------------
 
 def render(what: str) -> str:
@@ -131,6 +180,8 @@ def render(what: str) -> str:
         return flag_table(arg)
     if kind == "errors":
         return error_list()
+    if kind == "settings":
+        return settings_table()
     raise SystemExit(f"unknown generated region {what!r}")
 
 

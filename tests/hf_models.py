@@ -68,11 +68,13 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2
 DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v2_lite", "deepseek_v3_fp8")
 
 
-def make_hf_model(root: Path, name: str, seed: int = 7, dtype: torch.dtype = torch.float32, **save_kw) -> Path:
-    """``save_pretrained`` of a randomly initialised model (every tensor seeded by its name, O(1) logits)."""
+def make_hf_model(root: Path, name: str, seed: int = 7, dtype: torch.dtype = torch.float32,
+                  family: tuple[str, dict] | None = None, **save_kw) -> Path:
+    """``save_pretrained`` of a randomly initialised model (every tensor seeded by its name, O(1) logits);
+    ``family``: (transformers config class, overrides of BASE) instead of FAMILIES[name]."""
     import transformers
 
-    cls_name, over = FAMILIES[name]
+    cls_name, over = family or FAMILIES[name]
     config = getattr(transformers, cls_name)(**{**BASE, **over})
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

@@ -287,6 +287,10 @@ MLA_DEFAULTS = {"q_lora_rank": None, "kv_lora_rank": 512, "qk_head_dim": 128, "q
 # gpt-oss (TransformerConfig names); passed on only when a config gives them
 GPT_OSS_KEYS = ("softmax_type", "glu_linear_offset", "activation_func_clamp_value", "window_size",
                 "window_attn_skip_freq")
+# settings Megatron-LM passes to TransformerConfig under their own names (core_transformer_config_from_args copies
+# every args field a TransformerConfig field shares); passed on only when a config gives them
+SETTINGS_KEYS = ("rotary_interleaved", "qk_l2_norm", "softmax_scale", "apply_residual_connection_post_layernorm",
+                 "attention_output_gate", "layernorm_zero_centered_gamma")
 # YaRN of GQA models: (config attribute, Megatron-LM args name, default of Megatron-LM 0.19)
 YARN_GQA = (("yarn_rotary_scaling_factor", "rotary_scaling_factor", 1.0),
             ("yarn_original_max_position_embeddings", "yarn_original_max_position_embeddings", 4096),
@@ -449,7 +453,7 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
             extra.update({k: cfg[k] for k in YARN_KEYS if cfg.get(k) is not None})
     if has_mtp(cfg):
         extra.update(mtp_num_layers=cfg["mtp_num_layers"], mtp_loss_scaling_factor=cfg["mtp_loss_scaling_factor"])
-    for k in GPT_OSS_KEYS:  # TransformerConfig has the same names
+    for k in GPT_OSS_KEYS + SETTINGS_KEYS:  # TransformerConfig has the same names
         if cfg.get(k) is not None:
             extra[k] = tuple(cfg[k]) if k == "window_size" else cfg[k]
     activation = F.silu if cfg["swiglu"] else F.gelu
@@ -457,6 +461,14 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         activation = quick_gelu
+    elif cfg.get("squared_relu"):  # Megatron-LM's --squared-relu
+        from megatron.core.activations import squared_relu
+
+        activation = squared_relu
+    elif cfg.get("openai_gelu") and not cfg["swiglu"]:  # Megatron-LM's --openai-gelu
+        from megatron.core.transformer.utils import openai_gelu
+
+        activation = openai_gelu
     if first is not None:
         extra["num_layers_in_first_pipeline_stage"] = first
     if last is not None:
@@ -504,7 +516,7 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
                 use_mla_core_attention(layer_spec, cfg["q_lora_rank"])
     else:
         spec = get_gpt_layer_local_spec(
-            normalization=cfg["normalization"], qk_layernorm=cfg["qk_layernorm"]
+            normalization=cfg["normalization"], qk_layernorm=cfg["qk_layernorm"], qk_l2_norm=bool(cfg.get("qk_l2_norm"))
         )
     model = GPTModel(
         config=config,
@@ -520,6 +532,7 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
         rotary_base=cfg["rotary_base"],
         rope_scaling=cfg.get("use_rope_scaling", False),
         rope_scaling_factor=cfg.get("rope_scaling_factor", 8.0),
+        seq_len_interpolation_factor=cfg.get("rotary_seq_len_interpolation_factor"),
         vp_stage=vp_stage,
         **({"mtp_block_spec": mtp_spec(config, spec, cfg, vp_stage)} if has_mtp(cfg) else {}),
     )

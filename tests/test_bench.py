@@ -46,7 +46,7 @@ def test_shape_is_llama_like_and_within_5_percent(size, itemsize):
     cfg = config_from_args(make_args(s, torch.bfloat16, 1), None, "local", 2)
     for layout in (Layout(tp=1, pp=2), Layout(tp=4, pp=1), Layout(tp=2, pp=1)):
         cfg.check_layout(layout)
-    assert cfg.swiglu and cfg.normalization == "RMSNorm" and not cfg.tied
+    assert cfg.mlp.gated and cfg.norm.kind == "RMSNorm" and not cfg.tied
     # the shape's byte count is the layout table's
     assert sum(numel(t.shape) for t in logical_tensors(cfg).values()) == s.params
 

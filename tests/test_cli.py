@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from flat_config import flat_config, with_flat
 from rich.console import Console
 from safetensors.torch import load_file, save_file
 
 from dist_convert import __version__
 from dist_convert.cli import build_parser, format_options, main
-from dist_convert.config import ModelConfig
+from dist_convert.config import RECORDS, ModelConfig
 from dist_convert.datamodel import SourceChunk
 from dist_convert.formats.base import FormatOptions
-from dist_convert.inspect_ckpt import ALWAYS_SHOWN, CONFIG_GROUPS, tensor_rows, tensor_table, used_config
+from dist_convert.inspect_ckpt import inspect_names, tensor_rows, tensor_table, used_config
 from dist_convert.layout.boxes import Box, Piece
 from dist_convert.layout.rank_files import rank_entries
 from dist_convert.layout.rules import logical_tensors
@@ -40,15 +41,15 @@ FLAGS = {
     "verify": (JOB | KEYS | SOURCE | {"--memory-budget", "--exchange"}, set()),
     "bench": ({"--memory-budget"}, JOB - {"--timeout"} | KEYS),
 }
-DENSE = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+DENSE = flat_config(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                     kv_channels=8, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
                     untie_embeddings_and_output_weights=True, vocab_size=128, make_vocab_size_divisible_by=16,
                     position_embedding_type="rope", max_position_embeddings=None, qk_layernorm=False, spec="local")
-MOE_MLA = DENSE.replace(num_experts=4, moe_ffn_hidden_size=16, moe_layer_pattern=(0, 1),
+MOE_MLA = with_flat(DENSE, num_experts=4, moe_ffn_hidden_size=16, moe_layer_pattern=(0, 1),
                         multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
                         qk_pos_emb_head_dim=4, v_head_dim=8, mtp_num_layers=1)
 FEATURE_FIELDS = ("encoder_num_layers", "num_experts", "moe_ffn_hidden_size", "multi_latent_attention", "q_lora_rank",
-                  "mtp_num_layers", "hybrid_pattern", "mamba_num_heads", "linear_attention_pattern",
+                  "mtp_num_layers", "hybrid_override_pattern", "mamba_num_heads", "linear_attention_freq",
                   "linear_num_key_heads")
 
 
@@ -122,33 +123,37 @@ def test_format_options_fills_what_a_subcommand_lacks():
 
 
 def test_every_config_field_is_shown_always_or_in_exactly_one_group():
-    placed = list(ALWAYS_SHOWN) + [f for _, _, fields in CONFIG_GROUPS for f in fields]
-    names = [f.name for f in dataclasses.fields(ModelConfig)]
-    assert sorted(placed) == sorted(names), (set(names) - set(placed), set(placed) - set(names),
-                                             {f for f in placed if placed.count(f) > 1})
+    """Every field of ModelConfig's core and of each feature record has one name of its own in inspect (its record is
+    its group)."""
+    placed = inspect_names()
+    names = [n for _, _, n in placed]
+    assert len(set(names)) == len(names), {n for n in names if names.count(n) > 1}
+    core = {f.name for f in dataclasses.fields(ModelConfig)} - set(RECORDS)
+    fields = core | {f"{r}.{f.name}" for r, cls in RECORDS.items() for f in dataclasses.fields(cls)}
+    assert {f if r is None else f"{r}.{f}" for r, f, _ in placed if f} == fields
 
 
 def test_dense_config_shows_no_feature_rows():
     shown = used_config(DENSE)
     assert not set(FEATURE_FIELDS) & set(shown), set(FEATURE_FIELDS) & set(shown)
     assert {"num_layers", "kv_channels", "vocab_size", "spec"} <= set(shown)
-    assert not {"activation", "softmax_type", "max_position_embeddings", "post_norms"} & set(shown)
-    assert list(shown) == [n for n in dataclasses.asdict(DENSE) if n in shown]  # ModelConfig order
-    changed = used_config(DENSE.replace(activation="gelu_tanh", max_position_embeddings=4096))
-    assert (changed["activation"], changed["max_position_embeddings"]) == ("gelu_tanh", 4096)
+    assert not {"glu_activation", "softmax_type", "max_position_embeddings", "post_norms"} & set(shown)
+    assert list(shown) == [n for _, _, n in inspect_names() if n in shown]  # ModelConfig order
+    changed = used_config(with_flat(DENSE, activation="gelu_tanh", max_position_embeddings=4096))
+    assert (changed["glu_activation"], changed["max_position_embeddings"]) == ("gelu_tanh", 4096)
 
 
 def test_moe_mla_mtp_config_shows_its_rows():
     shown = used_config(MOE_MLA)
-    assert {"num_experts", "moe_ffn_hidden_size", "moe_layer_pattern", "multi_latent_attention", "q_lora_rank",
-            "kv_lora_rank", "v_head_dim", "mla_down_split", "mtp_num_layers"} <= set(shown)
-    assert shown["moe_layer_pattern"] == (0, 1)
+    assert {"num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "multi_latent_attention", "q_lora_rank",
+            "kv_lora_rank", "v_head_dim", "mla.down_split", "mtp_num_layers"} <= set(shown)
+    assert shown["moe_layer_freq"] == (0, 1)
     assert "kv_channels" not in shown  # MLA has head dims of its own
-    assert not {"encoder_num_layers", "hybrid_pattern", "mamba_num_heads", "linear_num_key_heads"} & set(shown)
+    assert not {"encoder_num_layers", "hybrid_override_pattern", "mamba_num_heads", "linear_num_key_heads"} & set(shown)
 
 
 def test_tensor_rows_of_tp2_ep2_rank_files():
-    cfg = DENSE.replace(num_experts=4, moe_ffn_hidden_size=16, moe_layer_pattern=(0, 1))
+    cfg = with_flat(DENSE, num_experts=4, moe_ffn_hidden_size=16, moe_layer_pattern=(0, 1))
     layout = Layout(tp=2, ep=2)
     chunks = []
     for ep in range(2):
@@ -195,7 +200,7 @@ def inspect_json(capsys, *argv: str) -> dict:
 def test_inspect_shows_used_config_and_tensors(hf_llama, capsys):
     info = inspect_json(capsys, str(hf_llama), "--tensors")
     assert info["format"] == "hf" and info["config"]["num_layers"] == 2
-    assert not set(FEATURE_FIELDS) & set(info["config"]) and info["config_all"]["num_experts"] == 0
+    assert not set(FEATURE_FIELDS) & set(info["config"]) and info["config_all"]["moe"] is None
     rows = {r["name"]: r for r in info["tensors"]}
     assert len(rows) == info["logical_tensors"]
     qkv = rows["decoder.layers.1.self_attention.linear_qkv.weight"]

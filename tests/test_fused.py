@@ -19,7 +19,8 @@ CONFIGS = [(4, 4, 2), (4, 2, 3), (4, 1, 2), (8, 2, 4), (6, 3, 1)]
 
 
 def cfg_of(heads: int, groups: int, d: int) -> SimpleNamespace:
-    return SimpleNamespace(num_attention_heads=heads, num_query_groups=groups, kv_channels=d)
+    return SimpleNamespace(num_attention_heads=heads, num_query_groups=groups, kv_channels=d,
+                           attention=SimpleNamespace(output_gate=False))
 
 
 def old_part_pieces(logical, lshape, part, cfg):

@@ -9,13 +9,13 @@ the way back to HF is bit-exact and loads cleanly in transformers with the same 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from flat_config import with_flat
 
 from dist_convert.errors import ConvertError
 from dist_convert.formats.hf import hf_tensors
@@ -36,15 +36,15 @@ GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "
 
 def test_config_both_ways():
     cfg, args, notes = config_from_hf(GEMMA3, None)
-    assert (cfg.activation, cfg.zero_centered_gamma, cfg.post_norms, cfg.qk_layernorm, cfg.tied) == \
+    assert (cfg.mlp.activation, cfg.norm.zero_centered_gamma, cfg.norm.post_norms, cfg.attention.qk_norm, cfg.tied) == \
         ("gelu_tanh", True, True, True, True)
     assert (args.rotary_base, args.rotary_base_local, args.rope_scaling_factor) == (20000.0, 5000.0, 2.0)
     assert args.window_size == (7, 0) and args.interleaved_attn_pattern == (5, 1)
     assert math.isclose(args.softmax_scale, 1 / math.sqrt(24)) and not notes
-    back = hf_from_config(cfg, args, torch.bfloat16, base=GEMMA3)  # the source's own config.json, updated
+    back = hf_from_config(cfg, torch.bfloat16, base=GEMMA3)  # the source's own config.json, updated
     assert {k: back[k] for k in GEMMA3} == {**GEMMA3} and back["dtype"] == "bfloat16"
     # from the model config and the args alone, no base (a Megatron-side source)
-    alone = hf_from_config(cfg, args, torch.float32)
+    alone = hf_from_config(cfg, torch.float32)
     assert {k: alone[k] for k in GEMMA3} == GEMMA3
 
 
@@ -82,17 +82,18 @@ def test_refusals(change, needle):
 
 def test_export_family_by_evidence():
     cfg, args, _ = config_from_hf(GEMMA3, None)
-    plain = argparse.Namespace()
-    assert export_family(cfg, plain).architecture == "Gemma3ForCausalLM"
+    assert export_family(cfg).architecture == "Gemma3ForCausalLM"
     # a Llama-shaped model never exports as Gemma 3, and a Gemma-shaped one never as Llama
-    llama_hf = {**GEMMA3, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
+    llama_hf = {**{k: v for k, v in GEMMA3.items() if k not in ("query_pre_attn_scalar", "hidden_activation",
+                                                                "sliding_window", "layer_types", "rope_parameters")},
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
     llama, largs, _ = config_from_hf(llama_hf, None)
-    assert export_family(llama, largs, base=llama_hf).architecture == "LlamaForCausalLM"
-    with pytest.raises(ConvertError, match="silu-gated MLP, no q/k layernorm, which none") as e:
-        hf_from_config(cfg.replace(activation="silu", qk_layernorm=False), plain, torch.float32)  # Gemma's words
+    assert export_family(llama, base=llama_hf).architecture == "LlamaForCausalLM"
+    with pytest.raises(ConvertError, match="qk_layernorm=False .*glu_activation=silu .*which none of the") as e:
+        hf_from_config(with_flat(cfg, activation="silu", qk_layernorm=False), torch.float32)  # Gemma's words
     assert "--dst-format torch_dist" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConvertError, match=r"norms computing x \* \(1 \+ w\)"):  # nearest: Llama
-        hf_from_config(llama.replace(zero_centered_gamma=True), largs, torch.float32, base=llama_hf)
+        hf_from_config(with_flat(llama, zero_centered_gamma=True), torch.float32, base=llama_hf)
 
 
 # -- processes: transformers makes the model, Megatron-Bridge judges ------------------------------------------

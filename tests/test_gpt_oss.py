@@ -10,12 +10,12 @@ is shorter than the oracle's 16 tokens, so it cuts: ``test_every_part_of_the_mod
 the logits depend on it, on the sinks, the clamp and YaRN."""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from flat_config import with_flat
 from gpt_oss_models import CONFIG, gpt_oss_oracle_config, make_gpt_oss
 from test_hf import tensors
 
@@ -65,7 +65,7 @@ def test_stored_tensors_are_megatron_cores_experts_by_torch_indexing(models):
     hf = json.loads((path / "config.json").read_text())
     cfg, _, notes = config_from_hf(hf, None)
     found = {k: shape for k, (_, shape) in read_header(path / "model.safetensors").items()}
-    expected = source_tensors(cfg, family_of(hf), found)
+    expected, _ = source_tensors(cfg, family_of(hf), found)
     assert set(expected) == set(found) and not notes
     assert all(tuple(found[k]) == tuple(shape) for k, (shape, _) in expected.items())
     logical = logical_tensors(cfg)
@@ -125,8 +125,8 @@ def test_every_part_of_the_model_changes_the_logits(models):
 
 def test_config_and_megatron_args():
     cfg, args, notes = config_from_hf(HF_CONFIG, None)
-    assert (cfg.softmax_type, cfg.activation, cfg.swiglu, cfg.add_bias_linear, cfg.add_qkv_bias, cfg.kv_channels,
-            cfg.num_experts, cfg.expert_ffn, cfg.position_embedding_type) == \
+    assert (cfg.attention.softmax_type, cfg.mlp.activation, cfg.mlp.gated, cfg.add_bias_linear, cfg.add_qkv_bias,
+            cfg.kv_channels, cfg.num_experts, cfg.expert_ffn, cfg.position.kind) == \
         ("learnable", "quick_gelu", True, True, True, 24, 4, 32, "yarn")
     a = vars(args)
     assert {k: a[k] for k in ("swiglu", "quick_geglu", "glu_linear_offset", "activation_func_clamp_value",
@@ -140,9 +140,9 @@ def test_config_and_megatron_args():
     # the args read back (a torch_dist target's args) give the same model config
     assert config_from_args(args, None, "te", 1) == cfg
     # with the source's config.json: kept; from the args alone: the same model
-    assert {k: v for k, v in hf_from_config(cfg, args, torch.float32, HF_CONFIG).items()
+    assert {k: v for k, v in hf_from_config(cfg, torch.float32, HF_CONFIG).items()
             if k != "torch_dtype"} == {**HF_CONFIG, "dtype": "float32"}
-    alone = hf_from_config(cfg, args, torch.float32)
+    alone = hf_from_config(cfg, torch.float32)
     assert {k: alone[k] for k in HF_CONFIG} == HF_CONFIG
     import transformers
 
@@ -186,13 +186,13 @@ def test_layout_and_export_refusals():
     one_line(e, "ETP=2", "--target-etp 1")
     cfg.check_layout(Layout(tp=2, pp=1, ep=2, etp=1))
     # the maths the tensors do not hold: another gate offset or clamp, another router, no sinks
-    for bad_args, needle in ((argparse.Namespace(**{**vars(args), "glu_linear_offset": 0.0}), "glu_linear_offset=0.0"),
-                             (argparse.Namespace(**{**vars(args), "moe_router_pre_softmax": True}), "top-k")):
+    for bad, needle in ((cfg.replace(mlp__glu_linear_offset=0.0), "glu_linear_offset=0.0"),
+                        (cfg.replace(moe__pre_softmax=True), "top-k")):
         with pytest.raises(ConvertError) as e:
-            hf_from_config(cfg, bad_args, torch.float32)
+            hf_from_config(bad, torch.float32)
         one_line(e, needle, "--dst-format torch_dist")
     with pytest.raises(ConvertError) as e:
-        hf_from_config(cfg.replace(softmax_type="vanilla"), args, torch.float32)
+        hf_from_config(with_flat(cfg, softmax_type="vanilla"), torch.float32)
     one_line(e, "softmax_type=vanilla", "--dst-format torch_dist")
 
 

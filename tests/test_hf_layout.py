@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flat_config import with_flat
 
 from dist_convert.config import ModelConfig
 from dist_convert.cuts import split_chunks
@@ -62,21 +63,22 @@ def test_config_round_trip_and_megatron_args():
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     cfg, args, notes = config_from_hf(hf, None)
-    assert (cfg.kv_channels, cfg.num_query_groups, cfg.qk_layernorm, cfg.tied) == (32, 2, True, True)
+    assert (cfg.kv_channels, cfg.num_query_groups, cfg.attention.qk_norm, cfg.tied) == (32, 2, True, True)
     assert args.use_rope_scaling and args.rope_scaling_factor == 8.0 and args.norm_epsilon == 1e-5 and not notes
-    back = hf_from_config(cfg, args, torch.bfloat16, base=hf)
+    back = hf_from_config(cfg, torch.bfloat16, base=hf)
     assert {k: back[k] for k in hf} == {**hf, "head_dim": 32}
     assert back["torch_dtype"] == "bfloat16"
-    _, _, notes = config_from_hf(hf_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), None)
-    assert "no Megatron-LM argument" in notes[0]
+    cfg, args, notes = config_from_hf(hf_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}), None)
+    assert (cfg.position.kind, args.position_embedding_type, args.rotary_scaling_factor) == ("yarn", "yarn", 4.0)
+    assert not notes  # carried into megatron-core's YaRN, no longer kept only in the origin's config.json
 
 
 def test_export_family_from_megatron_config_alone():
     cfg, args, _ = config_from_hf(hf_config(architectures=["Qwen2ForCausalLM"]), None)
-    out = hf_from_config(cfg, args, torch.float32)  # no base: the HF config.json is not given
+    out = hf_from_config(cfg, torch.float32)  # no base: the HF config.json is not given
     assert out["architectures"] == ["Qwen2ForCausalLM"] and out["rope_theta"] == 1e4
     with pytest.raises(ConvertError, match="LayerNorm"):
-        hf_from_config(cfg.replace(normalization="LayerNorm"), args, torch.float32)
+        hf_from_config(with_flat(cfg, normalization="LayerNorm"), torch.float32)
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -3,12 +3,12 @@ mapping against checkpoints transformers saved (pure), and HF -> HF / HF -> torc
 real CLI, byte-identical and loadable by transformers (megatron-core logits when the oracle has MoE)."""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from flat_config import with_flat
 
 from dist_convert.datamodel import SourceChunk
 from dist_convert.errors import ConvertError
@@ -53,7 +53,7 @@ def _index(path: Path):
 @pytest.mark.parametrize("sub", [*MOE_FAMILIES, "fused/mixtral"])
 def test_every_saved_tensor_is_mapped_and_covers_each_logical_tensor_once(moe_dir, sub):
     hf, cfg, args, found = _index(moe_dir / sub)
-    expected = source_tensors(cfg, family_of(hf), found)
+    expected, _ = source_tensors(cfg, family_of(hf), found)
     assert set(expected) == set(found)
     assert all(tuple(found[k]) == tuple(shape) for k, (shape, _) in expected.items())
     chunks = [SourceChunk(id=i, file="model.safetensors", key=k, shape=s, dtype=torch.float32, pieces=p)
@@ -69,7 +69,7 @@ def test_expert_pieces_fuse_gate_and_up_like_megatron_core(moe_dir):
         hf, cfg, _, found = _index(path)
         stored = tensors(path)
         out = {n: torch.full(t.shape, float("nan")) for n, t in logical_tensors(cfg).items()}
-        for name, (_, pieces) in source_tensors(cfg, family_of(hf), found).items():
+        for name, (_, pieces) in source_tensors(cfg, family_of(hf), found)[0].items():
             for p in pieces:
                 out[p.logical][p.lbox.slices()] = stored[name][p.sbox.slices()]
         assert not any(t.isnan().any() for t in out.values())
@@ -107,57 +107,56 @@ def test_layer_pattern_and_megatron_args_and_config_round_trip():
     assert hf_moe_pattern(6, 2, [3]) == (0, 1, 0, 0, 0, 1)  # (l + 1) % step == 0, not in mlp_only_layers
     assert hf_moe_pattern(3, 1, []) == (1, 1, 1)
     cfg, args, notes = config_from_hf(QWEN_MOE, None)
-    assert cfg.moe_layer_pattern == (0, 1, 0, 0, 0, 1) and args.moe_layer_freq == [0, 1, 0, 0, 0, 1]
-    assert (cfg.num_experts, cfg.expert_ffn, cfg.ffn_hidden_size, cfg.moe_shared_expert_intermediate_size,
-            cfg.moe_shared_expert_gate, cfg.add_qkv_bias) == (8, 32, 96, 48, True, True)
+    assert cfg.moe.layer_pattern == (0, 1, 0, 0, 0, 1) and args.moe_layer_freq == [0, 1, 0, 0, 0, 1]
+    assert (cfg.num_experts, cfg.expert_ffn, cfg.ffn_hidden_size, cfg.shared_size,
+            cfg.moe.shared_gate, cfg.add_qkv_bias) == (8, 32, 96, 48, True, True)
     assert (args.moe_router_topk, args.moe_router_pre_softmax, args.expert_model_parallel_size,
             args.expert_tensor_parallel_size) == (2, True, 1, 1) and not notes
-    back = hf_from_config(cfg, args, torch.float32, base=QWEN_MOE)
+    back = hf_from_config(cfg, torch.float32, base=QWEN_MOE)
     assert {k: back[k] for k in QWEN_MOE} == QWEN_MOE  # the original step/mlp_only_layers are kept
     # from the megatron config alone (no base): an explicit list of dense layers
-    back = hf_from_config(cfg, args, torch.float32)
+    back = hf_from_config(cfg, torch.float32)
     assert back["architectures"] == ["Qwen2MoeForCausalLM"] and (back["decoder_sparse_step"],
                                                                 back["mlp_only_layers"]) == (1, [0, 2, 3, 4])
-    assert hf_moe_pattern(6, 1, back["mlp_only_layers"]) == cfg.moe_layer_pattern
+    assert hf_moe_pattern(6, 1, back["mlp_only_layers"]) == cfg.moe.layer_pattern
     all_moe, args, _ = config_from_hf({**QWEN_MOE, "decoder_sparse_step": 1, "mlp_only_layers": [],
                                        "num_local_experts": 8, "norm_topk_prob": True}, None)
-    assert all_moe.moe_layer_pattern is None and args.moe_layer_freq == 1 and not args.moe_router_pre_softmax
+    assert all_moe.moe.layer_pattern is None and args.moe_layer_freq == 1 and not args.moe_router_pre_softmax
     mixtral = {**QWEN_MOE, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
                "router_jitter_noise": 0.1}
     cfg, args, notes = config_from_hf(mixtral, None)
-    assert (cfg.ffn_hidden_size, cfg.expert_ffn, cfg.moe_layer_pattern, args.moe_layer_freq,
+    assert (cfg.ffn_hidden_size, cfg.expert_ffn, cfg.moe.layer_pattern, args.moe_layer_freq,
             args.moe_router_pre_softmax, cfg.add_qkv_bias) == (96, 96, None, 1, False, False)
     assert "router_jitter_noise" in notes[0]
 
 
 def test_export_family_from_the_model_and_refusals():
     cfg, args, _ = config_from_hf(QWEN_MOE, None)
-    plain = argparse.Namespace(moe_router_topk=2)
-    assert hf_from_config(cfg, plain, torch.float32)["architectures"] == ["Qwen2MoeForCausalLM"]
-    no_shared = cfg.replace(moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False,
-                            add_qkv_bias=False)
-    q3 = hf_from_config(no_shared.replace(qk_layernorm=True), plain, torch.float32)
+    assert hf_from_config(cfg, torch.float32)["architectures"] == ["Qwen2MoeForCausalLM"]
+    no_shared = with_flat(cfg, moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False,
+                          add_qkv_bias=False).replace(moe__pre_softmax=False)  # renormalised top-k, as Mixtral
+    q3 = hf_from_config(with_flat(no_shared, qk_layernorm=True), torch.float32)
     assert q3["architectures"] == ["Qwen3MoeForCausalLM"] and q3["mlp_only_layers"] == [0, 2, 3, 4]
-    mixtral = hf_from_config(no_shared.replace(moe_layer_pattern=None), plain, torch.float32)
+    mixtral = hf_from_config(with_flat(no_shared, moe_layer_pattern=None), torch.float32)
     assert mixtral["architectures"] == ["MixtralForCausalLM"] and mixtral["intermediate_size"] == 32
     refusals = [
-        (cfg.replace(moe_router_expert_bias=True), "router expert bias"),
-        (cfg.replace(moe_shared_expert_gate=False), "shared experts without a gate"),
+        (with_flat(cfg, moe_router_expert_bias=True), "router expert bias"),
+        (with_flat(cfg, moe_shared_expert_gate=False), "moe_shared_expert_gate=False"),
         (no_shared, "dense layers between the MoE layers"),  # Mixtral has no dense layers
-        (no_shared.replace(moe_layer_pattern=None, add_qkv_bias=True), "qkv biases"),
+        (with_flat(no_shared, moe_layer_pattern=None, add_qkv_bias=True), "qkv biases"),
     ]
-    mixtral_cfg = no_shared.replace(moe_layer_pattern=None)
-    router = [(mixtral_cfg, argparse.Namespace(moe_router_topk=2, moe_router_pre_softmax=True), "renormalises"),
-              (cfg, argparse.Namespace(moe_router_topk=2, moe_router_score_function="sigmoid"), "sigmoid")]
-    for bad, bad_args, needle in [(c, plain, n) for c, n in refusals] + router:
+    mixtral_cfg = with_flat(no_shared, moe_layer_pattern=None)
+    router = [(mixtral_cfg.replace(moe__pre_softmax=True), "renormalises"),
+              (cfg.replace(moe__score_function="sigmoid"), "sigmoid")]
+    for bad, needle in refusals + router:
         with pytest.raises(ConvertError, match=needle) as e:
-            hf_from_config(bad, bad_args, torch.float32)
+            hf_from_config(bad, torch.float32)
         assert "--dst-format torch_dist" in str(e.value) and "\n" not in str(e.value)
     # an HF config of the other kind (dense vs MoE) as the base is not followed
     llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-    assert hf_from_config(cfg, argparse.Namespace(), torch.float32, base=llama)["architectures"] == \
+    assert hf_from_config(cfg, torch.float32, base=llama)["architectures"] == \
         ["Qwen2MoeForCausalLM"]
-    assert hf_from_config(cfg.replace(num_experts=0), argparse.Namespace(), torch.float32,
+    assert hf_from_config(with_flat(cfg, num_experts=0), torch.float32,
                           base=QWEN_MOE)["architectures"] == ["Qwen2ForCausalLM"]
 
 

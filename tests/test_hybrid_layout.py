@@ -20,6 +20,7 @@ import torch
 from dist_convert.config import ModelConfig, config_from_args, linear_attention_freq, linear_attention_pattern
 from dist_convert.errors import ConvertError
 from dist_convert.exchange import payload
+from dist_convert.features.expressed import describe_all
 from dist_convert.formats.dist_keys import block_pieces, dist_groups
 from dist_convert.formats.hf import hf_tensors
 from dist_convert.layout.boxes import Box, Kind, local_pieces, tp_chunks
@@ -128,7 +129,7 @@ def nemotron() -> ModelConfig:
 
 def test_nemotron_layer_kinds_keys_and_objects():
     cfg = nemotron()
-    assert cfg.hybrid_pattern == "M*-EM-" and per_layer_keys(cfg)
+    assert cfg.mamba.pattern == "M*-EM-" and per_layer_keys(cfg)
     names = logical_tensors(cfg)
     assert {n.split(".", 3)[3] for n in names if n.startswith("decoder.layers.0.")} == {
         "input_layernorm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.dt_bias",
@@ -149,13 +150,13 @@ def test_nemotron_layer_kinds_keys_and_objects():
     assert extra_state_modules(cfg, "decoder", "te", 1) == ("self_attention.linear_qkv", "self_attention.linear_proj")
     assert extra_state_modules(cfg, "decoder", "te", 3) == ("pre_mlp_layernorm", "mlp.shared_experts.linear_fc1",
                                                             "mlp.shared_experts.linear_fc2")
-    assert export_family(cfg, config_from_hf(NEMOTRON, None)[1]).architecture == "NemotronHForCausalLM"
+    assert export_family(cfg).architecture == "NemotronHForCausalLM"
 
 
 def test_qwen3_next_kinds_and_the_shifted_norm():
     cfg, args, _ = config_from_hf(QWEN3_NEXT, None)
-    assert cfg.linear_attention_pattern == (1, 0, 1, 0) and args.linear_attention_freq == 2
-    assert cfg.attention_output_gate and cfg.qkv_rows == (2 * 4 + 2 * 2) * 16 and args.rotary_percent == 0.25
+    assert cfg.gdn.pattern == (1, 0, 1, 0) and args.linear_attention_freq == 2
+    assert cfg.attention.output_gate and cfg.qkv_rows == (2 * 4 + 2 * 2) * 16 and args.rotary_percent == 0.25
     hf = hf_tensors(cfg)
     norm = hf["model.layers.0.linear_attn.norm.weight"][1]
     assert [p.shift for p in norm] == [1.0] and "model.layers.1.linear_attn.norm.weight" not in hf
@@ -213,29 +214,29 @@ def test_gdn_refusals_and_other_families_refuse_hybrids():
         config_from_hf(QWEN3_NEXT, None)[0].check_layout(Layout(tp=4, pp=1))
     with pytest.raises(ConvertError, match="rope_type is default"):
         config_from_hf({**QWEN3_NEXT, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, None)
-    llama = {**QWEN3_NEXT, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
+    llama = {**QWEN3_NEXT, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}  # a Qwen3-MoE rotates whole heads
     cfg, args, _ = config_from_hf(llama, None)
     with pytest.raises(ConvertError, match="Gated DeltaNet"):  # a plain Qwen3-MoE is not a Qwen3-Next
         from dist_convert.models import FAMILIES
-        raise FAMILIES["Qwen3NextForCausalLM"].refusal(FAMILIES["Qwen3NextForCausalLM"].why_not(cfg, args))
-    assert export_family(cfg, args).architecture == "Qwen3MoeForCausalLM"
+        raise FAMILIES["Qwen3NextForCausalLM"].refusal(FAMILIES["Qwen3NextForCausalLM"].unexpressed(cfg))
+    assert export_family(cfg).architecture == "Qwen3MoeForCausalLM"
     hybrid_cfg = nemotron()
-    assert "Mamba2 layers" in FAMILIES["LlamaForCausalLM"].why_not(hybrid_cfg, argparse.Namespace())
+    assert "Mamba2 layers" in describe_all(FAMILIES["LlamaForCausalLM"].unexpressed(hybrid_cfg))
 
 
 def test_a_mamba_model_routing_otherwise_is_not_exported_as_nemotron_h():
     cfg, args, _ = config_from_hf(NEMOTRON, None)
-    assert hf_from_config(cfg, args, torch.float32)["architectures"] == ["NemotronHForCausalLM"]
-    softmax = argparse.Namespace(**{**vars(args), "moe_router_score_function": "softmax"})
-    with pytest.raises(ConvertError, match="router scoring other than Nemotron-H's") as e:
-        hf_from_config(cfg, softmax, torch.float32)
+    assert hf_from_config(cfg, torch.float32)["architectures"] == ["NemotronHForCausalLM"]
+    with pytest.raises(ConvertError, match="moe_router_score_function=softmax") as e:
+        hf_from_config(cfg.replace(moe__score_function="softmax"), torch.float32)
     assert "--dst-format torch_dist" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_qwen3_next_older_config_keeps_its_full_attention_interval():
     older = {**{k: v for k, v in QWEN3_NEXT.items() if k != "layer_types"}, "full_attention_interval": 2}
     cfg, args, _ = config_from_hf(older, None)
-    assert cfg.linear_attention_pattern == (1, 0, 1, 0)
-    back = hf_from_config(cfg, args, torch.float32, base=older)
+    assert cfg.gdn.pattern == (1, 0, 1, 0)
+    back = hf_from_config(cfg, torch.float32, base=older)
     assert "layer_types" not in back and back["full_attention_interval"] == 2
-    assert hf_from_config(cfg, args, torch.float32)["layer_types"] == QWEN3_NEXT["layer_types"]  # no base: stated
+    assert hf_from_config(cfg, torch.float32)["layer_types"] == QWEN3_NEXT["layer_types"]  # no base: stated

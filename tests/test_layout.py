@@ -1,6 +1,7 @@
 """Pure unit tests of the slice algebra, the layout table and pipeline stage math (no processes)."""
 import pytest
 import torch
+from flat_config import flat_config
 
 from dist_convert.config import ModelConfig, padded_vocab_size
 from dist_convert.errors import ConvertError
@@ -15,7 +16,7 @@ def cfg(**kw) -> ModelConfig:
                 untie_embeddings_and_output_weights=False, vocab_size=100, make_vocab_size_divisible_by=16,
                 position_embedding_type="rope", max_position_embeddings=32, qk_layernorm=False, spec="local")
     base.update(kw)
-    return ModelConfig(**base)
+    return flat_config(**base)
 
 
 def assemble(pieces_per_rank, logical_shape):

@@ -96,7 +96,7 @@ def test_legacy_rank_files_tell_split_down_projections_by_their_shape():
 
 def test_deepseek_v3_config_and_names():
     c, args, _ = config_from_hf(DEEPSEEK_V3, None)
-    assert (c.num_experts, c.moe_layer_pattern[:4], c.mtp_num_layers) == (256, (0, 0, 0, 1), 1)
+    assert (c.num_experts, c.moe.layer_pattern[:4], c.mtp_num_layers) == (256, (0, 0, 0, 1), 1)
     assert (args.moe_router_score_function, args.moe_router_num_groups, args.moe_router_group_topk) == ("sigmoid", 8, 4)
     assert (args.rope_type, args.rotary_scaling_factor, args.moe_router_topk_scaling_factor) == ("yarn", 40.0, 2.5)
     names = hf_tensors(c)
@@ -105,7 +105,7 @@ def test_deepseek_v3_config_and_names():
     logical = {p.logical for _, pieces in names.values() for p in pieces}
     assert logical == set(logical_tensors(c))  # every logical tensor has an HF name
     assert names["model.layers.61.shared_head.head.weight"][1][0].logical == "output_layer.weight"
-    back = hf_from_config(c, args, torch.bfloat16, base=DEEPSEEK_V3)
+    back = hf_from_config(c, torch.bfloat16, base=DEEPSEEK_V3)
     for k in ("n_routed_experts", "first_k_dense_replace", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank",
               "num_nextn_predict_layers", "routed_scaling_factor", "rope_scaling", "qk_rope_head_dim"):
         assert back[k] == DEEPSEEK_V3[k], k
@@ -117,9 +117,9 @@ def test_kimi_k2_style_config_imports():
             "first_k_dense_replace": 1, "num_attention_heads": 64, "num_key_value_heads": 64,
             "num_nextn_predict_layers": 0, "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "factor": 32.0}}
     c, args, _ = config_from_hf(kimi, None)
-    assert (c.num_experts, c.moe_layer_pattern[:2], c.mtp_num_layers) == (384, (0, 1), 0)
+    assert (c.num_experts, c.moe.layer_pattern[:2], c.mtp_num_layers) == (384, (0, 1), 0)
     assert getattr(args, "moe_router_num_groups", None) is None  # one group: no group-limited routing
-    assert hf_from_config(c, args, torch.bfloat16, base=kimi)["model_type"] == "kimi_k2"
+    assert hf_from_config(c, torch.bfloat16, base=kimi)["model_type"] == "kimi_k2"
 
 
 @pytest.mark.parametrize("change,needle", [

@@ -9,8 +9,9 @@ import io
 
 import pytest
 import torch
+from flat_config import flat_config, with_flat
 
-from dist_convert.config import ModelConfig, config_from_args
+from dist_convert.config import config_from_args
 from dist_convert.errors import ConvertError
 from dist_convert.layout.topology import Layout
 from dist_convert.mlm_args import ARGS, BY_NAME, CFG, DERIVED, LAYOUT, SAFE_CLASSES, complete_args
@@ -86,7 +87,7 @@ def test_hf_source_gets_model_fields():
 
 
 def test_moe_fields():
-    cfg = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=4,
+    cfg = flat_config(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=4,
                       kv_channels=16, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
                       untie_embeddings_and_output_weights=True, vocab_size=100, make_vocab_size_divisible_by=128,
                       position_embedding_type="rope", max_position_embeddings=64, qk_layernorm=False, spec="local",
@@ -97,7 +98,7 @@ def test_moe_fields():
     assert (out.expert_model_parallel_size, out.expert_tensor_parallel_size) == (4, 1)
     assert out.world_size == 4 and out.data_parallel_size == 2  # EP x ETP = 4 needs DP 2 at TP 2
     assert config_from_args(out, None, None, 2) == cfg
-    dense = complete_args(out, cfg.replace(num_experts=0), Layout(tp=2, pp=1), None)
+    dense = complete_args(out, with_flat(cfg, num_experts=0), Layout(tp=2, pp=1), None)
     assert dense.num_experts is None and dense.moe_ffn_hidden_size is None
 
 

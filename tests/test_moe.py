@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_convert.config import _moe_from_args
+from dist_convert.features import MoE as MoERecord
 from dist_convert.formats.megatron import extra_state_keys, rank_entries
 from dist_convert.layout.topology import Layout
 
@@ -81,7 +81,7 @@ def test_moe_table_matches_megatron_core(tmp_path, name, tp, pp, ep, etp):
     oracle("layout", world(tp, pp, ep, etp), "--config", str(config), *layout_flags(tp, pp, ep, etp), "--out", str(out))
     ranks = json.loads(out.read_text())
     cfg = model_config({"untie_embeddings_and_output_weights": False, "max_position_embeddings": 32,
-                        **cfg_dict}).replace(**_moe_from_args(argparse.Namespace(**cfg_dict), cfg_dict["num_layers"]))
+                        **cfg_dict}).replace(moe=MoERecord.from_args(argparse.Namespace(**cfg_dict)))
     layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp)
     assert_torch_dist_matches(ranks, cfg, layout)
     if etp is None:  # legacy files exist only with ETP = TP

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from flat_config import flat_config, with_flat
 
 from dist_convert.config import ModelConfig, config_from_args, moe_layer_pattern
 from dist_convert.errors import ConvertError
@@ -18,11 +19,11 @@ MOE = dict(num_experts=4, moe_ffn_hidden_size=16, moe_layer_pattern=(0, 1), moe_
 
 
 def _cfg(**kw) -> ModelConfig:
-    return ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
+    return flat_config(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
                        kv_channels=8, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
                        untie_embeddings_and_output_weights=False, vocab_size=128, make_vocab_size_divisible_by=16,
                        position_embedding_type="rope", max_position_embeddings=None, qk_layernorm=False, spec="local",
-                       **MOE).replace(**kw)
+                       **MOE) if not kw else with_flat(_cfg(), **kw)
 
 
 def test_moe_layer_names_shapes_and_kinds():
@@ -81,7 +82,7 @@ def test_config_from_megatron_args():
                               vocab_size=128, num_experts=4, moe_ffn_hidden_size=16, moe_layer_freq=[0, 1],
                               moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)
     cfg = config_from_args(args, None, "local", 1)
-    assert (cfg.num_experts, cfg.expert_ffn, cfg.moe_layer_pattern, cfg.shared_fc1_rows) == (4, 16, (0, 1), 48)
+    assert (cfg.num_experts, cfg.expert_ffn, cfg.moe.layer_pattern, cfg.shared_fc1_rows) == (4, 16, (0, 1), 48)
     assert not cfg.is_moe_layer(0) and cfg.is_moe_layer(1)
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from flat_config import flat_config, with_flat
 
-from dist_convert.config import ModelConfig
 from dist_convert.datamodel import Target
 from dist_convert.errors import ConvertError
 from dist_convert.formats.nemo_legacy import nemo_target_files, source_style
@@ -301,7 +301,7 @@ def test_unsupported_legacy_configs_are_named(changes, needles):
 ])
 def test_legacy_target_refuses_models_legacy_nemo_cannot_hold(change, needle):
     """Pure: --nemo-style legacy/megatron_legacy targets of models legacy NeMo GPT has no keys for."""
-    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=4,
+    cfg = flat_config(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=4,
                       kv_channels=8, swiglu=False, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True,
                       untie_embeddings_and_output_weights=True, vocab_size=50, make_vocab_size_divisible_by=8,
                       position_embedding_type="learned_absolute", max_position_embeddings=16, qk_layernorm=False,
@@ -310,7 +310,7 @@ def test_legacy_target_refuses_models_legacy_nemo_cannot_hold(change, needle):
                                     args=argparse.Namespace(), iteration="release"),
                              {}, lambda t, p, e: f"{t}_{p}", "megatron_legacy")
     assert len(fine) == 2 and "model.language_model.output_layer.weight" in [t.key for t in fine[0].tensors]
-    target = Target(cfg=cfg.replace(**change), layout=Layout(tp=2, pp=1), dtype=torch.float32,
+    target = Target(cfg=with_flat(cfg, **change), layout=Layout(tp=2, pp=1), dtype=torch.float32,
                     args=argparse.Namespace(), iteration="release")
     for style in ("legacy", "megatron_legacy"):
         with pytest.raises(ConvertError) as e:

@@ -8,6 +8,7 @@ import argparse
 
 import pytest
 import torch
+from flat_config import flat_config
 
 from dist_convert.config import ModelConfig
 from dist_convert.datamodel import OptimizerState, Target
@@ -61,7 +62,7 @@ def _cfg(**kw) -> ModelConfig:
                 kv_channels=8, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
                 untie_embeddings_and_output_weights=False, vocab_size=100, make_vocab_size_divisible_by=16,
                 position_embedding_type="rope", max_position_embeddings=32, qk_layernorm=False, spec="local")
-    return ModelConfig(**{**base, **kw})
+    return flat_config(**{**base, **kw})
 
 
 def test_rank_buffers_check_recorded_sizes():

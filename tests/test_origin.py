@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from flat_config import flat_config
 
-from dist_convert.config import ModelConfig
 from dist_convert.datamodel import ORIGIN_KEY, Origin, Target, TargetFile
 from dist_convert.formats.base import FormatOptions, read_origin, tokenizer_source
 from dist_convert.formats.fsdp_dtensor import FsdpDtensorFormat
@@ -26,7 +26,7 @@ from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 from dist_convert.mlm_args import LEGACY_ORIGIN_ARGS, args_for_target, complete_args
 
-CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
+CFG = flat_config(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
                   kv_channels=8, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
                   untie_embeddings_and_output_weights=True, vocab_size=50, make_vocab_size_divisible_by=8,
                   position_embedding_type="rope", max_position_embeddings=16, qk_layernorm=False, spec="local")

@@ -5,8 +5,8 @@ from collections import defaultdict
 
 import pytest
 import torch
+from flat_config import flat_config, with_flat
 
-from dist_convert.config import ModelConfig
 from dist_convert.cuts import split_files
 from dist_convert.datamodel import SourceChunk, Target
 from dist_convert.exchange import Assembly, execute
@@ -17,7 +17,7 @@ from dist_convert.layout.topology import Layout
 from dist_convert.plan import Plan, aligned, make_plan
 from dist_convert.runtime import Runtime
 
-CFG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
+CFG = flat_config(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
                   kv_channels=8, swiglu=True, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True,
                   untie_embeddings_and_output_weights=False, vocab_size=50, make_vocab_size_divisible_by=8,
                   position_embedding_type="learned_absolute", max_position_embeddings=16, qk_layernorm=False,
@@ -221,7 +221,7 @@ def test_vocab_shard_that_is_all_padding_is_zero_filled():
 def test_waves_are_packed_near_the_lower_bound_at_scale():
     """A Llama-70B-shaped TP8 PP8 -> TP4 PP16 plan over 64 ranks: local, balanced reads, and first-fit
     packing needs few waves more than the busiest rank's bytes / budget."""
-    big = CFG.replace(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+    big = with_flat(CFG, num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
                       num_query_groups=8, kv_channels=128, normalization="RMSNorm", add_bias_linear=False,
                       add_qkv_bias=False, untie_embeddings_and_output_weights=True, vocab_size=128256,
                       make_vocab_size_divisible_by=128, position_embedding_type="rope")

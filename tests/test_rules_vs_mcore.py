@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from flat_config import flat_config
 
 from dist_convert.config import ModelConfig
 from dist_convert.datamodel import Target
@@ -23,7 +24,7 @@ from conftest import CONFIGS, oracle
 
 def model_config(cfg: dict) -> ModelConfig:
     heads = cfg["num_attention_heads"]
-    return ModelConfig(
+    return flat_config(
         num_layers=cfg["num_layers"], hidden_size=cfg["hidden_size"], ffn_hidden_size=cfg["ffn_hidden_size"],
         num_attention_heads=heads, num_query_groups=cfg["num_query_groups"],
         kv_channels=cfg["hidden_size"] // heads, swiglu=cfg["swiglu"], normalization=cfg["normalization"],
@@ -102,7 +103,7 @@ def test_mla_mtp_table_matches_megatron_core(tmp_path, q_lora=32):
     oracle("layout", 4, "--config", str(config), "--tp", "2", "--pp", "2", "--first", "1", "--out", str(out))
     ranks = json.loads(out.read_text())
     cfg = config_from_args(argparse.Namespace(**cfg_dict), None, "local", 2)
-    assert cfg.mla and cfg.mla_down_split and cfg.mtp_num_layers == 1
+    assert cfg.mla and cfg.mla.down_split and cfg.mtp_num_layers == 1
     assert_torch_dist_matches(ranks, cfg, layout)
     assert_legacy_matches(ranks, cfg, layout)
 
@@ -127,7 +128,7 @@ def test_gpt_oss_table_matches_megatron_core(tmp_path, tp, ep, etp):
     oracle("layout", 2, "--config", str(config), *flags, "--out", str(out))
     ranks = json.loads(out.read_text())
     cfg = config_from_args(argparse.Namespace(**cfg_dict), None, "local", tp)
-    assert cfg.softmax_type == "learnable" and cfg.activation == "quick_gelu" and cfg.kv_channels == 24
+    assert cfg.attention.softmax_type == "learnable" and cfg.mlp.activation == "quick_gelu" and cfg.kv_channels == 24
     layout = Layout(tp=tp, pp=1, ep=ep, etp=etp)
     assert_torch_dist_matches(ranks, cfg, layout)
     assert any(k.endswith("core_attention.softmax_offset") for r in ranks for k in r["state_dict"])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from flat_config import flat_config
 
 from dist_convert.config import ModelConfig
 from dist_convert.datamodel import SourceChunk, numel
@@ -35,7 +36,7 @@ from dist_convert.speculative.draft_export import backend_devices, gather_device
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU, GPU0, GPU3 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 3)
-CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
+CFG = flat_config(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
                   kv_channels=8, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
                   untie_embeddings_and_output_weights=False, vocab_size=50, make_vocab_size_divisible_by=8,
                   position_embedding_type="rope", max_position_embeddings=16, qk_layernorm=False, spec="local")

@@ -3,9 +3,9 @@ where embeddings, relative position biases, final norms and the tied head copy l
 covering every byte of T5 targets (execution simulated in memory)."""
 import pytest
 import torch
+from flat_config import flat_config, with_flat
 from test_plan import assert_targets_hold, legacy_source, logical_model, numel, simulate
 
-from dist_convert.config import ModelConfig
 from dist_convert.datamodel import Target
 from dist_convert.errors import ConvertError
 from dist_convert.formats.megatron import MegatronFormat, rank_entries
@@ -14,12 +14,12 @@ from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 from dist_convert.plan import make_plan
 
-T5 = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
+T5 = flat_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
                  kv_channels=8, swiglu=False, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True,
                  untie_embeddings_and_output_weights=False, vocab_size=50, make_vocab_size_divisible_by=8,
                  position_embedding_type="learned_absolute", max_position_embeddings=16, qk_layernorm=False,
                  spec="local", family="t5", encoder_num_layers=2)
-T5_REL = T5.replace(position_embedding_type="relative", untie_embeddings_and_output_weights=True, swiglu=True,
+T5_REL = with_flat(T5, position_embedding_type="relative", untie_embeddings_and_output_weights=True, swiglu=True,
                     normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False)
 
 
@@ -81,7 +81,7 @@ def test_bad_t5_layouts_are_refused(layout, needle):
 
 
 def test_split_rank_on_a_gpt_model_is_refused():
-    gpt = T5.replace(family="gpt", encoder_num_layers=0)
+    gpt = with_flat(T5, family="gpt", encoder_num_layers=0)
     with pytest.raises(ConvertError, match="only encoder-decoder"):
         gpt.check_layout(Layout(tp=1, pp=2, split=1))
 

@@ -24,7 +24,7 @@ def write_adapter(base: Path, out: Path, rank: int, seed: int = 0) -> int:
     """Writes the adapter; returns its parameter count."""
     fmt = detect_format(base)
     index = fmt.index(base, Runtime(), None)
-    slots = peft_slots(hf_tensors(index.cfg, export_family(index.cfg, index.args, index.origin.hf_config)))
+    slots = peft_slots(hf_tensors(index.cfg, export_family(index.cfg, index.origin.hf_config)))
     g = torch.Generator().manual_seed(seed)
     tensors = []
     for s in slots:

@@ -24,10 +24,11 @@ from ..config import ModelConfig
 from ..datamodel import ORIGIN_KEY, Origin, SourceIndex, Target, WrittenFile
 from ..durable import write_durable
 from ..errors import ConvertError
+from ..features.expressed import refuse_unexpressed
 from ..mlm_args import HF_TOKENIZER
 from ..runtime import Runtime
 from .base import copy_tokenizer_files, on_rank0, read_origin, tokenizer_source
-from .mcore_config import args_from_fields, fields_for_target
+from .mcore_config import PROVIDER_EXPRESSES, args_from_fields, fields_for_target, transformer_fields
 from .torch_dist import TorchDistFormat, _looks_like, open_weights
 
 RUN_CONFIG = "run_config.yaml"
@@ -82,33 +83,15 @@ def bridge_origin(iter_dir: Path, y: dict[str, Any], stored: Origin) -> Origin:
 
 
 def bridge_model_section(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
-    """A ``model:`` section for a target whose source is not a Bridge checkpoint: GPTModelProvider's fields."""
-    padded = cfg.padded_vocab(1) != cfg.vocab_size
-    out = {"_target_": PROVIDER, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-           "ffn_hidden_size": cfg.ffn_hidden_size, "num_attention_heads": cfg.num_attention_heads,
-           "num_query_groups": cfg.num_query_groups, "kv_channels": cfg.kv_channels,
-           "gated_linear_unit": cfg.swiglu,
-           "activation_func": {"_call_": False, "_target_": "torch.nn.functional." + ("silu" if cfg.swiglu
-                                                                                      else "gelu")},
-           "normalization": cfg.normalization, "layernorm_epsilon": float(getattr(args, "norm_epsilon", 1e-5) or 1e-5),
-           "add_bias_linear": cfg.add_bias_linear, "add_qkv_bias": cfg.add_qkv_bias, "qk_layernorm": cfg.qk_layernorm,
-           "share_embeddings_and_output_weights": cfg.tied, "position_embedding_type": cfg.position_embedding_type,
-           "rotary_base": getattr(args, "rotary_base", 10000), "rotary_percent": getattr(args, "rotary_percent", 1.0),
-           "rope_scaling": bool(getattr(args, "use_rope_scaling", False)),
-           "rope_scaling_factor": float(getattr(args, "rope_scaling_factor", 1.0) or 1.0),
-           "seq_length": getattr(args, "seq_length", None) or cfg.max_position_embeddings,
-           "vocab_size": cfg.vocab_size, "should_pad_vocab": padded, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-           "params_dtype": {"_call_": False, "_target_": str(getattr(args, "params_dtype", torch.float32))}}
-    if cfg.num_experts:
-        out.update(num_moe_experts=cfg.num_experts, moe_ffn_hidden_size=cfg.expert_ffn,
-                   moe_router_topk=getattr(args, "moe_router_topk", 2),
-                   moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-                   moe_shared_expert_gate=cfg.moe_shared_expert_gate,
-                   moe_layer_freq=list(cfg.moe_layer_pattern) if cfg.moe_layer_pattern else 1,
-                   moe_router_enable_expert_bias=cfg.moe_router_expert_bias,
-                   moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
-                   moe_router_score_function=getattr(args, "moe_router_score_function", "softmax") or "softmax")
-    return out
+    """A ``model:`` section for a target whose source is not a Bridge checkpoint: GPTModelProvider's fields (every
+    setting of the model; refused in one line where GPTModelProvider cannot hold one)."""
+    refuse_unexpressed(cfg, PROVIDER_EXPRESSES, "Megatron-Bridge's GPTModelProvider (written for a model that does not "
+                       "come from a Bridge checkpoint)", "convert from the model's own Megatron-Bridge checkpoint, or "
+                       "write --dst-format torch_dist")
+    return {"_target_": PROVIDER, **transformer_fields(cfg),
+            "seq_length": getattr(args, "seq_length", None) or cfg.max_position_embeddings,
+            "should_pad_vocab": cfg.padded_vocab(1) != cfg.vocab_size, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+            "params_dtype": {"_call_": False, "_target_": str(getattr(args, "params_dtype", torch.float32))}}
 
 
 class BridgeFormat(TorchDistFormat):

@@ -126,10 +126,10 @@ def spec_evidence(keys: list[str]) -> str | None:
 
 
 def _refuse_layout(layout: Layout, cfg: ModelConfig, what: str) -> None:
-    if cfg.family != "gpt":
+    if cfg.t5 is not None:
         raise ConvertError(f"an fsdp_dtensor {what} holds a GPT model, not {cfg.family}",
                            "choose another --dst-format (torch_dist or megatron)")
-    if cfg.hybrid_pattern is not None or cfg.linear_attention_pattern is not None:
+    if cfg.mamba is not None or cfg.gdn is not None:
         raise ConvertError(f"an fsdp_dtensor {what} of a hybrid model (Mamba2 or Gated DeltaNet layers) is not "
                            "supported", "choose another --dst-format (torch_dist or megatron)")
     if layout.pp != 1 or layout.vpp:
@@ -179,7 +179,8 @@ class FsdpDtensorFormat(IterDirFormat):
                   if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
         cfg = config_from_args(args, vocab_size, spec_evidence(list(stored)), tp, model_family(set(stored)))
         grouped = any(is_grouped_expert_key(k) for k in stored)
-        cfg = cfg.replace(moe_grouped=grouped)
+        if cfg.moe is not None:
+            cfg = cfg.replace(moe__grouped=grouped)
         layout = Layout.from_args(args, tp, pp, experts=bool(cfg.num_experts))
         _refuse_layout(layout, cfg, "source")
         cfg.check_layout(layout, "source")

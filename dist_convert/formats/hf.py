@@ -24,8 +24,9 @@ from ..layout.boxes import Box, Piece
 from ..layout.fused import fused_for, part_in
 from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
-from ..models import export_family, family_of, hf_from_config, naming_family
-from ..models.base import Family, HFTensors
+from ..mlm_args import HF_TOKENIZER, model_args
+from ..models import export_family, family_of, hf_from_config, import_config, naming_family
+from ..models.base import TIED_HEAD, Family, HFTensors, hf_dtype
 from ..runtime import Runtime
 from . import fp8, mxfp4
 from .base import FileAtATime, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
@@ -45,9 +46,10 @@ def part_pieces(logical: str, lshape: tuple[int, ...], part: str | None, cfg) ->
     return fused_for(part, cfg, lshape[0]).pieces(logical, lshape, part_in(part))
 
 
-def hf_tensors(cfg, fam: Family | None = None) -> HFTensors:
+def hf_tensors(cfg, fam: Family | None = None, stored: dict[str, bool] | None = None) -> HFTensors:
     """Pure: every tensor of the HF checkpoint of ``cfg`` as family ``fam`` names it (default: the family
-    ``cfg`` exports as): name -> (shape, pieces), in HF order."""
+    ``cfg`` exports as): name -> (shape, pieces), in HF order. ``stored``: which of the family's optional sets of
+    copies to hold (``Family.optional_sets``; by default the family's choice)."""
     fam = fam or naming_family(cfg)
     logical = logical_tensors(cfg)
     out: HFTensors = {}
@@ -66,19 +68,27 @@ def hf_tensors(cfg, fam: Family | None = None) -> HFTensors:
     for hf_name in rest:
         if top[hf_name] in logical:
             out[hf_name] = part_pieces(top[hf_name], logical[top[hf_name]].shape, None, cfg)
+    for name, (keys, default) in fam.optional_sets(cfg).items():
+        if not (stored or {}).get(name, default):
+            for key in keys:
+                out.pop(key, None)
+        elif name == TIED_HEAD:  # the tied embedding stored a second time: a replica
+            out.update(dict.fromkeys(keys, out[first]))
     return out
 
 
-def source_tensors(cfg, fam: Family, found: Collection[str]) -> HFTensors:
-    """Pure: the tensors expected in an HF source whose stored names are ``found``: the family's names, or
-    its alternative layouts where the checkpoint has them (then the names they replace are not expected)."""
-    expected = hf_tensors(cfg, fam)
+def source_tensors(cfg, fam: Family, found: Collection[str]) -> tuple[HFTensors, dict[str, bool]]:
+    """Pure: the tensors expected in an HF source whose stored names are ``found`` (the family's names, or its
+    alternative layouts where the checkpoint has them: then the names they replace are not expected), and which of
+    the family's optional sets of copies it stores (a set is stored when any of its names is)."""
+    sets = {name: any(k in found for k in keys) for name, (keys, _) in fam.optional_sets(cfg).items()}
+    expected = hf_tensors(cfg, fam, sets)
     alternatives = fam.alternatives(cfg, found, expected)
     if alternatives:
         replaced = {p.logical for _, pieces in alternatives.values() for p in pieces}
         expected = {k: v for k, v in expected.items() if not {p.logical for p in v[1]} <= replaced}
         expected.update(alternatives)
-    return expected
+    return expected, sets
 
 
 def _looks_like(path: Path) -> bool:
@@ -142,8 +152,8 @@ class HFFormat:
         except json.JSONDecodeError as e:
             raise ConvertError(f"{path / CONFIG} is not valid JSON ({e})", "restore the model's config.json") from None
         fam = family_of(hf)
-        imported = fam.from_hf(hf, None)
-        cfg, args, notes = imported.cfg, imported.args, imported.notes
+        imported = import_config(hf, None)
+        cfg, notes = imported.cfg, list(imported.notes)
         if vocab_size is not None and vocab_size != cfg.vocab_size:
             raise ConvertError(f"--vocab-size {vocab_size} disagrees with vocab_size={cfg.vocab_size} in {CONFIG}",
                                "drop --vocab-size: Hugging Face checkpoints state their vocabulary size")
@@ -154,8 +164,8 @@ class HFFormat:
                     raise ConvertError(f"tensor {key} is stored in both {found[key][0]} and {f}",
                                        "remove stray *.safetensors files from the model directory")
                 found[key] = (f, dtype, shape)
-        cfg = fam.as_stored(cfg, args, found, notes)  # e.g. MTP layers a config declares and the weights lack
-        expected = source_tensors(cfg, fam, found)
+        cfg = fam.as_stored(cfg, found, notes)  # e.g. MTP layers a config declares and the weights lack
+        expected, sets = source_tensors(cfg, fam, found)
         scales = {k for k in found if k.endswith(fp8.SCALE_SUFFIX)}
         pairs = {}  # MXFP4 (gpt-oss releases): tensors stored as blocks + scales, dequantized on read
         for key in expected:
@@ -172,8 +182,6 @@ class HFFormat:
             notes.append(f"skipped {len(unconverted)} tensors under {', '.join(fam.unconverted)} ("
                          f"{'; '.join(fam.unconverted.values())}): the converted model is the rest")
             ignored += unconverted
-        if cfg.tied and "lm_head.weight" in found:  # a stored copy of the tied embedding: a replica
-            expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
         policy = KeyPolicy.of(self.options)
         policy.unexpected(str(path), set(found) - set(expected) - set(ignored) - scales,
                           "the weights belong to another architecture or config; use the matching config.json",
@@ -200,12 +208,15 @@ class HFFormat:
             chunks.append(SourceChunk(id=len(chunks), file=f, key=key, shape=shape, dtype=dtype, pieces=pieces,
                                       offsets=(0,) * len(shape), sliceable=True, scale=scale, twins=twins,
                                       mxfp4=pairs.get(key)))
+        dtype = hf_dtype(hf)
         for kind, n in (("block-scaled FP8", sum(1 for c in chunks if c.scale)), ("MXFP4", len(pairs))):
             if n:
                 notes.append(f"dequantized {n} {kind} weights to "
                              f"{str(self.options.dtype or torch.bfloat16).removeprefix('torch.')} on read")
-                args.params_dtype = self.options.dtype or torch.bfloat16
-        origin = Origin(kind=self.name, hf_config=copy.deepcopy(hf), tokenizer=path.resolve())  # as the file holds it
+                dtype = self.options.dtype or torch.bfloat16
+        args = model_args(cfg, dtype, tokenizer_type=HF_TOKENIZER)
+        origin = Origin(kind=self.name, hf_config=copy.deepcopy(hf), tokenizer=path.resolve(),  # as the file holds it
+                        hf_stored=sets or None)
         return policy.finish(SourceIndex(format=self.name, iter_dir=path, iteration="release", args=args, cfg=cfg,
                                          layout=Layout(tp=1, pp=1), chunks=chunks, notes=notes, origin=origin))
 
@@ -263,11 +274,11 @@ class HFFormat:
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
         base = target.origin.hf_config
-        hf_from_config(target.cfg, target.args, target.dtype or torch.float32, base)  # refuses inexpressible models
-        fam = export_family(target.cfg, target.args, base)
+        hf_from_config(target.cfg, target.dtype or torch.float32, base)  # refuses inexpressible models
+        fam = export_family(target.cfg, base)
         tensors = {name: TargetTensor(key=name, shape=shape, dtype=target_dtype(target, dtypes, pieces[0].logical),
                                       pieces=pieces)
-                   for name, (shape, pieces) in hf_tensors(target.cfg, fam).items()}
+                   for name, (shape, pieces) in hf_tensors(target.cfg, fam, target.origin.hf_stored).items()}
         if self.options.quantize == "mxfp4" and not any(mxfp4.quantizable(n, t.shape) for n, t in tensors.items()):
             raise ConvertError(f"--quantize mxfp4 stores gpt-oss's expert weights ({', '.join(mxfp4.EXPERT_WEIGHTS)}), "
                                f"and this {fam.architecture} has none", "drop --quantize mxfp4 for this model")
@@ -321,7 +332,7 @@ class HFFormat:
                   Path(model_id) if model_id is not None and Path(model_id).is_dir() else None):
             if d is not None:
                 copy_tokenizer_files(d, out_dir)
-        hf = hf_from_config(target.cfg, target.args, dtype, target.origin.hf_config)
+        hf = hf_from_config(target.cfg, dtype, target.origin.hf_config)
         if self.options.quantize:
             hf["quantization_config"] = copy.deepcopy(
                 mxfp4.QUANTIZATION_CONFIG if self.options.quantize == "mxfp4" else fp8.QUANTIZATION_CONFIG)

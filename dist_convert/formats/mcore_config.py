@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, read_names
 from ..errors import ConvertError
+from ..features.audit import UNCONVERTED
+from ..features.expressed import ANY
 from ..layout.topology import Layout
 
 # TransformerConfig / GPTConfig field -> Megatron-LM args name (same name unless given)
@@ -41,8 +43,32 @@ PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "exper
             "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage", "pipeline_model_parallel_layout")
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 _DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
-_GATED_ACTIVATIONS = ("silu", "swish")
-_TANH_GELU = ("fast_gelu", "openai_gelu", "gelu_tanh")  # megatron-core's tanh-approximated GELUs
+# the activation a serialised activation_func names (its last dotted part) -> MLP.activation
+ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "gelu": "gelu", "fast_gelu": "gelu_tanh",
+                    "openai_gelu": "gelu_tanh", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu",
+                    "squared_relu": "squared_relu"}
+# MLP.activation -> the callable a config names for it
+ACTIVATION_TARGETS = {"silu": "torch.nn.functional.silu", "gelu": "torch.nn.functional.gelu",
+                      "gelu_tanh": "megatron.core.transformer.utils.openai_gelu",
+                      "quick_gelu": "megatron.core.fusions.fused_bias_geglu.quick_gelu",
+                      "squared_relu": "megatron.core.activations.squared_relu"}
+# What a megatron-core TransformerConfig subclass written from the model config alone (Megatron-Bridge's
+# GPTModelProvider, NeMo 2's GPTConfig) expresses: every attention, norm, MLP, RoPE and MoE setting megatron-core's
+# GPTModel has, and multi-token prediction; not what only other model classes build (MLA, Mamba, Gated DeltaNet,
+# T5, Gemma 3's sandwich norms, local RoPE base and embedding scale)
+PROVIDER_EXPRESSES: dict[str, Any] = {
+    **{f"position.{f}": ANY for f in ("base", "percent", "interleaved", "seq_len_interpolation", "scaling_factor")},
+    "position.kind": {"rope", "learned_absolute", "none"}, "position.scaling": {None, "llama3"},
+    **{f"attention.{f}": ANY for f in ("qk_norm", "qk_l2_norm", "softmax_scale", "softmax_type", "window",
+                                       "window_skip_freq", "output_gate")},
+    **{f"norm.{f}": ANY for f in ("kind", "eps", "zero_centered_gamma", "residual_post_norm")},
+    **{f"mlp.{f}": ANY for f in ("gated", "activation", "glu_linear_offset", "clamp")},
+    "add_bias_linear": ANY, "add_qkv_bias": ANY, "moe": ANY, "mtp": ANY,
+    **{f"moe.{f}": ANY for f in ("layer_pattern", "shared_size", "shared_gate", "expert_bias", "score_function",
+                                 "pre_softmax", "topk_scaling_factor", "num_groups", "group_topk", "capacity_factor",
+                                 "apply_probs_on_input", "topk_limited_devices", "force_load_balancing",
+                                 "force_biased", "rank_capacity_factor")},
+}
 
 
 def _target(value: Any) -> str | None:
@@ -54,32 +80,46 @@ def _target(value: Any) -> str | None:
 
 
 def args_from_fields(fields: dict[str, Any], where: str, fix: str) -> argparse.Namespace:
-    """Megatron-LM args from TransformerConfig fields; refuses a config without the model's size."""
+    """Megatron-LM args from TransformerConfig fields: every field a feature record reads (``features.audit``) under
+    its Megatron-LM name, the activation from its callable; refuses a config without the model's size."""
     missing = [k for k in REQUIRED if fields.get(k) is None]
     if missing:
         raise ConvertError(f"{where} lacks {', '.join(missing)}", fix)
     args = argparse.Namespace(**{name: fields[k] for k, name in FIELDS.items() if fields.get(k) is not None})
+    read = read_names()
+    for k, value in fields.items():  # the settings the records read, by their megatron-core names
+        if k in read and k not in FIELDS and value is not None and not isinstance(value, dict):
+            setattr(args, k, tuple(value) if isinstance(value, list) else value)
+    for k in UNCONVERTED:
+        if fields.get(k) is not None:
+            setattr(args, k, fields[k])
     heads = int(fields["num_attention_heads"])
     args.num_query_groups = int(fields.get("num_query_groups") or heads)
     args.group_query_attention = args.num_query_groups != heads
     if "share_embeddings_and_output_weights" in fields:
         args.untie_embeddings_and_output_weights = not fields["share_embeddings_and_output_weights"]
-    args.swiglu = bool(fields.get("gated_linear_unit", False))
-    activation = (_target(fields.get("activation_func")) or "").rsplit(".", 1)[-1]
-    if args.swiglu and activation in _TANH_GELU:
-        args.glu_activation = "gelu_tanh"  # GeGLU (Gemma)
-    elif args.swiglu and activation and activation not in _GATED_ACTIVATIONS:
-        raise ConvertError(f"{where}: a gated MLP with activation {activation} is not supported",
-                           "only SwiGLU (gated silu), GeGLU (gated tanh-GELU) and ungated MLPs convert")
+    gated = bool(fields.get("gated_linear_unit", False))
+    named = (_target(fields.get("activation_func")) or "").rsplit(".", 1)[-1]
+    activation = ACTIVATION_NAMES.get(named or ("silu" if gated else "gelu"))
+    if activation is None:
+        raise ConvertError(f"{where}: activation_func {named} is not one dist_convert knows",
+                           f"only {', '.join(sorted(ACTIVATION_NAMES))} convert")
+    args.swiglu = gated and activation != "quick_gelu"
+    args.quick_geglu = gated and activation == "quick_gelu"
+    args.glu_activation = activation if gated else "silu"
+    args.squared_relu = not gated and activation == "squared_relu"
+    args.openai_gelu = not gated and activation == "gelu_tanh"
+    if not gated and activation in ("silu", "quick_gelu"):
+        raise ConvertError(f"{where}: an ungated MLP with activation {activation} is not one megatron-core's "
+                           "Megatron-LM arguments say", "convert a model with a gated MLP or a gelu / squared_relu one")
     if fields.get("layernorm_zero_centered_gamma"):
         args.apply_layernorm_1p = args.layernorm_zero_centered_gamma = True
     rotary = fields.get("rotary_base")
     if isinstance(rotary, (list, tuple)):  # Megatron-Bridge's Gemma: (local, global)
         args.rotary_base_local, args.rotary_base = (float(x) for x in rotary)
-    for name in ("window_size", "interleaved_attn_pattern", "softmax_scale"):
+    for name in ("interleaved_attn_pattern",):
         if fields.get(name) is not None:
-            value = fields[name]
-            setattr(args, name, tuple(value) if isinstance(value, list) else value)
+            setattr(args, name, tuple(fields[name]))
     args.max_position_embeddings = fields.get("max_position_embeddings") or fields.get("seq_length")
     dtype = _DTYPES.get(_target(fields.get("params_dtype")) or "")
     if dtype is None:
@@ -92,6 +132,41 @@ def args_from_fields(fields: dict[str, Any], where: str, fix: str) -> argparse.N
     args.add_qkv_bias = bool(fields.get("add_qkv_bias", False))
     args.transformer_impl = "local"  # the stored keys decide (dist_keys.spec_from_keys)
     return args
+
+
+def transformer_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The TransformerConfig / GPTModelProvider fields of a model written from its config alone (what
+    ``PROVIDER_EXPRESSES`` declares), as a Bridge run_config.yaml or a NeMo 2 config holds them."""
+    a = cfg.to_args()
+    pos, moe = cfg.position, cfg.moe
+    out: dict[str, Any] = {
+        "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.ffn_hidden_size,
+        "num_attention_heads": cfg.num_attention_heads, "num_query_groups": cfg.num_query_groups,
+        "kv_channels": cfg.kv_channels, "gated_linear_unit": cfg.mlp.gated,
+        "activation_func": {"_call_": False, "_target_": ACTIVATION_TARGETS[cfg.mlp.activation]},
+        "normalization": cfg.norm.kind, "layernorm_epsilon": cfg.norm.eps,
+        "layernorm_zero_centered_gamma": cfg.norm.zero_centered_gamma,
+        "apply_residual_connection_post_layernorm": cfg.norm.residual_post_norm,
+        "add_bias_linear": cfg.add_bias_linear, "add_qkv_bias": cfg.add_qkv_bias,
+        "qk_layernorm": cfg.attention.qk_norm, "share_embeddings_and_output_weights": cfg.tied,
+        "position_embedding_type": pos.kind, "rotary_base": pos.base, "rotary_percent": pos.percent,
+        "rotary_interleaved": pos.interleaved, "rope_scaling": pos.scaling == "llama3",
+        "rope_scaling_factor": float(pos.scaling_factor or 1.0), "vocab_size": cfg.vocab_size}
+    if pos.seq_len_interpolation is not None:
+        out["seq_len_interpolation_factor"] = pos.seq_len_interpolation
+    for name in ("qk_l2_norm", "softmax_scale", "softmax_type", "window_size", "window_attn_skip_freq",
+                 "attention_output_gate", "glu_linear_offset", "activation_func_clamp_value"):
+        plain = {"qk_l2_norm": False, "softmax_type": "vanilla", "attention_output_gate": False,
+                 "glu_linear_offset": 0.0}.get(name)
+        if a.get(name) != plain:
+            out[name] = list(a[name]) if isinstance(a[name], tuple) else a[name]
+    if cfg.mtp is not None:
+        out["mtp_num_layers"] = cfg.mtp.num_layers
+    if moe is not None:
+        out.update({"num_moe_experts" if k == "num_experts" else k: (list(v) if isinstance(v, tuple) else v)
+                    for k, v in moe.to_args().items() if v is not None})
+        out["moe_ffn_hidden_size"] = cfg.expert_ffn
+    return out
 
 
 def fields_for_target(fields: dict[str, Any], cfg: ModelConfig, layout: Layout,

@@ -112,7 +112,7 @@ def _mla_down_split(cfg: ModelConfig, stored: dict[str, tuple[tuple[int, ...], A
     Transformer Engine specs before ``duplicated`` TELinear) rather than all of it: its stored shape tells."""
     if not cfg.mla:
         return False
-    rows = cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim
+    rows = cfg.mla.kv_lora_rank + cfg.mla.qk_pos_emb_head_dim
     shapes = [shape for k, (shape, _) in stored.items() if k.endswith(".self_attention.linear_kv_down_proj.weight")]
     return bool(shapes) and shapes[0][0] != rows
 
@@ -224,9 +224,11 @@ class MegatronFormat(IterDirFormat):
                                "torch_dist, then convert that")
         spec = "te" if any("layer_norm_weight" in k for k in keys0) else "local"
         cfg = config_from_args(args, vocab_size, spec, tp, model_family(keys0))
-        cfg = cfg.replace(moe_grouped=any(is_grouped_expert_key(k) for k in keys0),
-                          mla_down_split=cfg.mla_down_split or _mla_down_split(cfg, files[(0, 0, 0)]["tensors"]))
-        layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5", experts=bool(cfg.num_experts))
+        if cfg.moe is not None:
+            cfg = cfg.replace(moe__grouped=any(is_grouped_expert_key(k) for k in keys0))
+        if cfg.mla is not None:
+            cfg = cfg.replace(mla__down_split=cfg.mla.down_split or _mla_down_split(cfg, files[(0, 0, 0)]["tensors"]))
+        layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.t5 is not None, experts=bool(cfg.num_experts))
         if files[(0, 0, 0)]["chunks"] != (layout.vpp or 0):
             raise ConvertError(f"rank files hold {files[(0, 0, 0)]['chunks'] or 'no'} virtual pipeline chunks but "
                                f"the args say virtual_pipeline_model_parallel_size={layout.vpp}",

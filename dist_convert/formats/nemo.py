@@ -25,6 +25,7 @@ from ..config import ModelConfig
 from ..datamodel import Origin, SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
 from ..durable import copy_durable, fsync_file, save_durable, write_durable
 from ..errors import ConvertError
+from ..features.expressed import ANY, refuse_unexpressed
 from ..integrity import is_run_state
 from ..layout.topology import Layout
 from ..runtime import Runtime
@@ -36,6 +37,17 @@ CONFIG = "model_config.yaml"
 WEIGHTS = "model_weights.ckpt"
 PREFIX = "model."
 _RANK_DIR = re.compile(r"^(?:mp_rank_(\d{2})|tp_rank_(\d{2})_pp_rank_(\d{3}))$")
+# NeMo's activation names (nemo.collections.nlp.parts.utils_funcs.activation_to_func) -> (gated, MLP.activation);
+# approx-gelu (x * sigmoid(1.702 x)) and the ReLU GLUs have no megatron-core Megatron-LM argument: refused
+NEMO_ACTIVATIONS = {"gelu": (False, "gelu"), "geglu": (True, "gelu"), "fast-geglu": (True, "gelu"),
+                    "swiglu": (True, "silu"), "fast-swiglu": (True, "silu"), "squared-relu": (False, "squared_relu")}
+# What model_config.yaml (megatron-core GPT and T5) says of a model: RoPE (base, share) or learned / relative
+# positions, the norm, its epsilon, q/k layernorms, biases, the activations of NEMO_ACTIVATIONS (openai_gelu: tanh GELU)
+NEMO_EXPRESSES = {"position.kind": {"rope", "learned_absolute", "relative"}, "position.base": ANY,
+                  "position.percent": ANY, "norm.kind": ANY, "norm.eps": ANY, "attention.qk_norm": ANY,
+                  "add_bias_linear": ANY, "add_qkv_bias": ANY, "mlp.gated": ANY, "t5": ANY,
+                  "mlp.activation": lambda act, cfg: act in ("silu", "gelu", "gelu_tanh") if cfg.mlp.gated else
+                  act in ("gelu", "gelu_tanh", "squared_relu")}
 _DTYPES = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16": torch.float16, "16-mixed": torch.float16,
            "32": torch.float32}
 
@@ -120,10 +132,17 @@ def _config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | No
     if norm not in ("rmsnorm", "layernorm"):
         raise ConvertError(f"normalization={norm} is not supported", "only layernorm and rmsnorm convert")
     act = str(y.get("activation", "gelu")).lower()
+    if act not in NEMO_ACTIVATIONS:
+        raise ConvertError(f"activation={act}: megatron-core's Megatron-LM arguments have no such MLP",
+                           f"convert a model whose activation is one of {', '.join(NEMO_ACTIVATIONS)}")
+    gated, activation = NEMO_ACTIVATIONS[act]
+    if y.get("openai_gelu"):  # NeMo gives it precedence over the named activation
+        activation = "gelu_tanh"
     args = argparse.Namespace(
         num_layers=layers, hidden_size=hidden, ffn_hidden_size=int(y.get("ffn_hidden_size") or 4 * hidden),
         num_attention_heads=heads, num_query_groups=int(y.get("num_query_groups") or heads),
-        kv_channels=int(y.get("kv_channels") or hidden // heads), swiglu=act.endswith(("swiglu", "geglu", "reglu")),
+        kv_channels=int(y.get("kv_channels") or hidden // heads), swiglu=gated, glu_activation=activation,
+        openai_gelu=not gated and activation == "gelu_tanh", squared_relu=activation == "squared_relu",
         normalization="RMSNorm" if norm == "rmsnorm" else "LayerNorm",
         norm_epsilon=float(y.get("layernorm_epsilon", 1e-5)), add_bias_linear=bool(y.get("bias", True)),
         hidden_dropout=float(y.get("hidden_dropout", 0.1)), attention_dropout=float(y.get("attention_dropout", 0.1)),
@@ -141,6 +160,21 @@ def _config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | No
     from ..config import config_from_args
 
     return config_from_args(args, vocab_size, None, 1, family), args
+
+
+def nemo_activation(cfg: ModelConfig, section: dict[str, Any], swiglu: str) -> dict[str, Any]:
+    """``activation`` (and ``openai_gelu`` where it is set or was) of a model_config.yaml section for the model's
+    MLP: the section's own spelling when it says the same, else NeMo's name for it (``swiglu``: a SwiGLU's)."""
+    gated, tanh = cfg.mlp.gated, cfg.mlp.activation == "gelu_tanh"
+    want = (gated, "gelu" if tanh else cfg.mlp.activation)
+    current = section.get("activation")
+    names = {(True, "silu"): swiglu, (True, "gelu"): "fast-geglu", (False, "gelu"): "gelu",
+             (False, "squared_relu"): "squared-relu"}
+    kept = isinstance(current, str) and NEMO_ACTIVATIONS.get(current.lower()) == want
+    out: dict[str, Any] = {"activation": current if kept else names[want]}
+    if tanh or "openai_gelu" in section:
+        out["openai_gelu"] = tanh
+    return out
 
 
 def _looks_like(path: Path) -> bool:
@@ -238,6 +272,8 @@ class NemoFormat:
         if target.cfg.num_experts:
             raise ConvertError("Mixture-of-Experts .nemo targets are not supported yet",
                                "write --dst-format torch_dist (megatron-core) or megatron instead")
+        refuse_unexpressed(target.cfg, NEMO_EXPRESSES, "NeMo's model_config.yaml",
+                           "write --dst-format torch_dist (megatron-core) or megatron instead")
         return nemo_target_files(target, dtypes, lambda t, p, e: rank_file(t, p, target.layout),
                                  self.options.nemo_style)
 
@@ -251,24 +287,29 @@ class NemoFormat:
         cfg, layout = target.cfg, target.layout
         arch = dict(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
                     num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
-                    kv_channels=cfg.kv_channels, position_embedding_type=cfg.position_embedding_type,
-                    normalization="rmsnorm" if cfg.normalization == "RMSNorm" else "layernorm",
-                    bias=cfg.add_bias_linear, max_position_embeddings=cfg.max_position_embeddings)
+                    kv_channels=cfg.kv_channels, position_embedding_type=cfg.position.kind,
+                    normalization="rmsnorm" if cfg.norm.kind == "RMSNorm" else "layernorm",
+                    bias=cfg.add_bias_linear, max_position_embeddings=cfg.max_position_embeddings,
+                    layernorm_epsilon=cfg.norm.eps, qk_layernorm=cfg.attention.qk_norm)
+        if cfg.add_qkv_bias != cfg.add_bias_linear or "qkv_bias" in y:
+            arch["qkv_bias"] = cfg.add_qkv_bias
+        if cfg.position.kind == "rope":
+            arch.update(rotary_base=cfg.position.base, rotary_percentage=cfg.position.percent)
         y.update(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                  make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by)
-        if cfg.family == "t5":  # NeMo's T5 config: one section per stack, the split rank at the top
-            for name, layers in (("encoder", cfg.encoder_num_layers), ("decoder", cfg.num_layers)):
-                section = {**arch, **(y.get(name) or {}), "num_layers": layers}
-                section.setdefault("activation", "swiglu" if cfg.swiglu else "gelu")
-                section.setdefault("relative_attention_num_buckets", cfg.relative_attention_num_buckets)
+        if cfg.t5 is not None:  # NeMo's T5 config: one section per stack, the split rank at the top
+            for name, layers in (("encoder", cfg.t5.encoder_num_layers), ("decoder", cfg.num_layers)):
+                section = {**(y.get(name) or {}), **arch, "num_layers": layers}
+                section.update(nemo_activation(cfg, section, "swiglu"))
+                section.setdefault("relative_attention_num_buckets", cfg.t5.relative_attention_num_buckets)
                 y[name] = section
             y.update(pipeline_model_parallel_split_rank=layout.split or 0, share_token_embeddings=True,
                      share_decoder_tokens_head_embeddings=cfg.tied)
         else:
             y.update(mcore_gpt=True, num_layers=cfg.num_layers, share_embeddings_and_output_weights=cfg.tied, **arch)
         y.update(target_style(self.options.nemo_style, target, cfg.family).config_updates(y))
-        if cfg.family != "t5":
-            y.setdefault("activation", "fast-swiglu" if cfg.swiglu else "gelu")
+        if cfg.t5 is None:
+            y.update(nemo_activation(cfg, y, "fast-swiglu"))
         tokenizer = dict(y.get("tokenizer") or {})
         for key, path in (("model", self.options.tokenizer_model), ("vocab_file", self.options.tokenizer_vocab_file)):
             if path is not None:  # an override travels inside the archive, referenced the way NeMo does

@@ -15,9 +15,9 @@ import yaml
 
 from ..datamodel import Target
 from ..durable import write_durable
-from ..errors import ConvertError
+from ..features.expressed import refuse_unexpressed
 from .base import copy_tokenizer_files
-from .mcore_config import fields_for_target
+from .mcore_config import PROVIDER_EXPRESSES, fields_for_target, transformer_fields
 
 TOKENIZER_DIR = "nemo_tokenizer"
 GPT = "nemo.collections.llm.gpt.model.base"
@@ -92,18 +92,19 @@ class _Graph:
                 "version": "0.0.1"}
 
 
+# What NeMo 2's GPTConfig written here expresses: GPTModelProvider's settings, without MoE (NeMo's MoE configs are
+# other classes) and Llama-3.1 RoPE scaling (NeMo's Llama31Config holds it)
+NEMO2_EXPRESSES = {**PROVIDER_EXPRESSES, "moe": {False}, "position.scaling": {None}}
+
+
 def gpt_config(target: Target, model_section: dict[str, Any]) -> dict[str, Any]:
-    """GPTConfig arguments for the target: the model config's fields with the target layout."""
-    cfg, args = target.cfg, target.args
-    if cfg.num_experts or cfg.family != "gpt":
-        raise ConvertError(f"a NeMo 2 context for a {'MoE' if cfg.num_experts else cfg.family.upper()} model from "
-                           "another format is not supported", "convert from the model's NeMo 2 checkpoint, or write "
-                           "--dst-format bridge or torch_dist")
-    if getattr(args, "use_rope_scaling", False):
-        raise ConvertError("Llama-3.1 RoPE scaling has no NeMo GPTConfig field (NeMo's Llama31Config holds it)",
-                           "convert from the model's NeMo 2 checkpoint, or write --dst-format bridge")
-    fields = fields_for_target(model_section, cfg, target.layout, target.dtype)
-    return {k: fields[k] for k in CONFIG_FIELDS if fields.get(k) is not None}
+    """GPTConfig arguments for the target: the model config's fields with the target layout (refused in one line
+    for a setting NeMo's GPTConfig does not hold)."""
+    refuse_unexpressed(target.cfg, NEMO2_EXPRESSES, "a NeMo 2 GPTConfig written for a model from another format",
+                       "convert from the model's NeMo 2 checkpoint, or write --dst-format bridge or torch_dist")
+    fields = fields_for_target(model_section, target.cfg, target.layout, target.dtype)
+    written = set(CONFIG_FIELDS) | set(transformer_fields(target.cfg))
+    return {k: v for k, v in fields.items() if k in written and v is not None}
 
 
 def write_fresh_context(dst: Path, target: Target, model_section: dict[str, Any], tokenizer: Path | None) -> None:

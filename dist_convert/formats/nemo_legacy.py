@@ -93,7 +93,7 @@ class NemoStyle:
 
     def buffers(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         """Non-weight state legacy NeMo saves on every stage: the rotary ``inv_freq`` (RotaryEmbedding)."""
-        if not self.legacy or cfg.position_embedding_type != "rope":
+        if not self.legacy or cfg.position.kind != "rope":
             return {}
         dim = int(cfg.kv_channels * self.rotary_percent) if self.rotary_percent < 1 else cfg.kv_channels
         return {INV_FREQ: 1.0 / (self.rotary_base ** (torch.arange(0, dim, 2).float() / dim))}
@@ -175,12 +175,12 @@ def check_legacy_model(cfg: ModelConfig, layout: Layout, fix: str) -> None:
     if cfg.num_query_groups != cfg.num_attention_heads:
         raise ConvertError(f"legacy NeMo GPT has no grouped-query attention (num_query_groups="
                            f"{cfg.num_query_groups}, heads={cfg.num_attention_heads})", fix)
-    if cfg.qk_layernorm:
+    if cfg.attention.qk_norm:
         raise ConvertError("legacy NeMo GPT has no q/k layernorm", fix)
     if cfg.add_qkv_bias != cfg.add_bias_linear:
         raise ConvertError("legacy NeMo GPT has a QKV bias exactly when its linear layers have biases", fix)
-    if cfg.position_embedding_type not in ("learned_absolute", "rope"):
-        raise ConvertError(f"position_embedding_type={cfg.position_embedding_type} is not supported in legacy "
+    if cfg.position.kind not in ("learned_absolute", "rope"):
+        raise ConvertError(f"position_embedding_type={cfg.position.kind} is not supported in legacy "
                            "NeMo .nemo files here", fix)
     if layout.first is not None or layout.last is not None:
         raise ConvertError("legacy NeMo GPT splits layers evenly over pipeline stages",
@@ -232,8 +232,7 @@ def _legacy_source(y: dict[str, Any]) -> NemoStyle:
     for bad, what in checks:
         if bad:
             raise _refuse(what)
-    notes = [f"activation {act}: Megatron-LM args record only gelu or swiglu; a .nemo target keeps {act}"] \
-        if act not in ("gelu", "swiglu", "fast-swiglu") else []
+    notes: list[str] = []
     return NemoStyle(True, bool(y.get("megatron_legacy", False)), act in SPLIT_GLU,
                      float(y.get("rotary_base", 10000)), float(y.get("rotary_percentage", 1.0)), tuple(notes))
 
@@ -242,7 +241,6 @@ def target_style(option: str | None, target: Target, family: str = "gpt") -> Nem
     """The style of a .nemo target: ``--nemo-style``, else that of the .nemo the model came from (its Origin's
     model_config.yaml), else mcore. T5 models are written the megatron-core way only (``mcore_t5: true``)."""
     y = target.origin.nemo_config or {}
-    args = target.args
     if family == "t5":
         if option not in (None, "mcore"):
             raise ConvertError(f"--nemo-style {option} is for GPT models; T5 .nemo files are written with "
@@ -255,8 +253,7 @@ def target_style(option: str | None, target: Target, family: str = "gpt") -> Nem
         raise ConvertError(f"unknown --nemo-style {option}", f"use one of {', '.join(STYLES)}")
     act = str(y.get("activation", "")).lower()
     return NemoStyle(option != "mcore", option == "megatron_legacy", act in SPLIT_GLU,
-                     float(getattr(args, "rotary_base", None) or 10000),
-                     float(getattr(args, "rotary_percent", None) or 1.0), is_target=True)
+                     float(target.cfg.position.base), float(target.cfg.position.percent), is_target=True)
 
 
 def nemo_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name: Callable[[int, int, int], str],
@@ -266,9 +263,9 @@ def nemo_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name:
     if not style.legacy:
         return rank_target_files(target, dtypes, file_name, style.prefix)
     cfg, layout = target.cfg, target.layout
-    if getattr(target.args, "use_rope_scaling", False):
+    if target.cfg.position.scaling is not None:
         raise ConvertError("legacy NeMo GPT has no RoPE scaling (use_rope_scaling)", _TO_MCORE)
-    style = replace(style, split_glu=style.split_glu and cfg.swiglu)
+    style = replace(style, split_glu=style.split_glu and cfg.mlp.gated)
     files = []
     for t, p in layout.ranks():
         tensors = []

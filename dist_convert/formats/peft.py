@@ -204,7 +204,7 @@ class PeftFormat(HFFormat):
                                                              (path / "adapter_model.bin").is_file() else ""),
                                "save the adapter with safetensors (peft save_pretrained's default)")
         found = read_header(path / WEIGHTS)
-        fam = export_family(base.cfg, base.args, base.origin.hf_config)
+        fam = export_family(base.cfg, base.origin.hf_config)
         slots = {s.name: s for s in peft_slots(hf_tensors(base.cfg, fam))}
         modules = shared_a(peft_modules(config, found, slots, path), path)
         spec = AdapterSpec(kind="peft", modules=modules, base_ref=config.get("base_model_name_or_path"),
@@ -223,7 +223,7 @@ class PeftFormat(HFFormat):
                            notes=[f"adapter of {len(modules)} modules on {base.format} base {base.iter_dir}"])
 
     def laid(self, target: Target) -> list:
-        fam = export_family(target.cfg, target.args, target.origin.hf_config)
+        fam = export_family(target.cfg, target.origin.hf_config)
         return lay_out(target.adapter.modules, peft_slots(hf_tensors(target.cfg, fam)))
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -265,9 +266,10 @@ class TorchDistFormat(IterDirFormat):
         items = {k.removeprefix(self.prefix): v for k, v in items.items()}
         stored = {k: v for k, v in items.items() if isinstance(v, TensorStorageMetadata)}
         cfg = config_from_args(args, vocab_size, spec_from_keys(items), tp, model_family(set(stored)))
-        if not cfg.post_norms and any(k.endswith(POST_NORM_KEYS) for k in stored):  # the stored modules say so
-            cfg = cfg.replace(post_norms=True)
-        layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.family == "t5", experts=bool(cfg.num_experts))
+        if not cfg.norm.post_norms and any(k.endswith(POST_NORM_KEYS) for k in stored):
+            # the stored modules say so: Megatron-Bridge's Gemma 2/3 spec, whose embedding scales by sqrt(hidden)
+            cfg = cfg.replace(norm__post_norms=True, embedding__multiplier=math.sqrt(cfg.hidden_size))
+        layout = Layout.from_args(args, tp, pp, encoder_decoder=cfg.t5 is not None, experts=bool(cfg.num_experts))
         cfg.check_layout(layout, "source")
         groups = dist_groups(cfg)
         policy = KeyPolicy.of(self.options)
@@ -397,7 +399,7 @@ class TorchDistFormat(IterDirFormat):
         for m in top_extra_state_modules(cfg) if self.saves_objects else ():
             objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
         # GPTModel drops its output layer's _extra_state, T5 and MambaModel keep it
-        if self.saves_objects and (cfg.family == "t5" or cfg.hybrid_pattern is not None):
+        if self.saves_objects and (cfg.t5 is not None or cfg.mamba is not None):
             for m in OUTPUT_MODULES[cfg.family]:
                 objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
         if target.optimizer is not None:  # model-space (fully_reshardable) optimizer state beside each chunk

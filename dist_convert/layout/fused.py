@@ -272,13 +272,13 @@ class HeadConfig(Protocol):
 
 def qkv(cfg: HeadConfig) -> QKV | QKVG:
     """The ``linear_qkv`` of a model config (with its output gates where ``attention_output_gate``)."""
-    kind = QKVG if getattr(cfg, "attention_output_gate", False) else QKV
+    kind = QKVG if cfg.attention.output_gate else QKV
     return kind(heads=cfg.num_attention_heads, groups=cfg.num_query_groups, head_dim=cfg.kv_channels)
 
 
 def gdn_in_proj(cfg) -> GDNInProj:  # a ModelConfig with Gated DeltaNet layers
-    return GDNInProj(k_heads=cfg.linear_num_key_heads, v_heads=cfg.linear_num_value_heads,
-                     k_dim=cfg.linear_key_head_dim, v_dim=cfg.linear_value_head_dim)
+    return GDNInProj(k_heads=cfg.gdn.num_key_heads, v_heads=cfg.gdn.num_value_heads,
+                     k_dim=cfg.gdn.key_head_dim, v_dim=cfg.gdn.value_head_dim)
 
 
 def glu(rows: int) -> GLU:

@@ -17,12 +17,12 @@ Cond = Callable[[ModelConfig], bool]
 Shape = Callable[[ModelConfig], tuple[int, ...]]
 
 _always: Cond = lambda c: True  # noqa: E731
-_norm_bias: Cond = lambda c: c.has_norm_bias  # noqa: E731
+_norm_bias: Cond = lambda c: c.norm.bias  # noqa: E731
 _bias: Cond = lambda c: c.add_bias_linear  # noqa: E731
 _h: Shape = lambda c: (c.hidden_size,)  # noqa: E731
 _gqa: Cond = lambda c: not c.mla  # noqa: E731  (megatron-core SelfAttention: fused group-major linear_qkv)
 _mla: Cond = lambda c: c.mla  # noqa: E731
-_q_lora: Cond = lambda c: c.mla and c.q_lora_rank is not None  # noqa: E731
+_q_lora: Cond = lambda c: c.mla and c.mla.q_lora_rank is not None  # noqa: E731
 
 
 @dataclass(frozen=True)
@@ -46,18 +46,18 @@ class Rule:
 # Per-layer tensors: suffix after ``decoder.layers.<N>.``
 LAYER_RULES: tuple[Rule, ...] = (
     Rule("input_layernorm.weight", Kind.REP, _h, _gqa, te_name="self_attention.linear_qkv.layer_norm_weight"),
-    Rule("input_layernorm.bias", Kind.REP, _h, lambda c: not c.mla and c.has_norm_bias,
+    Rule("input_layernorm.bias", Kind.REP, _h, lambda c: not c.mla and c.norm.bias,
          te_name="self_attention.linear_qkv.layer_norm_bias"),
     Rule("self_attention.linear_qkv.weight", Kind.COL, lambda c: (c.qkv_rows, c.hidden_size), _gqa),
     Rule("self_attention.linear_qkv.bias", Kind.COL, lambda c: (c.qkv_rows,), lambda c: not c.mla and c.add_qkv_bias),
     Rule("self_attention.q_layernorm.weight", Kind.REP, lambda c: (c.kv_channels,),
-         lambda c: not c.mla and c.qk_layernorm),
+         lambda c: not c.mla and c.attention.qk_norm),
     Rule("self_attention.q_layernorm.bias", Kind.REP, lambda c: (c.kv_channels,),
-         lambda c: not c.mla and c.qk_layernorm and c.has_norm_bias),
+         lambda c: not c.mla and c.attention.qk_norm and c.norm.bias),
     Rule("self_attention.k_layernorm.weight", Kind.REP, lambda c: (c.kv_channels,),
-         lambda c: not c.mla and c.qk_layernorm),
+         lambda c: not c.mla and c.attention.qk_norm),
     Rule("self_attention.k_layernorm.bias", Kind.REP, lambda c: (c.kv_channels,),
-         lambda c: not c.mla and c.qk_layernorm and c.has_norm_bias),
+         lambda c: not c.mla and c.attention.qk_norm and c.norm.bias),
 ) + (
     # Multi-latent attention (megatron-core MLASelfAttention). The specs carry no key map: torch_dist keys
     # follow each spec's own module names (see ``_layer_tensors``). The down-projections are split over
@@ -65,45 +65,46 @@ LAYER_RULES: tuple[Rule, ...] = (
     # Rows of linear_kv_down_proj are [compressed kv (kv_lora_rank) | k_pe (qk_pos_emb_head_dim)], of the
     # up-projections per head [q_nope | q_pe] and [k_nope | v]: HF's order, no permutation.
     Rule("input_layernorm.weight", Kind.REP, _h, _mla),
-    Rule("input_layernorm.bias", Kind.REP, _h, lambda c: c.mla and c.has_norm_bias),
+    Rule("input_layernorm.bias", Kind.REP, _h, lambda c: c.mla and c.norm.bias),
     Rule("self_attention.linear_q_proj.weight", Kind.COL,
-         lambda c: (c.num_attention_heads * c.q_head_dim, c.hidden_size), lambda c: c.mla and c.q_lora_rank is None),
-    Rule("self_attention.linear_q_down_proj.weight", Kind.COL, lambda c: (c.q_lora_rank, c.hidden_size), _q_lora),
-    Rule("self_attention.q_layernorm.weight", Kind.REP, lambda c: (c.q_lora_rank,),
-         lambda c: c.mla and c.q_lora_rank is not None and c.qk_layernorm,
+         lambda c: (c.num_attention_heads * c.mla.q_head_dim, c.hidden_size),
+         lambda c: c.mla and c.mla.q_lora_rank is None),
+    Rule("self_attention.linear_q_down_proj.weight", Kind.COL, lambda c: (c.mla.q_lora_rank, c.hidden_size), _q_lora),
+    Rule("self_attention.q_layernorm.weight", Kind.REP, lambda c: (c.mla.q_lora_rank,),
+         lambda c: c.mla and c.mla.q_lora_rank is not None and c.attention.qk_norm,
          te_name="self_attention.linear_q_up_proj.layer_norm_weight"),
     Rule("self_attention.linear_q_up_proj.weight", Kind.COL,
-         lambda c: (c.num_attention_heads * c.q_head_dim, c.q_lora_rank), _q_lora),
+         lambda c: (c.num_attention_heads * c.mla.q_head_dim, c.mla.q_lora_rank), _q_lora),
     Rule("self_attention.linear_kv_down_proj.weight", Kind.COL,
-         lambda c: (c.kv_lora_rank + c.qk_pos_emb_head_dim, c.hidden_size), _mla),
-    Rule("self_attention.kv_layernorm.weight", Kind.REP, lambda c: (c.kv_lora_rank,),
-         lambda c: c.mla and c.qk_layernorm, te_name="self_attention.linear_kv_up_proj.layer_norm_weight"),
+         lambda c: (c.mla.kv_lora_rank + c.mla.qk_pos_emb_head_dim, c.hidden_size), _mla),
+    Rule("self_attention.kv_layernorm.weight", Kind.REP, lambda c: (c.mla.kv_lora_rank,),
+         lambda c: c.mla and c.attention.qk_norm, te_name="self_attention.linear_kv_up_proj.layer_norm_weight"),
     Rule("self_attention.linear_kv_up_proj.weight", Kind.COL,
-         lambda c: (c.num_attention_heads * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank), _mla),
+         lambda c: (c.num_attention_heads * (c.mla.qk_head_dim + c.mla.v_head_dim), c.mla.kv_lora_rank), _mla),
 ) + (
     # attention sinks (megatron-core DotProductAttention with softmax_type "learnable"): one logit per head, split
     # over TP with the heads; the same name in Transformer Engine's attention
     Rule("self_attention.core_attention.softmax_offset", Kind.COL, lambda c: (c.num_attention_heads,),
-         lambda c: not c.mla and c.softmax_type == "learnable"),
+         lambda c: not c.mla and c.attention.softmax_type == "learnable"),
     Rule("self_attention.linear_proj.weight", Kind.ROW, lambda c: (c.hidden_size, c.attn_proj_cols)),
     Rule("self_attention.linear_proj.bias", Kind.REP, _h, _bias),
     # Gemma 2/3 sandwich norms: on the attention and MLP outputs (Megatron-Bridge's TERowParallelLinearLayerNorm)
-    Rule("self_attention.linear_proj.post_layernorm.weight", Kind.REP, _h, lambda c: c.post_norms),
+    Rule("self_attention.linear_proj.post_layernorm.weight", Kind.REP, _h, lambda c: c.norm.post_norms),
     Rule("pre_mlp_layernorm.weight", Kind.REP, _h, te_name="mlp.linear_fc1.layer_norm_weight"),
     Rule("pre_mlp_layernorm.bias", Kind.REP, _h, _norm_bias, te_name="mlp.linear_fc1.layer_norm_bias"),
     Rule("mlp.linear_fc1.weight", Kind.COL, lambda c: (c.fc1_rows, c.hidden_size), layers="dense"),
     Rule("mlp.linear_fc1.bias", Kind.COL, lambda c: (c.fc1_rows,), _bias, layers="dense"),
     Rule("mlp.linear_fc2.weight", Kind.ROW, lambda c: (c.hidden_size, c.ffn_hidden_size), layers="dense"),
     Rule("mlp.linear_fc2.bias", Kind.REP, _h, _bias, layers="dense"),
-    Rule("mlp.linear_fc2.post_layernorm.weight", Kind.REP, _h, lambda c: c.post_norms, layers="dense"),
+    Rule("mlp.linear_fc2.post_layernorm.weight", Kind.REP, _h, lambda c: c.norm.post_norms, layers="dense"),
 ) + (
     # MoE layers (megatron-core MoELayer): a replicated router, routed experts split over expert-TP
     # and spread over expert-parallel ranks (logical name: the global expert index), shared experts
     # split over TP. torch_dist stacks the experts of a layer on an axis after the layer axis.
     Rule("mlp.router.weight", Kind.REP, lambda c: (c.num_experts, c.hidden_size), layers="moe"),
     Rule("mlp.router.bias", Kind.REP, lambda c: (c.num_experts,), _bias, layers="moe"),
-    Rule("mlp.router.expert_bias", Kind.REP, lambda c: (c.num_experts,), lambda c: c.moe_router_expert_bias,
-         layers="moe"),
+    Rule("mlp.router.expert_bias", Kind.REP, lambda c: (c.num_experts,),
+         lambda c: c.moe is not None and c.moe.expert_bias, layers="moe"),
     Rule("mlp.experts.local_experts.{e}.linear_fc1.weight", Kind.COL, lambda c: (c.expert_fc1_rows, c.hidden_size),
          layers="moe", per_expert=True, dist_name="mlp.experts.experts.linear_fc1.weight"),
     Rule("mlp.experts.local_experts.{e}.linear_fc1.bias", Kind.COL, lambda c: (c.expert_fc1_rows,), _bias,
@@ -113,12 +114,12 @@ LAYER_RULES: tuple[Rule, ...] = (
     Rule("mlp.experts.local_experts.{e}.linear_fc2.bias", Kind.REP, _h, _bias, layers="moe", per_expert=True,
          dist_name="mlp.experts.experts.linear_fc2.bias"),
     Rule("mlp.shared_experts.linear_fc1.weight", Kind.COL, lambda c: (c.shared_fc1_rows, c.hidden_size),
-         lambda c: bool(c.moe_shared_expert_intermediate_size), layers="moe"),
+         lambda c: bool(c.shared_size), layers="moe"),
     Rule("mlp.shared_experts.linear_fc2.weight", Kind.ROW,
-         lambda c: (c.hidden_size, c.moe_shared_expert_intermediate_size or 0),
-         lambda c: bool(c.moe_shared_expert_intermediate_size), layers="moe"),
+         lambda c: (c.hidden_size, c.shared_size or 0),
+         lambda c: bool(c.shared_size), layers="moe"),
     Rule("mlp.shared_experts.gate_weight", Kind.REP, lambda c: (1, c.hidden_size),
-         lambda c: bool(c.moe_shared_expert_intermediate_size) and c.moe_shared_expert_gate, layers="moe"),
+         lambda c: bool(c.shared_size) and c.moe.shared_gate, layers="moe"),
 )
 
 # Multi-token-prediction layers (megatron-core MultiTokenPredictionLayer), suffix after ``mtp.layers.<K>.``;
@@ -133,10 +134,10 @@ MTP_RULES: tuple[Rule, ...] = (
 MTP_LAYER = "transformer_layer."
 
 Sections = Callable[[ModelConfig], tuple[tuple[str, int], ...]]
-_mamba_in: Sections = lambda c: c.mamba_sections  # noqa: E731  [z | x | B | C | dt]
-_mamba_conv: Sections = lambda c: c.mamba_sections[1:4]  # noqa: E731  [x | B | C]
-_gdn_in: Sections = lambda c: c.gdn_sections  # noqa: E731  [query | key | value | z | beta | alpha]
-_gdn_conv: Sections = lambda c: c.gdn_sections[:3]  # noqa: E731  [query | key | value]
+_mamba_in: Sections = lambda c: c.mamba.sections  # noqa: E731  [z | x | B | C | dt]
+_mamba_conv: Sections = lambda c: c.mamba.sections[1:4]  # noqa: E731  [x | B | C]
+_gdn_in: Sections = lambda c: c.gdn.sections  # noqa: E731  [query | key | value | z | beta | alpha]
+_gdn_conv: Sections = lambda c: c.gdn.sections[:3]  # noqa: E731  [query | key | value]
 
 
 def _rows(sections: Sections, cfg: ModelConfig) -> int:
@@ -153,11 +154,11 @@ MAMBA_RULES: tuple[Rule, ...] = (
          sections=_mamba_conv, dist_split=True),
     Rule("mixer.conv1d.bias", Kind.PARTS, lambda c: (_rows(_mamba_conv, c),), mixer="mamba", sections=_mamba_conv,
          dist_split=True),
-    Rule("mixer.dt_bias", Kind.COL, lambda c: (c.mamba_num_heads,), mixer="mamba"),
-    Rule("mixer.A_log", Kind.COL, lambda c: (c.mamba_num_heads,), mixer="mamba"),
-    Rule("mixer.D", Kind.COL, lambda c: (c.mamba_num_heads,), mixer="mamba"),
-    Rule("mixer.norm.weight", Kind.COL, lambda c: (c.mamba_d_inner,), mixer="mamba"),
-    Rule("mixer.out_proj.weight", Kind.ROW, lambda c: (c.hidden_size, c.mamba_d_inner), mixer="mamba"),
+    Rule("mixer.dt_bias", Kind.COL, lambda c: (c.mamba.num_heads,), mixer="mamba"),
+    Rule("mixer.A_log", Kind.COL, lambda c: (c.mamba.num_heads,), mixer="mamba"),
+    Rule("mixer.D", Kind.COL, lambda c: (c.mamba.num_heads,), mixer="mamba"),
+    Rule("mixer.norm.weight", Kind.COL, lambda c: (c.mamba.d_inner,), mixer="mamba"),
+    Rule("mixer.out_proj.weight", Kind.ROW, lambda c: (c.hidden_size, c.mamba.d_inner), mixer="mamba"),
 )
 # Gated DeltaNet layers of a GPTModel (experimental_attention_variant "gated_delta_net"); the input norm is fused
 # into in_proj, the output norm (over one value head) is replicated
@@ -165,13 +166,13 @@ GDN_RULES: tuple[Rule, ...] = (
     Rule("input_layernorm.weight", Kind.REP, _h, mixer="gdn", te_name="self_attention.in_proj.layer_norm_weight"),
     Rule("self_attention.in_proj.weight", Kind.PARTS, lambda c: (_rows(_gdn_in, c), c.hidden_size), mixer="gdn",
          sections=_gdn_in, dist_split=True),
-    Rule("self_attention.conv1d.weight", Kind.PARTS, lambda c: (_rows(_gdn_conv, c), 1, c.linear_conv_kernel_dim),
+    Rule("self_attention.conv1d.weight", Kind.PARTS, lambda c: (_rows(_gdn_conv, c), 1, c.gdn.conv_kernel_dim),
          mixer="gdn", sections=_gdn_conv, dist_split=True),
-    Rule("self_attention.dt_bias", Kind.COL, lambda c: (c.linear_num_value_heads,), mixer="gdn"),
-    Rule("self_attention.A_log", Kind.COL, lambda c: (c.linear_num_value_heads,), mixer="gdn"),
-    Rule("self_attention.out_norm.weight", Kind.REP, lambda c: (c.linear_value_head_dim,), mixer="gdn"),
+    Rule("self_attention.dt_bias", Kind.COL, lambda c: (c.gdn.num_value_heads,), mixer="gdn"),
+    Rule("self_attention.A_log", Kind.COL, lambda c: (c.gdn.num_value_heads,), mixer="gdn"),
+    Rule("self_attention.out_norm.weight", Kind.REP, lambda c: (c.gdn.value_head_dim,), mixer="gdn"),
     Rule("self_attention.out_proj.weight", Kind.ROW,
-         lambda c: (c.hidden_size, c.linear_num_value_heads * c.linear_value_head_dim), mixer="gdn"),
+         lambda c: (c.hidden_size, c.gdn.num_value_heads * c.gdn.value_head_dim), mixer="gdn"),
 )
 
 # T5 decoder layers add cross-attention (linear_kv rows are group-major [k_g; v_g], so a dim-0 split is exact).
@@ -195,23 +196,23 @@ TOP_RULES: tuple[tuple[Rule, str], ...] = (
     (Rule("embedding.word_embeddings.weight", Kind.VOCAB, lambda c: (c.vocab_size, c.hidden_size)), "first"),
     (Rule("embedding.position_embeddings.weight", Kind.REP,
           lambda c: (c.max_position_embeddings or 0, c.hidden_size),
-          lambda c: c.position_embedding_type == "learned_absolute"), "first"),
-    (Rule("decoder.final_layernorm.weight", Kind.REP, _h, lambda c: c.hybrid_pattern is None), "last"),
+          lambda c: c.position.kind == "learned_absolute"), "first"),
+    (Rule("decoder.final_layernorm.weight", Kind.REP, _h, lambda c: c.mamba is None), "last"),
     (Rule("decoder.final_layernorm.bias", Kind.REP, _h, _norm_bias), "last"),
-    (Rule("decoder.final_norm.weight", Kind.REP, _h, lambda c: c.hybrid_pattern is not None), "last"),  # MambaModel
+    (Rule("decoder.final_norm.weight", Kind.REP, _h, lambda c: c.mamba is not None), "last"),  # MambaModel
     (Rule("output_layer.weight", Kind.VOCAB, lambda c: (c.vocab_size, c.hidden_size),
           lambda c: c.untie_embeddings_and_output_weights), "last"),
 )
 
-_relative: Cond = lambda c: c.position_embedding_type == "relative"  # noqa: E731
+_relative: Cond = lambda c: c.position.kind == "relative"  # noqa: E731
 T5_TOP_RULES: tuple[tuple[Rule, str], ...] = (
     (Rule("embedding.word_embeddings.weight", Kind.VOCAB, lambda c: (c.vocab_size, c.hidden_size)), "embed"),
     (Rule("embedding.position_embeddings.weight", Kind.REP, lambda c: (c.max_position_embeddings or 0, c.hidden_size),
-          lambda c: c.position_embedding_type == "learned_absolute", aliases=("position_embeddings.weight",)), "embed"),
+          lambda c: c.position.kind == "learned_absolute", aliases=("position_embeddings.weight",)), "embed"),
     (Rule("encoder_relative_pos_emb.relative_attention_bias.weight", Kind.REP,
-          lambda c: (c.relative_attention_num_buckets, c.num_attention_heads), _relative), "encoder"),
+          lambda c: (c.t5.relative_attention_num_buckets, c.num_attention_heads), _relative), "encoder"),
     (Rule("decoder_relative_pos_emb.relative_attention_bias.weight", Kind.REP,
-          lambda c: (c.relative_attention_num_buckets, c.num_attention_heads), _relative), "decoder"),
+          lambda c: (c.t5.relative_attention_num_buckets, c.num_attention_heads), _relative), "decoder"),
     (Rule("encoder.final_layernorm.weight", Kind.REP, _h), "encoder_last"),
     (Rule("encoder.final_layernorm.bias", Kind.REP, _h, _norm_bias), "encoder_last"),
     (Rule("decoder.final_layernorm.weight", Kind.REP, _h), "last"),
@@ -241,9 +242,9 @@ POST_NORM_EXTRA_STATE_MODULES = (
 def top_extra_state_modules(cfg: ModelConfig) -> tuple[str, ...]:
     """Top-level modules (on the last stage) with an ``_extra_state`` entry in torch_dist: Transformer Engine 2's
     final norm (MambaModel's ``decoder.final_norm``)."""
-    if cfg.hybrid_pattern is not None:
+    if cfg.mamba is not None:
         return ("decoder.final_norm",)
-    return ("decoder.final_layernorm",) if (cfg.post_norms or cfg.linear_attention_pattern) and cfg.spec == "te" \
+    return ("decoder.final_layernorm",) if (cfg.norm.post_norms or cfg.gdn is not None) and cfg.spec == "te" \
         else ()
 
 
@@ -286,7 +287,7 @@ class LogicalTensor:
 
 def effective_kind(rule: Rule, cfg: ModelConfig) -> Kind:
     """SwiGLU fc1 (dense, routed and shared experts) is [gate; up]: each half splits on its own."""
-    if rule.kind is Kind.COL and rule.name.startswith("mlp.") and ".linear_fc1." in rule.name and cfg.swiglu:
+    if rule.kind is Kind.COL and rule.name.startswith("mlp.") and ".linear_fc1." in rule.name and cfg.mlp.gated:
         return Kind.GLU
     return rule.kind
 
@@ -306,9 +307,9 @@ def _layer_rule_applies(rule: Rule, cfg: ModelConfig, stack: str, layer: int) ->
 
 
 def mla_kind(rule: Rule, cfg: ModelConfig) -> Kind:
-    """MLA's down-projections are replicated unless ``cfg.mla_down_split`` (local spec, older TE specs)."""
+    """MLA's down-projections are replicated unless ``cfg.mla.down_split`` (local spec, older TE specs)."""
     if cfg.mla and (".linear_q_down_proj." in rule.name or ".linear_kv_down_proj." in rule.name):
-        return Kind.COL if cfg.mla_down_split else Kind.REP
+        return Kind.COL if cfg.mla.down_split else Kind.REP
     return effective_kind(rule, cfg)
 
 
@@ -343,16 +344,16 @@ def _top(rule: Rule, stage: str, cfg: ModelConfig) -> LogicalTensor:
 def logical_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
     """Every logical tensor of the model, in a stable order: top-level tensors outside the stacks,
     then per stack its layers followed by its own top-level tensors (e.g. its final layernorm)."""
-    tops = [(r, st) for r, st in (T5_TOP_RULES if cfg.family == "t5" else TOP_RULES) if r.when(cfg)]
+    tops = [(r, st) for r, st in (T5_TOP_RULES if cfg.t5 is not None else TOP_RULES) if r.when(cfg)]
     stacks = cfg.stacks
     out: dict[str, LogicalTensor] = {}
     for rule, stage in tops:
         if not any(rule.name.startswith(f"{name}.") for name, _ in stacks):
             out[rule.name] = _top(rule, stage, cfg)
     for name, count in stacks:
-        rules = LAYER_RULES + (CROSS_RULES if cfg.family == "t5" and name == "decoder" else ()) \
-            + (MAMBA_RULES if cfg.hybrid_pattern is not None else ()) \
-            + (GDN_RULES if cfg.linear_attention_pattern is not None else ())
+        rules = LAYER_RULES + (CROSS_RULES if cfg.t5 is not None and name == "decoder" else ()) \
+            + (MAMBA_RULES if cfg.mamba is not None else ()) \
+            + (GDN_RULES if cfg.gdn is not None else ())
         for layer in range(count):
             if name == "mtp":
                 for rule in MTP_RULES:
@@ -382,7 +383,7 @@ def holders(stage: str, layout: Layout) -> list[tuple[int, int]]:
 
 def hybrid(cfg: ModelConfig) -> bool:
     """Layers of more than one kind: MambaModel's hybrid stack, or Gated DeltaNet among attention layers."""
-    return cfg.hybrid_pattern is not None or cfg.linear_attention_pattern is not None
+    return cfg.mamba is not None or cfg.gdn is not None
 
 
 # a hybrid layer's modules with an ``_extra_state`` (Transformer Engine 2: its linears and norms, not its attention
@@ -399,9 +400,9 @@ def te2_layer_modules(cfg: ModelConfig, stack: str, layer: int) -> tuple[str, ..
     Gated DeltaNet spec have no other); an MoE layer's routed experts are ``expert_objects``'."""
     mixer, mlp = cfg.layer_kind(stack, layer)
     out = MIXER_EXTRA_STATE[mixer] + MLP_EXTRA_STATE[mlp]
-    if mixer == "attention" and cfg.qk_layernorm:
+    if mixer == "attention" and cfg.attention.qk_norm:
         out += ("self_attention.q_layernorm", "self_attention.k_layernorm")
-    if mlp == "moe" and cfg.moe_shared_expert_intermediate_size:
+    if mlp == "moe" and cfg.shared_size:
         out += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
     return tuple(MTP_LAYER + m for m in out) if stack == "mtp" else out
 
@@ -410,21 +411,21 @@ def extra_state_modules(cfg: ModelConfig, stack: str, spec: str, layer: int | No
     """Modules of a layer with an ``_extra_state`` entry. An MoE layer (``layer`` given) has no dense
     MLP but its shared experts' linears; its routed experts' entries are named by ``expert_modules``.
     An MTP layer has its eh_proj's and its TransformerLayer's (under ``transformer_layer.``)."""
-    cross = CROSS_EXTRA_STATE_MODULES[spec] if cfg.family == "t5" and stack == "decoder" else ()
+    cross = CROSS_EXTRA_STATE_MODULES[spec] if cfg.t5 is not None and stack == "decoder" else ()
     if hybrid(cfg) and layer is not None:
         return te2_layer_modules(cfg, stack, layer)
     base = EXTRA_STATE_MODULES[spec]
-    if cfg.post_norms and spec == "te":
-        base = tuple(m for m in POST_NORM_EXTRA_STATE_MODULES if cfg.qk_layernorm or "_layernorm" not in m)
+    if cfg.norm.post_norms and spec == "te":
+        base = tuple(m for m in POST_NORM_EXTRA_STATE_MODULES if cfg.attention.qk_norm or "_layernorm" not in m)
     if cfg.mla:
-        q = ("self_attention.linear_q_proj",) if cfg.q_lora_rank is None else \
+        q = ("self_attention.linear_q_proj",) if cfg.mla.q_lora_rank is None else \
             ("self_attention.linear_q_down_proj", "self_attention.linear_q_up_proj")
         base = tuple(x for m in base for x in ((*q, "self_attention.linear_kv_down_proj",
                                                 "self_attention.linear_kv_up_proj")
                                                if m == "self_attention.linear_qkv" else (m,)))
     if layer is not None and cfg.layer_is_moe(stack, layer):
         shared = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2") \
-            if cfg.moe_shared_expert_intermediate_size else ()
+            if cfg.shared_size else ()
         base = tuple(m for m in base if not m.startswith("mlp.")) + shared
     if stack == "mtp":
         return ("eh_proj",) + tuple(MTP_LAYER + m for m in base)
@@ -486,8 +487,8 @@ def per_layer_keys(cfg: ModelConfig) -> bool:
     a layer axis, when ``moe_layer_freq`` is a list or an int > 1 (``moe_layer_pattern`` set), or the layers are of
     more than one kind (Gated DeltaNet and attention: ``linear_attention_freq``); MambaModel's stack always does.
     MTP layers are always keyed on their own (MultiTokenPredictionBlock.sharded_state_dict)."""
-    mixed = cfg.linear_attention_pattern is not None and len(set(cfg.linear_attention_pattern)) > 1
-    return (bool(cfg.num_experts) and cfg.moe_layer_pattern is not None) or cfg.hybrid_pattern is not None or mixed
+    mixed = cfg.gdn is not None and len(set(cfg.gdn.pattern)) > 1
+    return (bool(cfg.num_experts) and cfg.moe.layer_pattern is not None) or cfg.mamba is not None or mixed
 
 
 

@@ -79,6 +79,11 @@ class AdapterSpec:
             out[m.b] = m.shape[0] * m.r
         return out
 
+    def twin_a(self) -> frozenset[str]:
+        """The A tensors a target leaves out: bitwise those of an earlier module of the same fused tensor
+        (``same_a``, checked on read), which a fused adapter holds once."""
+        return frozenset(m.a for m in self.modules if m.same_a is not None)
+
     def by_logical(self) -> dict[str, list[AdapterModule]]:
         """Logical base tensor -> the modules adapting boxes of it."""
         out: dict[str, list[AdapterModule]] = {}

@@ -1,9 +1,11 @@
-"""Model families: one module each, registered here in one table.
+"""Model families: one module each, registered here in one table, with one explicit order of preference.
 
-A model is imported as the family its ``config.json`` names (``architectures``) and exported as the family
-it came from when that family can express it, else as the family its own evidence points at
-(``Family.affinity``: MLA -> DeepSeek, experts -> the MoE families, ...) that can. ``docs/adding_a_family.md``
-walks through adding one.
+A model is imported as the family its ``config.json`` names (``architectures``); config.json keys that change the
+math and that the family does not map are refused (``hf_keys.unmapped``). A model is exported as the family it
+came from when that family expresses every setting of it (``Family.unexpressed``), else as the first family of
+``PREFERENCE`` that does; refused in one line, in the nearest family's terms, when none does. Every export reads its
+own config.json back and compares it with the model before anything is written. ``docs/adding_a_family.md`` walks
+through adding one.
 """
 from __future__ import annotations
 
@@ -12,15 +14,25 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
+from ..config import OPTIONAL, ModelConfig
 from ..errors import ConvertError
+from ..mlm_args import HF_TOKENIZER, model_args
 from . import deepseek, gemma3, glm, gpt_oss, llama, moe, nemotron_h, qwen3_next
-from .base import Family, Imported
+from .base import EXPORT_FIX, Family, Imported, hf_dtype
+from .hf_keys import unmapped
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     *llama.FAMILIES, *moe.FAMILIES, *deepseek.FAMILIES, *gemma3.FAMILIES, *glm.FAMILIES, *gpt_oss.FAMILIES,
     *nemotron_h.FAMILIES, *qwen3_next.FAMILIES)}
-DEFAULT = FAMILIES["LlamaForCausalLM"]  # the nearest family of a model no family's evidence points at
+# The order a model without an origin of its own tries the families in; the first that expresses it exports it.
+# Families rarely overlap (each expresses what its config.json can say): the order decides only between those that
+# both can, e.g. Llama before Mistral for a model without a window, Mixtral before the Qwen MoE families.
+PREFERENCE: tuple[str, ...] = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM",
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM", "NemotronHForCausalLM",
+    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+assert sorted(PREFERENCE) == sorted(FAMILIES), "every family has its place in PREFERENCE"
 
 
 def family_of(hf: dict[str, Any]) -> Family:
@@ -42,43 +54,66 @@ def family_of_or_none(hf: Any) -> Family | None:
         return None
 
 
+def import_config(hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
+    """The model config and notes of an HF ``config.json``: its family's reading, after refusing every key that
+    changes the math and that the family does not map."""
+    fam = family_of(hf)
+    left = unmapped(hf, fam.hf_keys)
+    if left:
+        shown = ", ".join(f"{k}={v!r}" for k, v in left[:4])
+        raise ConvertError(f"config.json sets {shown}, which changes what {fam.architecture} computes and which "
+                           "megatron-core's model here does not express",
+                           "convert a config without it (dist_convert never drops a setting that changes the math)")
+    return fam.from_hf(hf, vocab_divisible_by)
+
+
 def config_from_hf(hf: dict[str, Any], vocab_divisible_by: int | None) -> tuple[ModelConfig, argparse.Namespace,
                                                                                     list[str]]:
-    """Model config, Megatron-LM args and notes for an HF ``config.json``."""
-    imported: Imported = family_of(hf).from_hf(hf, vocab_divisible_by)
-    return imported.cfg, imported.args, imported.notes
+    """Model config, its Megatron-LM args (written from the config's records) and notes for an HF ``config.json``."""
+    imported = import_config(hf, vocab_divisible_by)
+    return imported.cfg, model_args(imported.cfg, hf_dtype(hf), tokenizer_type=HF_TOKENIZER), imported.notes
 
 
-def export_family(cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any] | None = None) -> Family:
+def export_family(cfg: ModelConfig, base: dict[str, Any] | None = None) -> Family:
     """The HF family a megatron-core model exports as: the one it came from (``base``: the HF config.json it
-    was imported from, its Origin's) when that one expresses it, else the first, by affinity, that does;
+    was imported from, its Origin's) when that one expresses it, else the first of ``PREFERENCE`` that does;
     refused in the nearest family's words when none does."""
-    for a in (base or {}).get("architectures") or []:
-        fam = FAMILIES.get(a)
-        if fam is not None and fam.why_not(cfg, args) is None:
+    origin = [FAMILIES[a] for a in (base or {}).get("architectures") or [] if a in FAMILIES]
+    for fam in origin + [FAMILIES[a] for a in PREFERENCE]:
+        if not fam.unexpressed(cfg):
             return fam
-    ranked = sorted((f for f in FAMILIES.values() if f.affinity(cfg) > 0), key=lambda f: -f.affinity(cfg))
-    for fam in ranked:
-        if fam.why_not(cfg, args) is None:
-            return fam
-    nearest = ranked[0] if ranked else DEFAULT
-    raise nearest.refusal(nearest.why_not(cfg, args) or "no family")
+    nearest = nearest_family(cfg)
+    raise nearest.refusal(nearest.unexpressed(cfg))
+
+
+def nearest_family(cfg: ModelConfig) -> Family:
+    """The family nearest the model: the fewest features (MoE, MLA, ...) it lacks or adds, then the fewest other
+    settings it cannot write, then ``PREFERENCE``."""
+    def distance(fam: Family) -> tuple[int, int]:
+        problems = fam.unexpressed(cfg)
+        structural = sum(1 for s in problems if "." not in s.key and s.key in OPTIONAL)
+        return structural, len(problems) - structural
+
+    return min((FAMILIES[a] for a in PREFERENCE), key=distance)
 
 
 def naming_family(cfg: ModelConfig) -> Family:
-    """The family whose names a model's HF tensors take when no family was named: the one it exports as,
-    or the nearest by affinity (names only; the router arguments it may refuse are not looked at)."""
+    """The family whose names a model's HF tensors take: the one it exports as, or the nearest."""
     try:
-        return export_family(cfg, argparse.Namespace())
+        return export_family(cfg)
     except ConvertError:
-        ranked = sorted(FAMILIES.values(), key=lambda f: -f.affinity(cfg))
-        return ranked[0]
+        return nearest_family(cfg)
 
 
-def hf_from_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype,
-                   base: dict[str, Any] | None = None) -> dict[str, Any]:
+def hf_from_config(cfg: ModelConfig, dtype: torch.dtype, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """``config.json`` for the model: ``base`` (the HF config.json it was imported from, its Origin's),
-    updated, when it is of the family the model exports as; else written from the model config and args."""
+    updated, when it is of the family the model exports as; else written from the model config. Read back by the
+    family and compared with the model, setting by setting, before it is returned."""
     base = base if isinstance(base, dict) else None
-    fam = export_family(cfg, args, base)
-    return fam.to_hf(cfg, args, base if family_of_or_none(base) is fam else None, dtype)
+    fam = export_family(cfg, base)
+    out = fam.to_hf(cfg, base if family_of_or_none(base) is fam else None, dtype)
+    differ = cfg.differences(fam.from_hf(out, cfg.make_vocab_size_divisible_by).cfg)
+    if differ:
+        raise ConvertError(f"the {fam.architecture} config.json written for this model reads back as another model "
+                           f"({'; '.join(differ[:3])})", f"a dist_convert bug: please report it; {EXPORT_FIX}")
+    return out

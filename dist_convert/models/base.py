@@ -4,30 +4,35 @@ A family is one module under ``dist_convert/models/`` that subclasses :class:`Fa
 the engine to use:
 
 - its Hugging Face ``architectures`` and ``model_type``;
-- ``from_hf``: ``config.json`` -> (``ModelConfig``, Megatron-LM args, notes), refusing in one line what
-  megatron-core cannot express;
-- ``to_hf``: ``ModelConfig`` (+ args) -> ``config.json``; ``why_not``: what of a model it cannot express
-  (the registry exports a model as the family that can, preferring the one it was imported from);
+- ``from_hf``: ``config.json`` -> ``ModelConfig`` (its feature records) and notes, refusing in one line what
+  megatron-core cannot express; ``hf_keys``: the config.json keys that change the math which it maps (or refuses
+  itself). Any other such key (``models.hf_keys.HF_MATH_KEYS``) with a value that changes the math is refused for
+  it, never ignored;
+- ``to_hf``: ``ModelConfig`` -> ``config.json``; ``expresses``: the value of every setting it writes, positively
+  (``ModelConfig.settings``; a setting it does not name must hold its plain value). Export compares the model with
+  that declaration field by field (``unexpressed``): a value no family expresses is refused in one line;
 - ``layer_names`` / ``top_names``: its HF name table, each HF tensor given as (HF name, logical name,
   fused part), the parts being ``layout.fused``'s (``q``/``k``/``v`` of a QKV, ``gate``/``up`` of a GLU);
 - optional special cases: stored copies checked on read (``stored_copies``), alternative stored layouts
-  (``alternatives``).
+  (``alternatives``), optional stored tensor sets a release may or may not carry (``optional_sets``: a round trip
+  gives them back as the source had them).
 
 Shared code (``formats/hf.py``, the planner, the executor) never branches on a family.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from ..config import DEFAULT_DIVISIBLE_BY, ModelConfig, padded_vocab_size
+from ..config import DEFAULT_DIVISIBLE_BY, ModelConfig
 from ..errors import ConvertError
+from ..features.base import Setting
+from ..features.expressed import ANY, Allowed, describe_all, unexpressed
 from ..layout.boxes import Piece
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT
 
@@ -44,8 +49,14 @@ TOP_NAMES: tuple[tuple[str, str], ...] = (
     ("model.norm.weight", "decoder.final_layernorm.weight"),
     ("lm_head.weight", OUTPUT),
 )
+TIED_HEAD = "tied lm_head"  # the optional set of a tied model's output head stored as a copy of the embedding
 EXPORT_FIX = ("--dst-format hf takes only models a supported family expresses; export it with --dst-format "
               "torch_dist or megatron instead of hf")
+
+
+# what every family writes: the RoPE base and the norm epsilon (rope_theta, rms_norm_eps)
+COMMON: dict[str, Allowed] = {"position.base": ANY, "norm.eps": ANY}
+COMMON_HF_KEYS = frozenset({"rope.rope_theta", "rms_norm_eps", "tie_word_embeddings"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,17 +64,15 @@ class Imported:
     """What a family reads from ``config.json``."""
 
     cfg: ModelConfig
-    args: argparse.Namespace
     notes: list[str]
 
 
 class Family(ABC):
     """One Hugging Face architecture. Subclasses are frozen dataclasses declared in one module each; they
-    must define ``from_hf``, ``to_hf``, ``why_not`` and ``layer_names`` (abstract here)."""
+    must define ``from_hf``, ``to_hf``, ``expresses`` and ``layer_names`` (abstract here)."""
 
     architecture: str
     model_type: str
-    scope: ClassVar[str] = "none of the supported Hugging Face families"
     hf_layers: ClassVar[str] = "model.layers."  # HF's prefix of layer N's tensors (before ``N.``)
     # HF layer suffix -> what HF's values exceed the logical (megatron-core's) ones by (a norm weight HF keeps as w
     # where megatron-core keeps w - 1); the engine adds it on the way, in the stored dtype
@@ -75,25 +84,31 @@ class Family(ABC):
     # -- config.json <-> model ---------------------------------------------------------------------------
     @abstractmethod
     def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
-        """``config.json`` -> model config, Megatron-LM args and notes; refuses what megatron-core cannot express."""
+        """``config.json`` -> model config and notes; refuses what megatron-core cannot express."""
+
+    @property
+    def hf_keys(self) -> frozenset[str]:
+        """The config.json keys of ``hf_keys.HF_MATH_KEYS`` this family maps (or refuses itself)."""
+        return COMMON_HF_KEYS
 
     @abstractmethod
-    def to_hf(self, cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any] | None,
-              dtype: torch.dtype) -> dict[str, Any]:
+    def to_hf(self, cfg: ModelConfig, base: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
         """``config.json`` for the model; ``base``: the source's own config.json when it is of this family."""
 
-    def affinity(self, cfg: ModelConfig) -> int:
-        """How strongly the model's own evidence points at this family (0: not at all). The registry tries
-        families in decreasing affinity; the first whose ``why_not`` is None exports the model."""
-        return 0
-
     @abstractmethod
-    def why_not(self, cfg: ModelConfig, args: argparse.Namespace) -> str | None:
-        """What of the model this family cannot express (None: it expresses it)."""
+    def expresses(self) -> Mapping[str, Allowed]:
+        """``record.field`` (or a core field, or an optional feature's name) -> the values ``to_hf`` writes. A
+        setting not named here is expressed only at its plain value (the field's default)."""
 
-    def refusal(self, problem: str) -> ConvertError:
+    def unexpressed(self, cfg: ModelConfig) -> list[Setting]:
+        """The model's settings this family cannot write (empty: it expresses the model)."""
+        return unexpressed(cfg, self.expresses())
+
+    def refusal(self, problems: list[Setting], scope: str = "none of the supported Hugging Face families"
+                ) -> ConvertError:
         """The error when this family is the nearest and still cannot express the model."""
-        return ConvertError(f"the model has {problem}, which {self.scope} can express", EXPORT_FIX)
+        return ConvertError(f"the model has {describe_all(problems)}, which {scope} expresses (nearest: "
+                            f"{self.architecture})", EXPORT_FIX)
 
     # -- names --------------------------------------------------------------------------------------------
     @abstractmethod
@@ -108,15 +123,21 @@ class Family(ABC):
         """HF names stored as copies of another tensor, by the name they copy (compared on read)."""
         return {}
 
+    def optional_sets(self, cfg: ModelConfig) -> dict[str, tuple[list[str], bool]]:
+        """Sets of stored tensors a release of this family may carry or not (copies of another tensor): set name
+        -> (its HF names, whether an export writes it when nothing says otherwise). A source records which it
+        carried (``Origin.hf_stored``); an export writes them back as the source had them. Every family: a tied
+        model's ``lm_head.weight``, which transformers' ``save_pretrained`` does not store."""
+        return {TIED_HEAD: (["lm_head.weight"], False)} if cfg.tied else {}
+
     def alternatives(self, cfg: ModelConfig, found: Collection[str], expected: HFTensors) -> HFTensors:
         """Other stored layouts of some tensors (e.g. all experts of a layer in one tensor) present in
         ``found``: {stored name: (shape, pieces)}; the expected names they replace are dropped."""
         return {}
 
-    def as_stored(self, cfg: ModelConfig, args: argparse.Namespace, found: Collection[str],
-                  notes: list[str]) -> ModelConfig:
+    def as_stored(self, cfg: ModelConfig, found: Collection[str], notes: list[str]) -> ModelConfig:
         """The model as the weights hold it (``found``: the stored names), when ``config.json`` declares
-        parts the weights lack; ``args`` and ``notes`` are updated to match."""
+        parts the weights lack; ``notes`` say what changed."""
         return cfg
 
     def hf_layer(self, cfg: ModelConfig, stack: str, layer: int) -> int:
@@ -220,73 +241,8 @@ def dims_of(hf: dict[str, Any]) -> Dims:
                 groups=int(hf.get("num_key_value_heads") or heads), head_dim=int(hf.get("head_dim") or hidden // heads))
 
 
-def common_args(d: Dims, cfg: ModelConfig, dtype: torch.dtype, theta: float, hf: dict[str, Any],
-                **extra: Any) -> argparse.Namespace:
-    """Megatron-LM args every HF import states: sizes, vocabulary, RoPE, dtype, a TP1 PP1 layout."""
-    return argparse.Namespace(
-        num_layers=d.layers, hidden_size=d.hidden, ffn_hidden_size=d.ffn, num_attention_heads=d.heads,
-        group_query_attention=cfg.num_query_groups != d.heads, num_query_groups=cfg.num_query_groups,
-        kv_channels=cfg.kv_channels, swiglu=cfg.swiglu, normalization=cfg.normalization,
-        norm_epsilon=float(get(hf, "rms_norm_eps", 1e-6)), add_bias_linear=cfg.add_bias_linear,
-        add_qkv_bias=cfg.add_qkv_bias, qk_layernorm=cfg.qk_layernorm,
-        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
-        vocab_size=d.vocab, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by,
-        padded_vocab_size=padded_vocab_size(d.vocab, cfg.make_vocab_size_divisible_by, 1),
-        position_embedding_type="rope", use_rotary_position_embeddings=True, rotary_base=theta,
-        rotary_percent=1.0, max_position_embeddings=cfg.max_position_embeddings,
-        seq_length=cfg.max_position_embeddings, hidden_dropout=0.0, attention_dropout=0.0,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, transformer_impl="transformer_engine",
-        tokenizer_type="HuggingFaceTokenizer", **extra)
-
-
 def divisible(vocab_divisible_by: int | None) -> int:
     return vocab_divisible_by or DEFAULT_DIVISIBLE_BY
-
-
-def structure_problems(cfg: ModelConfig, *, activation: str = "silu", gemma_norms: bool = False,
-                       gqa_mtp: bool = False) -> list[str]:
-    """What of a model no decoder family with a gated ``activation`` MLP, RMSNorm, RoPE and no linear biases
-    expresses (the shape Llama, Mistral, Qwen and Gemma share); ``gemma_norms``: with Gemma's sandwich norms
-    computing x * (1 + w) instead of plain pre-norms computing x * w; ``gqa_mtp``: the family stores
-    multi-token-prediction layers over GQA attention (GLM-4.5), not only over multi-latent attention."""
-    problems = []
-    if cfg.post_norms != gemma_norms:
-        problems.append("post-attention / post-feedforward norms" if cfg.post_norms else
-                        "no post-attention / post-feedforward norms")
-    if cfg.zero_centered_gamma != gemma_norms:
-        problems.append("norms computing x * (1 + w) (zero-centred gamma)" if cfg.zero_centered_gamma else
-                        "norms computing x * w (Gemma computes x * (1 + w))")
-    if cfg.family != "gpt":
-        problems.append(f"an encoder-decoder ({cfg.family.upper()}) architecture")
-    if not cfg.swiglu:
-        problems.append("a non-gated MLP")
-    elif cfg.activation != activation:
-        problems.append(f"a {cfg.activation}-gated MLP")
-    if cfg.normalization != "RMSNorm":
-        problems.append(f"{cfg.normalization}")
-    if cfg.add_bias_linear:
-        problems.append("linear-layer biases")
-    if cfg.position_embedding_type != "rope":
-        problems.append(f"{cfg.position_embedding_type} position embeddings")
-    if cfg.mtp_num_layers and not cfg.mla and not gqa_mtp:
-        problems.append("multi-token-prediction layers without multi-latent attention")
-    if cfg.softmax_type != "vanilla":
-        problems.append(f"an attention softmax of type {cfg.softmax_type!r} (attention sinks)")
-    return problems + hybrid_problems(cfg)
-
-
-def hybrid_problems(cfg: ModelConfig, *, gdn: bool = False) -> list[str]:
-    """A hybrid stack's layers, which only the families built for them express (``gdn``: a family with Gated
-    DeltaNet layers and gated attention, Qwen3-Next / Qwen3.5)."""
-    problems = []
-    if cfg.hybrid_pattern is not None:
-        problems.append("Mamba2 layers (a MambaModel hybrid stack)")
-    if (cfg.linear_attention_pattern is not None) != gdn:
-        problems.append("Gated DeltaNet layers" if not gdn else "no Gated DeltaNet layers")
-    if cfg.attention_output_gate != gdn:
-        problems.append("attention output gates" if not gdn else "no attention output gates")
-    return problems
 
 
 def base_config(fam: Family, base: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:

@@ -19,38 +19,38 @@ pieces of megatron-core's per-expert ``linear_fc1`` ([gate; up]) and ``linear_fc
 """
 from __future__ import annotations
 
-import argparse
-import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from ..config import ModelConfig
 from ..errors import ConvertError
+from ..features import MLP, Attention, MoE, Norms
 from ..layout.boxes import Box, Piece, View
 from ..layout.rules import LAYER_PREFIX, logical_tensors
 from .base import (
+    ANY,
     ATTENTION_NAMES,
+    COMMON,
+    COMMON_HF_KEYS,
     DTYPE_NAMES,
-    EXPORT_FIX,
     MLP_NORM,
+    Allowed,
     Family,
     HFTensors,
     Imported,
     Name,
     base_config,
-    common_args,
     dims_of,
-    divisible,
     get,
-    hf_dtype,
-    hybrid_problems,
     in_layer,
     layer_prefix,
     require_int,
 )
+from .llama import GQA_ROPE, gqa_core
+from .rope import position_from_hf, rope_to_hf
 
 ARCHITECTURE = "GptOssForCausalLM"
 ALPHA, LIMIT, OFFSET = 1.702, 7.0, 1.0  # transformers' GptOssExperts: alpha, limit and the + 1 of (up + 1)
@@ -66,7 +66,6 @@ LAYER_NAMES: tuple[Name, ...] = (
 GATE_UP, GATE_UP_BIAS = "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias"
 DOWN, DOWN_BIAS = "mlp.experts.down_proj", "mlp.experts.down_proj_bias"
 EXPERT = "mlp.experts.local_experts.{e}.linear_fc{n}.{p}"
-YARN_DEFAULTS = {"yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True}
 
 
 def skip_freq(types: list[str], layers: int, window: Any) -> int | list[int] | None:
@@ -103,57 +102,6 @@ def layer_types_of(layers: int, window: Any, freq: Any) -> list[str]:
     return [SLIDING if freq[layer] else FULL for layer in range(layers)]
 
 
-def rope_args(hf: dict[str, Any]) -> dict[str, Any]:
-    """Megatron-LM's RoPE arguments for ``rope_parameters`` (or transformers 4's ``rope_theta``/``rope_scaling``):
-    default RoPE, or YaRN with megatron-core's YarnRotaryEmbedding (``rotary_scaling_factor``, ``yarn_*``,
-    ``mscale``/``mscale_all_dim`` as Megatron-LM names them)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", get(hf, "rope_theta", 150000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConvertError(f"partial_rotary_factor={params['partial_rotary_factor']}: megatron-core's YaRN rotates "
-                           "the whole head", "convert a config without partial_rotary_factor")
-    if kind == "default":
-        return {"position_embedding_type": "rope", "rotary_base": theta}
-    if kind != "yarn":
-        raise ConvertError(f"gpt-oss RoPE type {kind!r}: megatron-core expresses default RoPE and YaRN here",
-                           "convert a config whose rope_parameters.rope_type is yarn or default")
-    original = require_int(params, "original_max_position_embeddings")
-    factor = params.get("factor") or require_int(hf, "max_position_embeddings") / original
-    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
-    if not (mscale and mscale_all):  # transformers: the ratio only when both are given, else mscale(factor)
-        mscale, mscale_all = 1.0, 0.0  # megatron-core: mscale(factor, 1) / mscale(factor, 0) = mscale(factor)
-    attention = params.get("attention_factor")
-    implied = (0.1 * float(mscale) * math.log(factor) + 1.0) / (0.1 * float(mscale_all) * math.log(factor) + 1.0) \
-        if factor > 1 else 1.0
-    if attention is not None and not math.isclose(float(attention), implied, rel_tol=1e-9):
-        raise ConvertError(f"rope_parameters.attention_factor={attention} differs from YaRN's {implied:.6g}: "
-                           "megatron-core computes it from factor, mscale and mscale_all_dim",
-                           "convert a config without attention_factor (or with the value YaRN implies)")
-    return {"position_embedding_type": "yarn", "rotary_base": theta, "rotary_scaling_factor": float(factor),
-            "yarn_original_max_position_embeddings": original,
-            "yarn_beta_fast": float(params.get("beta_fast") or 32.0),
-            "yarn_beta_slow": float(params.get("beta_slow") or 1.0),
-            "yarn_correction_range_round_to_int": bool(params.get("truncate", True)),
-            "mscale": float(mscale), "mscale_all_dim": float(mscale_all)}
-
-
-def rope_parameters(args: argparse.Namespace) -> dict[str, Any]:
-    """transformers' ``rope_parameters`` from the RoPE arguments (the inverse of ``rope_args``)."""
-    a = vars(args)
-    out: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get(a, "rotary_base", 150000.0))}
-    if get(a, "position_embedding_type", "rope") != "yarn":
-        return out
-    out.update(rope_type="yarn", factor=float(get(a, "rotary_scaling_factor", 1.0)),
-               original_max_position_embeddings=int(get(a, "yarn_original_max_position_embeddings", 4096)),
-               beta_fast=float(get(a, "yarn_beta_fast", 32.0)), beta_slow=float(get(a, "yarn_beta_slow", 1.0)),
-               truncate=bool(get(a, "yarn_correction_range_round_to_int", True)))
-    mscale, mscale_all = float(get(a, "mscale", 1.0)), float(get(a, "mscale_all_dim", 0.0))
-    if mscale_all:
-        out.update(mscale=mscale, mscale_all_dim=mscale_all)
-    return out
-
-
 def expert_tensors(cfg: ModelConfig, layer: int) -> HFTensors:
     """The four expert tensors of decoder layer ``layer`` as transformers stores them, each a piece per expert (and
     per half of fc1) with the view that reads it: expert e's fc1 gate rows on the even columns of
@@ -183,47 +131,10 @@ def expert_tensors(cfg: ModelConfig, layer: int) -> HFTensors:
     }
 
 
-def gpt_oss_problems(cfg: ModelConfig, args: argparse.Namespace) -> list[str]:
-    """What of a model ``GptOssForCausalLM`` cannot express (its experts' maths and router included)."""
-    a = vars(args)
-    problems = []
-    if cfg.family != "gpt" or cfg.mla:
-        problems.append("an encoder-decoder architecture" if cfg.family != "gpt" else "multi-latent attention")
-    if cfg.post_norms or cfg.zero_centered_gamma or cfg.normalization != "RMSNorm" or cfg.qk_layernorm:
-        problems.append("norms other than gpt-oss's (plain RMSNorm pre-norms, no q/k norms)")
-    if not (cfg.swiglu and cfg.activation == "quick_gelu"):
-        problems.append(f"a {cfg.activation if cfg.swiglu else 'non'}-gated MLP (gpt-oss gates with quick_gelu)")
-    if not (cfg.add_bias_linear and cfg.add_qkv_bias):
-        problems.append("linear layers without biases")
-    if cfg.softmax_type != "learnable":
-        problems.append(f"softmax_type={cfg.softmax_type} (gpt-oss has learnable attention sinks)")
-    if cfg.position_embedding_type not in ("rope", "yarn"):
-        problems.append(f"{cfg.position_embedding_type} position embeddings")
-    if not cfg.num_experts:
-        problems.append("no Mixture-of-Experts layers")
-    elif cfg.moe_layer_pattern is not None or cfg.moe_shared_expert_intermediate_size or cfg.moe_router_expert_bias:
-        problems.append("dense layers, shared experts or a router expert bias (gpt-oss has none)")
-    if cfg.mtp_num_layers:
-        problems.append("multi-token-prediction layers")
-    problems += hybrid_problems(cfg)
-    if problems:
-        return problems
-    # the expert and router maths is not in the tensors: the arguments say it
-    offset, clamp = get(a, "glu_linear_offset", 0.0), get(a, "activation_func_clamp_value", None)
-    if (float(offset), clamp) != (OFFSET, LIMIT):
-        problems.append(f"a gated MLP with glu_linear_offset={offset} and activation_func_clamp_value={clamp} "
-                        f"(transformers' gpt-oss computes (up + {OFFSET:g}) with a clamp of {LIMIT:g})")
-    if get(a, "moe_router_score_function", "softmax") != "softmax" or get(a, "moe_router_pre_softmax", False):
-        problems.append("a router other than top-k of the logits then softmax (moe_router_pre_softmax, "
-                        "moe_router_score_function)")
-    return problems
-
-
 @dataclass(frozen=True, kw_only=True)
 class GptOss(Family):
     architecture: str = ARCHITECTURE
     model_type: str = "gpt_oss"
-    scope: ClassVar[str] = "no supported Hugging Face family (GptOssForCausalLM included)"
 
     def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
         d = dims_of(hf)
@@ -235,70 +146,63 @@ class GptOss(Family):
             raise ConvertError(f"swiglu_limit={hf['swiglu_limit']}: transformers' GptOssExperts clamps at {LIMIT:g} "
                                "whatever config.json says", f"convert a config with swiglu_limit {LIMIT:g}")
         experts = require_int(hf, "num_local_experts", "num_experts")
-        freq = skip_freq(list(hf.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(d.layers)]),
-                         d.layers, hf.get("sliding_window"))
         window = hf.get("sliding_window")
+        freq = skip_freq(list(hf.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(d.layers)]),
+                         d.layers, window)
         sliding = freq != 1  # 1: every layer full
-        rope = rope_args(hf)
+        position = position_from_hf(hf, "gpt-oss", kinds=("default", "yarn"), theta_default=150000.0)
+        if position.percent != 1.0:
+            raise ConvertError(f"partial_rotary_factor={position.percent}: megatron-core's YaRN rotates the whole head",
+                               "convert a config without partial_rotary_factor")
         cfg = ModelConfig(
-            num_layers=d.layers, hidden_size=d.hidden, ffn_hidden_size=d.ffn, num_attention_heads=d.heads,
-            num_query_groups=d.groups, kv_channels=d.head_dim, swiglu=True, activation="quick_gelu",
-            normalization="RMSNorm", add_bias_linear=True, add_qkv_bias=True,
-            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), vocab_size=d.vocab,
-            make_vocab_size_divisible_by=divisible(vocab_divisible_by),
-            position_embedding_type=rope["position_embedding_type"],
-            max_position_embeddings=int(get(hf, "max_position_embeddings", 131072)), qk_layernorm=False, spec="te",
-            num_experts=experts, moe_ffn_hidden_size=d.ffn, softmax_type="learnable")
-        args = common_args(
-            d, cfg, hf_dtype(hf), rope["rotary_base"], hf,
-            **{k: v for k, v in rope.items() if k not in ("rotary_base", "position_embedding_type")},
-            quick_geglu=True, glu_linear_offset=OFFSET, activation_func_clamp_value=LIMIT, softmax_type="learnable",
-            window_size=(int(window) - 1, 0) if sliding else None, window_attn_skip_freq=freq if sliding else None,
-            num_experts=experts, moe_ffn_hidden_size=d.ffn, moe_layer_freq=1,
-            moe_router_topk=require_int(hf, "num_experts_per_tok", default=4), moe_router_pre_softmax=False,
-            moe_router_score_function="softmax", moe_router_enable_expert_bias=False, moe_grouped_gemm=False,
-            moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False,
-            expert_model_parallel_size=1, expert_tensor_parallel_size=1)
-        args.swiglu = False  # Megatron-LM: --quick-geglu, not --swiglu (they are exclusive)
-        args.position_embedding_type = rope["position_embedding_type"]
-        args.use_rotary_position_embeddings = rope["position_embedding_type"] == "rope"
-        args.norm_epsilon = float(get(hf, "rms_norm_eps", 1e-5))
-        return Imported(cfg=cfg, args=args, notes=[])
+            **gqa_core(d, hf, vocab_divisible_by, add_bias_linear=True, add_qkv_bias=True,
+                       max_position_embeddings=int(get(hf, "max_position_embeddings", 131072))),
+            position=position, norm=Norms(kind="RMSNorm", eps=float(get(hf, "rms_norm_eps", 1e-5))),
+            attention=Attention(softmax_type="learnable", window=(int(window) - 1, 0) if sliding else None,
+                                window_skip_freq=freq if sliding else None),
+            mlp=MLP(gated=True, activation="quick_gelu", glu_linear_offset=OFFSET, clamp=LIMIT),
+            moe=MoE(num_experts=experts, ffn=d.ffn, topk=require_int(hf, "num_experts_per_tok", default=4),
+                    score_function="softmax", pre_softmax=False))
+        return Imported(cfg=cfg, notes=[])
 
-    def to_hf(self, cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any] | None,
-              dtype: torch.dtype) -> dict[str, Any]:
+    @property
+    def hf_keys(self) -> frozenset[str]:
+        return COMMON_HF_KEYS | {"attention_bias", "swiglu_limit", "sliding_window", "layer_types", "rope.rope_type",
+                                 "rope.partial_rotary_factor"}
+
+    def to_hf(self, cfg: ModelConfig, base: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
         hf, same = base_config(self, base)
-        a = vars(args)
         name = DTYPE_NAMES.get(dtype, "float32")
+        assert cfg.moe is not None
+        window = cfg.attention.window
         hf.update({
             "architectures": [self.architecture], "model_type": self.model_type, "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.expert_ffn, "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_query_groups,
             "head_dim": cfg.kv_channels, "vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tied,
-            "num_local_experts": cfg.num_experts, "attention_bias": True, "dtype": name})
+            "num_local_experts": cfg.num_experts, "attention_bias": True, "dtype": name,
+            "num_experts_per_tok": cfg.moe.topk, "rms_norm_eps": cfg.norm.eps,
+            "max_position_embeddings": int(cfg.max_position_embeddings or 131072),
+            "sliding_window": window[0] + 1 if window else None,
+            "layer_types": layer_types_of(cfg.num_layers, window, cfg.attention.window_skip_freq)})
         if not same or "torch_dtype" in hf:  # transformers 4 reads torch_dtype, 5 dtype (and saves only that)
             hf["torch_dtype"] = name
-        if "moe_router_topk" in a or not same:
-            hf["num_experts_per_tok"] = int(get(a, "moe_router_topk", 4))
-        if same:
-            return hf
-        window, freq = get(a, "window_size", None), get(a, "window_attn_skip_freq", None)
-        hf.update({
-            "max_position_embeddings": int(cfg.max_position_embeddings or 131072),
-            "rms_norm_eps": float(get(a, "norm_epsilon", 1e-5)), "hidden_act": "silu",
-            "sliding_window": int(window[0]) + 1 if window else None,
-            "layer_types": layer_types_of(cfg.num_layers, window, freq), "rope_parameters": rope_parameters(args)})
+        if not same:
+            hf["hidden_act"] = "silu"
+        if not (same and position_from_hf(hf, "gpt-oss", kinds=("default", "yarn")) == cfg.position):
+            hf.pop("rope_scaling", None)
+            hf.pop("rope_theta", None)
+            hf["rope_parameters"] = rope_to_hf(cfg.position)
         return hf
 
-    def affinity(self, cfg: ModelConfig) -> int:
-        """Attention sinks or the quick_gelu gate: gpt-oss's own evidence."""
-        return 6 if cfg.softmax_type == "learnable" or (cfg.swiglu and cfg.activation == "quick_gelu") else 0
-
-    def why_not(self, cfg: ModelConfig, args: argparse.Namespace) -> str | None:
-        return ", ".join(gpt_oss_problems(cfg, args)) or None
-
-    def refusal(self, problem: str) -> ConvertError:
-        return ConvertError(f"the model has {problem}, which {self.scope} can express", EXPORT_FIX)
+    def expresses(self) -> Mapping[str, Allowed]:
+        """gpt-oss's own maths: attention sinks, biases everywhere, the clamped quick_gelu GLU with (up + 1),
+        sliding layers by layer_types, top-k of the router logits then softmax, YaRN or plain RoPE."""
+        return {**COMMON, **GQA_ROPE, "position.scaling": {None}, "add_bias_linear": {True}, "add_qkv_bias": {True},
+                "attention.softmax_type": {"learnable"}, "attention.window": lambda w, cfg: w is None or w[1] == 0,
+                "attention.window_skip_freq": ANY, "mlp.activation": {"quick_gelu"},
+                "mlp.glu_linear_offset": {OFFSET}, "mlp.clamp": {LIMIT}, "moe": {True},
+                "moe.score_function": {"softmax"}, "moe.pre_softmax": {False}}
 
     def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
         """The per-layer rows; the four fused expert tensors are ``alternatives`` (they need views)."""

@@ -4,24 +4,25 @@ between MoE layers). transformers >= 5 may store all experts of a layer in one t
 (``save_original_format=False``): read as an alternative layout (``alternatives``)."""
 from __future__ import annotations
 
-import argparse
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from ..config import ModelConfig
 from ..errors import ConvertError
+from ..features import MoE as MoERecord
 from ..layout.boxes import Box, Piece
 from ..layout.rules import LAYER_PREFIX, logical_tensors
 from .base import (
+    ANY,
     ATTENTION_NAMES,
     DENSE_MLP,
     EXPERT_FC1,
     EXPERT_FC2,
-    EXPORT_FIX,
     MLP_NORM,
+    Allowed,
     Family,
     HFTensors,
     Imported,
@@ -30,9 +31,8 @@ from .base import (
     in_layer,
     layer_prefix,
     require_int,
-    structure_problems,
 )
-from .llama import attention_problems, gqa_import, gqa_to_hf
+from .llama import GQA_HF_KEYS, gqa_expresses, gqa_import, gqa_to_hf
 
 SHARED_NAMES: tuple[Name, ...] = (
     ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.linear_fc1.weight", "gate"),
@@ -42,6 +42,8 @@ SHARED_NAMES: tuple[Name, ...] = (
 )
 # transformers >= 5 with save_original_format=False: all experts of a layer in one tensor, leading axis = expert
 FUSED_FC1, FUSED_FC2, FUSED_ROUTER = "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"
+MOE_HF_KEYS = frozenset({"norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
+                         "qkv_bias"})
 
 
 def hf_moe_pattern(layers: int, sparse_step: int, mlp_only: list[int]) -> tuple[int, ...]:
@@ -64,20 +66,23 @@ class MoE(Family):
     shared_expert: bool = False  # every MoE layer has a sigmoid-gated shared expert (Qwen2-MoE)
     dense_layers: bool = True  # dense MLP layers may sit between MoE layers (Qwen); Mixtral: every layer MoE
     qkv_bias_flag: bool = False  # config.json's "qkv_bias" switches the q/k/v biases (Qwen2-MoE)
-    scope: ClassVar[str] = "none of the supported Hugging Face MoE families (MixtralForCausalLM, " \
-                           "Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)"
 
     # -- config.json <-> model ---------------------------------------------------------------------------
     def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
         layers = require_int(hf, "num_hidden_layers")
         notes: list[str] = []
-        model, args = self._moe_from_hf(hf, layers, notes)
+        moe = self.moe_from_hf(hf, layers, notes)
         qkv_bias = bool(hf.get("qkv_bias", self.qkv_bias)) if self.qkv_bias_flag else self.qkv_bias
-        _, cfg, ns, more = gqa_import(hf, vocab_divisible_by, qkv_bias=qkv_bias, qk_norm=self.qk_norm,
-                                      sliding_default=self.model_type == "mixtral", model=model, args=args)
-        return Imported(cfg=cfg, args=ns, notes=more + notes)
+        window = not self.dense_layers  # Mixtral slides over every layer when sliding_window is set
+        cfg = gqa_import(hf, vocab_divisible_by, self.architecture, qkv_bias=qkv_bias, qk_norm=self.qk_norm,
+                         window=window, sliding_default=window, moe=moe)
+        return Imported(cfg=cfg, notes=notes)
 
-    def _moe_from_hf(self, hf: dict[str, Any], layers: int, notes: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    @property
+    def hf_keys(self) -> frozenset[str]:
+        return GQA_HF_KEYS | MOE_HF_KEYS | {"sliding_window", "use_sliding_window", "layer_types"}
+
+    def moe_from_hf(self, hf: dict[str, Any], layers: int, notes: list[str]) -> MoERecord:
         experts = require_int(hf, "num_local_experts", "num_experts")
         topk = require_int(hf, "num_experts_per_tok", default=2)
         if self.dense_layers:  # Qwen-MoE: experts of moe_intermediate_size, dense layers of intermediate_size
@@ -93,89 +98,52 @@ class MoE(Family):
                 notes.append(f"router_jitter_noise={hf['router_jitter_noise']} (training-time noise) has no "
                              "Megatron-LM argument; it is kept only in the origin's config.json")
         shared = require_int(hf, "shared_expert_intermediate_size", default=0) if self.shared_expert else 0
-        model = {"num_experts": experts, "moe_ffn_hidden_size": expert_ffn, "moe_layer_pattern": pattern,
-                 "moe_shared_expert_intermediate_size": shared or None, "moe_shared_expert_gate": bool(shared)}
-        args = {"num_experts": experts, "moe_ffn_hidden_size": expert_ffn,
-                "moe_shared_expert_intermediate_size": shared or None, "moe_shared_expert_gate": bool(shared),
-                "moe_layer_freq": 1 if pattern is None else list(pattern), "moe_router_topk": topk,
-                "moe_router_pre_softmax": pre_softmax, "moe_router_score_function": "softmax",
-                "moe_router_enable_expert_bias": False, "moe_grouped_gemm": False,
-                "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1}
-        return model, args
+        return MoERecord(num_experts=experts, ffn=expert_ffn, layer_pattern=pattern, shared_size=shared or None,
+                         shared_gate=bool(shared), topk=topk, score_function="softmax", pre_softmax=pre_softmax)
 
-    def to_hf(self, cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any] | None,
-              dtype: torch.dtype) -> dict[str, Any]:
-        hf, same = gqa_to_hf(self, cfg, args, base, dtype)
-        hf.update(self._moe_to_hf(cfg, args, hf if same else {}))
+    def to_hf(self, cfg: ModelConfig, base: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
+        hf, same = gqa_to_hf(self, cfg, base, dtype)
+        hf.update(self.moe_to_hf(cfg, hf if same else {}))
+        if not self.dense_layers:
+            hf["sliding_window"] = cfg.attention.window[0] + 1 if cfg.attention.window else None
         return hf
 
-    def _moe_to_hf(self, cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any]) -> dict[str, Any]:
+    def moe_to_hf(self, cfg: ModelConfig, base: dict[str, Any]) -> dict[str, Any]:
         """The MoE keys of ``config.json`` (``base``: the same family's original config, or empty)."""
-        topk = int(getattr(args, "moe_router_topk", None) or base.get("num_experts_per_tok") or 2)
-        # the router maths is not in the tensors: refuse what the family would compute differently
-        if (getattr(args, "moe_router_score_function", None) or "softmax") != "softmax":
-            raise ConvertError(f"the MoE router scores with {args.moe_router_score_function}; {self.architecture} "
-                               "uses softmax", EXPORT_FIX)
-        if not self.dense_layers and getattr(args, "moe_router_pre_softmax", False):
-            raise ConvertError(f"the MoE router takes the softmax before top-k without renormalising "
-                               f"(moe_router_pre_softmax); {self.architecture} renormalises the top-k", EXPORT_FIX)
+        moe = cfg.moe
+        assert moe is not None
         if not self.dense_layers:  # Mixtral: experts of intermediate_size
-            return {"num_local_experts": cfg.num_experts, "num_experts_per_tok": topk,
+            return {"num_local_experts": cfg.num_experts, "num_experts_per_tok": moe.topk,
                     "intermediate_size": cfg.expert_ffn}
-        pattern = cfg.moe_layer_pattern or (1,) * cfg.num_layers
+        pattern = moe.layer_pattern or (1,) * cfg.num_layers
         step, only = base.get("decoder_sparse_step", 1), base.get("mlp_only_layers") or []
         if not (isinstance(step, int) and step >= 1 and hf_moe_pattern(cfg.num_layers, step, list(only)) == pattern):
-            step, only = 1, [layer for layer, moe in enumerate(pattern) if not moe]
-        pre_softmax = getattr(args, "moe_router_pre_softmax", None)
+            step, only = 1, [layer for layer, is_moe in enumerate(pattern) if not is_moe]
         out: dict[str, Any] = {
             "num_local_experts" if "num_local_experts" in base else "num_experts": cfg.num_experts,
-            "num_experts_per_tok": topk, "moe_intermediate_size": cfg.expert_ffn, "decoder_sparse_step": step,
-            "mlp_only_layers": list(only),
-            "norm_topk_prob": bool(base.get("norm_topk_prob", False)) if pre_softmax is None else not pre_softmax}
+            "num_experts_per_tok": moe.topk, "moe_intermediate_size": cfg.expert_ffn, "decoder_sparse_step": step,
+            "mlp_only_layers": list(only), "norm_topk_prob": not moe.pre_softmax}
         if self.shared_expert:
-            out["shared_expert_intermediate_size"] = cfg.moe_shared_expert_intermediate_size
+            out["shared_expert_intermediate_size"] = moe.shared_size
         if self.qkv_bias_flag:
             out["qkv_bias"] = cfg.add_qkv_bias
         return out
 
-    def affinity(self, cfg: ModelConfig) -> int:
-        """Shared experts: Qwen2-MoE; q/k layernorm: Qwen3-MoE; else Mixtral."""
-        if not cfg.num_experts or cfg.mla:
-            return 0
-        if cfg.moe_shared_expert_intermediate_size:
-            return 3 if self.shared_expert else 1
-        if cfg.qk_layernorm:
-            return 3 if self.qk_norm else 1
-        return 2 if not self.dense_layers else 1
+    def expresses(self) -> Mapping[str, Allowed]:
+        out = {**gqa_expresses(qkv_bias=None if self.qkv_bias_flag else self.qkv_bias, qk_norm=self.qk_norm),
+               **self.moe_expresses()}
+        if not self.dense_layers:  # Mixtral: a window on every layer
+            out["attention.window"] = lambda w, cfg: w is None or (w[1] == 0 and w[0] >= 0)
+        return out
 
-    def why_not(self, cfg: ModelConfig, args: argparse.Namespace) -> str | None:
-        problems = structure_problems(cfg) + attention_problems(
-            cfg, qkv_bias=None if self.qkv_bias_flag else self.qkv_bias, qk_norm=self.qk_norm)
-        if problems:
-            return ", ".join(problems)
-        return self.moe_problem(cfg)
-
-    def moe_problem(self, cfg: ModelConfig) -> str | None:
-        """What of the model's Mixture-of-Experts layers this family cannot express."""
-        if not cfg.num_experts:
-            return "no Mixture-of-Experts layers"
-        shared = bool(cfg.moe_shared_expert_intermediate_size)
-        if cfg.moe_router_expert_bias:
-            return "a router expert bias (moe_router_enable_expert_bias)"
-        if shared and not cfg.moe_shared_expert_gate:
-            return "shared experts without a gate (moe_shared_expert_gate)"
-        if shared != self.shared_expert:
-            return "shared experts" if shared else "no shared experts"
-        if cfg.moe_layer_pattern is not None and not self.dense_layers:
-            return f"dense layers between the MoE layers (moe_layer_freq={list(cfg.moe_layer_pattern)})"
-        return None
-
-    def refusal(self, problem: str) -> ConvertError:
-        if self.dense_layers or not problem.startswith("dense layers"):
-            return super().refusal(problem)
-        return ConvertError(f"the MoE model has {problem}, which {self.architecture} (no dense layers; Qwen2-MoE "
-                            "needs gated shared experts and Qwen3-MoE q/k layernorm, which the model lacks) can "
-                            "express", EXPORT_FIX)
+    def moe_expresses(self) -> dict[str, Allowed]:
+        """What the family writes of its Mixture of Experts: softmax routing (renormalised or not where
+        norm_topk_prob says so), dense layers between MoE layers (Qwen), gated shared experts (Qwen2-MoE)."""
+        return {"moe": {True}, "moe.score_function": {"softmax"},
+                "moe.pre_softmax": ANY if self.dense_layers else {False},
+                "moe.layer_pattern": ANY if self.dense_layers else {None},
+                "moe.shared_size": (lambda v, cfg: v is not None) if self.shared_expert else {None},
+                "moe.shared_gate": {self.shared_expert}}
 
     # -- names --------------------------------------------------------------------------------------------
     def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:

@@ -14,9 +14,8 @@ transformers' ``save_pretrained`` writes the hub names: ``backbone.embedding`` (
 """
 from __future__ import annotations
 
-import argparse
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,26 +23,28 @@ import torch
 
 from ..config import HYBRID_SYMBOLS, ModelConfig, hybrid_pattern_of
 from ..errors import ConvertError
+from ..features import MLP, Mamba, Norms, Position
 from ..layout.rules import EMBEDDING, OUTPUT
 from .base import (
+    ANY,
+    COMMON,
+    COMMON_HF_KEYS,
     DTYPE_NAMES,
     EXPERT_FC1,
     EXPERT_FC2,
-    Dims,
+    Allowed,
     Family,
     HFTensors,
     Imported,
     Name,
     base_config,
-    common_args,
     divisible,
     get,
-    hf_dtype,
     in_layer,
     layer_prefix,
     require_int,
 )
-from .deepseek import router_args
+from .deepseek import MoE, _two_per_group, router_from_hf
 
 ARCHITECTURE = "NemotronHForCausalLM"
 # transformers' layer types (and the older names it still reads) <-> megatron-core's pattern symbols
@@ -112,36 +113,10 @@ def fixed_problems(hf: dict[str, Any]) -> list[str]:
     return [what for bad, what in checks if bad]
 
 
-def nemotron_problems(cfg: ModelConfig, args: argparse.Namespace) -> list[str]:
-    """What of a model ``NemotronHForCausalLM`` cannot express (its router's maths included, where the args say it)."""
-    problems = []
-    if cfg.hybrid_pattern is None:
-        problems.append("no Mamba2 hybrid stack (Nemotron-H is megatron-core's MambaModel)")
-        return problems
-    if cfg.swiglu or cfg.activation != "squared_relu":
-        problems.append(f"a {cfg.activation}{'-gated' if cfg.swiglu else ''} MLP (Nemotron-H's is squared ReLU)")
-    if cfg.normalization != "RMSNorm" or cfg.zero_centered_gamma or cfg.post_norms or cfg.qk_layernorm:
-        problems.append("norms other than Nemotron-H's plain RMSNorm pre-norms")
-    if cfg.add_bias_linear or cfg.add_qkv_bias:
-        problems.append("linear-layer biases")
-    if cfg.position_embedding_type != "none":
-        problems.append(f"{cfg.position_embedding_type} position embeddings (Nemotron-H has none)")
-    if cfg.mtp_num_layers or cfg.softmax_type != "vanilla" or cfg.mla:
-        problems.append("multi-token prediction, attention sinks or multi-latent attention")
-    if "E" in cfg.hybrid_pattern and not (cfg.moe_router_expert_bias and cfg.moe_shared_expert_intermediate_size):
-        problems.append("MoE layers without a router correction bias or a shared expert")
-    a = vars(args)
-    if "E" in cfg.hybrid_pattern and (a.get("moe_router_score_function") not in (None, "sigmoid")
-                                      or a.get("moe_router_pre_softmax")):
-        problems.append("a router scoring other than Nemotron-H's (sigmoid scores, top-k renormalised)")
-    return problems
-
-
 @dataclass(frozen=True, kw_only=True)
 class NemotronH(Family):
     architecture: str = ARCHITECTURE
     model_type: str = "nemotron_h"
-    scope: ClassVar[str] = "no supported Hugging Face family (NemotronHForCausalLM included)"
     hf_layers: ClassVar[str] = "backbone.layers."
 
     def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
@@ -152,87 +127,76 @@ class NemotronH(Family):
                                "releases are)")
         pattern = pattern_of(hf)
         heads, hidden = require_int(hf, "num_attention_heads"), require_int(hf, "hidden_size")
-        groups = require_int(hf, "num_key_value_heads", default=heads)
-        head_dim = require_int(hf, "head_dim", default=hidden // heads)
-        ffn, vocab = require_int(hf, "intermediate_size"), require_int(hf, "vocab_size")
-        mamba = {"mamba_num_heads": require_int(hf, "mamba_num_heads"),
-                 "mamba_head_dim": require_int(hf, "mamba_head_dim"),
-                 "mamba_num_groups": require_int(hf, "n_groups", "mamba_n_groups"),
-                 "mamba_state_dim": require_int(hf, "ssm_state_size")}
-        moe_cfg: dict[str, Any] = {}
-        moe_args: dict[str, Any] = {}
+        moe = None
         if "E" in pattern:
             experts = require_int(hf, "n_routed_experts", "num_local_experts")
-            expert_ffn = require_int(hf, "moe_intermediate_size")
-            shared = require_int(hf, "moe_shared_expert_intermediate_size")
-            moe_cfg = {"num_experts": experts, "moe_ffn_hidden_size": expert_ffn,
-                       "moe_shared_expert_intermediate_size": shared, "moe_router_expert_bias": True}
-            moe_args = {"num_experts": experts, "moe_ffn_hidden_size": expert_ffn,
-                        "moe_shared_expert_intermediate_size": shared, "moe_shared_expert_gate": False,
-                        "moe_grouped_gemm": False, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
-                        **router_args(hf, True, experts, require_int(hf, "num_experts_per_tok", default=2),
-                                      "Nemotron-H")}
+            moe = MoE(num_experts=experts, ffn=require_int(hf, "moe_intermediate_size"),
+                      shared_size=require_int(hf, "moe_shared_expert_intermediate_size"),
+                      **router_from_hf(hf, True, experts, require_int(hf, "num_experts_per_tok", default=2),
+                                       "Nemotron-H"))
         cfg = ModelConfig(
-            num_layers=len(pattern), hidden_size=hidden, ffn_hidden_size=ffn, num_attention_heads=heads,
-            num_query_groups=groups, kv_channels=head_dim, swiglu=False, activation="squared_relu",
-            normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
-            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False), vocab_size=vocab,
-            make_vocab_size_divisible_by=divisible(vocab_divisible_by), position_embedding_type="none",
-            max_position_embeddings=int(get(hf, "max_position_embeddings", 4096)), qk_layernorm=False, spec="te",
-            hybrid_pattern=pattern, **mamba, **moe_cfg)
-        dims = Dims(heads=heads, hidden=hidden, layers=len(pattern), ffn=ffn, vocab=vocab, groups=groups,
-                    head_dim=head_dim)
-        args = common_args(dims, cfg, hf_dtype(hf), 10000.0, hf, is_hybrid_model=True, hybrid_override_pattern=pattern,
-                           squared_relu=True, **mamba, **moe_args)
-        args.position_embedding_type, args.use_rotary_position_embeddings = "none", False
-        args.norm_epsilon = float(get(hf, "layer_norm_epsilon", 1e-5))
-        args.mamba_chunk_size = int(get(hf, "chunk_size", get(hf, "mamba_chunk_size", 128)))
-        return Imported(cfg=cfg, args=args, notes=[])
+            num_layers=len(pattern), hidden_size=hidden, ffn_hidden_size=require_int(hf, "intermediate_size"),
+            num_attention_heads=heads, num_query_groups=require_int(hf, "num_key_value_heads", default=heads),
+            kv_channels=require_int(hf, "head_dim", default=hidden // heads), add_bias_linear=False,
+            add_qkv_bias=False, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+            vocab_size=require_int(hf, "vocab_size"), make_vocab_size_divisible_by=divisible(vocab_divisible_by),
+            max_position_embeddings=int(get(hf, "max_position_embeddings", 4096)), spec="te",
+            position=Position(kind="none"), mlp=MLP(gated=False, activation="squared_relu"),
+            norm=Norms(kind="RMSNorm", eps=float(get(hf, "layer_norm_epsilon", 1e-5))), moe=moe,
+            mamba=Mamba(pattern=pattern, num_heads=require_int(hf, "mamba_num_heads"),
+                        head_dim=require_int(hf, "mamba_head_dim"),
+                        num_groups=require_int(hf, "n_groups", "mamba_n_groups"),
+                        state_dim=require_int(hf, "ssm_state_size")))
+        return Imported(cfg=cfg, notes=[])
 
-    def to_hf(self, cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any] | None,
-              dtype: torch.dtype) -> dict[str, Any]:
+    @property
+    def hf_keys(self) -> frozenset[str]:
+        return COMMON_HF_KEYS | {"layer_norm_epsilon", "rms_norm_eps", "attention_bias", "mlp_bias", "sliding_window",
+                                 "moe_latent_size", "num_nextn_predict_layers", "norm_topk_prob", "scoring_func",
+                                 "topk_method", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts"}
+
+    def to_hf(self, cfg: ModelConfig, base: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
         hf, same = base_config(self, base)
-        a = vars(args)
         name = DTYPE_NAMES.get(dtype, "float32")
-        assert cfg.hybrid_pattern is not None
+        mamba = cfg.mamba
+        assert mamba is not None
         hf.update({
             "architectures": [self.architecture], "model_type": self.model_type, "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.ffn_hidden_size, "num_attention_heads": cfg.num_attention_heads,
             "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.kv_channels, "vocab_size": cfg.vocab_size,
-            "tie_word_embeddings": cfg.tied, "mamba_num_heads": cfg.mamba_num_heads,
-            "mamba_head_dim": cfg.mamba_head_dim, "n_groups": cfg.mamba_num_groups,
-            "ssm_state_size": cfg.mamba_state_dim, "dtype": name})
+            "tie_word_embeddings": cfg.tied, "mamba_num_heads": mamba.num_heads, "mamba_head_dim": mamba.head_dim,
+            "n_groups": mamba.num_groups, "ssm_state_size": mamba.state_dim, "dtype": name,
+            "layer_norm_epsilon": cfg.norm.eps})
         if "hybrid_override_pattern" in hf and "layers_block_type" not in hf:  # the older form, as the source had it
-            hf["hybrid_override_pattern"] = cfg.hybrid_pattern
-        elif not (same and "layers_block_type" in hf and pattern_of(hf) == cfg.hybrid_pattern):  # else kept as spelt
-            hf["layers_block_type"] = [SYMBOL_TYPES[s] for s in cfg.hybrid_pattern]
-        if cfg.num_experts:
+            hf["hybrid_override_pattern"] = mamba.pattern
+        elif not (same and "layers_block_type" in hf and pattern_of(hf) == mamba.pattern):  # else kept as spelt
+            hf["layers_block_type"] = [SYMBOL_TYPES[s] for s in mamba.pattern]
+        if cfg.moe is not None:
+            moe = cfg.moe
             hf.update({"n_routed_experts": cfg.num_experts, "moe_intermediate_size": cfg.expert_ffn,
-                       "moe_shared_expert_intermediate_size": cfg.moe_shared_expert_intermediate_size,
-                       "num_experts_per_tok": int(get(a, "moe_router_topk", 2))})
+                       "moe_shared_expert_intermediate_size": moe.shared_size, "num_experts_per_tok": moe.topk,
+                       "routed_scaling_factor": float(moe.topk_scaling_factor or 1.0), "n_group": moe.num_groups or 1,
+                       "topk_group": (moe.group_topk or 1) if moe.num_groups else 1, "norm_topk_prob": moe.topk > 1,
+                       "n_shared_experts": 1})
         if same:
             return hf
-        hf.update({"max_position_embeddings": int(cfg.max_position_embeddings or 4096),
-                   "layer_norm_epsilon": float(get(a, "norm_epsilon", 1e-5)), "mlp_hidden_act": "relu2",
+        hf.update({"max_position_embeddings": int(cfg.max_position_embeddings or 4096), "mlp_hidden_act": "relu2",
                    "mamba_hidden_act": "silu", "conv_kernel": 4, "use_conv_bias": True, "mamba_proj_bias": False,
-                   "use_bias": False, "mlp_bias": False, "attention_bias": False,
-                   "chunk_size": int(get(a, "mamba_chunk_size", 128))})
-        if cfg.num_experts:
-            hf.update({"routed_scaling_factor": float(get(a, "moe_router_topk_scaling_factor", 1.0)),
-                       "n_group": int(get(a, "moe_router_num_groups", 1)),
-                       "topk_group": int(get(a, "moe_router_group_topk", 1)), "norm_topk_prob": True,
-                       "n_shared_experts": 1})
+                   "use_bias": False, "mlp_bias": False, "attention_bias": False, "chunk_size": 128})
         return hf
 
-    def affinity(self, cfg: ModelConfig) -> int:
-        return 10 if cfg.hybrid_pattern is not None else 0
-
-    def why_not(self, cfg: ModelConfig, args: argparse.Namespace) -> str | None:
-        return ", ".join(nemotron_problems(cfg, args)) or None
+    def expresses(self) -> Mapping[str, Allowed]:
+        """megatron-core's MambaModel as Nemotron-H builds it: no position embeddings, a squared-ReLU MLP, the
+        gated Mamba norm's epsilon of 1e-5, MoE layers with DeepSeek-V3's sigmoid router and a shared expert."""
+        return {**COMMON, "norm.eps": {GATED_NORM_EPS}, "mamba": {True}, "position.kind": {"none"},
+                "mlp.gated": {False}, "mlp.activation": {"squared_relu"}, "moe": {True, False},
+                "moe.score_function": {"sigmoid"}, "moe.expert_bias": {True},
+                "moe.shared_size": lambda v, cfg: v is not None, "moe.topk_scaling_factor": ANY,
+                "moe.num_groups": ANY, "moe.group_topk": _two_per_group}
 
     def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
-        assert cfg.hybrid_pattern is not None
-        symbol = cfg.hybrid_pattern[layer]
+        assert cfg.mamba is not None
+        symbol = cfg.mamba.pattern[layer]
         names = list(NAMES[symbol])
         if symbol == "E":
             for e in range(cfg.num_experts):

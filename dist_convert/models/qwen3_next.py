@@ -15,29 +15,29 @@ both ways for weights in [0.5, 2^8) in bf16 (2^24 in fp32), as Megatron-Bridge c
 """
 from __future__ import annotations
 
-import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from ..config import ModelConfig, linear_attention_freq
+from ..config import ModelConfig
 from ..errors import ConvertError
+from ..features import GDN
 from .base import (
     ATTENTION_NAMES,
     DENSE_MLP,
     MLP_NORM,
+    Allowed,
     Imported,
     Name,
     expert_names,
-    get,
-    hybrid_problems,
     in_layer,
     layer_prefix,
     require_int,
 )
 from .gpt_oss import FULL
-from .llama import gqa_import, gqa_to_hf
+from .llama import gqa_expresses, gqa_import, gqa_to_hf
 from .moe import SHARED_NAMES, MoE
 
 LINEAR = "linear_attention"
@@ -61,8 +61,11 @@ GATED_ATTENTION: tuple[Name, ...] = tuple(
     (hf, lg, "q_gate" if hf == "self_attn.q_proj.weight" else part) for hf, lg, part in ATTENTION_NAMES
     if ".bias" not in hf)
 PARTIAL_ROTARY_DEFAULT = 0.25  # Qwen3NextConfig's and Qwen3_5TextConfig's default
-GDN_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-             "linear_conv_kernel_dim")
+# GDN record field -> config.json key
+GDN_SIZES = {"num_key_heads": "linear_num_key_heads", "num_value_heads": "linear_num_value_heads",
+             "key_head_dim": "linear_key_head_dim", "value_head_dim": "linear_value_head_dim",
+             "conv_kernel_dim": "linear_conv_kernel_dim"}
+ANY_SHARE = lambda v, cfg: 0.0 < v <= 1.0  # noqa: E731  (any rotated share)
 
 
 def linear_pattern(hf: dict[str, Any], layers: int) -> tuple[int, ...]:
@@ -78,13 +81,6 @@ def linear_pattern(hf: dict[str, Any], layers: int) -> tuple[int, ...]:
     return tuple(int(t == LINEAR) for t in types)
 
 
-def rotary_share(hf: dict[str, Any]) -> float:
-    """The rotated share of each head as transformers reads it (``rope_parameters`` first, then the top level)."""
-    params = hf.get("rope_parameters") or {}
-    value = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    return PARTIAL_ROTARY_DEFAULT if value is None else float(value)
-
-
 @dataclass(frozen=True, kw_only=True)
 class GatedDeltaNet(MoE):
     """One of the Gated DeltaNet families; ``fused_in_proj``: Qwen3-Next's in_proj_qkvz / in_proj_ba (else Qwen3.5's
@@ -97,8 +93,6 @@ class GatedDeltaNet(MoE):
     router_keys: bool = True
     qk_norm: bool = True
     shared_expert: bool = True
-    scope: ClassVar[str] = "no supported Hugging Face family (Qwen3NextForCausalLM, Qwen3_5ForCausalLM and " \
-                           "Qwen3_5MoeForCausalLM included)"
     shifts: ClassVar[dict[str, float]] = {"linear_attn.norm.weight": 1.0}  # HF's w = megatron-core's w + 1
     # the releases' multi-token-prediction layer (transformers ignores it too)
     unconverted: ClassVar[dict[str, str]] = {"mtp.": "the multi-token-prediction layer, not converted yet"}
@@ -116,77 +110,58 @@ class GatedDeltaNet(MoE):
         if params.get("mrope_section"):
             notes.append("Qwen3.5's interleaved multimodal RoPE equals plain RoPE for text-only positions; the "
                          "converted model is the text model")
-        model: dict[str, Any] = {}
-        args: dict[str, Any] = {}
+        moe = None
         if self.experts:
             fixed = {} if self.router_keys else {"norm_topk_prob": True, "decoder_sparse_step": 1,
                                                  "mlp_only_layers": []}
-            model, args = self._moe_from_hf({**hf, **fixed}, layers, notes)
-        pattern = linear_pattern(hf, layers)
-        gdn = {k: require_int(hf, k) for k in GDN_SIZES}
-        model.update(linear_attention_pattern=pattern, attention_output_gate=True, zero_centered_gamma=True, **gdn)
+            moe = self.moe_from_hf({**hf, **fixed}, layers, notes)
+        gdn = GDN(pattern=linear_pattern(hf, layers), **{f: require_int(hf, k) for f, k in GDN_SIZES.items()})
         sized = {**hf, "intermediate_size": hf.get("intermediate_size") or require_int(hf, "moe_intermediate_size")}
-        _, cfg, ns, more = gqa_import(sized, vocab_divisible_by, qkv_bias=False, qk_norm=True, sliding_default=False,
-                                      model=model, args=args)
-        for key, value in dict(experimental_attention_variant="gated_delta_net", attention_output_gate=True,
-                               layernorm_zero_centered_gamma=True, apply_layernorm_1p=True,
-                               rotary_percent=rotary_share(hf), **gdn).items():
-            setattr(ns, key, value)
-        ns.linear_attention_freq = linear_attention_freq(pattern)
-        return Imported(cfg=cfg, args=ns, notes=more + notes)
+        cfg = gqa_import(sized, vocab_divisible_by, self.architecture, qkv_bias=False, qk_norm=True, moe=moe, gdn=gdn,
+                         partial_default=PARTIAL_ROTARY_DEFAULT)
+        cfg = cfg.replace(attention__output_gate=True, norm__zero_centered_gamma=True)
+        return Imported(cfg=cfg, notes=notes)
 
-    def to_hf(self, cfg: ModelConfig, args: argparse.Namespace, base: dict[str, Any] | None,
-              dtype: torch.dtype) -> dict[str, Any]:
-        hf, same = gqa_to_hf(self, cfg, args, base, dtype)
+    @property
+    def hf_keys(self) -> frozenset[str]:
+        return super().hf_keys | {"rope.partial_rotary_factor", "rope.mrope_section", "rope.mrope_interleaved"}
+
+    def to_hf(self, cfg: ModelConfig, base: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
+        hf, same = gqa_to_hf(self, cfg, base, dtype, partial_default=PARTIAL_ROTARY_DEFAULT)
         if self.experts:
-            moe = self._moe_to_hf(cfg, args, hf if same else {})
+            moe = self.moe_to_hf(cfg, hf if same else {})
             if not self.router_keys:
                 for key in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
                     moe.pop(key)
             hf.update(moe)
             if same and "intermediate_size" not in (base or {}):  # Qwen3.5-MoE states only the experts' size
                 hf.pop("intermediate_size", None)
-        assert cfg.linear_attention_pattern is not None
-        hf.update({k: getattr(cfg, k) for k in GDN_SIZES})
-        kept = same and "layer_types" not in hf and linear_pattern(hf, cfg.num_layers) == cfg.linear_attention_pattern
+        gdn = cfg.gdn
+        assert gdn is not None
+        hf.update({k: getattr(gdn, f) for f, k in GDN_SIZES.items()})
+        kept = same and "layer_types" not in hf and linear_pattern(hf, cfg.num_layers) == gdn.pattern
         if not kept:  # else the source's full_attention_interval says it
-            hf["layer_types"] = [LINEAR if g else FULL for g in cfg.linear_attention_pattern]
+            hf["layer_types"] = [LINEAR if g else FULL for g in gdn.pattern]
         if not same:
-            share = float(get(vars(args), "rotary_percent", PARTIAL_ROTARY_DEFAULT))
-            hf.pop("rope_theta", None)
-            hf.update(partial_rotary_factor=share, hidden_act="silu", attention_bias=False,
-                      rope_parameters={"rope_type": "default", "rope_theta": float(get(vars(args), "rotary_base",
-                                                                                        10000000.0)),
-                                       "partial_rotary_factor": share})
+            hf.update(hidden_act="silu", attention_bias=False)
         return hf
 
-    def affinity(self, cfg: ModelConfig) -> int:
-        if cfg.linear_attention_pattern is None:
-            return 0
-        return 10 if bool(cfg.num_experts) == self.experts and (self.fused_in_proj or not self.experts) else 9
-
-    def why_not(self, cfg: ModelConfig, args: argparse.Namespace) -> str | None:
-        problems = hybrid_problems(cfg, gdn=True)
-        if cfg.family != "gpt" or cfg.mla or cfg.mtp_num_layers or cfg.post_norms or cfg.softmax_type != "vanilla":
-            problems.append("an architecture other than Qwen3-Next's (encoder-decoder, MLA, MTP layers, sandwich "
-                            "norms or attention sinks)")
-        if not (cfg.swiglu and cfg.activation == "silu") or cfg.normalization != "RMSNorm" \
-                or not cfg.zero_centered_gamma or not cfg.qk_layernorm:
-            problems.append("an MLP or norms other than Qwen3-Next's (SwiGLU, zero-centred RMSNorm, q/k norms)")
-        if cfg.add_bias_linear or cfg.add_qkv_bias or cfg.position_embedding_type != "rope":
-            problems.append("linear biases or position embeddings other than RoPE")
-        if problems:
-            return ", ".join(problems)
-        if bool(cfg.num_experts) != self.experts:
-            return "Mixture-of-Experts layers" if cfg.num_experts else "no Mixture-of-Experts layers"
-        if self.experts and not self.router_keys and (cfg.moe_layer_pattern is not None
-                                                      or getattr(args, "moe_router_pre_softmax", False)):
-            return "dense layers between MoE layers or a router that does not renormalise its top-k (Qwen3.5-MoE " \
-                   "has neither)"
-        return self.moe_problem(cfg) if self.experts else None
+    def expresses(self) -> Mapping[str, Allowed]:
+        """Gated DeltaNet layers beside gated full attention with q/k norms, zero-centred RMSNorms, partial plain
+        RoPE, a SwiGLU MLP: dense (Qwen3.5) or MoE with a gated shared expert (Qwen3-Next, Qwen3.5-MoE; Qwen3.5-MoE
+        every layer MoE and renormalising its top-k)."""
+        out: dict[str, Allowed] = {**gqa_expresses(qkv_bias=False, qk_norm=True), "position.kind": {"rope"},
+                                   "position.scaling": {None}, "position.percent": ANY_SHARE, "gdn": {True},
+                                   "attention.output_gate": {True}, "norm.zero_centered_gamma": {True},
+                                   "moe": {self.experts}}
+        if self.experts:
+            out.update(self.moe_expresses())
+            if not self.router_keys:
+                out.update({"moe.layer_pattern": {None}, "moe.pre_softmax": {False}})
+        return out
 
     def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
-        gdn = stack == "decoder" and cfg.linear_attention_pattern is not None and cfg.linear_attention_pattern[layer]
+        gdn = stack == "decoder" and cfg.gdn is not None and cfg.gdn.pattern[layer]
         names: list[Name] = list(GDN_COMMON + (GDN_FUSED if self.fused_in_proj else GDN_FLAT)) if gdn else \
             list(GATED_ATTENTION)
         names += MLP_NORM

@@ -38,9 +38,9 @@ NO_STATE = "drop --optimizer to convert the model alone"
 def check_supported(cfg: ModelConfig, where: str, states: set[str]) -> None:
     """Refuse what --optimizer does not convert yet: T5, hybrid stacks, and optimizers other than Adam (``states``:
     the per-parameter states the source stores)."""
-    if cfg.family == "t5":
+    if cfg.t5 is not None:
         raise ConvertError(f"{where}: converting a T5 model's optimizer state is not supported yet", NO_STATE)
-    if cfg.hybrid_pattern is not None or cfg.linear_attention_pattern is not None:
+    if cfg.mamba is not None or cfg.gdn is not None:
         raise ConvertError(f"{where}: converting the optimizer state of a hybrid model (Mamba2 or Gated DeltaNet "
                            "layers) is not supported yet", NO_STATE)
     if states and not {"exp_avg", "exp_avg_sq"} <= states:

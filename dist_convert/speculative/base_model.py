@@ -21,6 +21,7 @@ from ..datamodel import SourceIndex, TargetFile, TargetTensor
 from ..errors import ConvertError
 from ..exchange import Assembly, execute
 from ..formats.base import Format
+from ..formats.mcore_config import transformer_fields
 from ..layout.boxes import Kind
 from ..layout.rank_files import rank_entries
 from ..layout.rules import logical_tensors
@@ -134,24 +135,30 @@ def init_model_parallel(layout: Layout) -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
 
 
+# GPTModel's arguments among transformer_fields (the rest are TransformerConfig's)
+MODEL_ARGS = ("position_embedding_type", "rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor",
+              "seq_len_interpolation_factor", "share_embeddings_and_output_weights", "vocab_size")
+
+
 def transformer_config(cfg: ModelConfig, args: argparse.Namespace, layout: Layout, dtype: torch.dtype,
                        place: Placement) -> Any:
-    import torch.nn.functional as F
+    """megatron-core's TransformerConfig of the model: every setting its records hold (``transformer_fields``)."""
+    import importlib
+
     from megatron.core.transformer import TransformerConfig
 
+    fields = {k: v for k, v in transformer_fields(cfg).items() if k not in MODEL_ARGS}
+    module, name = fields.pop("activation_func")["_target_"].rsplit(".", 1)
+    fields["activation_func"] = getattr(importlib.import_module(module), name)
+    if "window_size" in fields:
+        fields["window_size"] = tuple(fields["window_size"])
     extra: dict[str, Any] = {}
     if layout.first is not None:
         extra["num_layers_in_first_pipeline_stage"] = layout.first
     if layout.last is not None:
         extra["num_layers_in_last_pipeline_stage"] = layout.last
     return TransformerConfig(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
-        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
-        kv_channels=cfg.kv_channels, normalization=cfg.normalization,
-        layernorm_epsilon=float(getattr(args, "norm_epsilon", None) or 1e-5),
-        add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias, gated_linear_unit=cfg.swiglu,
-        activation_func=F.silu if cfg.swiglu else F.gelu, qk_layernorm=cfg.qk_layernorm,
-        hidden_dropout=float(getattr(args, "hidden_dropout", None) or 0.0),
+        **fields, hidden_dropout=float(getattr(args, "hidden_dropout", None) or 0.0),
         attention_dropout=float(getattr(args, "attention_dropout", None) or 0.0),
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
@@ -170,15 +177,14 @@ def build_base_model(cfg: ModelConfig, args: argparse.Namespace, layout: Layout,
 
     config = transformer_config(cfg, args, layout, dtype, place)
     spec = get_gpt_modelopt_spec(config, local_core_attention=place.spec == "local", remap_te_layernorm=True)
+    pos = cfg.position
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=cfg.padded_vocab(layout.tp),
         max_sequence_length=int(cfg.max_position_embeddings or getattr(args, "seq_length", 4096)),
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=cfg.tied, position_embedding_type=cfg.position_embedding_type,
-        rotary_percent=float(getattr(args, "rotary_percent", None) or 1.0),
-        rotary_base=int(getattr(args, "rotary_base", None) or 10000),
-        rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
-        rope_scaling_factor=float(getattr(args, "rope_scaling_factor", None) or 8.0))
+        share_embeddings_and_output_weights=cfg.tied, position_embedding_type=pos.kind, rotary_percent=pos.percent,
+        rotary_base=int(pos.base), rope_scaling=pos.scaling == "llama3",
+        rope_scaling_factor=float(pos.scaling_factor or 8.0), seq_len_interpolation_factor=pos.seq_len_interpolation)
     if not place.on_cpu:
         model.cuda(place.device)  # parameters are made there; buffers megatron-core makes on the CPU follow
     return model

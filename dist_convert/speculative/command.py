@@ -15,8 +15,10 @@ from ..convert import DTYPES, ReshardOptions, check_vocab, load_index, logical_n
 from ..datamodel import SourceIndex, Target
 from ..durable import fsync_file
 from ..errors import ConvertError
+from ..features.expressed import refuse_unexpressed
 from ..formats import get_format
 from ..formats.base import Format, FormatOptions, iter_dir_name, resolve_iter_dir
+from ..formats.mcore_config import PROVIDER_EXPRESSES
 from ..formats.nemo2 import CONTEXT, WEIGHTS, check_context, write_target_context
 from ..layout.topology import Layout
 from ..mlm_args import args_for_target
@@ -52,6 +54,8 @@ class SpeculateOptions:
 
 
 SPECULATE_FORMATS = ("torch_dist", "nemo2")
+# what the dense GPTModel speculate builds expresses (MoE and multi-token prediction are refused before)
+SPECULATE_EXPRESSES = {**PROVIDER_EXPRESSES, "moe": {False}, "mtp": {False}}
 
 
 def existing_algorithms(src: Path) -> list[str]:
@@ -94,12 +98,15 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
                                   overwrite=opts.overwrite, vocab_divisible_by=opts.vocab_divisible_by,
                                   formats=opts.formats)
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
-    if index.cfg.family != "gpt":
-        raise ConvertError(f"{opts.src} is an encoder-decoder ({index.cfg.family.upper()}) model; EAGLE and Medusa "
+    if index.cfg.t5 is not None:
+        raise ConvertError(f"{opts.src} is an encoder-decoder (T5) model; EAGLE and Medusa "
                            "drafts attach to decoder-only GPT models", "pass a GPT checkpoint to speculate")
     if index.cfg.num_experts:
         raise ConvertError(f"{opts.src} is a Mixture-of-Experts model; speculate builds dense GPT bases only",
                            "add the draft in Megatron-LM with ModelOpt; dist_convert reshard converts the result")
+    refuse_unexpressed(index.cfg, SPECULATE_EXPRESSES, "the GPTModel speculate builds (megatron-core's "
+                       "TransformerConfig with ModelOpt's layer spec)", "add the draft in Megatron-LM with ModelOpt; "
+                       "dist_convert reshard converts the result")
     dst_format = opts.dst_format or ("nemo2" if index.format == "nemo2" else "torch_dist")
     if dst_format not in SPECULATE_FORMATS:
         raise ConvertError(f"speculate writes {' or '.join(SPECULATE_FORMATS)}, not {dst_format}",
@@ -112,7 +119,7 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
     if dst_format == "nemo2":
         check_context(Target(cfg=cfg, layout=layout, dtype=dtype, args=index.args, iteration=index.iteration,
                              origin=index.origin))
-    algo, spec_cfg = speculative_config(opts.draft, cfg, index.args, dtype)
+    algo, spec_cfg = speculative_config(opts.draft, cfg, dtype)
     if opts.export_draft is not None:
         draft_base_config(cfg, index.args, dtype, index.origin.hf_config)  # refuse an inexpressible model first
     if rt.world % (layout.tp * layout.pp):

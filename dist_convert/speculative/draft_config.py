@@ -2,7 +2,6 @@
 EAGLE-1) with draft sizes taken from the base model, or Medusa; ``--spec-config`` gives a full one."""
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 from dataclasses import dataclass
@@ -45,8 +44,7 @@ def eagle_defaults() -> dict[str, Any]:
     return copy.deepcopy(EAGLE3_DEFAULT_CFG["config"])
 
 
-def speculative_config(req: DraftRequest, cfg: ModelConfig, args: argparse.Namespace,
-                       dtype: torch.dtype) -> tuple[str, dict[str, Any]]:
+def speculative_config(req: DraftRequest, cfg: ModelConfig, dtype: torch.dtype) -> tuple[str, dict[str, Any]]:
     """(algorithm, ModelOpt config) for ``mtsp.convert``."""
     chosen = [n for n, v in (("--eagle-layers", req.eagle_layers), ("--medusa-heads", req.medusa_heads)) if v]
     if len(chosen) > 1:
@@ -68,17 +66,17 @@ def speculative_config(req: DraftRequest, cfg: ModelConfig, args: argparse.Names
     if req.eagle_version not in (1, 3):
         raise ConvertError(f"--eagle-version {req.eagle_version} is not supported", "use --eagle-version 1 or 3")
     arch = config.setdefault("eagle_architecture_config", {})
-    theta = float(getattr(args, "rotary_base", None) or 10000)
+    theta = float(cfg.position.base)
     sizes = {
         "intermediate_size": cfg.ffn_hidden_size, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.kv_channels,
-        "rms_norm_eps": float(getattr(args, "norm_epsilon", None) or 1e-5), "rope_theta": theta,
+        "rms_norm_eps": cfg.norm.eps, "rope_theta": theta,
         "rope_scaling": {"rope_type": "default", "rope_theta": theta},
         "torch_dtype": _DTYPE_NAMES.get(dtype, "bfloat16"),
     }
-    if getattr(args, "use_rope_scaling", False):
+    if cfg.position.scaling == "llama3":
         sizes["rope_scaling"] = {"rope_type": "llama3", "rope_theta": theta,
-                                 "factor": float(getattr(args, "rope_scaling_factor", None) or 8.0)}
+                                 "factor": float(cfg.position.scaling_factor or 8.0)}
     for key, value in sizes.items():
         if req.spec_config is None or key not in arch:
             arch[key] = value

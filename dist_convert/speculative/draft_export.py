@@ -42,7 +42,7 @@ def draft_base_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.d
     """The base model's HF config (``base``: the HF config.json it came from, its Origin's; refuses models no
     supported HF family expresses)."""
     try:
-        return hf_from_config(cfg, args, dtype, base)
+        return hf_from_config(cfg, dtype, base)
     except ConvertError as e:
         raise ConvertError(f"--export-draft needs an HF-expressible base model: {e.cause}",
                            "drop --export-draft (the speculative checkpoint itself is still written)") from None
@@ -202,7 +202,7 @@ def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConf
     tmp = staging.tmp
     with staging.guard():
         if parallel_state.is_pipeline_last_stage():
-            full = gather_full(model, cfg.swiglu, rt.device)
+            full = gather_full(model, cfg.mlp.gated, rt.device)
             if (parallel_state.get_tensor_model_parallel_rank() == 0
                     and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
                 base = draft_base_config(cfg, args, dtype, hf_config)
@@ -213,7 +213,8 @@ def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConf
                     layers, eagle3 = ec.num_layers, bool(ec.use_aux_hidden_state)
                     draft_cfg = SimpleNamespace(kv_channels=ec.kv_channels, num_query_groups=ec.num_query_groups,
                                                 num_attention_heads=ec.num_attention_heads,
-                                                ffn_hidden_size=ec.ffn_hidden_size)
+                                                ffn_hidden_size=ec.ffn_hidden_size,
+                                                attention=SimpleNamespace(output_gate=False))
                 write_file(tmp / "model.safetensors", draft_tensors(full, draft_cfg, eagle3, layers, cfg.vocab_size))
                 write_durable(tmp / "config.json", json.dumps(draft_config(base, algo, spec_cfg, model), indent=2))
         rt.barrier()

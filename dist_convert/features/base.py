@@ -1,0 +1,97 @@
+"""What every feature record shares: how a field declares itself, and how records read Megatron-LM ``args``.
+
+A feature record is a frozen, keyword-only dataclass of one megatron-core capability (positional encoding,
+attention, norms, the MLP, Mixture of Experts, multi-latent attention, ...). Each of its fields declares, in its
+``metadata`` (made by :func:`setting`):
+
+- ``kind``: ``SETTING`` (changes the forward pass: every Hugging Face family must say whether it expresses the
+  value, ``models.base.Family.expresses``), ``SIZE`` (a size every family that has the feature writes: the name
+  tables and config writers carry it), ``LAYOUT`` (how the tensors are stored, never the math) or ``NUMERICS``
+  (the precision a computation runs in: carried between Megatron formats, not a different function);
+- ``arg``: the Megatron-LM ``args`` names it is read from (the first is written; megatron-core's
+  ``TransformerConfig`` field of the same name unless ``config`` says otherwise);
+- ``what``: a few words for refusals and ``inspect``.
+
+The record reads and writes its own ``args`` (``from_args`` / ``to_args``); nothing else in dist_convert
+interprets those fields.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, ClassVar, NamedTuple
+
+SETTING, SIZE, LAYOUT, NUMERICS = "setting", "size", "layout", "numerics"
+
+
+class Setting(NamedTuple):
+    """One setting of a model as it is compared with what a target can write: its key (``record.field``, or a core
+    field; an optional record's name alone says whether the model has it), value, the value a target that does not
+    mention it must see (the field's default), the Megatron-LM name and what it is."""
+
+    key: str
+    value: Any
+    plain: Any
+    arg: str
+    what: str
+
+
+def setting(default: Any, *, arg: str | tuple[str, ...] = (), what: str = "", kind: str = SETTING,
+            config: str | tuple[str, ...] | None = None) -> Any:
+    """A feature record's field: its default and what it is (module docstring). ``config``: the megatron-core
+    ``TransformerConfig`` / ``GPTModel`` names it stands for, when they are not ``arg``'s."""
+    args = (arg,) if isinstance(arg, str) else tuple(arg)
+    configs = args if config is None else (config,) if isinstance(config, str) else tuple(config)
+    return dataclasses.field(default=default, metadata={"kind": kind, "arg": args, "what": what,
+                                                        "config": configs})
+
+
+def get(args: argparse.Namespace | dict[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of ``names`` the args hold with a value (not None), else ``default``."""
+    d = args if isinstance(args, dict) else vars(args)
+    for name in names:
+        if d.get(name) is not None:
+            return d[name]
+    return default
+
+
+def as_tuple(value: Any) -> Any:
+    """Lists (as pickled args or JSON hold them) as tuples, nested, so records stay hashable."""
+    if isinstance(value, (list, tuple)):
+        return tuple(as_tuple(v) for v in value)
+    return value
+
+
+class Feature:
+    """The base of the feature records (frozen, keyword-only dataclasses). ``attr``: the ``ModelConfig`` attribute
+    holding it; ``title``: its ``inspect`` group."""
+
+    attr: ClassVar[str]
+    title: ClassVar[str]
+    presence: ClassVar[tuple[str, ...]] = ()  # megatron-core names that say an optional feature is there
+    what: ClassVar[str] = ""  # an optional feature, in a refusal's words
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Any:
+        """The record the Megatron-LM ``args`` describe (None for an optional feature the model lacks)."""
+        raise NotImplementedError
+
+    def to_args(self) -> dict[str, Any]:
+        """The Megatron-LM ``args`` fields that say this record (``from_args`` reads them back)."""
+        raise NotImplementedError
+
+    def fields(self, kind: str | None = None) -> Iterator[tuple[str, Any, dataclasses.Field]]:
+        """(name, value, field) of each field, of ``kind`` only when given."""
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if kind is None or f.metadata.get("kind") == kind:
+                yield f.name, getattr(self, f.name), f
+
+    def shown(self) -> dict[str, Any]:
+        """What ``inspect`` shows of the record: every field, as the record holds it."""
+        return {f"{self.attr}.{name}": value for name, value, _ in self.fields()}
+
+
+def arg_name(f: dataclasses.Field) -> str:
+    """The Megatron-LM name a field is known by (its first ``arg``), else its own name."""
+    return f.metadata["arg"][0] if f.metadata.get("arg") else f.name

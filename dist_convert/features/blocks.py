@@ -1,0 +1,243 @@
+"""The structural features: multi-latent attention, multi-token prediction, Mamba2 hybrid stacks, Gated DeltaNet
+layers and T5's encoder-decoder. Each is present (a record) or absent (None on ``ModelConfig``)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..errors import ConvertError
+from .base import LAYOUT, SIZE, Feature, get, setting
+
+# MambaModel's layer symbols -> (mixer, MLP) of the layer (megatron-core's hybrid layer allocation)
+HYBRID_SYMBOLS: dict[str, tuple[str | None, str | None]] = {
+    "M": ("mamba", None), "*": ("attention", None), "-": (None, "dense"), "E": (None, "moe")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLA(Feature):
+    """megatron-core's MLASelfAttention (DeepSeek-V2/V3): the model's kv_channels is unused then."""
+
+    attr: ClassVar[str] = "mla"
+    title: ClassVar[str] = "mla"
+    what: ClassVar[str] = "multi-latent attention"
+    presence: ClassVar[tuple[str, ...]] = ("multi_latent_attention",)
+
+    q_lora_rank: int | None = setting(None, kind=SIZE, arg="q_lora_rank",
+                                      what="the query down-projection rank (None: one linear_q_proj)")
+    kv_lora_rank: int = setting(32, kind=SIZE, arg="kv_lora_rank", what="the compressed key/value rank")
+    qk_head_dim: int = setting(128, kind=SIZE, arg="qk_head_dim", what="per-head query/key size without RoPE")
+    qk_pos_emb_head_dim: int = setting(64, kind=SIZE, arg="qk_pos_emb_head_dim", what="per-head RoPE size")
+    v_head_dim: int = setting(128, kind=SIZE, arg="v_head_dim", what="per-head value size")
+    # the local spec (and Transformer Engine specs before the ``duplicated`` TELinear) split the down-projections
+    # over TP instead of replicating them
+    down_split: bool = setting(False, kind=LAYOUT, arg=(), what="down-projections split over TP")
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, spec: str = "te") -> MLA | None:
+        a = vars(args)
+        if not get(a, "multi_latent_attention", default=False):
+            return None
+        q_lora = get(a, "q_lora_rank")
+        return cls(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(get(a, "kv_lora_rank", default=32)),
+                   qk_head_dim=int(get(a, "qk_head_dim", default=128)),
+                   qk_pos_emb_head_dim=int(get(a, "qk_pos_emb_head_dim", default=64)),
+                   v_head_dim=int(get(a, "v_head_dim", default=128)), down_split=spec == "local")
+
+    def to_args(self) -> dict[str, Any]:
+        return {"multi_latent_attention": True, "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+                "qk_head_dim": self.qk_head_dim, "qk_pos_emb_head_dim": self.qk_pos_emb_head_dim,
+                "v_head_dim": self.v_head_dim}
+
+    @staticmethod
+    def absent_args() -> dict[str, Any]:
+        return {"multi_latent_attention": False}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MTP(Feature):
+    """megatron-core's MultiTokenPredictionBlock: layers built like the last decoder layer."""
+
+    attr: ClassVar[str] = "mtp"
+    title: ClassVar[str] = "mtp"
+    what: ClassVar[str] = "multi-token-prediction layers"
+
+    num_layers: int = setting(1, kind=SIZE, arg="mtp_num_layers", what="multi-token-prediction layers")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MTP | None:
+        n = int(get(vars(args), "mtp_num_layers", default=0) or 0)
+        return cls(num_layers=n) if n else None
+
+    def to_args(self) -> dict[str, Any]:
+        return {"mtp_num_layers": self.num_layers}
+
+    @staticmethod
+    def absent_args() -> dict[str, Any]:
+        return {"mtp_num_layers": None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba(Feature):
+    """megatron-core's MambaModel (Nemotron-H): one symbol per layer, "M" Mamba2 mixer, "*" attention, "-" MLP,
+    "E" MoE (hybrid_override_pattern / hybrid_layer_pattern); its final norm is decoder.final_norm."""
+
+    attr: ClassVar[str] = "mamba"
+    title: ClassVar[str] = "mamba"
+    what: ClassVar[str] = "Mamba2 layers (a MambaModel hybrid stack)"
+    presence: ClassVar[tuple[str, ...]] = ("is_hybrid_model",)
+
+    pattern: str = setting("", kind=SIZE, arg=("hybrid_override_pattern", "hybrid_layer_pattern"),
+                           what="the hybrid layer pattern")
+    num_heads: int = setting(0, kind=SIZE, arg="mamba_num_heads", what="Mamba2 heads")
+    head_dim: int = setting(64, kind=SIZE, arg="mamba_head_dim", what="Mamba2 head size")
+    num_groups: int = setting(8, kind=SIZE, arg="mamba_num_groups", what="Mamba2 B/C groups")
+    state_dim: int = setting(128, kind=SIZE, arg="mamba_state_dim", what="Mamba2 state size")
+    layer_pattern_name: bool = setting(False, kind=LAYOUT, arg=(),
+                                       what="the pattern written as megatron-core 0.19's hybrid_layer_pattern too")
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def sections(self) -> tuple[tuple[str, int], ...]:
+        """Mamba2 ``in_proj`` rows: [z | x | B | C | dt], each split over TP on its own."""
+        gn = self.num_groups * self.state_dim
+        return (("z", self.d_inner), ("x", self.d_inner), ("B", gn), ("C", gn), ("dt", self.num_heads))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Mamba | None:
+        a = vars(args)
+        pattern = get(a, "hybrid_layer_pattern", "hybrid_override_pattern")
+        if not pattern:
+            return None
+        head_dim = int(get(a, "mamba_head_dim", default=64))
+        heads = int(get(a, "mamba_num_heads", default=0) or 0) or 2 * int(a["hidden_size"]) // head_dim
+        return cls(pattern=hybrid_pattern_of(str(pattern), int(a["num_layers"])), num_heads=heads, head_dim=head_dim,
+                   num_groups=int(get(a, "mamba_num_groups", default=8)),
+                   state_dim=int(get(a, "mamba_state_dim", default=128)),
+                   layer_pattern_name=bool(get(a, "hybrid_layer_pattern")))
+
+    def to_args(self) -> dict[str, Any]:
+        out = {"is_hybrid_model": True, "hybrid_override_pattern": self.pattern, "mamba_num_heads": self.num_heads,
+               "mamba_head_dim": self.head_dim, "mamba_num_groups": self.num_groups, "mamba_state_dim": self.state_dim}
+        if self.layer_pattern_name:  # megatron-core 0.19's name, where the source used it
+            out["hybrid_layer_pattern"] = self.pattern
+        return out
+
+
+def hybrid_pattern_of(pattern: str, num_layers: int | None = None) -> str:
+    """The per-layer symbols of megatron-core's hybrid layer pattern (pipeline splits ``|`` dropped); refused in one
+    line when a symbol is one megatron-core's MambaModel does not build here, or the count disagrees."""
+    symbols = pattern.replace("|", "")
+    bad = sorted(set(symbols) - set(HYBRID_SYMBOLS))
+    if bad or not symbols:
+        raise ConvertError(f"hybrid layer pattern {pattern!r} has symbol(s) {''.join(bad) or 'none'}: megatron-core's "
+                           "MambaModel layers converted here are M (Mamba2), * (attention), - (MLP) and E (MoE)",
+                           "convert a model whose hybrid_override_pattern uses only M, *, - and E (multi-token "
+                           "prediction after '/' and G/D/+ layers are not supported)")
+    if num_layers is not None and len(symbols) != num_layers:
+        raise ConvertError(f"hybrid layer pattern {pattern!r} has {len(symbols)} layers but num_layers is {num_layers}",
+                           "fix num_layers or the pattern in the checkpoint args")
+    return symbols
+
+
+@dataclass(frozen=True, kw_only=True)
+class GDN(Feature):
+    """GPTModel with Gated DeltaNet layers (experimental_attention_variant "gated_delta_net"; Qwen3-Next/3.5)."""
+
+    attr: ClassVar[str] = "gdn"
+    title: ClassVar[str] = "gated_delta_net"
+    what: ClassVar[str] = "Gated DeltaNet layers"
+    presence: ClassVar[tuple[str, ...]] = ("experimental_attention_variant",)
+
+    pattern: tuple[int, ...] = setting((), kind=SIZE, arg="linear_attention_freq",
+                                       what="1 per Gated DeltaNet layer, 0 per full-attention layer")
+    num_key_heads: int = setting(16, kind=SIZE, arg="linear_num_key_heads", what="key heads")
+    num_value_heads: int = setting(32, kind=SIZE, arg="linear_num_value_heads", what="value heads")
+    key_head_dim: int = setting(128, kind=SIZE, arg="linear_key_head_dim", what="key head size")
+    value_head_dim: int = setting(128, kind=SIZE, arg="linear_value_head_dim", what="value head size")
+    conv_kernel_dim: int = setting(4, kind=SIZE, arg="linear_conv_kernel_dim", what="the short convolution's width")
+
+    @property
+    def sections(self) -> tuple[tuple[str, int], ...]:
+        """Gated DeltaNet ``in_proj`` rows: [query | key | value | z | beta | alpha], each split over TP on its own."""
+        qk = self.num_key_heads * self.key_head_dim
+        vd = self.num_value_heads * self.value_head_dim
+        nv = self.num_value_heads
+        return (("query", qk), ("key", qk), ("value", vd), ("z", vd), ("beta", nv), ("alpha", nv))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GDN | None:
+        a = vars(args)
+        variant = get(a, "experimental_attention_variant")
+        if variant is None:
+            return None
+        if variant != "gated_delta_net":
+            raise ConvertError(f"experimental_attention_variant={variant!r}: the variants converted here are "
+                               "gated_delta_net", "convert a model of a supported layer kind")
+        return cls(pattern=linear_attention_pattern(get(a, "linear_attention_freq"), int(a["num_layers"])),
+                   num_key_heads=int(get(a, "linear_num_key_heads", default=16)),
+                   num_value_heads=int(get(a, "linear_num_value_heads", default=32)),
+                   key_head_dim=int(get(a, "linear_key_head_dim", default=128)),
+                   value_head_dim=int(get(a, "linear_value_head_dim", default=128)),
+                   conv_kernel_dim=int(get(a, "linear_conv_kernel_dim", default=4)))
+
+    def to_args(self) -> dict[str, Any]:
+        return {"experimental_attention_variant": "gated_delta_net",
+                "linear_attention_freq": linear_attention_freq(self.pattern),
+                "linear_num_key_heads": self.num_key_heads, "linear_num_value_heads": self.num_value_heads,
+                "linear_key_head_dim": self.key_head_dim, "linear_value_head_dim": self.value_head_dim,
+                "linear_conv_kernel_dim": self.conv_kernel_dim}
+
+
+def linear_attention_freq(pattern: tuple[int, ...]) -> int | list[int]:
+    """The inverse of :func:`linear_attention_pattern`: N when every N-th layer is full attention, else the 0/1 list."""
+    if 0 in pattern:
+        n = pattern.index(0) + 1
+        if pattern == tuple(0 if (i + 1) % n == 0 else 1 for i in range(len(pattern))):
+            return n
+    return list(pattern)
+
+
+def linear_attention_pattern(freq: Any, num_layers: int) -> tuple[int, ...]:
+    """megatron-core's ``linear_attention_freq``: an int N (layer i, 0-based, is full attention iff (i + 1) % N == 0,
+    the others Gated DeltaNet) or a 0/1 list (1 = linear attention)."""
+    if isinstance(freq, int) and freq >= 1:
+        return tuple(0 if (i + 1) % freq == 0 else 1 for i in range(num_layers))
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and not set(int(x) for x in freq) - {0, 1}:
+        return tuple(int(x) for x in freq)
+    raise ConvertError(f"linear_attention_freq={freq!r} is neither a positive int nor one 0/1 per layer "
+                       f"({num_layers} layers)", "fix linear_attention_freq in the checkpoint args")
+
+
+@dataclass(frozen=True, kw_only=True)
+class T5(Feature):
+    """megatron-core's T5Model: an encoder stack beside the decoder (the model's num_layers counts the decoder's)."""
+
+    attr: ClassVar[str] = "t5"
+    title: ClassVar[str] = "t5"
+    what: ClassVar[str] = "an encoder-decoder (T5) architecture"
+
+    encoder_num_layers: int = setting(0, kind=SIZE, arg="encoder_num_layers", what="encoder layers")
+    relative_attention_num_buckets: int = setting(32, kind=SIZE, arg="relative_attention_num_buckets",
+                                                  what="relative position buckets")
+    relative_attention_max_distance: int = setting(128, kind=SIZE, arg="relative_attention_max_distance",
+                                                   what="relative position distance")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> T5:
+        a = vars(args)
+        return cls(encoder_num_layers=int(get(a, "encoder_num_layers", default=a["num_layers"])),
+                   relative_attention_num_buckets=int(get(a, "relative_attention_num_buckets", default=32)),
+                   relative_attention_max_distance=int(get(a, "relative_attention_max_distance", default=128)))
+
+    def to_args(self) -> dict[str, Any]:
+        return {"encoder_num_layers": self.encoder_num_layers,
+                "relative_attention_num_buckets": self.relative_attention_num_buckets,
+                "relative_attention_max_distance": self.relative_attention_max_distance}

@@ -1,0 +1,62 @@
+"""What a target can write, positively, and the one comparison that refuses the rest.
+
+A target (a Hugging Face family, a NeMo or Megatron-Bridge config writer) declares, for each setting it writes
+(``ModelConfig.settings`` keys), the values it can write: a collection, ``ANY``, or a test of the value in the whole
+model. A setting it does not name must hold its plain value (the field's default). ``unexpressed`` is the whole
+comparison: a setting nobody thought of is refused by construction, never dropped."""
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConvertError
+from .base import Setting
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+
+class _Any:
+    """Every value (a target writes whatever the model holds)."""
+
+    def __contains__(self, value: Any) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "ANY"
+
+
+ANY: Any = _Any()
+Allowed = Collection[Any] | Callable[[Any, "ModelConfig"], bool]
+CORE_FLAGS = ("add_bias_linear", "add_qkv_bias", "family")  # core settings named by their Megatron-LM arg
+
+
+def allows(allowed: Allowed, value: Any, cfg: ModelConfig) -> bool:
+    return bool(allowed(value, cfg)) if callable(allowed) else value in allowed
+
+
+def unexpressed(cfg: ModelConfig, declared: Mapping[str, Allowed]) -> list[Setting]:
+    """The model's settings a target declaring ``declared`` cannot write (empty: it writes the whole model)."""
+    return [s for s in cfg.settings()
+            if not (allows(declared[s.key], s.value, cfg) if s.key in declared else s.value == s.plain)]
+
+
+def describe(s: Setting) -> str:
+    """A setting as a refusal names it: an optional feature by what it is (or its absence), a flag with what it
+    is, else ``arg=value (what)``."""
+    if "." not in s.key and s.key not in CORE_FLAGS:
+        return s.what if s.value else f"no {s.what}"
+    if isinstance(s.value, bool):
+        return f"{s.arg}={s.value} ({s.what if s.value else 'no ' + s.what})"
+    return f"{s.arg}={s.value} ({s.what})"
+
+
+def describe_all(problems: list[Setting], limit: int = 4) -> str:
+    return ", ".join(describe(s) for s in problems[:limit]) + (" ..." if len(problems) > limit else "")
+
+
+def refuse_unexpressed(cfg: ModelConfig, declared: Mapping[str, Allowed], target: str, fix: str) -> None:
+    """Refuse, in one line naming each setting and its value, a model ``target`` cannot write."""
+    problems = unexpressed(cfg, declared)
+    if problems:
+        raise ConvertError(f"the model has {describe_all(problems)}, which {target} does not express", fix)

@@ -1,0 +1,198 @@
+"""The MLP (gated or not, its activation and GLU variants) and Mixture of Experts (experts, shared experts, which
+layers, and the router's maths)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .base import LAYOUT, NUMERICS, SIZE, Feature, as_tuple, get, setting
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "squared_relu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLP(Feature):
+    attr: ClassVar[str] = "mlp"
+    title: ClassVar[str] = "mlp"
+
+    gated: bool = setting(True, arg=("swiglu", "quick_geglu"), config="gated_linear_unit",
+                          what="gated MLP (GLU: act(gate) * up)")
+    activation: str = setting("silu", arg=("glu_activation", "squared_relu", "openai_gelu"),
+                              config="activation_func",
+                              what="the MLP activation: silu, gelu, gelu_tanh, quick_gelu or squared_relu")
+    glu_linear_offset: float = setting(0.0, arg="glu_linear_offset", what="the offset added to the GLU's up part")
+    clamp: float | None = setting(None, arg="activation_func_clamp_value", what="the clamp of the GLU's inputs")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MLP:
+        a = vars(args)
+        if get(a, "quick_geglu", default=False):
+            gated, act = True, "quick_gelu"
+        elif get(a, "swiglu", default=False):
+            gated, act = True, str(get(a, "glu_activation", default="silu"))
+        elif get(a, "squared_relu", default=False):
+            gated, act = False, "squared_relu"
+        else:
+            gated, act = False, "gelu_tanh" if get(a, "openai_gelu", default=False) else "gelu"
+        clamp = get(a, "activation_func_clamp_value")
+        return cls(gated=gated, activation=act, glu_linear_offset=float(get(a, "glu_linear_offset", default=0.0)),
+                   clamp=None if clamp is None else float(clamp))
+
+    def to_args(self) -> dict[str, Any]:
+        # Megatron-LM's --swiglu and --quick-geglu are exclusive ways of saying "gated"; glu_activation is
+        # dist_convert's own name for a GLU's other activations (GeGLU)
+        return {"swiglu": self.gated and self.activation != "quick_gelu",
+                "quick_geglu": self.gated and self.activation == "quick_gelu",
+                "glu_activation": self.activation if self.gated and self.activation != "quick_gelu" else "silu",
+                "squared_relu": not self.gated and self.activation == "squared_relu",
+                "openai_gelu": not self.gated and self.activation == "gelu_tanh",
+                "glu_linear_offset": self.glu_linear_offset, "activation_func_clamp_value": self.clamp}
+
+    def shown(self) -> dict[str, Any]:
+        plain = MLP()
+        return {f"mlp.{n}": v for n, v, _ in self.fields() if n in ("gated", "activation") or v != getattr(plain, n)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoE(Feature):
+    attr: ClassVar[str] = "moe"
+    title: ClassVar[str] = "moe"
+    what: ClassVar[str] = "Mixture-of-Experts layers"
+
+    num_experts: int = setting(0, kind=SIZE, arg="num_experts", config="num_moe_experts", what="routed experts")
+    ffn: int = setting(0, kind=SIZE, arg="moe_ffn_hidden_size", what="each routed expert's FFN size")
+    layer_pattern: tuple[int, ...] | None = setting(None, arg="moe_layer_freq",
+                                                    what="dense layers between the MoE layers (1: MoE, 0: dense)")
+    shared_size: int | None = setting(None, arg="moe_shared_expert_intermediate_size",
+                                      what="the shared experts' FFN size (None: none)")
+    shared_gate: bool = setting(False, arg="moe_shared_expert_gate", what="sigmoid gate on the shared experts")
+    expert_bias: bool = setting(False, arg="moe_router_enable_expert_bias",
+                                what="router expert bias for the choice (DeepSeek's e_score_correction_bias)")
+    topk: int = setting(2, kind=SIZE, arg="moe_router_topk", what="experts per token")
+    score_function: str = setting("softmax", arg="moe_router_score_function", what="router scores: softmax or sigmoid")
+    pre_softmax: bool = setting(False, arg="moe_router_pre_softmax",
+                                what="softmax before top-k, a router that never renormalises the top-k")
+    topk_scaling_factor: float | None = setting(None, arg="moe_router_topk_scaling_factor",
+                                                what="the routed weights' scale")
+    num_groups: int | None = setting(None, arg="moe_router_num_groups", what="expert groups of group-limited routing")
+    group_topk: int | None = setting(None, arg="moe_router_group_topk", what="groups chosen per token")
+    capacity_factor: float | None = setting(None, arg="moe_expert_capacity_factor",
+                                            what="an expert capacity (tokens over it are dropped)")
+    apply_probs_on_input: bool = setting(False, arg="moe_apply_probs_on_input",
+                                         what="routing weights applied to the experts' input")
+    topk_limited_devices: int | None = setting(None, arg="moe_router_topk_limited_devices",
+                                               what="device-limited routing")
+    force_load_balancing: bool = setting(False, arg="moe_router_force_load_balancing",
+                                         what="random routing (benchmarking only)")
+    force_biased: float | None = setting(None, arg="moe_router_force_biased",
+                                         what="a random bias on the router logits")
+    rank_capacity_factor: float | None = setting(None, arg="moe_expert_rank_capacity_factor",
+                                                 what="a per-rank token budget (tokens over it are dropped)")
+    router_dtype: str | None = setting(None, kind=NUMERICS, arg="moe_router_dtype",
+                                       what="the dtype the router computes in")
+    grouped: bool = setting(False, kind=LAYOUT, arg=(),
+                            what="legacy rank files name experts as TEGroupedMLP does (linear_fc1.weight{i})")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> MoE | None:
+        a = vars(args)
+        experts = int(get(a, "num_experts", default=0) or 0)
+        if not experts:
+            return None
+        layers = int(a["num_layers"])
+        ffn = get(a, "moe_ffn_hidden_size") or get(a, "ffn_hidden_size") or 4 * int(a["hidden_size"])
+        shared = get(a, "moe_shared_expert_intermediate_size")
+        opt = {k: get(a, name) for k, name in (("topk_scaling_factor", "moe_router_topk_scaling_factor"),
+                                               ("num_groups", "moe_router_num_groups"),
+                                               ("group_topk", "moe_router_group_topk"),
+                                               ("capacity_factor", "moe_expert_capacity_factor"),
+                                               ("topk_limited_devices", "moe_router_topk_limited_devices"),
+                                               ("router_dtype", "moe_router_dtype"),
+                                               ("force_biased", "moe_router_force_biased"),
+                                               ("rank_capacity_factor", "moe_expert_rank_capacity_factor"))}
+        return cls(num_experts=experts, ffn=int(ffn), layer_pattern=moe_layer_pattern(get(a, "moe_layer_freq",
+                                                                                          default=1), layers),
+                   shared_size=int(shared) if shared else None,
+                   shared_gate=bool(get(a, "moe_shared_expert_gate", default=False)),
+                   expert_bias=bool(get(a, "moe_router_enable_expert_bias", default=False)),
+                   topk=int(get(a, "moe_router_topk", default=2)),
+                   score_function=str(get(a, "moe_router_score_function", default="softmax")),
+                   pre_softmax=bool(get(a, "moe_router_pre_softmax", default=False)),
+                   apply_probs_on_input=bool(get(a, "moe_apply_probs_on_input", default=False)),
+                   force_load_balancing=bool(get(a, "moe_router_force_load_balancing", default=False)),
+                   **_router(opt))
+
+    def to_args(self) -> dict[str, Any]:
+        return {"num_experts": self.num_experts, "moe_ffn_hidden_size": self.ffn,
+                "moe_layer_freq": 1 if self.layer_pattern is None else list(self.layer_pattern),
+                "moe_shared_expert_intermediate_size": self.shared_size, "moe_shared_expert_gate": self.shared_gate,
+                "moe_router_enable_expert_bias": self.expert_bias, "moe_router_topk": self.topk,
+                "moe_router_score_function": self.score_function, "moe_router_pre_softmax": self.pre_softmax,
+                "moe_router_topk_scaling_factor": self.topk_scaling_factor,
+                "moe_router_num_groups": self.num_groups, "moe_router_group_topk": self.group_topk,
+                "moe_expert_capacity_factor": self.capacity_factor,
+                "moe_apply_probs_on_input": self.apply_probs_on_input,
+                "moe_router_topk_limited_devices": self.topk_limited_devices,
+                "moe_router_force_load_balancing": self.force_load_balancing, "moe_router_dtype": self.router_dtype,
+                "moe_router_force_biased": self.force_biased,
+                "moe_expert_rank_capacity_factor": self.rank_capacity_factor}
+
+    @staticmethod
+    def absent_args() -> dict[str, Any]:
+        """A dense model's args (Megatron-LM: no num_experts means no MoE, and no expert FFN size)."""
+        return {"num_experts": None, "moe_ffn_hidden_size": None}
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.layer_pattern is None or bool(self.layer_pattern[layer])
+
+
+def _router(opt: dict[str, Any]) -> dict[str, Any]:
+    """The optional router fields in one spelling: megatron-core treats a scaling factor of 1 as none, and group
+    routing over one group (or none) as plain top-k."""
+    out = {k: (None if v is None else int(v) if k in ("num_groups", "group_topk", "topk_limited_devices")
+               else str(v) if k == "router_dtype" else float(v)) for k, v in opt.items()}
+    if out["topk_scaling_factor"] == 1.0:
+        out["topk_scaling_factor"] = None
+    if (out["num_groups"] or 0) <= 1:
+        out["num_groups"] = out["group_topk"] = None
+    return out
+
+
+def moe_layer_pattern(freq: Any, num_layers: int) -> tuple[int, ...] | None:
+    """megatron-core's ``moe_layer_freq``: an int k (every k-th layer, from layer 0, is MoE; 1: all) or a list of 0/1
+    per layer (Megatron-LM also takes its string form, e.g. "([0]+[1]*3)"). None when every layer is MoE."""
+    from ..errors import ConvertError
+
+    if isinstance(freq, str):  # Megatron-LM's --moe-layer-freq "([0]*1+[1]*3)": a Python list expression
+        freq = _list_expression(freq)
+    if freq is None or freq == 1:
+        return None
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ConvertError(f"moe_layer_freq={freq} is not a positive layer frequency",
+                               "the checkpoint args are damaged; fix moe_layer_freq")
+        pattern = tuple(1 if i % freq == 0 else 0 for i in range(num_layers))
+    else:
+        pattern = tuple(int(x) for x in freq)
+        if len(pattern) != num_layers or set(pattern) - {0, 1}:
+            raise ConvertError(f"moe_layer_freq={list(pattern)} is not one 0/1 per layer ({num_layers} layers)",
+                               "the checkpoint args are damaged; fix moe_layer_freq")
+    return None if all(pattern) else pattern
+
+
+def _list_expression(text: str) -> Any:
+    """Megatron-LM's list expressions (``([0]*3+[1]*5)``): lists of ints joined by + and repeated by *."""
+    import ast
+
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = ev(node.left), ev(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(text)
+
+    return as_tuple(ev(ast.parse(text.strip(), mode="eval").body))

@@ -280,13 +280,14 @@ def _load_all(path: Path) -> dict:
     return out
 
 
-def add_mtp_layer(path: Path, seed: int = 11) -> Path:
+def add_mtp_layer(path: Path, seed: int = 11, copies: tuple[str, ...] = ("embed_tokens", "shared_head.head")) -> Path:
     """Append a DeepSeek-V3-release MTP layer in place: HF layer L = num_hidden_layers holds a whole decoder
     layer (input_layernorm, self_attn.*, post_attention_layernorm, mlp.* like the model's last layer) plus
     enorm, hnorm, eh_proj [h, 2h], shared_head.norm, and embed_tokens.weight / shared_head.head.weight as
-    exact copies of the model's embedding / lm_head; written as one extra safetensors shard (the index made
-    or updated), config.json gets num_nextn_predict_layers 1. Random values seeded by name (dtype of the
-    model's weights; e_score_correction_bias fp32, random)."""
+    exact copies of the model's embedding / lm_head (``copies``: which of the two; GLM-4.5 releases store the head
+    copy only, 4.6 and 4.7 neither); written as one extra safetensors shard (the index made or updated),
+    config.json gets num_nextn_predict_layers 1. Random values seeded by name (dtype of the model's weights;
+    e_score_correction_bias fp32, random)."""
     from safetensors.torch import save_file
 
     cfg = json.loads((path / "config.json").read_text())
@@ -317,8 +318,10 @@ def add_mtp_layer(path: Path, seed: int = 11) -> Path:
     mtp[new + "hnorm.weight"] = rand(new + "hnorm.weight", (h,), "norm")
     mtp[new + "eh_proj.weight"] = rand(new + "eh_proj.weight", (h, 2 * h), "w")
     mtp[new + "shared_head.norm.weight"] = rand(new + "shared_head.norm.weight", (h,), "norm")
-    mtp[new + "embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
-    mtp[new + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    if "embed_tokens" in copies:
+        mtp[new + "embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+    if "shared_head.head" in copies:
+        mtp[new + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
     shard = "model-mtp.safetensors"
     save_file(mtp, path / shard, metadata={"format": "pt"})
     wmap = {**wmap, **{k: shard for k in mtp}}

@@ -129,6 +129,20 @@ def test_refusals(change, needles):
         assert n in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("copies", [(), ("shared_head.head",)], ids=["glm46-no-copies", "glm45-head-copy"])
+def test_round_trip_gives_back_the_releases_own_mtp_copies(tmp_path, copies):
+    """A GLM-4.6-style release (its MTP layer stored without the embedding and head copies) and a GLM-4.5-style one
+    (the head copy only) come back from HF -> torch_dist (TP2) -> HF with exactly their own tensors, bit for bit:
+    the torch_dist target's origin record says which copies the source held."""
+    src = add_mtp_layer(make_hf_model(tmp_path, "glm4_moe"), copies=copies)
+    mid, back = tmp_path / "td", tmp_path / "back"
+    ok(run_cli("reshard", str(src), str(mid), "--target-tp", "2", "--dst-format", "torch_dist"))
+    ok(run_cli("reshard", str(mid), str(back), "--dst-format", "hf"))
+    b = assert_bit_exact(src, back)
+    assert ("model.layers.3.shared_head.head.weight" in b) == bool(copies)
+    assert "model.layers.3.embed_tokens.weight" not in b and "model.layers.3.eh_proj.weight" in b
+
+
 # -- processes: transformers makes the model, megatron-core judges ---------------------------------------------
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory) -> tuple[Path, Path, str]:

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import assert_refused, ok, oracle, run_cli
-from hf_models import hf_logits, make_hf_model, oracle_config
+from hf_models import assert_bit_exact, hf_logits, make_hf_model, oracle_config
 
 
 @pytest.fixture(scope="session")
@@ -98,6 +98,21 @@ def test_hf_to_mcore_to_hf_is_byte_identical(hf_dir, tmp_path, name, fmt, tp, pp
     model, info = transformers.AutoModelForCausalLM.from_pretrained(back, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert type(model).__name__ == cfg_a["architectures"][0]
+
+
+def test_a_tied_release_storing_its_head_gets_it_back(tmp_path):
+    """A tied model whose release stores lm_head.weight as a copy of the embedding (transformers' save_pretrained does
+    not; some releases do) comes back from HF -> torch_dist -> HF with the copy; one without it, without."""
+    from safetensors.torch import load_file, save_file
+
+    src = make_hf_model(tmp_path / "src", "llama32")
+    weights = load_file(src / "model.safetensors")
+    save_file({**weights, "lm_head.weight": weights["model.embed_tokens.weight"].clone()}, src / "model.safetensors",
+              metadata={"format": "pt"})
+    mid, back = tmp_path / "td", tmp_path / "back"
+    ok(run_cli("reshard", str(src), str(mid), "--target-tp", "2", "--dst-format", "torch_dist"))
+    ok(run_cli("reshard", str(mid), str(back), "--dst-format", "hf"))
+    assert "lm_head.weight" in assert_bit_exact(src, back)
 
 
 def test_hf_to_torch_dist_to_hf_writes_the_source_config_back_after_it_is_gone(tmp_path):

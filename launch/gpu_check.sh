@@ -7,7 +7,7 @@
 #   3. verify: the round trip is bit-exact, the middle layout equals the source tensor for tensor, and the two
 #      exchanges wrote the same tensors
 #   4. speculate adds EAGLE-3 and Medusa at TP=2 (data-parallel N/2) on the ranks' devices; ModelOpt's restore
-#      in a process of its own judges each (tests/spec_oracle.py)
+#      in a process of its own judges each (tests/oracles/spec.py)
 #   5. a table: per job the wall time, GB/s per rank, the exchange's share of the wall time, peak GPU and host
 #      memory
 # usage: bash launch/gpu_check.sh [--cpu] [--out DIR]     (under 5 minutes on one 8-GPU node)
@@ -66,7 +66,7 @@ sys.exit(max(main(["verify", x, y]) for x, y in zip(a[::2], a[1::2])))' "$@"
 }
 
 echo "== 1. megatron-core makes the source (TP=$N)"
-step judge --nproc_per_node="$N" tests/mcore_oracle.py make --config "$W/config.json" --tp "$N" --pp 1 --seed 7 \
+step judge --nproc_per_node="$N" tests/oracles/mcore.py make --config "$W/config.json" --tp "$N" --pp 1 --seed 7 \
   --iteration 1 --out-torch-dist "$W/src" --out-megatron "$W/src_legacy" >/dev/null
 echo "== 2. reshard TP=$N -> TP=$TP2 PP=$PP2 and back"
 dc reshard "$W/src" "$W/mid" --target-tp "$TP2" --target-pp "$PP2" --stats-json "$W/mid.json"
@@ -83,7 +83,7 @@ for algo in $ALGOS; do
   start=$EPOCHREALTIME
   dc speculate "$W/src" "$W/spec_$algo" --target-tp "$SPEC_TP" --target-pp 1 "${flags[@]}"
   "$PY" -c "print($EPOCHREALTIME - $start)" > "$W/spec_$algo.s"
-  step judge --nproc_per_node="$SPEC_TP" tests/spec_oracle.py check --config "$W/config.json" --tp "$SPEC_TP" --pp 1 \
+  step judge --nproc_per_node="$SPEC_TP" tests/oracles/spec.py check --config "$W/config.json" --tp "$SPEC_TP" --pp 1 \
     --algo "$algo" --ckpt "$W/spec_$algo" --ref "$W/src" | tee "$W/spec_$algo.oracle" | grep "SPEC ORACLE OK"
 done
 echo "== 5. figures"

@@ -19,7 +19,7 @@ cat > "$DEMO/config.json" <<'JSON'
 JSON
 
 echo "== 1. a demo Llama-style GPT checkpoint at TP=2 PP=2, saved by megatron-core in both formats"
-run torchrun --nproc_per_node=4 tests/mcore_oracle.py make --config "$DEMO/config.json" --tp 2 --pp 2 \
+run torchrun --nproc_per_node=4 tests/oracles/mcore.py make --config "$DEMO/config.json" --tp 2 --pp 2 \
     --seed 0 --iteration 100 --out-torch-dist "$DEMO/src_torch_dist" --out-megatron "$DEMO/src_megatron" >/dev/null
 run "$PY" -m dist_convert inspect "$DEMO/src_torch_dist"
 
@@ -31,9 +31,9 @@ run torchrun --nproc_per_node=2 dist_convert reshard "$DEMO/src_torch_dist" "$DE
 echo "== 3. verify: every logical tensor equal, and megatron-core loads each output at its layout"
 run torchrun --nproc_per_node=2 dist_convert verify "$DEMO/src_megatron" "$DEMO/tp1_pp4"
 run torchrun --nproc_per_node=2 dist_convert verify "$DEMO/tp1_pp4" "$DEMO/tp2_pp1_megatron"
-run torchrun --nproc_per_node=4 tests/mcore_oracle.py compare --config "$DEMO/config.json" --tp 1 --pp 4 \
+run torchrun --nproc_per_node=4 tests/oracles/mcore.py compare --config "$DEMO/config.json" --tp 1 --pp 4 \
     --ckpt "$DEMO/tp1_pp4" --ref "$DEMO/src_torch_dist"
-run torchrun --nproc_per_node=2 tests/mcore_oracle.py compare --config "$DEMO/config.json" --tp 2 --pp 1 \
+run torchrun --nproc_per_node=2 tests/oracles/mcore.py compare --config "$DEMO/config.json" --tp 2 --pp 1 \
     --ckpt "$DEMO/tp2_pp1_megatron" --ref "$DEMO/src_torch_dist"
 
 echo "== 4. export to Hugging Face safetensors, import it back at TP=2, verify both"

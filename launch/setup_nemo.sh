@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of NVIDIA NeMo 2 (nemo_toolkit 2.6.0) in .venv, for the NeMo 2 oracle
-# (tests/nemo2_oracle.py); run after launch/setup.sh. NeMo goes into .venv (megatron-core 0.16.1) only: it
+# (tests/oracles/nemo2.py); run after launch/setup.sh. NeMo goes into .venv (megatron-core 0.16.1) only: it
 # does not import with megatron-core 0.19.2. Its own deps pin CUDA-only and conflicting packages, so what
 # `from nemo.collections import llm` and `nemo.lightning.io` import comes first (nvidia-modelopt, which NeMo's
 # checkpoint save imports, comes with launch/setup.sh), then nemo_toolkit, nemo_run and leptonai without their

@@ -25,7 +25,7 @@ cleanup() {
 }
 trap cleanup EXIT
 bash launch/setup.sh
-bash launch/setup_nemo.sh  # NeMo 2 in .venv, for the NeMo 2 oracle (tests/nemo2_oracle.py)
+bash launch/setup_nemo.sh  # NeMo 2 in .venv, for the NeMo 2 oracle (tests/oracles/nemo2.py)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/ruff check dist_convert tests  # lint: the rule set is in pyproject.toml
 set +e

@@ -1,4 +1,4 @@
-"""Shared fixtures: source checkpoints made once per session by megatron-core (tests/mcore_oracle.py),
+"""Shared fixtures: source checkpoints made once per session by megatron-core (tests/oracles/mcore.py),
 and helpers that launch the real CLI the way users do (torchrun from the repo root, or one process)."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from workers import Workers
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-ORACLE = ROOT / "tests" / "mcore_oracle.py"
+ORACLE = ROOT / "tests" / "oracles" / "mcore.py"
 # one intra-op thread per rank (runtime.job_threads): the suite runs many jobs side by side on few cores
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DIST_CONVERT_THREADS": "1", "PYTHONWARNINGS": "ignore",
        "TORCHELASTIC_ERROR_FILE": ""}
@@ -67,7 +67,7 @@ def assert_refused(proc: subprocess.CompletedProcess, tmp_path: Path, *needles: 
 
 def oracle(cmd: str, nproc: int, *args: str, check: bool = True, program: str = "mcore",
            runtime: str = "default") -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=N tests/mcore_oracle.py CMD ...`` (or ``tests/t5_oracle.py`` with
+    """``torchrun --nproc_per_node=N tests/oracles/mcore.py CMD ...`` (or ``tests/oracles/t5.py`` with
     ``program="t5"``), run in the session's oracle worker for that world size; ``runtime="mcore19"``:
     under megatron-core 0.19.2 (Python 3.12, the second venv)."""
     proc = WORKERS.run("oracle", nproc, [program, cmd, *args], 600, runtime)

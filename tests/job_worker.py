@@ -11,7 +11,7 @@ C++ output too) in ``DIR/job{n}.rank{r}.out`` / ``.err``. Programs:
   * ``cli``: ``dist_convert.cli.main(argv)``; under torchrun in the worker's process group, joined once
     (``--backend``/``--timeout`` of a job do not apply); without torchrun exactly as one process runs it.
   * ``oracle``: ``argv[0]`` is ``mcore``, ``t5`` or ``spec``; the rest goes to ``main(..., serving=True)``
-    of ``tests/mcore_oracle.py``, ``tests/t5_oracle.py`` or ``tests/spec_oracle.py``, which tears down
+    of ``tests/oracles/mcore.py``, ``tests/oracles/t5.py`` or ``tests/oracles/spec.py``, which tears down
     megatron-core's model-parallel groups at the end of the job and keeps the process group.
 After every job the ranks meet in a barrier: a job that broke the process group (a lost peer) ends the
 worker, and the session starts a fresh one for the next job. EOF on the socket ends the worker.
@@ -40,10 +40,10 @@ def program(name: str) -> Callable[[list[str]], int]:
             return main
         rt = init_runtime("gloo", 300.0)
         return lambda argv: main(argv, runtime=rt)
-    if name == "oracle":  # each oracle imported at its first job (spec_oracle needs ModelOpt)
+    if name == "oracle":  # each oracle (tests/oracles/) imported at its first job (the spec oracle needs ModelOpt)
         import importlib
 
-        return lambda argv: importlib.import_module(f"{argv[0]}_oracle").main(argv[1:], serving=True)
+        return lambda argv: importlib.import_module(f"oracles.{argv[0]}").main(argv[1:], serving=True)
     raise SystemExit(f"unknown program {name!r}")
 
 

@@ -1,5 +1,5 @@
 """Megatron-Bridge checkpoints as Megatron-Bridge 0.6.2 itself writes them (its own HF import of a tiny
-Llama, tests/bridge_oracle.py ``import``) are read by every command, and converted to HF, torch_dist and
+Llama, tests/oracles/bridge.py ``import``) are read by every command, and converted to HF, torch_dist and
 Bridge targets at other layouts; the judges are code nobody here wrote: the HF source's safetensors
 (read by the safetensors library) and Megatron-Bridge's own loader, which builds the model from the
 target's run_config.yaml (Bridge targets) or args (torch_dist) and exports HF weights that must equal the

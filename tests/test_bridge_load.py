@@ -3,7 +3,7 @@ checkpoints (``load_megatron_model``) builds the model from a torch_dist target'
 every weight equals the reference (the HF source through Bridge's own HF export, or megatron-core's load);
 Megatron-LM 0.19 (megatron-core 0.19.2's megatron.training) unpickles the args with weights_only, runs
 ``--use-checkpoint-args`` and ``check_checkpoint_args``, and its TransformerConfig is the model's. The
-oracle (tests/bridge_oracle.py) runs in the second runtime and never imports dist_convert.
+oracle (tests/oracles/bridge.py) runs in the second runtime and never imports dist_convert.
 
 Bridge's loader reads the common state through ``dist_checkpointing.load_common_state_dict``, which reads
 the 0.16-style ``common.pt`` dist_convert writes (and the 0.19 ``common_state`` item): it needs no 0.19 style.

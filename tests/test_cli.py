@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from flat_config import flat_config, with_flat
 from rich.console import Console
 from safetensors.torch import load_file, save_file
 
@@ -27,6 +26,8 @@ from dist_convert.layout.boxes import Box, Piece
 from dist_convert.layout.rank_files import rank_entries
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
+
+from flat_config import flat_config, with_flat
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = {"--nproc", "--backend", "--timeout"}  # how a job of ranks starts and waits

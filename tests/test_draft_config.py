@@ -5,11 +5,12 @@ import json
 
 import pytest
 import torch
-from flat_config import flat_config
 
 from dist_convert.errors import ConvertError
 from dist_convert.speculative.draft_config import DraftRequest, speculative_config
 from dist_convert.speculative.draft_export import serving_names
+
+from flat_config import flat_config
 
 CFG = flat_config(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
                   kv_channels=16, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,

@@ -3,7 +3,7 @@
 so a renamed flag or a changed default breaks the suite, not a reader:
 
 * ``llama-tp2/``: a Llama-style GPT (4 layers, hidden 64, 8 heads, 4 query groups, SwiGLU, RMSNorm, RoPE, untied)
-  saved by megatron-core 0.16.1 as torch_dist at TP=2 PP=1, iteration 100 (tests/mcore_oracle.py);
+  saved by megatron-core 0.16.1 as torch_dist at TP=2 PP=1, iteration 100 (tests/oracles/mcore.py);
 * ``llama-hf/``: a Hugging Face Llama of the same shape, saved by transformers.
 
 ``dist_convert ...``, ``python -m dist_convert ...`` and ``torchrun --nproc_per_node=N dist_convert ...`` run in

@@ -1,5 +1,5 @@
 """Megatron-FSDP (``--ckpt-format fsdp_dtensor``) end to end: a source made by megatron-core 0.19.2's own
-Megatron-FSDP and fsdp_dtensor handlers (tests/fsdp_oracle.py), converted by the real CLI under torchrun
+Megatron-FSDP and fsdp_dtensor handlers (tests/oracles/fsdp.py), converted by the real CLI under torchrun
 to torch_dist and legacy files that megatron-core loads strictly and finds equal to a reference; torch_dist
 converted to fsdp_dtensor, loaded back through Megatron-LM's strict fsdp_dtensor load path and compared."""
 from __future__ import annotations
@@ -44,7 +44,7 @@ def fsdp_src(ref: Source) -> Path:
 
 
 # (direction, ranks, target TP): fsdp_dtensor (TP1) -> torch_dist / megatron at TP2 (vocabulary re-padded)
-# judged by mcore_oracle's strict load at TP2; torch_dist (TP1) -> fsdp_dtensor at TP2 judged by fsdp_oracle
+# judged by oracles.mcore's strict load at TP2; torch_dist (TP1) -> fsdp_dtensor at TP2 judged by fsdp_oracle
 CASES = [("fsdp->torch_dist", 2, 2), ("fsdp->megatron", 4, 2), ("torch_dist->fsdp", 2, 2)]
 
 

@@ -3,7 +3,7 @@
 Pure: config.json <-> model config both ways (transformers 4 and 5 style RoPE keys), the name table, the
 refusals, and which family a model exports as. Processes: a tiny random ``Gemma3ForCausalLM`` made by
 transformers itself converts to torch_dist at TP=2 and TP=1 PP=2 and to legacy files under torchrun, and
-Megatron-Bridge 0.6.2's own Gemma 3 (tests/gemma3_oracle.py, the second runtime) judges each target: a
+Megatron-Bridge 0.6.2's own Gemma 3 (tests/oracles/gemma3.py, the second runtime) judges each target: a
 strict load, every tensor equal to Bridge's own import of the same HF model, logits equal to transformers';
 the way back to HF is bit-exact and loads cleanly in transformers with the same logits.
 """
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from flat_config import with_flat
 
 from dist_convert.errors import ConvertError
 from dist_convert.formats.hf import hf_tensors
@@ -23,6 +22,7 @@ from dist_convert.layout.rules import logical_tensors
 from dist_convert.models import config_from_hf, export_family, hf_from_config
 
 from conftest import ok, oracle, run_cli
+from flat_config import with_flat
 
 GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 300, "hidden_size": 64,
           "intermediate_size": 128, "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2,

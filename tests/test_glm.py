@@ -3,7 +3,7 @@ per-head q/k norm, partial RoPE (megatron-core's rotary_percent), DeepSeek-V3's 
 
 Processes: a tiny random Glm4MoeForCausalLM made by transformers (an MTP layer added as the releases store it)
 converts to torch_dist at TP=2 EP=2 ETP=1 and to legacy files at TP=1 PP=2 under torchrun; megatron-core
-(tests/mcore_oracle.py) loads each strictly with the stored args checked, gives transformers' logits and runs
+(tests/oracles/mcore.py) loads each strictly with the stored args checked, gives transformers' logits and runs
 its MTP forward; the way back to HF is bit-exact with the same config.json and loads cleanly in transformers.
 Pure: GLM-4.5's real config.json, which family a model exports as, optional MTP copies, the refusals."""
 from __future__ import annotations
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from flat_config import with_flat
 
 from dist_convert.errors import ConvertError
 from dist_convert.features.expressed import describe_all
@@ -22,6 +21,7 @@ from dist_convert.models import FAMILIES, config_from_hf, export_family, hf_from
 from dist_convert.models.glm import Glm4Moe
 
 from conftest import ok, oracle, run_cli
+from flat_config import with_flat
 from hf_models import add_mtp_layer, assert_bit_exact, hf_logits, make_hf_model, oracle_config
 
 # GLM-4.5 (zai-org/GLM-4.5 config.json, the values that shape it): 355B parameters, 92 layers, 1 MTP layer

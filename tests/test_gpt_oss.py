@@ -1,7 +1,7 @@
 """gpt-oss (``GptOssForCausalLM``) judged by code nobody here wrote: transformers makes and saves a tiny model
 (tests/gpt_oss_models.py: biases, sinks, norms away from 1, 4 experts top-2, sliding and full layers, YaRN,
 head_dim != hidden / heads, odd vocabulary, untied), dist_convert converts it under torchrun, and megatron-core
-0.16.1 (tests/mcore_oracle.py, local spec on CPU) loads the result strictly and computes the logits that are
+0.16.1 (tests/oracles/mcore.py, local spec on CPU) loads the result strictly and computes the logits that are
 compared with transformers'. Back to HF: bit-exact tensors, the same config.json, a clean from_pretrained.
 
 On CPU megatron-core's own local attention runs the sinks (SoftmaxOne) and the sliding window (the torch path
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from flat_config import with_flat
 from gpt_oss_models import CONFIG, gpt_oss_oracle_config, make_gpt_oss
 from test_hf import tensors
 
@@ -32,6 +31,7 @@ from dist_convert.models.gpt_oss import layer_types_of, skip_freq
 from dist_convert.plan import select_source
 
 from conftest import ok, oracle, run_cli
+from flat_config import with_flat
 from hf_models import hf_logits
 
 HF_CONFIG = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **CONFIG}

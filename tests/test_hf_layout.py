@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flat_config import with_flat
 
 from dist_convert.config import ModelConfig
 from dist_convert.cuts import split_chunks
@@ -17,6 +16,8 @@ from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 from dist_convert.models import config_from_hf, hf_from_config
 from dist_convert.plan import make_plan, select_source
+
+from flat_config import with_flat
 
 
 def hf_config(**over) -> dict:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from flat_config import with_flat
 
 from dist_convert.datamodel import SourceChunk
 from dist_convert.errors import ConvertError
@@ -20,6 +19,7 @@ from dist_convert.models.moe import hf_moe_pattern
 from dist_convert.plan import select_source
 
 from conftest import ok, oracle, run_cli
+from flat_config import with_flat
 from hf_models import MOE_FAMILIES, hf_logits, make_hf_model, oracle_config
 
 

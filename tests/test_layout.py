@@ -1,13 +1,14 @@
 """Pure unit tests of the slice algebra, the layout table and pipeline stage math (no processes)."""
 import pytest
 import torch
-from flat_config import flat_config
 
 from dist_convert.config import ModelConfig, padded_vocab_size
 from dist_convert.errors import ConvertError
 from dist_convert.layout.boxes import Box, Kind, local_pieces, piece_box
 from dist_convert.layout.rules import logical_tensors, torch_dist_key
 from dist_convert.layout.topology import Layout
+
+from flat_config import flat_config
 
 
 def cfg(**kw) -> ModelConfig:

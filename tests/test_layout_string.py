@@ -1,5 +1,5 @@
 """pipeline_model_parallel_layout strings under torchrun (gloo), judged by megatron-core building the
-model from the same string itself (tests/mcore_oracle.py --pipeline-layout) and loading strictly."""
+model from the same string itself (tests/oracles/mcore.py --pipeline-layout) and loading strictly."""
 from __future__ import annotations
 
 import pytest

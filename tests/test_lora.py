@@ -1,5 +1,5 @@
-"""LoRA adapters under torchrun (gloo, 2 ranks), judged by HF peft 0.21.2 and megatron-core (tests/peft_oracle.py,
-tests/mcore_oracle.py; Megatron-Bridge's side: tests/test_lora_bridge.py):
+"""LoRA adapters under torchrun (gloo, 2 ranks), judged by HF peft 0.21.2 and megatron-core (tests/oracles/peft_lora.py,
+tests/oracles/mcore.py; Megatron-Bridge's side: tests/test_lora_bridge.py):
 
 - merge (``reshard BASE DST --lora ADAPTER``): peft's own ``merge_and_unload`` of its own adapter is the truth of
   the merged weights (HF targets) and of the logits megatron-core computes from a merged torch_dist target;
@@ -26,7 +26,7 @@ VARIANTS = ("plain", "patterns", "rslora", "qv", "dora", "ranks")
 
 
 def peft(cmd: str, *args: str) -> str:
-    return oracle(cmd, 1, *args, program="peft", runtime="mcore19").stdout
+    return oracle(cmd, 1, *args, program="peft_lora", runtime="mcore19").stdout
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """LoRA adapters between Megatron-Bridge and HF peft under torchrun (gloo, 2 ranks), judged by Megatron-Bridge
-0.6.2's own LoRA code on CPU (tests/bridge_lora_oracle.py: its ``save_checkpoint`` makes the LoRA PEFT checkpoint,
+0.6.2's own LoRA code on CPU (tests/oracles/bridge_lora.py: its ``save_checkpoint`` makes the LoRA PEFT checkpoint,
 its ``save_hf_adapter`` and merged export are the truth, its ``load_peft_adapter_checkpoint`` at TP2 and
-``export_adapter_ckpt`` read what dist_convert writes) and by peft 0.21.2 (tests/peft_oracle.py)."""
+``export_adapter_ckpt`` read what dist_convert writes) and by peft 0.21.2 (tests/oracles/peft_lora.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,7 +31,7 @@ def test_bridge_adapter_to_peft_is_bridges_save_hf_adapter(made, tmp_path):
     dst = tmp_path / "peft"
     ok(run_cli("reshard", str(made / "made" / "peft_ckpt"), str(dst), "--dst-format", "hf", nproc=2))
     out = oracle("check", 1, "--hf", str(made / "llama"), "--adapter", str(dst), "--ref",
-                 str(made / "made" / "hf_adapter"), "--tensors", program="peft", runtime="mcore19").stdout
+                 str(made / "made" / "hf_adapter"), "--tensors", program="peft_lora", runtime="mcore19").stdout
     assert "ORACLE OK" in out
 
 
@@ -71,7 +71,7 @@ def test_bridge_runs_a_block_structured_adapter_as_peft_runs_the_original(made, 
     fused tensor (plain: dim 3 x 4; ranks: q of rank 8 beside k and v of 4, scales a power of two apart, folded into
     B): Bridge loads it at TP2 and its LoRA forward gives the logits peft gives with the original adapter."""
     llama, adapter, dst = made / "llama", tmp_path / "peft", tmp_path / "tp2"
-    oracle("make", 1, "--hf", str(llama), "--out", str(adapter), "--variant", variant, program="peft",
+    oracle("make", 1, "--hf", str(llama), "--out", str(adapter), "--variant", variant, program="peft_lora",
            runtime="mcore19")
     ok(run_cli("reshard", str(adapter), str(dst), "--dst-format", "torch_dist", "--target-tp", "2", "--base",
                str(llama), nproc=2))

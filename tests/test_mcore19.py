@@ -1,7 +1,7 @@
 """megatron-core 0.19 checkpoints and the second runtime: the common state as the DCP item
 ``common_state/shard_0_1`` (no common.pt) read and written, ``--torch-dist-style``, unfinished async
 saves refused, TP a multiple of the query groups, and dist_convert itself under Python 3.12 +
-megatron-core 0.19.2. Judged by megatron-core 0.16.1 and 0.19.2 loading strictly (tests/mcore_oracle.py)."""
+megatron-core 0.19.2. Judged by megatron-core 0.16.1 and 0.19.2 loading strictly (tests/oracles/mcore.py)."""
 from __future__ import annotations
 
 import io

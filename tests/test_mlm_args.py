@@ -9,13 +9,14 @@ import io
 
 import pytest
 import torch
-from flat_config import flat_config, with_flat
 
 from dist_convert.config import config_from_args
 from dist_convert.errors import ConvertError
 from dist_convert.layout.topology import Layout
 from dist_convert.mlm_args import ARGS, BY_NAME, CFG, DERIVED, LAYOUT, SAFE_CLASSES, complete_args
 from dist_convert.models import config_from_hf
+
+from flat_config import flat_config, with_flat
 
 # Megatron-Bridge 0.6.2 mlm_compat reads these without a default: each must be in every target's args
 BRIDGE_DIRECT = ("multi_latent_attention", "heterogeneous_layers_config_path", "no_persist_layer_norm", "params_dtype",

@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from flat_config import flat_config, with_flat
 
 from dist_convert.config import ModelConfig, config_from_args, moe_layer_pattern
 from dist_convert.errors import ConvertError
 from dist_convert.layout.boxes import Kind
 from dist_convert.layout.rules import logical_tensors, torch_dist_key
 from dist_convert.layout.topology import Layout
+
+from flat_config import flat_config, with_flat
 
 MOE = dict(num_experts=4, moe_ffn_hidden_size=16, moe_layer_pattern=(0, 1), moe_shared_expert_intermediate_size=24,
            moe_shared_expert_gate=True)

@@ -1,6 +1,6 @@
 """.nemo archives of megatron-core GPT models: archives are built here from megatron-core's own rank
 files (NeMo's documented layout, written with tarfile + torch only), converted by the CLI, and the
-results judged by megatron-core (tests/mcore_oracle.py) after unpacking them the same independent way."""
+results judged by megatron-core (tests/oracles/mcore.py) after unpacking them the same independent way."""
 from __future__ import annotations
 
 import shutil

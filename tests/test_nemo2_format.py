@@ -1,8 +1,8 @@
-"""NeMo 2 checkpoints as NeMo 2.6.0 itself writes them (tests/nemo2_oracle.py ``make``: NeMo's own
+"""NeMo 2 checkpoints as NeMo 2.6.0 itself writes them (tests/oracles/nemo2.py ``make``: NeMo's own
 trainer.save_checkpoint of the megatron-core model of fixture gpt_a, config A, at TP=2 PP=1, and its
 io_dump of the context with an HF tokenizer) are read by every command and converted; the judges are
 code nobody here wrote: megatron-core (a torch_dist target strictly loads and equals gpt_a,
-tests/mcore_oracle.py compare), NeMo (a NeMo 2 target's context loads with NeMo's ``load_context`` at the
+tests/oracles/mcore.py compare), NeMo (a NeMo 2 target's context loads with NeMo's ``load_context`` at the
 new layout, NeMo's ``configure_model`` builds the model and megatron-core loads the weights strictly,
 equal to gpt_a; also for a NeMo 2 target of megatron-core's torch_dist, whose context dist_convert writes
 from the model config) and ModelOpt (speculate's NeMo 2 target restored as NeMo restores it). A NeMo 2.0

@@ -1,7 +1,7 @@
 """Legacy NeMo Megatron GPT .nemo archives (``mcore_gpt: false``): built here from megatron-core's own rank
 files by renaming keys with the table below (NeMo's mcore <-> legacy key map) and, for ``megatron_legacy:
 true``, permuting QKV rows the way NeMo's attention undoes it; converted by the CLI; judged by megatron-core
-(tests/mcore_oracle.py) or compared tensor by tensor with this file's translation of megatron-core's own
+(tests/oracles/mcore.py) or compared tensor by tensor with this file's translation of megatron-core's own
 state dict at the target layout (megatron-core reshards the reference on load)."""
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from flat_config import flat_config, with_flat
 
 from dist_convert.datamodel import Target
 from dist_convert.errors import ConvertError
@@ -20,6 +19,7 @@ from dist_convert.formats.nemo_legacy import nemo_target_files, source_style
 from dist_convert.layout.topology import Layout
 
 from conftest import Source, assert_refused, make_gpt, ok, oracle, run_cli
+from flat_config import flat_config, with_flat
 
 ITER = "iter_0000100"
 TOKENIZER = "legacy_tokenizer.model"

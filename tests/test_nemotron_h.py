@@ -1,7 +1,7 @@
 """Nemotron-H / Nemotron-3 (``NemotronHForCausalLM``, dist_convert/models/nemotron_h.py): a hybrid stack of Mamba2,
 attention, squared-ReLU MLP and MoE layers, converted under torchrun and judged by code nobody here wrote.
 
-transformers makes a tiny random model (tests/nemotron_h_oracle.py: every tensor random, d_inner != hidden, 2 Mamba
+transformers makes a tiny random model (tests/oracles/nemotron_h.py: every tensor random, d_inner != hidden, 2 Mamba
 groups, a router correction bias); Megatron-Bridge 0.6.2 imports it at TP 1 on megatron-core 0.19.2 (the names'
 truth), and megatron-core's own ``dist_checkpointing`` reshards that import to TP 2 / PP 2: every rank's tensors of
 dist_convert's targets must equal those, loaded strictly (torch_dist: no missing or unexpected key or object;

@@ -1,9 +1,9 @@
 """Nemotron-H (``NemotronHForCausalLM``) targets loaded by megatron-core **0.16.1**'s ``MambaModel`` (the default
 runtime; tests/test_nemotron_h.py judges on 0.19.2 through Megatron-Bridge).
 
-transformers makes the tiny random model (tests/nemotron_h_oracle.py ``make``, in the second runtime); the real CLI
+transformers makes the tiny random model (tests/oracles/nemotron_h.py ``make``, in the second runtime); the real CLI
 converts it to a TP2 torch_dist target, a TP2 legacy target (megatron-core 0.16 names by default: the Mamba conv as
-``mixer.conv1d.weight`` / ``.bias``) and a TP1 PP2 legacy target. tests/mamba16_oracle.py builds 0.16.1's MambaModel
+``mixer.conv1d.weight`` / ``.bias``) and a TP1 PP2 legacy target. tests/oracles/mamba16.py builds 0.16.1's MambaModel
 from the HF config by its own mapping and loads each target strictly (torch_dist: dist_checkpointing with
 RAISE_ALL; legacy: each rank's own file, every key); every loaded tensor must equal the HF tensors mapped and cut to
 the rank's TP shard by the oracle's own mapping, bit for bit, and at PP 1 the logits must equal transformers' within

@@ -8,7 +8,6 @@ import argparse
 
 import pytest
 import torch
-from flat_config import flat_config
 
 from dist_convert.config import ModelConfig
 from dist_convert.datamodel import OptimizerState, Target
@@ -19,6 +18,8 @@ from dist_convert.layout.topology import Layout
 from dist_convert.optim.buckets import Slot, bucket_layout, check_boundaries, ddp_bucket_size, module_order
 from dist_convert.optim.read import check_sizes, dp_group_idx, rank_buffers
 from dist_convert.optim.state import is_optimizer, opt_name, optimizer_numel
+
+from flat_config import flat_config
 
 
 def test_bucket_layout_by_hand():

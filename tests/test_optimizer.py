@@ -1,5 +1,5 @@
 """``reshard --optimizer``: training resumes at a new layout. The oracle is megatron-core's own DistributedOptimizer
-(tests/train_oracle.py): trained checkpoints (tests/training_runs.py) in every optimizer layout it saves are
+(tests/oracles/train.py): trained checkpoints (tests/training_runs.py) in every optimizer layout it saves are
 converted by the real CLI; ``train_oracle resume`` loads each strictly at the new layout (model, optimizer,
 scheduler) and requires the master parameters, both Adam moments, steps and learning rates to equal, bit for bit,
 those of the truth (megatron-core loading its own one-bucket fully_reshardable save at that layout, or, for the

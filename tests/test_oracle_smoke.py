@@ -1,4 +1,4 @@
-"""Smoke tests proving the megatron-core oracle (tests/mcore_oracle.py) can fail.
+"""Smoke tests proving the megatron-core oracle (tests/oracles/mcore.py) can fail.
 
 A legacy (megatron-format) checkpoint is compared against its torch_dist twin after
 perturbing copies of it: changes in vocab padding rows must be ignored, a change of one

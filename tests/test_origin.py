@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from flat_config import flat_config
 
 from dist_convert.datamodel import ORIGIN_KEY, Origin, Target, TargetFile
 from dist_convert.formats.base import FormatOptions, read_origin, tokenizer_source
@@ -25,6 +24,8 @@ from dist_convert.formats.torch_dist import TorchDistFormat, open_weights
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 from dist_convert.mlm_args import LEGACY_ORIGIN_ARGS, args_for_target, complete_args
+
+from flat_config import flat_config
 
 CFG = flat_config(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
                   kv_channels=8, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,

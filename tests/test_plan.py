@@ -5,7 +5,6 @@ from collections import defaultdict
 
 import pytest
 import torch
-from flat_config import flat_config, with_flat
 
 from dist_convert.cuts import split_files
 from dist_convert.datamodel import SourceChunk, Target
@@ -16,6 +15,8 @@ from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 from dist_convert.plan import Plan, aligned, make_plan
 from dist_convert.runtime import Runtime
+
+from flat_config import flat_config, with_flat
 
 CFG = flat_config(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
                   kv_channels=8, swiglu=True, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True,

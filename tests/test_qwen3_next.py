@@ -2,7 +2,7 @@
 dist_convert/models/qwen3_next.py: Gated DeltaNet layers among gated full-attention layers, converted under torchrun
 and judged by code nobody here wrote.
 
-transformers makes each tiny random model (tests/qwen3_next_oracle.py: key heads 2 < value heads 4, dk != dv,
+transformers makes each tiny random model (tests/oracles/qwen3_next.py: key heads 2 < value heads 4, dk != dv,
 partial RoPE, 2 query heads per group, every tensor random, the gated output norm in [0.5, 2]); Megatron-Bridge 0.6.2
 imports it at TP 1 on megatron-core 0.19.2 (the names' and values' truth: its output norm is HF's minus 1), and
 megatron-core's own ``dist_checkpointing`` reshards that import to the judged layout: every rank's tensors of

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from flat_config import flat_config
 
 from dist_convert.config import ModelConfig
 from dist_convert.datamodel import Target
@@ -20,6 +19,7 @@ from dist_convert.optim.buckets import module_order
 from dist_convert.optim.state import is_parameter
 
 from conftest import CONFIGS, oracle
+from flat_config import flat_config
 
 
 def model_config(cfg: dict) -> ModelConfig:

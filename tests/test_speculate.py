@@ -1,6 +1,6 @@
 """``speculate`` under torchrun (gloo, no Transformer Engine): EAGLE-1, EAGLE-3 and Medusa added by
 ModelOpt at the target layout, judged by megatron-core + ModelOpt restoring the checkpoint in another
-process (tests/spec_oracle.py): base weights equal to the source, real draft weights, a forward
+process (tests/oracles/spec.py): base weights equal to the source, real draft weights, a forward
 pass with draft outputs."""
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from flat_config import flat_config
 
 from dist_convert.config import ModelConfig
 from dist_convert.datamodel import SourceChunk, numel
@@ -33,6 +32,8 @@ from dist_convert.speculative.base_model import (
     seed_rngs,
 )
 from dist_convert.speculative.draft_export import backend_devices, gather_device
+
+from flat_config import flat_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU, GPU0, GPU3 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 3)

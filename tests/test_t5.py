@@ -1,4 +1,4 @@
-"""T5 (megatron-core T5Model) checkpoints under torchrun, judged by megatron-core (tests/t5_oracle.py):
+"""T5 (megatron-core T5Model) checkpoints under torchrun, judged by megatron-core (tests/oracles/t5.py):
 TP and PP (with a pipeline split rank) both ways, bit-exact round trips, equal logits at source and
 target TP, and refusals of layouts an encoder-decoder model cannot take."""
 from __future__ import annotations

@@ -3,7 +3,6 @@ where embeddings, relative position biases, final norms and the tied head copy l
 covering every byte of T5 targets (execution simulated in memory)."""
 import pytest
 import torch
-from flat_config import flat_config, with_flat
 from test_plan import assert_targets_hold, legacy_source, logical_model, numel, simulate
 
 from dist_convert.datamodel import Target
@@ -13,6 +12,8 @@ from dist_convert.formats.torch_dist import TorchDistFormat
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 from dist_convert.plan import make_plan
+
+from flat_config import flat_config, with_flat
 
 T5 = flat_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
                  kv_channels=8, swiglu=False, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True,

@@ -1,4 +1,4 @@
-"""Checkpoints as a training run leaves them (tests/train_oracle.py: megatron-core DDP with the distributed
+"""Checkpoints as a training run leaves them (tests/oracles/train.py: megatron-core DDP with the distributed
 optimizer, two Adam steps, saved the way Megatron-LM's save_checkpoint does) under megatron-core 0.16.1 and
 0.19.2: torch_dist with dp_reshardable or fully_reshardable optimizer state, RNG state and (0.19) rerun state,
 and legacy ``--ckpt-format torch`` rank files with ``distrib_optim.pt``. The real CLI converts each; the target

@@ -1,5 +1,5 @@
 """Virtual pipeline (interleaved) layouts under torchrun, judged by megatron-core building VPP model
-chunks itself (tests/mcore_oracle.py --vpp): VPP targets load strictly at their layout, and VPP
+chunks itself (tests/oracles/mcore.py --vpp): VPP targets load strictly at their layout, and VPP
 sources made by megatron-core convert to plain layouts."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The training runs the tests share (tests/train_oracle.py make: megatron-core DDP with the distributed optimizer,
+"""The training runs the tests share (tests/oracles/train.py make: megatron-core DDP with the distributed optimizer,
 two Adam steps, saved the way Megatron-LM's save_checkpoint does), each made once per session at its first use
 through the ``trained`` fixture (registered in conftest.py)."""
 from __future__ import annotations

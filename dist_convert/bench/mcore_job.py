@@ -1,7 +1,7 @@
 """megatron-core's own path to a new layout: build the GPTModel at the target layout, load the torch_dist
 source with ``dist_checkpointing.load`` (megatron-core reshards at load, strictly), save the target with
 ``dist_checkpointing.save``. The model config comes from the source's args. CPU-only torch works
-through a few no-op patches (as in tests/mcore_oracle.py).
+through a few no-op patches (as in tests/oracles/mcore.py).
 
   torchrun --nproc_per_node=TP*PP -m dist_convert.bench.mcore_job SRC DST --tp T --pp P [--stats-json FILE]
 """

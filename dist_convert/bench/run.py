@@ -69,7 +69,7 @@ def make_source(ns: argparse.Namespace, size: int, targets: list[tuple[int, int]
                                      lcm([ns.src_pp] + [p for _, p in targets]))
     out = work / f"src_{size}"
     measure.remove(out)
-    (work / f"src_{size}.config.json").write_text(json.dumps(shape.config()))  # for tests/mcore_oracle.py
+    (work / f"src_{size}.config.json").write_text(json.dumps(shape.config()))  # for tests/oracles/mcore.py
     tp, pp = (1, 1) if ns.format == "hf" else (ns.src_tp, ns.src_pp)
     args = ("dist_convert.bench.synth", "--out", str(out), "--shape", shape_json(shape), "--format", ns.format,
             "--tp", str(tp), "--pp", str(pp), "--dtype", ns.dtype, "--seed", str(ns.seed),

@@ -46,7 +46,7 @@ class LlamaShape:
         return self.params * itemsize
 
     def config(self) -> dict:
-        """Megatron-LM argparse names (what ``tests/mcore_oracle.py --config`` reads)."""
+        """Megatron-LM argparse names (what ``tests/oracles/mcore.py --config`` reads)."""
         return {"num_layers": self.num_layers, "hidden_size": self.hidden_size,
                 "ffn_hidden_size": self.ffn_hidden_size, "num_attention_heads": self.num_attention_heads,
                 "num_query_groups": self.num_query_groups, "kv_channels": self.kv_channels,

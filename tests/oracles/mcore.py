@@ -9,17 +9,17 @@ Uses only megatron-core (never the dist_convert package) to
 Launch (world size must equal tp * pp for dense models; for MoE models (config with num_experts)
 it is tp * pp * dp for some dp >= 1, and megatron-core requires ep * etp to divide tp * dp):
 
-  torchrun --nproc_per_node=N tests/mcore_oracle.py make --config C.json --tp T --pp P \
+  torchrun --nproc_per_node=N tests/oracles/mcore.py make --config C.json --tp T --pp P \
       [--vpp V] [--first N] [--last M] --seed S --iteration I --out-torch-dist D1 --out-megatron D2
-  torchrun --nproc_per_node=N tests/mcore_oracle.py compare --config C.json --tp T --pp P \
+  torchrun --nproc_per_node=N tests/oracles/mcore.py compare --config C.json --tp T --pp P \
       [--vpp V] [--first N] [--last M] --ckpt X --ref R [--ckpt-format auto|torch_dist|megatron] \
       [--ref-format auto|torch_dist|megatron] [--check-args]
-  torchrun --nproc_per_node=T tests/mcore_oracle.py logits --config C.json --tp T [--pp 1] \
+  torchrun --nproc_per_node=T tests/oracles/mcore.py logits --config C.json --tp T [--pp 1] \
       --ckpt X --out FILE.pt [--seed S] [--ckpt-format ...]
-  torchrun --nproc_per_node=T tests/mcore_oracle.py mtp --config C.json --tp T --ckpt X [--seed S]
-  torchrun --nproc_per_node=N tests/mcore_oracle.py layout --config C.json --tp T --pp P \
+  torchrun --nproc_per_node=T tests/oracles/mcore.py mtp --config C.json --tp T --ckpt X [--seed S]
+  torchrun --nproc_per_node=N tests/oracles/mcore.py layout --config C.json --tp T --pp P \
       [--vpp V] [--first N] [--last M] --out FILE.json
-  torchrun --nproc_per_node=T*P tests/mcore_oracle.py dump --config C.json --tp T --pp P --ckpt X --out DIR
+  torchrun --nproc_per_node=T*P tests/oracles/mcore.py dump --config C.json --tp T --pp P --ckpt X --out DIR
 
 All commands also take --ep E (expert_model_parallel_size, default 1) and --etp T
 (expert_tensor_parallel_size, default: the same as --tp); E > 1 or T != tp need an MoE config.
@@ -145,71 +145,17 @@ has no multi_latent_attention / mtp_num_layers set in the checkpoint args).
 """
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import re
 import sys
 import zlib
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
-def apply_cpu_shims():
-    """Minimal patches so megatron-core 0.16.1 saves/loads/forwards on CPU-only torch.
-
-    Applied only when CUDA is unavailable (the te_general_gemm one whenever TE is absent).
-      * torch.cuda.synchronize: called unconditionally by the torch_dist save
-        (filesystem_async.preload_tensors). -> no-op.
-      * torch.cuda.current_device: device of a failure-flag tensor in the torch_dist save
-        (state_dict_saver.save_state_dict_async_finalize) and of the RoPE frequencies in forward
-        (RotaryEmbedding.get_emb). -> returns "cpu", a valid device argument.
-      * torch.Tensor.cuda: with PP > 1 and tied embeddings, GPTModel.__init__ moves the last
-        stage's output weight to CUDA before all-reducing it with the first stage. -> identity.
-      * CudaRNGStatesTracker.fork: attention dropout always runs inside
-        get_cuda_rng_tracker().fork(), which needs a CUDA RNG state. Dropout is 0 and the model is
-        in eval mode here, so forking is a no-op context.
-      * moe_utils.te_general_gemm: unbound without Transformer Engine, but the MoE router forward
-        tests it against None. -> None (only if the name is missing).
-      * fused_softmax.get_sliding_window_causal_mask (transformer/utils.py) builds the sliding-window
-        mask with device="cuda". -> megatron-core's own function, its source compiled with device="cpu".
-    """
-    import torch
-
-    # MoE router forward (moe_utils.RouterGatingLinearFunction) tests `te_general_gemm is not None`,
-    # but the name is only bound when Transformer Engine imports (moe_utils.py:~34, ~1192): NameError
-    # without TE. Harmless for dense models.
-    try:
-        from megatron.core.transformer.moe import moe_utils
-    except ImportError:
-        moe_utils = None
-    if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-    if torch.cuda.is_available():
-        return
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-    torch.Tensor.cuda = lambda self, *a, **k: self
-
-    from megatron.core.tensor_parallel import random as mp_random
-
-    @contextlib.contextmanager
-    def _fork(self, name=None):
-        yield
-
-    mp_random.CudaRNGStatesTracker.fork = _fork
-
-    import inspect
-
-    from megatron.core.fusions import fused_softmax
-    from megatron.core.transformer import utils as mcore_utils
-
-    src = inspect.getsource(mcore_utils.get_sliding_window_causal_mask)
-    if 'device="cuda"' in src:
-        scope = {"torch": torch}
-        exec(src.replace('device="cuda"', 'device="cpu"'), scope)
-        fused_softmax.get_sliding_window_causal_mask = scope["get_sliding_window_causal_mask"]
-
+from oracles.common import apply_cpu_shims, detect_format, end_parallel, iter_dir_name, resolve_iter_dir  # noqa: E402
 
 # ----------------------------------------------------------------------------- config / args
 
@@ -746,34 +692,10 @@ def randomize(model, cfg, seed):
 # ----------------------------------------------------------------------------- checkpoint io
 
 
-def iter_dir_name(iteration):
-    return f"iter_{int(iteration):07d}"
 
 
-def resolve_iter_dir(path):
-    """Accept a checkpoint root (with latest_checkpointed_iteration.txt) or an iteration dir."""
-    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            it = f.read().strip()
-        sub = "release" if it == "release" else iter_dir_name(int(it))
-        d = os.path.join(path, sub)
-        if not os.path.isdir(d):
-            raise SystemExit(f"{tracker} says {it!r} but {d} does not exist")
-        return d
-    if os.path.isfile(os.path.join(path, ".metadata")) or any(
-        n.startswith("mp_rank_") for n in os.listdir(path)
-    ):
-        return path
-    raise SystemExit(f"{path}: no latest_checkpointed_iteration.txt and not an iteration dir")
 
 
-def detect_format(iterdir):
-    if os.path.isfile(os.path.join(iterdir, ".metadata")):
-        return "torch_dist"
-    if any(n.startswith("mp_rank_") for n in os.listdir(iterdir)):
-        return "megatron"
-    raise SystemExit(f"{iterdir}: cannot detect checkpoint format")
 
 
 def legacy_rank_file(iterdir, tp_rank, pp_rank, pp, ep_rank=0, ep=1):
@@ -1296,29 +1218,8 @@ def layout_vpp(a):
     return vpp
 
 
-def report(problems, what):
-    """One MISMATCH line per problem, then ORACLE OK/FAIL; the exit code (the oracles' shared verdict)."""
-    for p in problems:
-        print(f"MISMATCH {p}")
-    print(f"ORACLE FAIL {len(problems)} problems ({what})" if problems else f"ORACLE OK {what}")
-    sys.stdout.flush()
-    return 1 if problems else 0
 
 
-def end_parallel(serving):
-    """Leave the process group; or, serving more commands in this process (tests/job_worker.py), only
-    megatron-core's model-parallel state and groups, so the next command can set up another layout."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from torch.distributed import distributed_c10d as c10d
-
-    if not serving:
-        dist.destroy_process_group()
-        return
-    parallel_state.destroy_model_parallel()
-    for group in list(c10d._world.pg_map):
-        if group is not c10d.GroupMember.WORLD:
-            dist.destroy_process_group(group)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ causal LM. Runs in the second runtime (Python 3.12); imports peft, transformers,
 dist_convert. Every model is loaded in fp32 on CPU; the fixed tokens are
 ``torch.arange(2 * 16).reshape(2, 16) % vocab_size``.
 
-  peft_oracle.py make --hf HF_DIR --out ADIR [--variant plain|patterns|rslora|dora|bias|qv|ranks] [--seed N]
+  oracles/peft_lora.py make --hf HF_DIR --out ADIR [--variant plain|patterns|rslora|dora|bias|qv|ranks] [--seed N]
       peft's own adapter: ``LoraConfig(r=4, lora_alpha=8, target_modules=q/k/v/o/gate/up/down_proj,
       lora_dropout=0, task_type=CAUSAL_LM, init_lora_weights=False)``, ``get_peft_model``, then every adapter
       tensor (lora_A, lora_B, lora_B's bias, DoRA's magnitude) set from a generator seeded by
@@ -14,13 +14,13 @@ dist_convert. Every model is loaded in fp32 on CPU; the fixed tokens are
       scaling alpha / sqrt(r)); dora (use_dora: lora_magnitude_vector); bias (lora_bias: lora_B has a bias;
       the Llama projections have none, so peft cannot merge it); qv (q_proj and v_proj of layer 1 only,
       layers_to_transform=[1]); ranks (rank_pattern at one alpha: scales powers of two apart).
-  peft_oracle.py merge --hf HF_DIR --adapter ADIR --out MDIR [--atol 1e-5]
+  oracles/peft_lora.py merge --hf HF_DIR --adapter ADIR --out MDIR [--atol 1e-5]
       The truth of merged weights: ``PeftModel.from_pretrained(base, ADIR)``, ``merge_and_unload
       (safe_merge=True)``, ``save_pretrained(MDIR)`` (safetensors, config; the HF directory's tokenizer and
       generation files copied). MDIR/logits.pt: the merged model's logits [2, 16, vocab] fp32 on the fixed
       tokens. Checked: merged vs un-merged PeftModel logits (max abs <= atol), merged weight names equal the
       base model's, and the adapter changes the logits.
-  peft_oracle.py check --hf HF_DIR --adapter ADIR --ref REF_ADIR [--atol 1e-6] [--logits-atol 1e-5] [--tensors]
+  oracles/peft_lora.py check --hf HF_DIR --adapter ADIR --ref REF_ADIR [--atol 1e-6] [--logits-atol 1e-5] [--tensors]
       Judges ADIR (written by someone else) against REF_ADIR, peft being the judge: each is loaded with
       ``PeftModel.from_pretrained``; no missing or unexpected adapter keys (peft's ``load_result`` of
       ``set_peft_model_state_dict`` on the loaded model, its missing-key warning, and the file's keys against
@@ -57,6 +57,8 @@ from peft.tuners.lora import LoraLayer
 from peft.utils import load_peft_weights
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 R, ALPHA = 4, 8

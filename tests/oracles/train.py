@@ -1,12 +1,12 @@
 """Test oracle for checkpoints as a Megatron-LM training run leaves them: model, distributed-optimizer
 state, RNG state, rerun state and the common state, written by megatron-core (never dist_convert).
 
-  torchrun --nproc_per_node=N tests/train_oracle.py make --config C.json --tp T [--pp P] [--ep E] \
+  torchrun --nproc_per_node=N tests/oracles/train.py make --config C.json --tp T [--pp P] [--ep E] \
       --seed S --out ROOT [--save-kind dp_reshardable|fully_reshardable|torch ...] [--steps 2] \
       [--bucket-size B]
 
 World size N = tp * pp * dp for any dp >= 1 (dense or MoE: this oracle adds the data-parallel
-dimension mcore_oracle's dense `make` lacks). It builds the GPTModel of mcore_oracle (config loading,
+dimension oracles.mcore's dense `make` lacks). It builds the GPTModel of oracles.mcore (config loading,
 build_model, randomize with --seed), wraps it in megatron-core's DistributedDataParallel with
 ``use_distributed_optimizer=True``, builds ``get_megatron_optimizer`` (Adam, fp32; torch's AdamW where
 neither Transformer Engine nor Apex is installed) and an OptimizerParamScheduler, trains ``--steps``
@@ -26,11 +26,11 @@ forward_backward_func over gloo, then saves at iteration ``--steps``, once per `
     optimizer, opt_param_scheduler, rng_state list, args, iteration, checkpoint_version,
     num_floating_point_operations_so_far), written by DP rank 0 (or expert-DP rank 0), and
     ``distrib_optim.pt`` next to it (DistributedOptimizer.save_parameter_state).
-  * ROOT/reference: the trained model's weights alone, as mcore_oracle's `make` writes a torch_dist
+  * ROOT/reference: the trained model's weights alone, as oracles.mcore's `make` writes a torch_dist
     checkpoint ({"model": sharded_state_dict}, args, iteration, checkpoint_version): the reference for
-    `mcore_oracle.py compare` (the weights after training differ from `make`'s initial ones).
+    `oracles/mcore.py compare` (the weights after training differ from `make`'s initial ones).
 
-  torchrun --nproc_per_node=1 tests/train_oracle.py inspect --ckpt CKPT --out FILE.json
+  torchrun --nproc_per_node=1 tests/oracles/train.py inspect --ckpt CKPT --out FILE.json
 
 writes what a checkpoint (a save root or an iteration dir, torch_dist or legacy) holds, read with
 megatron-core and torch.distributed.checkpoint: {"format", "files" (relative paths), "keys" (torch_dist:
@@ -54,7 +54,7 @@ sharded_param_state_fully_reshardable slices with the padded param_index_map off
 after the first bucket get shifted values; Megatron-LM PR #5077. `resume` shows it as a MISMATCH
 against the dp_reshardable save of the same run.)
 
-  torchrun --nproc_per_node=N tests/train_oracle.py resume --config C.json --tp T [--pp P] [--ep E] \
+  torchrun --nproc_per_node=N tests/oracles/train.py resume --config C.json --tp T [--pp P] [--ep E] \
       --seed S --ckpt CKPT1 [--ckpt CKPT2 ...] [--steps 1] [--bucket-size B] [--train-iters I]
 
 resumes training from each --ckpt (a torch_dist save root or iteration dir) in turn, at this layout
@@ -90,7 +90,7 @@ expert parameters get an optimizer of their own only at EP > 1, and the chained 
 state does not map (the load fails, saying so).
 
 `make`: rank 0 prints "TRAIN ORACLE SAVED kinds=... losses=..." at the end. The CPU device shims of
-mcore_oracle apply, plus a few for the optimizer (see training_shims); they are undone at the end of
+oracles.mcore apply, plus a few for the optimizer (see training_shims); they are undone at the end of
 the command (`make` and `resume`), so a serving worker (tests/job_worker.py) runs other oracles
 unchanged afterwards.
 """
@@ -101,9 +101,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
-import mcore_oracle as mo  # noqa: E402
+from oracles import mcore as mo
 
 KINDS = ("dp_reshardable", "fully_reshardable", "torch")
 ARG_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
@@ -121,7 +121,7 @@ def mcore_version():
 @contextlib.contextmanager
 def training_shims():
     """Device shims (CPU-only torch) for DDP + DistributedOptimizer + the RNG state, touching no layout
-    logic, undone on exit. Beyond mcore_oracle.apply_cpu_shims (synchronize, current_device, .cuda(),
+    logic, undone on exit. Beyond oracles.mcore.apply_cpu_shims (synchronize, current_device, .cuda(),
     the RNG tracker's fork):
       * torch.Tensor.type() with no argument reports ``torch.cuda.<X>Tensor`` for CPU tensors: the
         optimizer groups parameters by those names (float16/bfloat16/float32 groups unchanged).
@@ -207,7 +207,7 @@ def init_parallel(tp, pp, ep, cfg):
 
 
 def training_args(cfg, a, dp, ckpt_format, fully_reshardable):
-    """mcore_oracle's args plus what Megatron-LM's argparse records about training and checkpointing."""
+    """oracles.mcore's args plus what Megatron-LM's argparse records about training and checkpointing."""
     import torch.distributed as dist
 
     args = mo.make_args(cfg, a.tp, a.pp, None, None, a.steps, ckpt_format, None, a.ep, None)
@@ -461,7 +461,7 @@ def save_legacy(root, cfg, a, dp, model, optimizer, scheduler, flops):
 
 
 def save_reference(root, cfg, a, model):
-    """The trained weights alone, as mcore_oracle's make writes torch_dist (its compare loads them)."""
+    """The trained weights alone, as oracles.mcore's make writes torch_dist (its compare loads them)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 

@@ -3,7 +3,7 @@ Megatron-Bridge 0.6.2's ``NemotronHBridge`` + ``HybridModelProvider`` on megatro
 is the Megatron side; transformers' ``NemotronHForCausalLM`` (5.12.1) is the HF side. Runs in the second runtime
 (.venv-mcore19, Python 3.12); imports megatron-core, Megatron-Bridge, transformers; never dist_convert.
 
-  nemotron_h_oracle.py make HF_DIR [--seed S]
+  oracles/nemotron_h.py make HF_DIR [--seed S]
       a tiny random NemotronHForCausalLM made by transformers' own NemotronHConfig / model classes, pattern
       PATTERN below (M mamba, * attention, - MLP, E MoE; Mamba first), hidden 64; Mamba: 8 heads x head_dim 12
       (d_inner 96 != hidden), 2 groups, state 16, conv kernel 4, chunk 8; attention 4 heads, 2 kv heads,
@@ -12,11 +12,11 @@ is the Megatron side; transformers' ``NemotronHForCausalLM`` (5.12.1) is the HF 
       (norm weights in [0.5, 1.5], A_log = log U(1, 8), D ~ U(0.5, 1.5), dt_bias ~ U(0, 1) >= 0 so softplus(dt)
       stays far above time_step_min (HF's torch path clamps there, megatron does not)); a 300-token WordLevel
       tokenizer; ``save_pretrained`` (safetensors)
-  nemotron_h_oracle.py bridge-import HF_DIR OUT_DIR
+  oracles/nemotron_h.py bridge-import HF_DIR OUT_DIR
       Megatron-Bridge's own import (AutoBridge.from_hf_pretrained -> NemotronHBridge, to_megatron_provider
       (load_weights=True), provide_distributed_model, save_megatron_model) at TP 1 PP 1 (world size 1): a
       torch_dist checkpoint. Only the truth of the name mapping; Bridge's own TP>1 path is never trusted.
-  nemotron_h_oracle.py judge --truth TRUTH_DIR --hf HF_DIR [--tp T] [--pp P] [--atol A] CKPT [CKPT ...]
+  oracles/nemotron_h.py judge --truth TRUTH_DIR --hf HF_DIR [--tp T] [--pp P] [--atol A] CKPT [CKPT ...]
       world size T*P. Builds Bridge's HybridModel at TP T / PP P (weights not loaded), loads TRUTH_DIR (a TP1
       torch_dist checkpoint: bridge-import) into it with megatron-core's dist_checkpointing.load -- megatron-core's
       own reshard is the truth of every rank's tensors. Then per CKPT:
@@ -33,13 +33,13 @@ is the Megatron side; transformers' ``NemotronHForCausalLM`` (5.12.1) is the HF 
           reported (stored_tp, stored_pp); --expect-tp/--expect-pp make a mismatch a problem
       one JSON line per CKPT on rank 0: {"ckpt", "ok", "format", "loaded_tensors", "logits_max_abs_diff_vs_hf",
       "stored_tp", "stored_pp", "problems", ...}; exit 1 if any CKPT failed.
-  nemotron_h_oracle.py mutate SRC DST --hf HF_DIR --kind swap_z_x|swap_B_C|value|drop_object
+  oracles/nemotron_h.py mutate SRC DST --hf HF_DIR --kind swap_z_x|swap_B_C|value|drop_object
       (world size 1) SRC (torch_dist, TP1 PP1) with one defect, saved as Bridge / megatron-core save it
       (save_megatron_model -> dist_checkpointing.save): swap_z_x: layer 0's in_proj z and x row sections
       exchanged; swap_B_C: layer 0's B and C sections exchanged in in_proj and conv1d (weight, bias);
       value: layer 4's A_log[3] += 1e-3; drop_object: no layer-0 mixer.in_proj._extra_state. The judge must
       fail on DST.
-  nemotron_h_oracle.py layout --hf HF_DIR --tp T --pp P --out JSON
+  oracles/nemotron_h.py layout --hf HF_DIR --tp T --pp P --out JSON
       world size T*P: per rank, the model's sharded_state_dict() (dict key, stored key, global shape, global
       offset, local shape, replica_id, dtype; ShardedObjects; for ShardedTensorFactory entries (Mamba's in_proj
       -> .z/.x/.B/.C/.dt, conv1d -> .x/.B/.C) the keys they produce, with shapes and offsets) and its legacy
@@ -85,7 +85,7 @@ dispatcher is megatron-core's own code:
     weight [d_inner]; y = x * silu(z); per group of ``group_size`` channels y * rsqrt(mean(y^2) + eps) * w
     (norm_before_gate=False). megatron-core's own ``ExtendedRMSNorm`` class body (its sharded_state_dict,
     parameter ``norm.weight``, TP axis 0) is compiled from its source on top of it.
-  * TE leaves (tests/gemma3_oracle.py technique): TELayerNormColumnParallelLinear (in_proj, linear_qkv,
+  * TE leaves (tests/oracles/gemma3.py technique): TELayerNormColumnParallelLinear (in_proj, linear_qkv,
     MLP fc1; ``layer_norm_weight`` + ``weight``), TERowParallelLinear (out_proj, linear_proj, fc2),
     TEColumnParallelLinear (shared-expert fc1), TEDotProductAttention (megatron-core's local
     DotProductAttention, no sharded state as TE's in 0.19.2, legacy _extra_state), TENorm (final_norm,
@@ -112,9 +112,9 @@ import time
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
-from gemma3_oracle import is_legacy, unwrap  # noqa: E402
+from oracles.common import is_legacy, unwrap  # noqa: E402
 
 VOCAB = 300
 PATTERN = "M*-EM-"
@@ -187,7 +187,6 @@ def standins():
         return _STANDINS
     import torch
     import torch.nn.functional as F
-    from gemma3_oracle import _te_accepts_extra_state, _te_module_extra_state, cpu_classes
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
@@ -201,6 +200,8 @@ def standins():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
     from megatron.core.utils import get_pg_rank, get_pg_size
+
+    from oracles.te_cpu import cpu_classes, te_accepts_extra_state, te_module_extra_state
 
     g3 = cpu_classes()
 
@@ -218,10 +219,10 @@ def standins():
 
     class ExtraState:
         def get_extra_state(self):
-            return _te_module_extra_state()
+            return te_module_extra_state()
 
         def set_extra_state(self, state):
-            _te_accepts_extra_state(state, type(self).__name__)
+            te_accepts_extra_state(state, type(self).__name__)
 
     class GatedRMSNorm(torch.nn.Module):
         """mamba_ssm.ops.triton.layernorm_gated.RMSNorm: weight [hidden]; forward(x, z) = per-group RMSNorm of
@@ -332,7 +333,7 @@ def standins():
             except KeyError:
                 return  # a legacy (torch native) state dict has only ``_extra_state``
             for i, st in enumerate(state_list, 1):
-                _te_accepts_extra_state(st, f"{prefix}_extra_state{i}")
+                te_accepts_extra_state(st, f"{prefix}_extra_state{i}")
 
         def forward(self, x, m_splits):
             m_splits = [int(s) for s in m_splits]
@@ -412,11 +413,11 @@ def standins():
 
 
 def apply_shims():
-    """gemma3_oracle's shims (bridge_oracle's TE stub for lora_layers, CUDA no-ops, CPU attention masks, CPU RNG
+    """oracles.gemma3's shims (oracles.bridge's TE stub for lora_layers, CUDA no-ops, CPU attention masks, CPU RNG
     for the save) plus the Mamba kernel stand-ins in megatron-core's mamba_mixer module."""
-    from gemma3_oracle import apply_gemma3_shims
+    from oracles.te_cpu import apply_bridge_cpu_shims
 
-    apply_gemma3_shims()
+    apply_bridge_cpu_shims()
     from megatron.core.ssm import mamba_mixer
 
     c = standins()
@@ -535,7 +536,7 @@ def build(provider):
 
 
 def init_dist(pp: int = 1):
-    from gemma3_oracle import init_dist as g3_init
+    from oracles.common import init_dist as g3_init
 
     return g3_init(pp)
 
@@ -652,7 +653,7 @@ def cmd_bridge_import(a, serving=False) -> int:
 
     import torch
 
-    from mcore_oracle import end_parallel
+    from oracles.common import end_parallel
 
     rank, world = init_dist(1)
     tmp = tempfile.mkdtemp(prefix="nemotron_h_bridge_view_")
@@ -695,9 +696,10 @@ def load_into(m, iter_dir: Path, problems: list[str]) -> bool:
     """``iter_dir`` into module ``m`` (this rank's stage) strictly; see the module docstring. False: nothing to
     load for this rank (a legacy checkpoint of another layout)."""
     import torch
-    from gemma3_oracle import _te_accepts_extra_state
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from oracles.te_cpu import te_accepts_extra_state
 
     sharded = m.sharded_state_dict()
     if is_legacy(iter_dir):
@@ -724,7 +726,7 @@ def load_into(m, iter_dir: Path, problems: list[str]) -> bool:
     for k, v in sd.items():
         if k.endswith("_extra_state"):
             try:
-                _te_accepts_extra_state(v, k)
+                te_accepts_extra_state(v, k)
             except Exception as e:  # noqa: BLE001 - TE's verdict
                 problems.append(f"{k}: {e}")
     res = m.load_state_dict(sd, strict=False)
@@ -767,9 +769,8 @@ def hf_logits(hf: str, ids):
 
 def judge_one(ckpt: str, a, m, truth: dict, hlog, world: int) -> tuple[list[str], dict]:
     import torch
-    from gemma3_oracle import compare, compare_stored, stored_parallel
 
-    from mcore_oracle import resolve_iter_dir
+    from oracles.common import compare, compare_stored, resolve_iter_dir, stored_parallel
 
     problems: list[str] = []
     info: dict = {"ckpt": ckpt}
@@ -814,7 +815,7 @@ def cmd_judge(a, serving=False) -> int:
     apply_shims()
     import torch.distributed as dist
 
-    from mcore_oracle import end_parallel, resolve_iter_dir
+    from oracles.common import end_parallel, resolve_iter_dir
 
     rank, world = init_dist(a.pp)
     results = []
@@ -858,7 +859,7 @@ def cmd_mutate(a, serving=False) -> int:
     apply_shims()
     import torch
 
-    from mcore_oracle import end_parallel, resolve_iter_dir
+    from oracles.common import end_parallel, resolve_iter_dir
 
     rank, world = init_dist(1)
     try:
@@ -943,7 +944,7 @@ def cmd_layout(a, serving=False) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mcore_oracle import end_parallel
+    from oracles.common import end_parallel
 
     rank, world = init_dist(a.pp)
     try:

@@ -1,6 +1,6 @@
 """Independent oracle for speculative checkpoints: megatron-core + ModelOpt only (never dist_convert).
 
-  torchrun --nproc_per_node=TP*PP tests/spec_oracle.py check --config C.json --tp T --pp P \
+  torchrun --nproc_per_node=TP*PP tests/oracles/spec.py check --config C.json --tp T --pp P \
       --algo eagle|medusa --ckpt SPECULATIVE_DIR --ref BASE_TORCH_DIST_DIR
 
 In a process of its own (never the one that wrote CKPT), with megatron-core's model-parallel groups set up
@@ -24,8 +24,11 @@ import argparse
 import contextlib
 import os
 import sys
+from pathlib import Path
 
-import mcore_oracle as mo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
+
+from oracles import mcore as mo  # noqa: E402
 
 
 def local_layers_without_te():

@@ -6,10 +6,10 @@ Uses only megatron-core (never the dist_convert package) and the GPT oracle's me
   compare  strictly load a checkpoint and a reference into T5Models at TP=T and compare every tensor
   logits   full-vocabulary logits of a fixed encoder/decoder batch (gathered over TP)
 
-  torchrun --nproc_per_node=T tests/t5_oracle.py make --config C.json --tp T --seed S --iteration I \
+  torchrun --nproc_per_node=T tests/oracles/t5.py make --config C.json --tp T --seed S --iteration I \
       [--out-torch-dist D1] [--out-megatron D2]
-  torchrun --nproc_per_node=T tests/t5_oracle.py compare --config C.json --tp T --ckpt X --ref R [--check-args]
-  torchrun --nproc_per_node=T tests/t5_oracle.py logits --config C.json --tp T --ckpt X --out F.pt
+  torchrun --nproc_per_node=T tests/oracles/t5.py compare --config C.json --tp T --ckpt X --ref R [--check-args]
+  torchrun --nproc_per_node=T tests/oracles/t5.py logits --config C.json --tp T --ckpt X --out F.pt
 
 megatron-core 0.16.1 builds T5 only without pipeline parallelism (its parallel state has no encoder /
 decoder split), so PP layouts are checked by converting them back to PP=1 and comparing here.
@@ -19,8 +19,8 @@ position_embedding_type "learned_absolute" | "relative" | "rope" (relative_atten
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import mcore_oracle as mo  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from oracles import mcore as mo
 
 
 def load_config(path):

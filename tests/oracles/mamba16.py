@@ -2,9 +2,9 @@
 3.11, transformers 5.14.1; no Megatron-Bridge, no Transformer Engine, no mamba_ssm, no triton). The Megatron side is
 megatron-core 0.16.1's own ``MambaModel`` built from ``models/mamba/mamba_layer_specs.mamba_stack_spec``; the HF side
 is transformers' ``NemotronHForCausalLM``. Imports megatron-core and transformers; never dist_convert.
-(tests/nemotron_h_oracle.py judges the same conversions on megatron-core 0.19.2 through Megatron-Bridge.)
+(tests/oracles/nemotron_h.py judges the same conversions on megatron-core 0.19.2 through Megatron-Bridge.)
 
-  mamba16_oracle.py judge --hf HF_DIR [--tp T] [--pp P] [--atol A] CKPT [CKPT ...]
+  oracles/mamba16.py judge --hf HF_DIR [--tp T] [--pp P] [--atol A] CKPT [CKPT ...]
       world size T*P (TP = world size / P when --tp is omitted). Builds MambaModel at TP T / PP P from HF_DIR's
       config.json by this file's own mapping (``model_config``), then per CKPT (a root with
       latest_checkpointed_iteration.txt or an iteration dir; the format is detected):
@@ -23,7 +23,7 @@ is transformers' ``NemotronHForCausalLM``. Imports megatron-core and transformer
           use_mamba_kernels=False, eager attention) within --atol (1e-4)
       one JSON line per CKPT on rank 0: {"ckpt", "ok", "format", "loaded_tensors" (summed over ranks),
       "logits_max_abs_diff_vs_hf", "stored_tp", "stored_pp", "problems", ...}; exit 1 if any CKPT failed.
-  mamba16_oracle.py save --hf HF_DIR [--tp T] [--pp P] --out-torch-dist D1 --out-legacy D2
+  oracles/mamba16.py save --hf HF_DIR [--tp T] [--pp P] --out-torch-dist D1 --out-legacy D2
       the positive control: the model built as for judge, the truth loaded into it, then saved by megatron-core
       0.16.1 itself: ``dist_checkpointing.save({"model": sharded_state_dict()}, D1)`` and each rank's
       ``{"model": state_dict()}`` as D2/mp_rank_TT[_PPP]/model_optim_rng.pt (both plain iteration dirs).
@@ -65,7 +65,7 @@ one _extra_state per expert, its legacy names ``mlp.experts.linear_fc{1,2}.weigh
 CPU stand-ins (exactly the kernel calls; every projection, split, conv, gate, router, dispatcher is megatron-core's):
   * ``megatron.core.inference.contexts.attention_context.triton.tensor_ops`` (imported by mamba_mixer, needs
     triton; used only by dynamic-batching inference): a module whose three functions raise if ever called
-  * ``mamba_mixer.mamba_chunk_scan_combined`` -> nemotron_h_oracle.selective_scan (the plain sequential scan);
+  * ``mamba_mixer.mamba_chunk_scan_combined`` -> oracles.nemotron_h.selective_scan (the plain sequential scan);
     ``use_mamba_mem_eff_path=False`` (megatron's _ssm_prefill; causal_conv1d absent -> its own Conv1d + SiLU)
   * ``RMSNormGated`` (mamba_ssm's Triton gated norm) -> ``GatedRMSNorm`` (per-group RMSNorm of y * silu(z), times
     weight); megatron-core 0.16.1's own ``ExtendedRMSNorm`` class body compiled from its source on top of it
@@ -80,7 +80,7 @@ CPU stand-ins (exactly the kernel calls; every projection, split, conv, gate, ro
     TEColumn/TERowParallelLinear stand-ins. Without TE the import-time spec holds the legacy GroupedMLP instead.
     Each stand-in carries TE's parameter names, TE 2.x's _extra_state (an empty uint8 tensor; a pickled {} for the
     RMSNorm op) and the TE wrapper's sharded_state_dict.
-  * CUDA: tests/mcore_oracle.py apply_cpu_shims; ``fused_softmax.get_default_causal_mask`` made on the CPU
+  * CUDA: tests/oracles/mcore.py apply_cpu_shims; ``fused_softmax.get_default_causal_mask`` made on the CPU
   * CPU-only switches (no effect on names, shapes or values): allgather dispatcher, no permute fusion, no shared
     expert overlap, no masked-softmax / bias-dropout / persist-layer-norm / gradient-accumulation fusion.
 """
@@ -95,10 +95,10 @@ import time
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
-from gemma3_oracle import is_legacy  # noqa: E402
-from nemotron_h_oracle import hf_logits, megatron_logits, tensor_state  # noqa: E402
+from oracles.common import is_legacy  # noqa: E402
+from oracles.nemotron_h import hf_logits, megatron_logits, tensor_state  # noqa: E402
 
 SEQ = 16  # judge input length: > conv kernel (4) and > the tiny model's chunk_size (8)
 KINDS = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E"}
@@ -130,7 +130,6 @@ def standins() -> dict:
         return _STANDINS
     import torch
     import torch.nn.functional as F
-    from gemma3_oracle import _rms, _te_accepts_extra_state, _te_module_extra_state, _te_op_extra_state
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
     from megatron.core.ssm import mamba_mixer
@@ -143,6 +142,8 @@ def standins() -> dict:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
     from megatron.core.utils import get_pg_rank, get_pg_size
+
+    from oracles.te_cpu import rms, te_accepts_extra_state, te_module_extra_state, te_op_extra_state
 
     def tp_of(group):
         return group if group is not None else parallel_state.get_tensor_model_parallel_group()
@@ -159,17 +160,17 @@ def standins() -> dict:
         return p
 
     class ExtraState:
-        _extra = staticmethod(_te_module_extra_state)
+        _extra = staticmethod(te_module_extra_state)
 
         def get_extra_state(self):
             return self._extra()
 
         def set_extra_state(self, state):
-            _te_accepts_extra_state(state, type(self).__name__)
+            te_accepts_extra_state(state, type(self).__name__)
 
     class TENorm(ExtraState, torch.nn.Module):
         """te.pytorch.RMSNorm as megatron-core's TENorm builds it: ``weight``, no sharded_state_dict of its own."""
-        _extra = staticmethod(_te_op_extra_state)
+        _extra = staticmethod(te_op_extra_state)
 
         def __init__(self, config, hidden_size, eps=1e-5):
             super().__init__()
@@ -178,7 +179,7 @@ def standins() -> dict:
             self.weight = new_param((hidden_size,), config, value=0.0 if self.zc else 1.0)
 
         def forward(self, x):
-            return _rms(x, self.weight, self.eps, self.zc)
+            return rms(x, self.weight, self.eps, self.zc)
 
     class TELayerNormColumnParallelLinear(ExtraState, torch.nn.Module):
         """RMSNorm (``layer_norm_weight``) fused before a column-parallel linear (``weight`` TP axis 0)."""
@@ -195,7 +196,7 @@ def standins() -> dict:
             set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
 
         def forward(self, x):
-            x = copy_to_tensor_model_parallel_region(_rms(x, self.layer_norm_weight, self.eps, self.zc),
+            x = copy_to_tensor_model_parallel_region(rms(x, self.layer_norm_weight, self.eps, self.zc),
                                                      group=self._tp_group)
             return F.linear(x, self.weight), None
 
@@ -290,7 +291,7 @@ def standins() -> dict:
             except KeyError:
                 return  # a torch-native (legacy) state dict has only ``_extra_state``
             for i, st in enumerate(state_list, 1):
-                _te_accepts_extra_state(st, f"{prefix}_extra_state{i}")
+                te_accepts_extra_state(st, f"{prefix}_extra_state{i}")
 
         def forward(self, x, m_splits):
             parts = torch.split(x, [int(s) for s in m_splits])
@@ -389,14 +390,15 @@ def apply_shims() -> None:
     import torch
 
     stub_tensor_ops()
-    from mcore_oracle import apply_cpu_shims
+    from oracles.common import apply_cpu_shims
 
     apply_cpu_shims()
     from megatron.core.fusions import fused_softmax
 
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
     from megatron.core.ssm import mamba_mixer
-    from nemotron_h_oracle import selective_scan
+
+    from oracles.nemotron_h import selective_scan
 
     c = standins()
     mamba_mixer.HAVE_MAMBA_SSM = True
@@ -688,9 +690,10 @@ def sharded_dtypes(sharded: dict) -> dict:
 def load_into(m, iter_dir: Path, problems: list[str]) -> bool:
     """``iter_dir`` into module ``m`` (this rank's stage) strictly, as the module docstring says."""
     import torch
-    from gemma3_oracle import _te_accepts_extra_state
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from oracles.te_cpu import te_accepts_extra_state
 
     sharded = m.sharded_state_dict()
     if is_legacy(iter_dir):
@@ -724,7 +727,7 @@ def load_into(m, iter_dir: Path, problems: list[str]) -> bool:
     for k, v in sd.items():
         if k.endswith("_extra_state") or re.search(r"_extra_state\d+$", k):
             try:
-                _te_accepts_extra_state(v, k)
+                te_accepts_extra_state(v, k)
             except Exception as e:  # noqa: BLE001 - TE's verdict
                 problems.append(f"{k}: {e}")
     res = m.load_state_dict(sd, strict=False)
@@ -762,7 +765,7 @@ def judge_ids(vocab: int):
 
 
 def init(a):
-    from gemma3_oracle import init_dist
+    from oracles.common import init_dist
 
     rank, world = init_dist(a.pp)
     if a.tp is not None and a.tp * a.pp != world:
@@ -772,9 +775,8 @@ def init(a):
 
 def judge_one(ckpt: str, a, m, vocab: int, truth: dict, hlog) -> tuple[list[str], dict]:
     import torch
-    from gemma3_oracle import stored_parallel
 
-    from mcore_oracle import resolve_iter_dir
+    from oracles.common import resolve_iter_dir, stored_parallel
 
     problems: list[str] = []
     info: dict = {"ckpt": ckpt}
@@ -814,7 +816,7 @@ def cmd_judge(a, serving=False) -> int:
     apply_shims()
     import torch.distributed as dist
 
-    from mcore_oracle import end_parallel
+    from oracles.common import end_parallel
 
     results = []
     rank, world = 0, 1
@@ -848,7 +850,7 @@ def cmd_save(a, serving=False) -> int:
     import torch
     from megatron.core import dist_checkpointing, parallel_state
 
-    from mcore_oracle import end_parallel
+    from oracles.common import end_parallel
 
     rank = 0
     try:

@@ -3,63 +3,54 @@ Megatron-LM checkpoint (a dist_convert torch_dist target) by its stored ``args``
 runtime (Python 3.12); imports megatron-core, megatron.training, Megatron-Bridge, transformers; never
 dist_convert.
 
-  bridge_oracle.py make-hf --root DIR
+  oracles/bridge.py make-hf --root DIR
       DIR/llama: a tiny Llama by transformers (tests/hf_models.py) with a 100-token WordLevel tokenizer, so a
       loader that builds the tokenizer the args name (Bridge does) finds one
-  bridge_oracle.py import --hf HF_DIR --out DIR
+  oracles/bridge.py import --hf HF_DIR --out DIR
       Megatron-Bridge's own HF -> Megatron import (AutoBridge.from_hf_pretrained, to_megatron_provider with
       the weights, provide_distributed_model on CPU with the local layer spec, save_megatron_model with the
       HF tokenizer): a Megatron-Bridge checkpoint as Bridge writes it
-  bridge_oracle.py defaults --out JSON
+  oracles/bridge.py defaults --out JSON
       Megatron-LM's argparse defaults (``parse_args`` of an empty command line), JSON-able ones as they
       are, others by repr
-  bridge_oracle.py load --ckpt DIR (--hf HF_DIR | --ref-dump PT) [--null-tokenizer]
+  oracles/bridge.py load --ckpt DIR (--hf HF_DIR | --ref-dump PT) [--null-tokenizer]
       Bridge's own loader, ``model_load_save.load_megatron_model(iter_dir, model_type="gpt",
       use_cpu_init=True)``: for a Megatron-LM checkpoint it builds a TransformerConfig and a GPTModel from
       the args alone, for a Bridge checkpoint the model provider of its run_config.yaml, and loads the
       weights strictly. Then every weight is compared bit-exactly: --hf exports the
       loaded model to HF names with Bridge (``AutoBridge.export_hf_weights``) against the HF source's
-      safetensors; --ref-dump against a state dict megatron-core loaded (tests/mcore_oracle.py dump;
+      safetensors; --ref-dump against a state dict megatron-core loaded (tests/oracles/mcore.py dump;
       with --true-vocab V the vocab rows past V are padding: zero or the dump's).
       --null-tokenizer: the args name no tokenizer (a Megatron-LM run may pass it on the command line
       only), so Bridge gets a NullTokenizer of the args' vocab_size, as a user would supply it.
-  bridge_oracle.py mlm --ckpt DIR --config JSON [--null-tokenizer]
+  oracles/bridge.py mlm --ckpt DIR --config JSON [--null-tokenizer]
       Megatron-LM: ``torch.load(weights_only=True)`` of the args under exactly megatron-core's
       SAFE_GLOBALS; ``parse_and_validate_args`` with ``--use-checkpoint-args`` (load_args_from_checkpoint,
       validate_args), ``check_checkpoint_args`` and ``core_transformer_config_from_args``, whose model
-      fields must equal the oracle config (tests/mcore_oracle.py names).
+      fields must equal the oracle config (tests/oracles/mcore.py names).
 
 Prints ``ORACLE OK ...`` or ``ORACLE FAIL ...`` lines; exit 0 only when everything matched.
 
 CPU shims (no GPU, no Transformer Engine): Bridge's ``peft/lora_layers.py`` imports
 ``transformer_engine.pytorch`` unconditionally: that one module is executed with the import replaced by
 an inert stand-in (megatron-core still sees no TE). ``torch.cuda.current_device/synchronize`` and
-``Tensor.cuda`` are CPU no-ops, the CUDA RNG tracker's fork a null context (tests/mcore_oracle.py
+``Tensor.cuda`` are CPU no-ops, the CUDA RNG tracker's fork a null context (tests/oracles/mcore.py
 apply_cpu_shims). Fused-kernel switches the args may ask for (CUDA-only kernels: not model properties)
 are turned off for the load: CPU_KERNELS.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import json
 import os
 import sys
-import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mcore_oracle import apply_cpu_shims, end_parallel, report, resolve_iter_dir  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
+from oracles.common import end_parallel, report, resolve_iter_dir  # noqa: E402
+from oracles.te_cpu import CPU_KERNELS, install_shims  # noqa: E402
 
-LORA = "megatron.bridge.peft.lora_layers"
-TE_IMPORT = "import transformer_engine.pytorch as te"
 # args -> value for the load on CPU: CUDA-kernel choices, none of which changes a weight's name or shape
-CPU_KERNELS = {"gradient_accumulation_fusion": False, "apply_rope_fusion": False, "masked_softmax_fusion": False,
-               "bias_dropout_fusion": False, "bias_swiglu_fusion": False, "bias_gelu_fusion": False,
-               "no_persist_layer_norm": True, "persist_layer_norm": False, "fp8": None, "fp8_param_gather": False,
-               "cross_entropy_loss_fusion": False}
 
 # the same for a Megatron-LM run on CPU: its command-line switches (the run's, not the checkpoint's)
 MLM_CPU_FLAGS = ("--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
@@ -67,45 +58,12 @@ MLM_CPU_FLAGS = ("--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-
                  "--no-persist-layer-norm")
 
 
-class _Inert(types.ModuleType):
-    """``te`` for lora_layers.py: every attribute a fresh class (isinstance is False), ``ops`` likewise."""
-
-    def __getattr__(self, name: str):
-        value = _Inert(f"{self.__name__}.{name}") if name == "ops" else type(name, (), {})
-        setattr(self, name, value)
-        return value
 
 
-class _LoraLoader(importlib.abc.Loader):
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module) -> None:
-        src = Path(self.path).read_text()
-        assert TE_IMPORT in src, f"{self.path}: the TE import changed; update the stub"
-        module.__dict__["_te_stub"] = _Inert("transformer_engine.pytorch")
-        exec(compile(src.replace(TE_IMPORT, "te = _te_stub"), self.path, "exec"), module.__dict__)
 
 
-class _LoraFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != LORA:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        return importlib.machinery.ModuleSpec(fullname, _LoraLoader(spec.origin), origin=spec.origin)
 
 
-def install_shims() -> None:
-    if not any(isinstance(f, _LoraFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _LoraFinder())
-    apply_cpu_shims()
 
 
 # ----------------------------------------------------------------------------- make-hf

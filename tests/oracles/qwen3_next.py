@@ -5,7 +5,7 @@ providers on megatron-core 0.19.2 (GPTModel with Gated DeltaNet layers, ``experi
 side; transformers' own classes are the HF side. Runs in the second runtime (.venv-mcore19, Python 3.12); imports
 megatron-core, Megatron-Bridge, transformers; never dist_convert.
 
-  qwen3_next_oracle.py make HF_DIR --arch qwen3_next|qwen3_5|qwen3_5_moe [--seed S]
+  oracles/qwen3_next.py make HF_DIR --arch qwen3_next|qwen3_5|qwen3_5_moe [--seed S]
       a tiny random model made by transformers' own config/model classes, save_pretrained (safetensors, fp32):
       4 layers [linear, full, linear, full] (full_attention_interval 2), hidden 64, 4 heads, 2 kv heads, head_dim
       16, partial_rotary_factor 0.5 (qwen3_next) / 0.25 (qwen3_5*); GDN: 2 key heads, 4 value heads, dk 16, dv 8,
@@ -13,12 +13,12 @@ megatron-core, Megatron-Bridge, transformers; never dist_convert.
       untied. Every tensor random: zero-centred norms (x*(1+w)) w = +-[0.1, 0.5]; the GDN gated norm
       (``linear_attn.norm.weight``, plain x*w) in [0.5, 2]; A_log, dt_bias random. A 300-token WordLevel
       tokenizer. Prints the names/shapes/dtypes save_pretrained wrote.
-  qwen3_next_oracle.py bridge-import HF_DIR OUT_DIR
+  oracles/qwen3_next.py bridge-import HF_DIR OUT_DIR
       Megatron-Bridge's own import (AutoBridge.from_hf_pretrained, to_megatron_provider(load_weights=True),
       provide_distributed_model, save_megatron_model) at TP 1 PP 1 (a world of N: N data-parallel replicas, one
       save): a torch_dist checkpoint. Only the
       truth of the name/value mapping; its TP layout is never trusted.
-  qwen3_next_oracle.py judge --truth TRUTH_DIR --hf HF_DIR [--tp T] [--pp P] [--ep E] CKPT [CKPT ...]
+  oracles/qwen3_next.py judge --truth TRUTH_DIR --hf HF_DIR [--tp T] [--pp P] [--ep E] CKPT [CKPT ...]
       world = T*P*DP. Builds Bridge's model at TP/PP/EP; loads TRUTH_DIR (a TP1 Bridge import) with megatron-core's
       dist_checkpointing.load (megatron-core's own reshard is the truth of the per-rank layout); then for each
       CKPT: torch_dist -> dist_checkpointing.load with StrictHandling.RAISE_ALL + TE's check of every
@@ -29,14 +29,14 @@ megatron-core, Megatron-Bridge, transformers; never dist_convert.
       model is NaN-filled before each load, so an unloaded tensor fails). At PP 1: logits on fixed ids (2 x 16
       tokens) vs transformers' model (fp32, eager) within --atol (1e-4). One JSON line per CKPT (rank 0); exit 1 if
       any failed.
-  qwen3_next_oracle.py mutate SRC DST --hf HF_DIR --kind swap_q_gate|swap_b_a|swap_z_v|out_norm_plus_one|value|
+  oracles/qwen3_next.py mutate SRC DST --hf HF_DIR --kind swap_q_gate|swap_b_a|swap_z_v|out_norm_plus_one|value|
       drop_object
       SRC (torch_dist) with one defect, saved by Bridge's save_megatron_model at TP = world size
-  qwen3_next_oracle.py legacy SRC DST --hf HF_DIR [--tp T] [--pp P]
+  oracles/qwen3_next.py legacy SRC DST --hf HF_DIR [--tp T] [--pp P]
       SRC (torch_dist) loaded at TP/PP (world T*P), written as a Megatron-LM legacy checkpoint (each rank's
       megatron-core state_dict() in DST/iter_0000000/mp_rank_XX[_YYY]/model_optim_rng.pt): the judge's positive
       control for legacy files
-  qwen3_next_oracle.py layout --hf HF_DIR --tp T --pp P --out JSON [--ckpt DIR]
+  oracles/qwen3_next.py layout --hf HF_DIR --tp T --pp P --out JSON [--ckpt DIR]
       per rank: sharded_state_dict() (key, global shape/offset, local shape, replica_id, ShardedObjects, the keys a
       ShardedTensorFactory produces) and the legacy state_dict() (names, shapes, dtypes); with --ckpt the stored
       keys (.metadata: shapes, dtypes) and run_config.yaml's model section.
@@ -54,7 +54,7 @@ stay megatron-core's own code:
   * the TE backend (TESpecProvider) of get_transformer_block_with_experimental_attention_variant_spec and of
     get_gpt_layer_with_transformer_engine_submodules -> CpuTESpecProvider, whose leaves are plain-torch modules
     with TE's parameter names, _extra_state and megatron-core's TE wrappers' sharded_state_dict:
-    TELayerNormColumnParallelLinear and TENorm (te.pytorch.RMSNorm) from tests/gemma3_oracle.cpu_classes;
+    TELayerNormColumnParallelLinear and TENorm (te.pytorch.RMSNorm) from oracles.te_cpu.cpu_classes;
     TEColumnParallelLinear / TERowParallelLinear (weight TP axis 0 / 1; expert linears use the expert TP group and
     leave communication to the dispatcher, as TE's do); TEDotProductAttention -> megatron-core's local
     DotProductAttention (no sharded state, legacy _extra_state an empty uint8 tensor); experts: TE's non-grouped
@@ -62,7 +62,7 @@ stay megatron-core's own code:
     moe_permute_fusion=False: torch_dist keys are the same as TEGroupedMLP's, legacy names are SequentialMLP's);
     the MoE token dispatcher "allgather" instead of Bridge's "alltoall" (whose constructor makes a
     torch.cuda.Stream); the dispatcher moves tokens only, no weight or key depends on it
-  * tests/bridge_oracle.install_shims and the CPU masks of tests/gemma3_oracle.apply_gemma3_shims.
+  * oracles.te_cpu.install_shims and the CPU masks of oracles.te_cpu.apply_bridge_cpu_shims.
 """
 from __future__ import annotations
 
@@ -75,10 +75,10 @@ import time
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
-from gemma3_oracle import is_legacy, unwrap  # noqa: E402
-from nemotron_h_oracle import judge_ids, megatron_logits, tensor_state  # noqa: E402
+from oracles.common import is_legacy, unwrap  # noqa: E402
+from oracles.nemotron_h import judge_ids, megatron_logits, tensor_state  # noqa: E402
 
 VOCAB = 300
 SEQ = 16
@@ -130,13 +130,13 @@ def hf_model_class(hf: str):
 
 
 def ensure_pg() -> tuple[int, int]:
-    """The gloo process group: torchrun's, the test worker's, or a one-process one (as gemma3_oracle.init_dist)."""
+    """The gloo process group: torchrun's, the test worker's, or a one-process one (as oracles.gemma3.init_dist)."""
     import socket
 
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # a plain `python qwen3_next_oracle.py ...`: a group of one
+        if "RANK" not in os.environ:  # a plain `python oracles/qwen3_next.py ...`: a group of one
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
@@ -163,16 +163,17 @@ _SHIMMED = False
 
 
 def apply_shims():
-    """gemma3's shims (bridge_oracle's + CPU masks) and the GDN kernel stand-ins (see the module docstring)."""
+    """gemma3's shims (oracles.bridge's + CPU masks) and the GDN kernel stand-ins (see the module docstring)."""
     global _SHIMMED
     from megatron.core import jit
 
     jit.disable_jit_fuser()  # before megatron.core.ssm is imported (Bridge's qwen modules import it)
     import torch
     import torch.nn.functional as F
-    from gemma3_oracle import apply_gemma3_shims
 
-    apply_gemma3_shims()
+    from oracles.te_cpu import apply_bridge_cpu_shims
+
+    apply_bridge_cpu_shims()
     if _SHIMMED:
         return
     from megatron.core.ssm.gated_delta_net import common, gdn
@@ -212,7 +213,6 @@ def cpu_classes():
     global _CLASSES
     if _CLASSES is not None:
         return _CLASSES
-    import gemma3_oracle as g3
     import torch
     import torch.nn.functional as F
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -224,14 +224,16 @@ def cpu_classes():
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
     from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
-    base = g3.cpu_classes()
+    from oracles import te_cpu
+
+    base = te_cpu.cpu_classes()
 
     class ExtraState:
         def get_extra_state(self):
-            return g3._te_module_extra_state()
+            return te_cpu.te_module_extra_state()
 
         def set_extra_state(self, state):
-            g3._te_accepts_extra_state(state, type(self).__name__)
+            te_cpu.te_accepts_extra_state(state, type(self).__name__)
 
     def new_weight(shape, config, init_method):
         p = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype))
@@ -363,8 +365,9 @@ def cpu_backend():
 
 
 def qwen_provider(hf: str, load_weights: bool, tp: int = 1, pp: int = 1, ep: int = 1, parallel_output=True):
-    from bridge_oracle import CPU_KERNELS
     from megatron.bridge import AutoBridge
+
+    from oracles.te_cpu import CPU_KERNELS
 
     for name in [k for k in os.environ if k.startswith(("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"))]:
         del os.environ[name]
@@ -473,7 +476,7 @@ def cmd_make(a) -> int:
 def cmd_bridge_import(a, serving=False) -> int:
     t0 = time.time()
     apply_shims()
-    from mcore_oracle import end_parallel
+    from oracles.common import end_parallel
 
     rank, world = init_dist(1, 1)  # TP 1 PP 1; a world of N: N data-parallel replicas, one save
     try:
@@ -513,10 +516,11 @@ def nan_fill(m) -> None:
 
 def load_into(m, iter_dir: Path, problems: list[str]) -> None:
     """``iter_dir`` into module ``m`` (this rank's stage), strictly; a problem list instead of a crash."""
-    import gemma3_oracle as g3
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from oracles import te_cpu
 
     sharded = m.sharded_state_dict()
     if is_legacy(iter_dir):
@@ -539,7 +543,7 @@ def load_into(m, iter_dir: Path, problems: list[str]) -> None:
     for k, v in sd.items():
         if k.endswith("_extra_state"):
             try:
-                g3._te_accepts_extra_state(v, k)
+                te_cpu.te_accepts_extra_state(v, k)
             except Exception as e:  # noqa: BLE001 - TE's verdict
                 problems.append(f"{k}: {e}")
     res = m.load_state_dict(sd, strict=False)
@@ -562,9 +566,8 @@ def hf_logits(hf: str, ids):
 def cmd_judge(a, serving=False) -> int:
     apply_shims()
     import torch.distributed as dist
-    from gemma3_oracle import compare
 
-    from mcore_oracle import end_parallel, resolve_iter_dir
+    from oracles.common import compare, end_parallel, resolve_iter_dir
 
     t_all = time.time()
     truth_dir = Path(resolve_iter_dir(a.truth))
@@ -647,7 +650,7 @@ def cmd_mutate(a, serving=False) -> int:
     apply_shims()
     import torch
 
-    from mcore_oracle import end_parallel, resolve_iter_dir
+    from oracles.common import end_parallel, resolve_iter_dir
 
     rank = 0
     try:
@@ -710,7 +713,7 @@ def cmd_legacy(a, serving=False) -> int:
     import torch
     import torch.distributed as dist
 
-    from mcore_oracle import end_parallel, resolve_iter_dir
+    from oracles.common import end_parallel, resolve_iter_dir
 
     rank = 0
     try:
@@ -751,8 +754,9 @@ def stored_keys(iter_dir: str) -> dict:
 
 
 def describe_sharded(sd: dict) -> dict:
-    from gemma3_oracle import describe_sharded as g3_describe
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    from oracles.common import describe_sharded as g3_describe
 
     out = g3_describe(sd)
     for k, v in sd.items():  # the factory's produced keys with their replica ids
@@ -773,7 +777,7 @@ def cmd_layout(a, serving=False) -> int:
     import torch
     import torch.distributed as dist
 
-    from mcore_oracle import end_parallel, resolve_iter_dir
+    from oracles.common import end_parallel, resolve_iter_dir
 
     rank, world = init_dist(a.tp, a.pp)
     try:

@@ -2,18 +2,18 @@
 Megatron-side layout; transformers' ``Gemma3ForCausalLM`` is the HF side. Runs in the second runtime
 (.venv-mcore19, Python 3.12); imports megatron-core, Megatron-Bridge, transformers; never dist_convert.
 
-  gemma3_oracle.py make HF_DIR [--layers N] [--seed S]
+  oracles/gemma3.py make HF_DIR [--layers N] [--seed S]
       a tiny random Gemma3ForCausalLM made by transformers' own classes (Gemma3TextConfig): hidden 64, 4 heads,
       2 kv heads, head_dim 16, ffn 128, vocab 300 (not a multiple of 128), N layers (default 7: layers 1-5 and 7
       sliding, layer 6 full; Bridge only knows the 5:1 pattern), sliding_window 4, query_pre_attn_scalar 24
       (!= head_dim), rope_theta 50000 with linear scaling x4 on full layers, local rope_theta 10000, tied
       embeddings, fp32; every tensor random (norm weights w with |w| in [0.2, 0.8]: Gemma's RMSNorm scales by
       1 + w); a 300-token WordLevel tokenizer; ``save_pretrained`` (safetensors)
-  gemma3_oracle.py bridge-import HF_DIR OUT_DIR [--pp P]
+  oracles/gemma3.py bridge-import HF_DIR OUT_DIR [--pp P]
       Megatron-Bridge's own import (AutoBridge.from_hf_pretrained, to_megatron_provider(load_weights=True),
       provide_distributed_model, save_megatron_model): a torch_dist checkpoint at PP --pp (default 1), TP = world
       size / PP
-  gemma3_oracle.py judge MEGATRON_DIR --truth BRIDGE_DIR --hf HF_DIR [--tp N] [--pp N]
+  oracles/gemma3.py judge MEGATRON_DIR --truth BRIDGE_DIR --hf HF_DIR [--tp N] [--pp N]
       builds Bridge's Gemma 3 model from the HF config (TP = world size, PP 1), loads MEGATRON_DIR into it
       with megatron-core's dist_checkpointing.load (StrictHandling.RAISE_ALL: no missing, no unexpected key;
       resharding from any TP/PP), TE's check of each _extra_state value, then module.load_state_dict (every key
@@ -26,9 +26,9 @@ Megatron-side layout; transformers' ``Gemma3ForCausalLM`` is the HF side. Runs i
           Gemma3ForCausalLM (eager, fp32) within --atol (1e-4)
       prints one JSON line (rank 0); exit 1 on any problem. torch_dist, or a legacy (torch) checkpoint
       written at TP = world size, PP 1.
-  gemma3_oracle.py mutate SRC DST --hf HF_DIR --kind value|norm_plus_one|swap_gate_up|swap_k_v|drop_object
+  oracles/gemma3.py mutate SRC DST --hf HF_DIR --kind value|norm_plus_one|swap_gate_up|swap_k_v|drop_object
       SRC with one defect, saved as Bridge saves: the judge must fail on DST (a test that cannot fail is none)
-  gemma3_oracle.py layout HF_DIR [--ckpt DIR] [--out JSON]
+  oracles/gemma3.py layout HF_DIR [--ckpt DIR] [--out JSON]
       the layout itself: the model's state_dict() names/shapes/dtypes, its sharded_state_dict() (keys, global
       shapes, TP axis, replica ids, ShardedObjects), and with --ckpt the checkpoint's stored keys (.metadata),
       its common state and run_config.yaml's model section
@@ -52,7 +52,7 @@ what they stand for (Bridge's AutoMapping picks a weight's TP split by its modul
     TEDotProductAttention.sharded_state_dict in 0.19.2), legacy _extra_state an empty uint8 tensor
   * the final layernorm: megatron-core builds TENorm there when TE is present (transformer_block.LayerNormImpl)
     -> CpuTENorm
-Other CPU shims: tests/bridge_oracle.install_shims (TE stub for Bridge's lora_layers only, CUDA no-ops); the
+Other CPU shims: oracles.te_cpu.install_shims (TE stub for Bridge's lora_layers only, CUDA no-ops); the
 sliding-window and causal masks megatron-core allocates on "cuda" are made on the CPU; the save's CUDA RNG
 state is the CPU one.
 """
@@ -60,19 +60,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
-import io
 import json
 import math
 import os
-import pickle
-import socket
 import sys
 import time
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
+
+from oracles.common import (  # noqa: E402
+    compare,
+    compare_stored,
+    describe_sharded,
+    init_dist,
+    is_legacy,
+    stored_metadata,
+    stored_parallel,
+    unwrap,
+)
+from oracles.te_cpu import apply_bridge_cpu_shims, cpu_classes, load_strict  # noqa: E402
 
 VOCAB = 300
 TINY = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -83,202 +91,26 @@ TINY = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_a
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0}}}
 SEQ = 12  # test input length: > sliding_window, so local layers really cut keys off
-NON_MODEL_OBJECTS = ("common_state", "rng_state", "rerun_state_machine_state", "optimizer", "content_metadata")
 
 
 # ----------------------------------------------------------------------------- process group
 
 
-def init_dist(pp: int = 1) -> tuple[int, int]:
-    """gloo process group (torchrun's, the test worker's, or a one-process one) and megatron-core's groups:
-    PP ``pp``, TP = world size / pp. Returns (rank, world)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:  # a plain `python gemma3_oracle.py ...`: a group of one
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(port))
-        dist.init_process_group(backend="gloo")
-    world = dist.get_world_size()
-    assert world % pp == 0, (world, pp)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world // pp, pipeline_model_parallel_size=pp)
-    return dist.get_rank(), world
 
 
 # ----------------------------------------------------------------------------- CPU stand-ins for TE
 
 
-def _te_module_extra_state():
-    import torch
-
-    return torch.empty(0, dtype=torch.uint8)  # TransformerEngineBaseModule.get_extra_state without FP8
 
 
-def _te_op_extra_state():
-    import torch
-
-    return torch.frombuffer(bytearray(pickle.dumps({})), dtype=torch.uint8)  # BasicOperation: no quantizer state
 
 
-def _te_accepts_extra_state(state, where: str) -> None:
-    """What TE's set_extra_state accepts: None, an empty tensor, a uint8 tensor holding a pickle, a BytesIO
-    (TE 1.x); anything else raises there (``Unsupported checkpoint format``)."""
-    import torch
-
-    if state is None:
-        return
-    if isinstance(state, torch.Tensor):
-        if state.numel():
-            pickle.loads(state.detach().cpu().numpy().tobytes())
-        return
-    if isinstance(state, io.BytesIO):
-        return
-    raise RuntimeError(f"{where}: _extra_state of type {type(state).__name__}: TE refuses it")
 
 
-def _rms(x, weight, eps: float, zero_centered: bool):
-    import torch
-
-    w = weight.float() + 1.0 if zero_centered else weight.float()
-    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return (y * w).to(x.dtype)
 
 
-_CLASSES = None
 
 
-def cpu_classes():
-    """The stand-in classes (built once, after megatron-core is importable)."""
-    global _CLASSES
-    if _CLASSES is not None:
-        return _CLASSES
-    import torch
-    import torch.nn.functional as F
-    from megatron.bridge.models.gemma.gemma3_provider import _is_local_attn_layer
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-    from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region,
-        reduce_from_tensor_model_parallel_region,
-    )
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
-
-    def tp_of(group):
-        return group if group is not None else parallel_state.get_tensor_model_parallel_group()
-
-    def new_param(shape, config, init_method=None, value=None):
-        p = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype))
-        with torch.no_grad():
-            if value is not None:
-                p.fill_(value)
-            elif init_method is not None and config.perform_initialization:
-                init_method(p)
-            else:
-                p.zero_()
-        return p
-
-    class ExtraState:
-        """TE's _extra_state: saved as the module gives it, checked on load as TE would."""
-        _extra = staticmethod(_te_module_extra_state)
-
-        def get_extra_state(self):
-            return self._extra()
-
-        def set_extra_state(self, state):
-            _te_accepts_extra_state(state, type(self).__name__)
-
-    class CpuTENorm(ExtraState, torch.nn.Module):
-        """te.pytorch.RMSNorm as megatron-core's TENorm builds it (TE 2.x: an op, weight ``weight``)."""
-        _extra = staticmethod(_te_op_extra_state)
-
-        def __init__(self, config, hidden_size, eps=1e-5, has_residual=False):
-            super().__init__()
-            assert config.normalization == "RMSNorm", config.normalization
-            self.eps, self.zero_centered = eps, config.layernorm_zero_centered_gamma
-            self.weight = new_param((hidden_size,), config, value=0.0 if self.zero_centered else 1.0)
-            self.weight.sequence_parallel = config.sequence_parallel
-
-        def forward(self, x):
-            return _rms(x, self.weight, self.eps, self.zero_centered)
-
-    class CpuTELayerNormColumnParallelLinear(ExtraState, torch.nn.Module):
-        """TELayerNormColumnParallelLinear: RMSNorm (``layer_norm_weight``) fused before a column-parallel linear."""
-
-        def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add,
-                     is_expert, skip_weight_param_allocation=False, tp_comm_buffer_name=None, tp_group=None,
-                     stride=1, name=None):
-            super().__init__()
-            assert not gather_output and not bias and not is_expert and not skip_weight_param_allocation
-            self.config, self._tp_group = config, tp_of(tp_group)
-            tp = self._tp_group.size()
-            self.eps, self.zero_centered = config.layernorm_epsilon, config.layernorm_zero_centered_gamma
-            self.layer_norm_weight = new_param((input_size,), config, value=0.0 if self.zero_centered else 1.0)
-            self.weight = new_param((output_size // tp, input_size), config, init_method)
-            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
-
-        def forward(self, x):
-            x = _rms(x, self.layer_norm_weight, self.eps, self.zero_centered)
-            x = copy_to_tensor_model_parallel_region(x, group=self._tp_group)
-            return F.linear(x, self.weight), None
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):  # as megatron-core's wrapper
-            metadata = ensure_metadata_has_dp_cp_group(metadata)
-            state_dict = self.state_dict(prefix="", keep_vars=True)
-            return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"weight": 0, "bias": 0}, sharded_offsets,
-                                                       tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
-
-    class CpuTERowParallelLinearLayerNorm(ExtraState, torch.nn.Module):
-        """Bridge's TERowParallelLinearLayerNorm: TERowParallelLinear + ``post_layernorm = TENorm(config, out)``."""
-
-        def __init__(self, input_size, output_size, *, config, init_method, bias, input_is_parallel, skip_bias_add,
-                     is_expert, tp_comm_buffer_name=None, tp_group=None, name=None):
-            super().__init__()
-            assert input_is_parallel and not bias and not is_expert
-            self.config, self._tp_group = config, tp_of(tp_group)
-            tp = self._tp_group.size()
-            self.weight = new_param((output_size, input_size // tp), config, init_method)
-            set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
-            self.post_layernorm = CpuTENorm(config, output_size)  # as Bridge: TENorm's default eps
-
-        def forward(self, x):
-            out = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), group=self._tp_group)
-            return self.post_layernorm(out), None
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):  # as TERowParallelLinear's
-            metadata = ensure_metadata_has_dp_cp_group(metadata)
-            state_dict = self.state_dict(prefix="", keep_vars=True)
-            return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"weight": 1}, sharded_offsets,
-                                                       tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
-
-    class CpuGemma3DotProductAttention(ExtraState, DotProductAttention):
-        """Gemma3TEDotProductAttention's per-layer window on megatron-core's local attention."""
-
-        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                     softmax_scale=None, cp_comm_type=None, pg_collection=None, **kwargs):
-            config = copy.deepcopy(config)
-            assert not config.is_vision_language
-            if _is_local_attn_layer(layer_number, config.interleaved_attn_pattern):
-                config.window_size = (config.window_size - 1, 0)
-            else:
-                config.window_size = None
-            config.window_attn_skip_freq = None
-            super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                             softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-
-    # Bridge picks a weight's TP split by its module's class name (AutoMapping._MODULE_TYPE_REGISTRY): the
-    # stand-ins carry the names of the classes they stand for (te.pytorch.RMSNorm is what TENorm builds)
-    for cls, name in ((CpuTENorm, "RMSNorm"), (CpuTELayerNormColumnParallelLinear, "TELayerNormColumnParallelLinear"),
-                      (CpuTERowParallelLinearLayerNorm, "TERowParallelLinearLayerNorm"),
-                      (CpuGemma3DotProductAttention, "Gemma3TEDotProductAttention")):
-        cls.__name__ = cls.__qualname__ = name
-    _CLASSES = {"norm": CpuTENorm, "qkv": CpuTELayerNormColumnParallelLinear,
-                "row_ln": CpuTERowParallelLinearLayerNorm, "attn": CpuGemma3DotProductAttention}
-    return _CLASSES
 
 
 def cpu_gemma3_layer_spec(config):
@@ -301,23 +133,6 @@ def cpu_gemma3_layer_spec(config):
     return spec
 
 
-def apply_gemma3_shims():
-    """bridge_oracle's shims plus: the attention masks megatron-core makes on "cuda" made on the CPU."""
-    import torch
-    from bridge_oracle import install_shims
-
-    install_shims()
-    from megatron.core.fusions import fused_softmax
-
-    def sliding(sq, skv, window_size):  # megatron-core's, on the CPU
-        m = torch.ones(sq, skv, dtype=torch.bool)
-        return ~torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
-
-    fused_softmax.get_sliding_window_causal_mask = sliding
-    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
-    if not getattr(torch.cuda, "_gemma3_rng", False):
-        torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # the save records it
-        torch.cuda._gemma3_rng = True
 
 
 # ----------------------------------------------------------------------------- the model
@@ -362,10 +177,6 @@ def build(provider):
     return model
 
 
-def unwrap(m):
-    while hasattr(m, "module"):
-        m = m.module
-    return m
 
 
 # ----------------------------------------------------------------------------- make
@@ -410,8 +221,8 @@ def cmd_make(a) -> int:
 
 def cmd_bridge_import(a, serving=False) -> int:
     t0 = time.time()
-    apply_gemma3_shims()
-    from mcore_oracle import end_parallel
+    apply_bridge_cpu_shims()
+    from oracles.common import end_parallel
 
     rank, world = init_dist(a.pp)
     try:
@@ -433,88 +244,14 @@ def cmd_bridge_import(a, serving=False) -> int:
 # ----------------------------------------------------------------------------- judge
 
 
-def stored_metadata(iter_dir: str):
-    """torch DCP metadata of a torch_dist directory: {key: shape (tensors) or None (objects)}."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = FileSystemReader(iter_dir).read_metadata()
-    return {k: (tuple(v.size) if isinstance(v, TensorStorageMetadata) else None)
-            for k, v in md.state_dict_metadata.items()}
 
 
-def model_objects(meta: dict) -> set[str]:
-    return {k for k, v in meta.items() if v is None and not k.startswith(NON_MODEL_OBJECTS)}
 
 
-def stored_parallel(iter_dir: Path) -> tuple[int | None, int | None]:
-    """(TP, PP) a checkpoint says it was written at: Megatron-LM args (common state, or a legacy rank file),
-    else Bridge's run_config.yaml model section; None where it says nothing."""
-    import torch
-    from megatron.core import dist_checkpointing
-
-    args = None
-    with contextlib.suppress(Exception):
-        if is_legacy(iter_dir):
-            from megatron.core.safe_globals import SAFE_GLOBALS
-
-            f = sorted(iter_dir.glob("mp_rank_*/model_optim_rng.pt"))[0]
-            # registered for good, as megatron-core does: the safe_globals context would drop them again on exit
-            torch.serialization.add_safe_globals(list(SAFE_GLOBALS))
-            args = torch.load(f, map_location="cpu", weights_only=True).get("args")
-        else:
-            args = dist_checkpointing.load_common_state_dict(str(iter_dir)).get("args")
-    if args is not None:
-        return getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", None)
-    rc = iter_dir / "run_config.yaml"
-    if rc.is_file():
-        import yaml
-
-        model = (yaml.safe_load(rc.read_text()) or {}).get("model") or {}
-        return model.get("tensor_model_parallel_size"), model.get("pipeline_model_parallel_size")
-    return None, None
 
 
-def is_legacy(iter_dir: Path) -> bool:
-    return any(p.name.startswith("mp_rank_") for p in iter_dir.iterdir())
 
 
-def load_strict(model, iter_dir: Path, problems: list[str]) -> None:
-    """The checkpoint into ``model`` as megatron-core loads it, strictly: dist_checkpointing.load with RAISE_ALL
-    (missing and unexpected keys raise; resharding as needed), TE's check of every _extra_state, then
-    load_state_dict: every key but an _extra_state the sharded state dict does not save. A legacy checkpoint: its
-    rank file's ``model``, the same checks."""
-    import torch
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    m = unwrap(model[0])
-    if is_legacy(iter_dir):
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        f = iter_dir / f"mp_rank_{tp_rank:02d}" / "model_optim_rng.pt"
-        if not f.is_file():
-            problems.append(f"legacy checkpoint: no {f.relative_to(iter_dir)} (the judge loads TP = world size, PP 1)")
-            return
-        from megatron.core.safe_globals import SAFE_GLOBALS
-
-        # registered for good, as megatron-core does: the safe_globals context would drop them again on exit
-        torch.serialization.add_safe_globals(list(SAFE_GLOBALS))
-        sd = torch.load(f, map_location="cpu", weights_only=True)["model"]
-    else:
-        sharded = m.sharded_state_dict()
-        loaded = dist_checkpointing.load({"model": sharded}, str(iter_dir), strict=StrictHandling.RAISE_ALL)
-        sd = loaded["model"]
-    for k, v in sd.items():
-        if k.endswith("_extra_state"):
-            try:
-                _te_accepts_extra_state(v, k)
-            except Exception as e:  # noqa: BLE001 - TE's verdict
-                problems.append(f"{k}: {e}")
-    res = m.load_state_dict(sd, strict=False)
-    # as Megatron-LM's and Bridge's loaders: a module's _extra_state the sharded state dict does not save
-    # (TEDotProductAttention's; the tied output layer's) may be absent; every other key must be there
-    problems += [f"load_state_dict: missing {k}" for k in res.missing_keys if not k.endswith("._extra_state")]
-    problems += [f"load_state_dict: unexpected {k}" for k in res.unexpected_keys]
 
 
 def tensor_state(model) -> dict:
@@ -524,43 +261,8 @@ def tensor_state(model) -> dict:
             and not k.endswith("_extra_state")}
 
 
-def compare(got: dict, want: dict, what: str) -> list[str]:
-    import torch
-
-    problems = [f"{what}: missing {k}" for k in sorted(set(want) - set(got))]
-    problems += [f"{what}: unexpected {k}" for k in sorted(set(got) - set(want))]
-    for k in sorted(set(got) & set(want)):
-        x, y = got[k], want[k]
-        if x.shape != y.shape or x.dtype != y.dtype:
-            problems.append(f"{what}: {k} {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
-        elif not torch.equal(x, y):
-            problems.append(f"{what}: {k} differs, max abs diff {(x.double() - y.double()).abs().max().item():.3g}")
-    return problems
 
 
-def compare_stored(iter_dir: Path, truth_dir: Path, allow_pad: bool) -> tuple[list[str], dict]:
-    """Stored tensors (global, all layers) of the judged checkpoint vs Bridge's, bit for bit; the same
-    _extra_state objects."""
-    import torch
-    from megatron.core import dist_checkpointing
-
-    def plain(d):  # load_plain_tensors also returns the common state (iteration, ...): the tensors only
-        return {k: v for k, v in dist_checkpointing.load_plain_tensors(str(d)).items() if isinstance(v, torch.Tensor)}
-
-    got, want = plain(iter_dir), plain(truth_dir)
-    problems = []
-    for k in sorted(set(got) & set(want)):
-        x, y = got[k], want[k]
-        if allow_pad and x.dim() == 2 and x.shape[0] > y.shape[0] and x.shape[1:] == y.shape[1:] and \
-                k in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            if torch.count_nonzero(x[y.shape[0]:]):
-                problems.append(f"stored: {k} vocab padding rows {y.shape[0]}..{x.shape[0]} not zero")
-            got[k] = x[:y.shape[0]]
-    problems += compare(got, want, "stored vs Bridge import")
-    mine, theirs = model_objects(stored_metadata(str(iter_dir))), model_objects(stored_metadata(str(truth_dir)))
-    problems += [f"stored: _extra_state object missing: {k}" for k in sorted(theirs - mine)]
-    problems += [f"stored: unexpected object: {k}" for k in sorted(mine - theirs)]
-    return problems, {"stored_tensors": len(got), "stored_objects": len(mine)}
 
 
 def hf_logits(hf: str, ids):
@@ -589,10 +291,10 @@ def judge_ids():
 
 def cmd_judge(a, serving=False) -> int:
     t0 = time.time()
-    apply_gemma3_shims()
+    apply_bridge_cpu_shims()
     import torch.distributed as dist
 
-    from mcore_oracle import end_parallel, resolve_iter_dir
+    from oracles.common import end_parallel, resolve_iter_dir
 
     iter_dir, truth_dir = Path(resolve_iter_dir(a.megatron_dir)), Path(resolve_iter_dir(a.truth))
     rank, world = init_dist()
@@ -662,10 +364,10 @@ def cmd_mutate(a, serving=False) -> int:
     value: one element of layer 3's linear_qkv.weight += 1e-3; norm_plus_one: layer 2's q_layernorm stored as
     1 + w (the zero-centered shift applied twice); swap_gate_up: layer 1's fc1 halves exchanged; swap_k_v:
     layer 0's k and v rows of every query group exchanged; drop_object: no linear_fc2._extra_state."""
-    apply_gemma3_shims()
+    apply_bridge_cpu_shims()
     import torch
 
-    from mcore_oracle import end_parallel, resolve_iter_dir
+    from oracles.common import end_parallel, resolve_iter_dir
 
     rank, world = init_dist()
     try:
@@ -712,32 +414,6 @@ def cmd_mutate(a, serving=False) -> int:
 # ----------------------------------------------------------------------------- layout
 
 
-def describe_sharded(sd: dict) -> dict:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, ShardedTensor):
-            tp_axes = [i - v.prepend_axis_num for i, f in enumerate(v.axis_fragmentations)
-                       if f > 1 and i >= v.prepend_axis_num]
-            out[k] = {"kind": "tensor", "key": v.key, "global_shape": list(v.global_shape),
-                      "local_shape": list(v.local_shape), "global_offset": list(v.global_offset),
-                      "prepend_axis_num": v.prepend_axis_num, "axis_fragmentations": list(v.axis_fragmentations),
-                      "tp_split_axis_of_local": tp_axes, "replica_id": list(v.replica_id)
-                      if isinstance(v.replica_id, tuple) else v.replica_id, "dtype": str(v.dtype)}
-        elif isinstance(v, ShardedObject):
-            out[k] = {"kind": "object", "key": v.key, "unique_key": v.unique_key, "global_shape": list(v.global_shape),
-                      "global_offset": list(v.global_offset), "value": repr(v.data)[:80]}
-        elif isinstance(v, ShardedTensorFactory):
-            built = v.build_fn(v.key, v.data, v.replica_id, v.flattened_range)
-            parts = built if isinstance(built, dict) else dict(enumerate(built if isinstance(built, list) else [built]))
-            out[k] = {"kind": "factory", "key": v.key, "local_shape": list(v.data.shape),
-                      "built": {pk: {"global_shape": list(p.global_shape), "global_offset": list(p.global_offset),
-                                     "local_shape": list(p.local_shape),
-                                     "axis_fragmentations": list(p.axis_fragmentations)} for pk, p in parts.items()}}
-        else:
-            out[k] = {"kind": type(v).__name__}
-    return out
 
 
 def provider_vs_llama(hf: str) -> dict:
@@ -768,11 +444,11 @@ def provider_vs_llama(hf: str) -> dict:
 
 
 def cmd_layout(a, serving=False) -> int:
-    apply_gemma3_shims()
+    apply_bridge_cpu_shims()
 
     import torch
 
-    from mcore_oracle import end_parallel
+    from oracles.common import end_parallel
 
     rank, world = init_dist()
     try:
@@ -792,7 +468,7 @@ def cmd_layout(a, serving=False) -> int:
                "rope": {"global_inv_freq": m.rotary_pos_emb.inv_freq.tolist(),
                         "local_inv_freq": m.rotary_pos_emb.rope_local.inv_freq.tolist()}}
         if a.ckpt:
-            from mcore_oracle import resolve_iter_dir
+            from oracles.common import resolve_iter_dir
 
             it = Path(resolve_iter_dir(a.ckpt))
             out["stored"] = {k: (list(v) if v is not None else "object") for k, v in stored_metadata(str(it)).items()}

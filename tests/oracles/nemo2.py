@@ -5,9 +5,9 @@ A NeMo 2 checkpoint CKPT is CKPT/weights/ (a megatron-core torch_dist directory 
 the prefix ``module.``: NeMo's MegatronParallel wraps the megatron-core GPTModel) and CKPT/context/ (NeMo's
 ``io_dump`` of the trainer context: io.json, model.yaml unless NeMo 2.0, tokenizer artifacts).
 
-  torchrun --nproc_per_node=T*P tests/nemo2_oracle.py make --config C.json --tp T --pp P --seed S --out CKPT \
+  torchrun --nproc_per_node=T*P tests/oracles/nemo2.py make --config C.json --tp T --pp P --seed S --out CKPT \
       [--tokenizer HF_DIR] [--no-model-yaml]
-      The weights are those of ``tests/mcore_oracle.py make`` with the same config, seed and TP (its
+      The weights are those of ``tests/oracles/mcore.py make`` with the same config, seed and TP (its
       build_model and randomize), written the way NeMo's import (``ModelConnector.nemo_setup`` + ``nemo_save``)
       writes them: the megatron-core model is the ``module`` of an ``llm.GPTModel`` whose ``GPTConfig``
       describes it (nemo_fields), on ``nl.Trainer(devices=1, accelerator="cpu", strategy=MegatronStrategy(
@@ -21,7 +21,7 @@ the prefix ``module.``: NeMo's MegatronParallel wraps the megatron-core GPTModel
       ``nemo_tokenizer`` directory) and ``AutoTokenizer`` of them, whose vocab_size must be the config's;
       its files land in CKPT/context/nemo_tokenizer/. Without it the context has no tokenizer.
       --no-model-yaml deletes context/model.yaml afterwards (a NeMo 2.0 checkpoint has io.json only).
-  torchrun --nproc_per_node=T*P tests/nemo2_oracle.py load --ckpt CKPT --ref-dump DIR --tp T --pp P \
+  torchrun --nproc_per_node=T*P tests/oracles/nemo2.py load --ckpt CKPT --ref-dump DIR --tp T --pp P \
       [--expect-tokenizer] [--vocab-size V]
       Judges CKPT with NeMo: ``load_context(CKPT/"context", subpath="model")`` must build the model; its
       config's tensor/pipeline_model_parallel_size must be T/P; --expect-tokenizer: the model must have a
@@ -32,7 +32,7 @@ the prefix ``module.``: NeMo's MegatronParallel wraps the megatron-core GPTModel
       must equal what configure_model pads to (megatron-core loads other row counts silently). --vocab-size:
       the true vocab a user would bring as the tokenizer, used only where the context has no tokenizer (NeMo
       cannot configure a model whose context names neither a tokenizer nor config.vocab_size: refused).
-      DIR is ``tests/mcore_oracle.py dump --tp T --pp P`` output (ref_{t}_{p}.pt, at the same layout): each
+      DIR is ``tests/oracles/mcore.py dump --tp T --pp P`` output (ref_{t}_{p}.pt, at the same layout): each
       rank loads its file strictly into a second model of the same NeMo config (the vocab rows the dump
       has), and both models are gathered to full logical tensors by megatron-core's own sharded state dict
       (main replicas placed at their global offsets; decoder layers stacked) and compared bit-exactly.
@@ -41,19 +41,19 @@ the prefix ``module.``: NeMo's MegatronParallel wraps the megatron-core GPTModel
       writes zeros); otherwise same size, every row.
       Prints one MISMATCH line per problem and ``ORACLE OK <n> tensors (NeMo load_context + configure_model,
       megatron-core load)`` or ``ORACLE FAIL ...``; exits 0 only when everything matched.
-  python tests/nemo2_oracle.py make-tokenizer --out DIR [--vocab 100]
+  python tests/oracles/nemo2.py make-tokenizer --out DIR [--vocab 100]
       A tiny Hugging Face tokenizer (WordLevel t0..t{N-1}) in DIR, made with ``tokenizers`` the way
-      tests/bridge_oracle.py make-hf makes its one, for --tokenizer.
+      tests/oracles/bridge.py make-hf makes its one, for --tokenizer.
 
-Config JSON: tests/mcore_oracle.py's (Megatron-LM names); every field that changes the model maps to a
+Config JSON: tests/oracles/mcore.py's (Megatron-LM names); every field that changes the model maps to a
 GPTConfig field (NEMO_FIELDS) or it is refused (ORACLE FAIL); moe_layer_freq other than 1 is refused (NeMo's
 GPT layer spec makes every layer MoE). use_rope_scaling picks Llama31Config (its RoPE scaling with
 scale_factor = rope_scaling_factor and megatron-core's other constants). GPTConfig.seq_length gets
 max_position_embeddings (NeMo sizes the position table by it; the JSON's seq_length is a run's), dropouts 0 as
-tests/mcore_oracle.py builds. Layouts: even PP stages, no VPP, EP 1 (the world is T*P).
+tests/oracles/mcore.py builds. Layouts: even PP stages, no VPP, EP 1 (the world is T*P).
 
 NeMo 2.6.0 on this stack (shims, applied in the process, never to NeMo's files):
-  * tests/mcore_oracle.py apply_cpu_shims (CUDA calls of megatron-core's save/load made CPU no-ops).
+  * tests/oracles/mcore.py apply_cpu_shims (CUDA calls of megatron-core's save/load made CPU no-ops).
   * nemo/lightning/io/registry.py registers NeMo's AutoTokenizer for io (its artifacts) only after importing
     LlamaTokenizerFast from a module transformers 5 removed, so under transformers 5 it silently registers
     nothing: an AutoTokenizer would be dumped without its files and loaded from a relative path.
@@ -64,7 +64,7 @@ NeMo 2.6.0 on this stack (shims, applied in the process, never to NeMo's files):
     pipeline_dtype=float32 (megatron-core needs one with PP > 1; the oracle's weights are float32).
   * CUDA-only kernel switches (CPU_SWITCHES) off in GPTConfig (make) and before configure_model (load);
     use_cpu_initialization on; no Transformer Engine, so NeMo's default_layer_spec is megatron-core's local
-    spec, as tests/mcore_oracle.py builds. None of these changes a weight's name, shape or value.
+    spec, as tests/oracles/mcore.py builds. None of these changes a weight's name, shape or value.
 """
 from __future__ import annotations
 
@@ -77,24 +77,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mcore_oracle import (  # noqa: E402
-    apply_cpu_shims,
-    build_model,
-    end_parallel,
-    init_parallel,
-    is_moe,
-    load_config,
-    padded_vocab,
-    randomize,
-    report,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
+from oracles.common import apply_cpu_shims, end_parallel, report  # noqa: E402
+from oracles.mcore import build_model, init_parallel, is_moe, load_config, padded_vocab, randomize  # noqa: E402
 
 # GPTConfig switches for CUDA kernels (no model property): off on CPU
 CPU_SWITCHES = {"apply_rope_fusion": False, "gradient_accumulation_fusion": False, "persist_layer_norm": False,
                 "bias_activation_fusion": False, "bias_dropout_fusion": False, "masked_softmax_fusion": False,
                 "cross_entropy_loss_fusion": False}
-# config JSON keys (tests/mcore_oracle.py) -> GPTConfig field; None: handled by nemo_fields
+# config JSON keys (tests/oracles/mcore.py) -> GPTConfig field; None: handled by nemo_fields
 NEMO_FIELDS = {
     "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
     "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
@@ -222,7 +213,7 @@ def cmd_make(a, raw: dict, cfg: dict) -> int:
                                        ckpt_async_save=False)
         trainer = nl.Trainer(devices=1, accelerator="cpu", strategy=strategy)
         # ModelConnector.nemo_setup: fitting state (for the save), connect (parallel sizes into the config and
-        # its io record); the megatron-core model of tests/mcore_oracle.py make instead of configure_model
+        # its io record); the megatron-core model of tests/oracles/mcore.py make instead of configure_model
         trainer.state.fn = TrainerFn.FITTING
         strategy.connect(model)
         model.module = build_model(cfg, a.tp, a.pp)
@@ -486,7 +477,7 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--no-model-yaml", action="store_true", help="io.json only, as NeMo 2.0 wrote")
     sp = sub.add_parser("load")
     sp.add_argument("--ckpt", required=True)
-    sp.add_argument("--ref-dump", required=True, help="tests/mcore_oracle.py dump output at --tp/--pp")
+    sp.add_argument("--ref-dump", required=True, help="tests/oracles/mcore.py dump output at --tp/--pp")
     sp.add_argument("--tp", type=int, required=True)
     sp.add_argument("--pp", type=int, default=1)
     sp.add_argument("--expect-tokenizer", action="store_true")

@@ -1,8 +1,8 @@
 """Independent oracle for Megatron-FSDP (``--ckpt-format fsdp_dtensor``) checkpoints, run under the second
-runtime (megatron-core 0.19.2). It uses only megatron-core (and tests/mcore_oracle.py's model builder),
+runtime (megatron-core 0.19.2). It uses only megatron-core (and tests/oracles/mcore.py's model builder),
 never dist_convert:
 
-  * ``make``: a GPTModel (mcore_oracle.build_model, values from mcore_oracle.randomize) wrapped in
+  * ``make``: a GPTModel (oracles.mcore.build_model, values from oracles.mcore.randomize) wrapped in
     megatron-core's own Megatron-FSDP (``FullyShardedDataParallel``, ``optim_grads_params``: every
     parameter sharded over the data-parallel ranks), its state dict turned into the fsdp_dtensor layout by
     megatron-core's own handlers in the order Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` runs them
@@ -18,14 +18,14 @@ never dist_convert:
     every element) bit for bit with those of a reference loaded by megatron-core (torch_dist or legacy,
     strictly, then wrapped the same way; or another fsdp_dtensor checkpoint). Vocabulary padding rows are not compared.
 
-  torchrun --nproc_per_node=N tests/fsdp_oracle.py make --config C.json --tp T [--ep E] --seed S \
+  torchrun --nproc_per_node=N tests/oracles/fsdp.py make --config C.json --tp T [--ep E] --seed S \
       --iteration I --out DIR
-  torchrun --nproc_per_node=N tests/fsdp_oracle.py compare --config C.json --tp T [--ep E] --ckpt DIR \
+  torchrun --nproc_per_node=N tests/oracles/fsdp.py compare --config C.json --tp T [--ep E] --ckpt DIR \
       --ref R [--ref-format auto|torch_dist|megatron|fsdp_dtensor] [--check-args]
 
-N = T * DP for any DP >= 1 (DP > 1 is what shards parameters); MoE configs as mcore_oracle (E divides
+N = T * DP for any DP >= 1 (DP > 1 is what shards parameters); MoE configs as oracles.mcore (E divides
 the experts, E * ETP divides T * DP). PP is 1: Megatron-FSDP keys layers by module path only.
-CPU shims (gloo, no CUDA): mcore_oracle's, plus CUDA streams/events as no-ops, the CUDA RNG state as the
+CPU shims (gloo, no CUDA): oracles.mcore's, plus CUDA streams/events as no-ops, the CUDA RNG state as the
 CPU one, DeviceMesh on "cpu" (megatron-core hard-codes "cuda"), and ``torch.cuda.current_device() == 0``
 while Megatron-FSDP is constructed (it compares its device with ``cuda:{current_device()}``); none of
 them touches a layout.
@@ -35,8 +35,11 @@ import contextlib
 import os
 import random
 import sys
+from pathlib import Path
 
-import mcore_oracle as mo
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
+
+from oracles import mcore as mo  # noqa: E402
 
 _SHIMMED = False
 
@@ -92,7 +95,7 @@ def apply_fsdp_shims():
 
 
 def init_parallel(tp, ep, etp, cfg):
-    """tp * dp ranks (MoE: mcore_oracle's rules)."""
+    """tp * dp ranks (MoE: oracles.mcore's rules)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state

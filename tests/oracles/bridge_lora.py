@@ -2,7 +2,7 @@
 checkpoints of a tiny Llama. Runs in the second runtime (Python 3.12, megatron-core 0.19.2, Megatron-Bridge
 0.6.2, transformers, peft); never imports dist_convert.
 
-  bridge_lora_oracle.py make --hf HF_DIR --out DIR [--dim 4] [--alpha 8] [--seed 3] [--canonical]
+  oracles/bridge_lora.py make --hf HF_DIR --out DIR [--dim 4] [--alpha 8] [--seed 3] [--canonical]
                              [--iteration 5]                                               (1 process)
       AutoBridge import of HF_DIR (fp32, local layer spec), Bridge's ``LoRA`` (``CanonicalLoRA`` with
       --canonical) applied as a fine-tuning run applies it (the PEFT pre-wrap hook: ``peft(model,
@@ -17,12 +17,12 @@ checkpoints of a tiny Llama. Runs in the second runtime (Python 3.12, megatron-c
                         adapter_model.safetensors)
         DIR/merged/     ``AutoBridge.save_hf_pretrained(merge_adapter_weights=True)``: Bridge's merge
       and prints the stored torch_dist keys with global shapes and dtypes, and the run_config ``peft:``.
-  bridge_lora_oracle.py export --ckpt PEFT_CKPT --hf HF_DIR --out ADIR [--ref-adapter ADIR0]   (1 process)
+  oracles/bridge_lora.py export --ckpt PEFT_CKPT --hf HF_DIR --out ADIR [--ref-adapter ADIR0]   (1 process)
       ``AutoBridge.export_adapter_ckpt`` of PEFT_CKPT (a checkpoint root or an iteration dir): Bridge reads
       run_config.yaml's ``peft:``, builds the fp32 model with the LoRA, loads the adapters and writes the HF
       peft dir ADIR. --ref-adapter: ADIR's tensors must equal ADIR0's bit-exactly (names, shapes, dtypes)
       and the adapter configs must agree.
-  bridge_lora_oracle.py load --ckpt PEFT_CKPT --hf HF_DIR --tp T --ref-adapter ADIR [--no-logits | --logits-only]
+  oracles/bridge_lora.py load --ckpt PEFT_CKPT --hf HF_DIR --tp T --ref-adapter ADIR [--no-logits | --logits-only]
                                                                                   (T processes, gloo)
       The model at TP=T with the PEFT transform of run_config.yaml's ``peft:`` (instantiated from its
       ``_target_``), every adapter parameter first set to NaN, then Bridge's ``load_peft_adapter_checkpoint``.
@@ -56,7 +56,7 @@ ffn 96, LoRA dim 4):
   * export_adapter_ckpt always builds LoRA (or VLMLoRA): for a CanonicalLoRA checkpoint it exports only
     o_proj / down_proj and drops q/k/v/gate/up silently; a missing adapter key raises KeyError.
 
-CPU shims: tests/bridge_oracle.py ``install_shims`` (TE-less import of peft/lora_layers.py, CUDA no-ops);
+CPU shims: tests/oracles/bridge.py ``install_shims`` (TE-less import of peft/lora_layers.py, CUDA no-ops);
 ``torch.cuda.get_rng_state`` answers the CPU RNG state during a save (save_checkpoint collects the RNG
 state even with save_rng=False); every provider gets megatron-core's local layer spec and no fused
 kernels (``export_adapter_ckpt`` builds its own provider: ``to_megatron_provider`` of that bridge is
@@ -72,11 +72,9 @@ import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bridge_oracle import install_shims  # noqa: E402
-from gemma3_oracle import compare, init_dist  # noqa: E402
-
-from mcore_oracle import end_parallel, report, resolve_iter_dir  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
+from oracles.common import compare, end_parallel, init_dist, report, resolve_iter_dir  # noqa: E402  # noqa: E402
+from oracles.te_cpu import install_shims  # noqa: E402
 
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 

@@ -1,6 +1,6 @@
 """The settings oracle: megatron-core GPT models built as Megatron-LM builds them from a training run's args (every
 args field a TransformerConfig field shares passed on, --swiglu / --squared-relu / --openai-gelu / --quick-geglu
-choosing the activation, GPTModel's RoPE arguments), on CPU (gloo, one rank, the local layer spec, mcore_oracle's
+choosing the activation, GPTModel's RoPE arguments), on CPU (gloo, one rank, the local layer spec, oracles.mcore's
 CPU shims).
 
   make   --cases CASES.json --out DIR   each case (Megatron-LM arg names) built with seeded random weights, saved
@@ -19,15 +19,15 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
-import mcore_oracle as mo  # noqa: E402
+from oracles import mcore as mo
 
 SEED, TOKENS_SEED = 11, 1234
 
 
 def config_of(settings: dict) -> dict:
-    """The mcore_oracle config of Megatron-LM-style ``settings`` (its defaults filled as Megatron-LM's are)."""
+    """The oracles.mcore config of Megatron-LM-style ``settings`` (its defaults filled as Megatron-LM's are)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(settings, f)
     try:

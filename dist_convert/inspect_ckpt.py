@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .config import OPTIONAL, RECORDS, ModelConfig
+from .config import RECORDS, ModelConfig
 from .convert import load_index
 from .datamodel import SourceChunk
 from .features import LAYOUT
@@ -21,9 +21,6 @@ from .formats.base import FormatOptions
 from .layout.rules import logical_tensors
 from .layout.topology import Layout
 from .runtime import Runtime, human_bytes
-
-# The essentials of the always-present records, shown whatever their value (the rest only where not plain)
-ESSENTIAL = {"position": ("kind",), "norm": ("kind",), "mlp": ("gated",), "attention": ("qk_norm",)}
 
 
 def shown_name(record: str | None, f: dataclasses.Field) -> str:
@@ -48,9 +45,10 @@ def inspect_names() -> list[tuple[str | None, str, str]]:
 
 def used_config(cfg: ModelConfig) -> dict[str, Any]:
     """Pure: what of the model config inspect shows, as plain values, in ModelConfig order: the core (the context
-    length where known, the head size where the attention has one), each always-present record's essentials and
-    every field that differs from the plain model's, and every field of each optional feature the model has."""
+    length where known, the head size where the attention has one) and what each record shows of itself
+    (``Feature.shown``)."""
     out: dict[str, Any] = {}
+    shown = {r.attr: set(r.shown()) for r in cfg.records()}
     for record, field, name in inspect_names():
         if record is None:
             value = getattr(cfg, field)
@@ -62,8 +60,7 @@ def used_config(cfg: ModelConfig) -> dict[str, Any]:
             continue
         if not field:  # an optional feature's presence
             out[name] = "gated_delta_net" if record == "gdn" else True
-        elif record in OPTIONAL or field in ESSENTIAL.get(record, ()) or \
-                getattr(rec, field) != getattr(type(rec)(), field):
+        elif field in shown[record]:
             out[name] = getattr(rec, field)
     return out
 

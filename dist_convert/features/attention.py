@@ -13,6 +13,7 @@ from .base import Feature, as_tuple, get, setting
 class Attention(Feature):
     attr: ClassVar[str] = "attention"
     title: ClassVar[str] = "attention"
+    essential: ClassVar[tuple[str, ...] | None] = ("qk_norm",)
 
     qk_norm: bool = setting(False, arg="qk_layernorm", what="q/k layernorms (MLA: the q/kv down-projection norms)")
     qk_l2_norm: bool = setting(False, arg="qk_l2_norm", what="L2-normalised queries and keys")
@@ -55,15 +56,12 @@ class Attention(Feature):
             out[name] = list(value) if isinstance(value, tuple) and name == "window_attn_skip_freq" else value
         return out
 
-    def shown(self) -> dict[str, Any]:
-        plain = Attention()
-        return {f"attention.{n}": v for n, v, _ in self.fields() if n == "qk_norm" or v != getattr(plain, n)}
-
 
 @dataclass(frozen=True, kw_only=True)
 class Norms(Feature):
     attr: ClassVar[str] = "norm"
     title: ClassVar[str] = "norms"
+    essential: ClassVar[tuple[str, ...] | None] = ("kind",)
 
     kind: str = setting("RMSNorm", arg="normalization", what="the norm: RMSNorm or LayerNorm")
     eps: float = setting(1e-5, arg=("layernorm_epsilon", "norm_epsilon"), what="the norm epsilon")
@@ -97,15 +95,12 @@ class Norms(Feature):
                                "post_norms": self.post_norms}
         return out
 
-    def shown(self) -> dict[str, Any]:
-        plain = Norms()
-        return {f"norm.{n}": v for n, v, _ in self.fields() if n in ("kind", "eps") or v != getattr(plain, n)}
-
 
 @dataclass(frozen=True, kw_only=True)
 class Embedding(Feature):
     attr: ClassVar[str] = "embedding"
     title: ClassVar[str] = "embedding"
+    essential: ClassVar[tuple[str, ...] | None] = ()
 
     multiplier: float = setting(1.0, arg="embedding_multiplier",
                                 what="the embedding output scale (Megatron-Bridge's Gemma 3: sqrt(hidden))")
@@ -119,7 +114,3 @@ class Embedding(Feature):
 
     def to_args(self) -> dict[str, Any]:
         return {"embedding_multiplier": self.multiplier, "use_mup": self.mup}
-
-    def shown(self) -> dict[str, Any]:
-        plain = Embedding()
-        return {f"embedding.{n}": v for n, v, _ in self.fields() if v != getattr(plain, n)}

@@ -71,6 +71,7 @@ class Feature:
     title: ClassVar[str]
     presence: ClassVar[tuple[str, ...]] = ()  # megatron-core names that say an optional feature is there
     what: ClassVar[str] = ""  # an optional feature, in a refusal's words
+    essential: ClassVar[tuple[str, ...] | None] = None  # what inspect always shows (None: every field)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Any:
@@ -87,9 +88,13 @@ class Feature:
             if kind is None or f.metadata.get("kind") == kind:
                 yield f.name, getattr(self, f.name), f
 
-    def shown(self) -> dict[str, Any]:
-        """What ``inspect`` shows of the record: every field, as the record holds it."""
-        return {f"{self.attr}.{name}": value for name, value, _ in self.fields()}
+    def shown(self) -> list[str]:
+        """The fields ``inspect`` shows (the record's group there): every field of an optional feature; of a record
+        every model has, its ``essential`` fields and those that differ from the plain record's."""
+        if self.essential is None:
+            return [name for name, _, _ in self.fields()]
+        plain = type(self)()
+        return [name for name, value, _ in self.fields() if name in self.essential or value != getattr(plain, name)]
 
 
 def arg_name(f: dataclasses.Field) -> str:

@@ -15,6 +15,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "squared_relu")
 class MLP(Feature):
     attr: ClassVar[str] = "mlp"
     title: ClassVar[str] = "mlp"
+    essential: ClassVar[tuple[str, ...] | None] = ("gated",)
 
     gated: bool = setting(True, arg=("swiglu", "quick_geglu"), config="gated_linear_unit",
                           what="gated MLP (GLU: act(gate) * up)")
@@ -48,10 +49,6 @@ class MLP(Feature):
                 "squared_relu": not self.gated and self.activation == "squared_relu",
                 "openai_gelu": not self.gated and self.activation == "gelu_tanh",
                 "glu_linear_offset": self.glu_linear_offset, "activation_func_clamp_value": self.clamp}
-
-    def shown(self) -> dict[str, Any]:
-        plain = MLP()
-        return {f"mlp.{n}": v for n, v, _ in self.fields() if n in ("gated", "activation") or v != getattr(plain, n)}
 
 
 @dataclass(frozen=True, kw_only=True)

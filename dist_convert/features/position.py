@@ -22,6 +22,7 @@ LLAMA3_DEFAULT_FACTOR = 8.0  # Megatron-LM's --rope-scaling-factor default
 class Position(Feature):
     attr: ClassVar[str] = "position"
     title: ClassVar[str] = "position"
+    essential: ClassVar[tuple[str, ...] | None] = ("kind",)
 
     kind: str = setting("rope", arg="position_embedding_type",
                         what="position embeddings: rope, yarn, learned_absolute, relative or none")
@@ -128,13 +129,6 @@ class Position(Feature):
                         ("original_max_position_embeddings" if self.mla_names else
                          "yarn_original_max_position_embeddings"): self.yarn_original_max})
         return out
-
-    def shown(self) -> dict[str, Any]:
-        """The kind, and the RoPE settings that differ from plain RoPE."""
-        plain = Position()
-        return {f"position.{name}": value for name, value, _ in self.fields()
-                if name == "kind" or (self.rope and name == "base") or
-                (value != getattr(plain, name) and name != "mla_names")}
 
 
 def _float(value: Any) -> float | None:

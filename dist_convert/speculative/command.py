@@ -121,7 +121,7 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
                              origin=index.origin))
     algo, spec_cfg = speculative_config(opts.draft, cfg, dtype)
     if opts.export_draft is not None:
-        draft_base_config(cfg, index.args, dtype, index.origin.hf_config)  # refuse an inexpressible model first
+        draft_base_config(cfg, dtype, index.origin.hf_config)  # refuse an inexpressible model first
     if rt.world % (layout.tp * layout.pp):
         raise ConvertError(f"world size {rt.world} is not a multiple of target TP x PP = {layout.tp * layout.pp}",
                            f"launch a multiple of {layout.tp * layout.pp} processes (--nproc_per_node) or change "
@@ -180,7 +180,7 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
         staging.complete(finish, tracker=None if nemo2 else index.iteration)
     staging.commit()
     if opts.export_draft is not None:
-        export_draft(model, algo, spec_cfg, cfg, args, dtype, opts.export_draft, rt, overwrite=opts.overwrite,
+        export_draft(model, algo, spec_cfg, cfg, dtype, opts.export_draft, rt, overwrite=opts.overwrite,
                      hf_config=index.origin.hf_config)
     write_s = time.perf_counter() - tw
     written = sum(f.stat().st_size for f in (opts.dst / sub).glob(f"__{rt.rank}_*.distcp"))

@@ -8,7 +8,6 @@ split with the q/k/v and gate/up parts every format takes from ``layout/fused.py
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -37,7 +36,7 @@ for _hf, _mcore, _part in ATTENTION_NAMES + MLP_NORM + DENSE_MLP:
     _LAYER_PARTS.setdefault(_mcore, []).append((_hf, _part))
 
 
-def draft_base_config(cfg: ModelConfig, args: argparse.Namespace, dtype: torch.dtype,
+def draft_base_config(cfg: ModelConfig, dtype: torch.dtype,
                       base: dict[str, Any] | None) -> dict[str, Any]:
     """The base model's HF config (``base``: the HF config.json it came from, its Origin's; refuses models no
     supported HF family expresses)."""
@@ -190,7 +189,7 @@ def draft_config(base: dict[str, Any], algo: str, spec_cfg: dict[str, Any], mode
     return cfg
 
 
-def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConfig, args: argparse.Namespace,
+def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConfig,
                  dtype: torch.dtype, out: Path, rt: Runtime, overwrite: bool = False,
                  hf_config: dict[str, Any] | None = None) -> None:
     """Collective. The last pipeline stage gathers the draft over TP; its first TP rank of data-parallel
@@ -205,7 +204,7 @@ def export_draft(model: Any, algo: str, spec_cfg: dict[str, Any], cfg: ModelConf
             full = gather_full(model, cfg.mlp.gated, rt.device)
             if (parallel_state.get_tensor_model_parallel_rank() == 0
                     and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
-                base = draft_base_config(cfg, args, dtype, hf_config)
+                base = draft_base_config(cfg, dtype, hf_config)
                 if algo == "medusa":
                     layers, eagle3, draft_cfg = spec_cfg["medusa_num_layers"], False, None
                 else:

@@ -14,12 +14,14 @@ import pytest
 import torch
 import transformers
 
-from dist_convert.config import ModelConfig, classify, config_from_args
+from dist_convert.config import RECORDS, ModelConfig, classify, config_from_args
 from dist_convert.datamodel import TargetFile, TargetTensor
 from dist_convert.errors import ConvertError
 from dist_convert.features import GDN, MLA, MLP, MTP, T5, Attention, Embedding, Mamba, MoE, Norms, Position
-from dist_convert.features.expressed import ANY
+from dist_convert.features.expressed import ANY, unexpressed
 from dist_convert.formats.hf import hf_tensors, source_tensors
+from dist_convert.formats.mcore_config import FIELDS as MCORE_FIELDS
+from dist_convert.formats.mcore_config import PROVIDER_EXPRESSES, args_from_fields, transformer_fields
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 from dist_convert.mlm_args import complete_args, model_args
@@ -108,6 +110,33 @@ def test_records_write_their_args_and_read_them_back(change):
     assert back == cfg, cfg.differences(back) or [f for f in dataclasses.fields(cfg)
                                                    if getattr(cfg, f.name) != getattr(back, f.name)]
 
+
+
+# the variants a GPTModelProvider-style config expresses (MLA, Mamba, GDN, T5 and Gemma 3's records are other
+# model classes', judged by their own formats' tests)
+PROVIDER_VARIANTS = [c for c in VARIANTS if not unexpressed(ModelConfig(**{**CORE, **c}), PROVIDER_EXPRESSES)]
+
+
+@pytest.mark.parametrize("change", PROVIDER_VARIANTS, ids=lambda c: "+".join(c) or "plain")
+def test_transformer_config_fields_carry_what_the_provider_declares(change):
+    """A model written as TransformerConfig fields (Megatron-Bridge's run_config.yaml, NeMo 2's model config) and
+    read back computes the same, for every setting those configs declare they express."""
+    cfg = ModelConfig(**{**CORE, **change})
+    fields = {**transformer_fields(cfg), "seq_length": cfg.max_position_embeddings}  # as each writer adds it
+    args = args_from_fields(fields, "the test config", "")
+    args.padded_vocab_size = 112
+    back = config_from_args(args, cfg.vocab_size, cfg.spec, 1)
+    assert not cfg.differences(back), cfg.differences(back)
+
+
+def test_every_transformer_config_name_reaches_its_records_args_name():
+    """A record field whose megatron-core name is not its Megatron-LM args name is translated when read from
+    TransformerConfig fields (else the setting would read as its default)."""
+    handled = set(MCORE_FIELDS) | {"activation_func"}
+    for cls in (*RECORDS.values(),):
+        for f in dataclasses.fields(cls):
+            renamed = set(f.metadata.get("config", ())) - set(f.metadata.get("arg", ()))
+            assert renamed <= handled, (cls.__name__, f.name, renamed - handled)
 
 def test_settings_unconverted_are_refused_on_read():
     args = model_args(ModelConfig(**CORE), torch.float32)

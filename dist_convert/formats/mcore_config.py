@@ -34,6 +34,7 @@ FIELDS: dict[str, str] = {
     "layernorm_epsilon": "norm_epsilon",
     "gated_linear_unit": "swiglu",
     "rope_scaling": "use_rope_scaling",
+    "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
     "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
     "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
 }

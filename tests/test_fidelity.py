@@ -115,6 +115,40 @@ def test_megatron_setting_exports_with_megatron_logits_or_is_refused(mcore_model
     torch.testing.assert_close(got, made["logits"], rtol=0, atol=1e-4)
 
 
+
+# -- megatron-core -> NeMo -> megatron-core ---------------------------------------------------------------------------
+# the settings a megatron-core model's model_config.yaml carries under megatron-core's own names (NeMo hands them to
+# TransformerConfig as they stand) and llama3 RoPE scaling (scale_positional_embedding)
+NEMO_CASES = ["window", "window_skip_freq", "softmax_scale", "off_by_one", "rotary_interleaved",
+              "seq_len_interpolation", "llama3_scaling", "qk_l2_norm", "output_gate"]
+
+
+@pytest.fixture(scope="module")
+def nemo_round_trips(mcore_models) -> Path:
+    """Each case to .nemo and back to torch_dist; the settings oracle builds each from the args it ends with."""
+    root = mcore_models / "nemo"
+    back = []
+    for name in NEMO_CASES:
+        nemo = root / f"{name}.nemo"
+        ok(run_cli("reshard", str(mcore_models / name), str(nemo), "--dst-format", "nemo"))
+        back.append(root / name)
+        ok(run_cli("reshard", str(nemo), str(back[-1]), "--dst-format", "torch_dist", "--target-spec", "local",
+                   "--vocab-size", "100"))  # .nemo keeps the padded vocabulary only
+    torch.save(torch.load(mcore_models / "plain.pt")["tokens"], root / "tokens.pt")
+    oracle("logits", 1, "--ckpts", ",".join(map(str, back)), "--out", str(root), program="settings")
+    return root
+
+
+@pytest.mark.parametrize("name", NEMO_CASES)
+def test_megatron_setting_survives_a_nemo_round_trip(mcore_models, nemo_round_trips, name):
+    made = torch.load(mcore_models / f"{name}.pt")
+    torch.testing.assert_close(torch.load(nemo_round_trips / f"{name}.pt"), made["logits"], rtol=0, atol=1e-4)
+
+
+def test_a_legacy_nemo_target_refuses_what_legacy_nemo_cannot_say(mcore_models, tmp_path):
+    assert_refused(run_cli("reshard", str(mcore_models / "window"), str(tmp_path / "w.nemo"), "--dst-format", "nemo",
+                           "--nemo-style", "legacy"), tmp_path, "window_size=", "legacy NeMo")
+
 # -- Hugging Face -> megatron-core ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_imports(tmp_path_factory) -> tuple[Path, dict[str, object]]:

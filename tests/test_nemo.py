@@ -11,6 +11,8 @@ import pytest
 import torch
 import yaml
 
+from dist_convert.errors import ConvertError
+
 from conftest import assert_refused, ok, oracle, run_cli
 
 ITER = "iter_0000100"
@@ -134,6 +136,24 @@ def test_bad_nemo_is_refused(gpt_a, tmp_path, damage, needles):
     assert_refused(run_cli("reshard", str(path), str(tmp_path / "dst"), "--dst-format", "torch_dist",
                            "--vocab-size", "100"), tmp_path, *needles)
 
+
+def test_model_config_names_megatron_core_reads_are_carried_or_refused():
+    """megatron-core names in a megatron-core model's model_config.yaml reach megatron-core as they stand (NeMo passes
+    them on): carried; those dist_convert does not convert, and position embeddings megatron-core has not, refused.
+    A legacy NeMo model reads none of them."""
+    from dist_convert.formats.nemo import config_from_nemo
+
+    y = {"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "ffn_hidden_size": 16,
+         "position_embedding_type": "rope", "window_size": [4, 0], "softmax_scale": 0.5,
+         "seq_len_interpolation_factor": 2.0, "scale_positional_embedding": True}
+    cfg = config_from_nemo(y, 128, 100)[0]
+    assert (cfg.attention.window, cfg.attention.softmax_scale) == ((4, 0), 0.5)
+    pos = cfg.position
+    assert (pos.seq_len_interpolation, pos.scaling, pos.scaling_factor) == (2.0, "llama3", 8.0)
+    assert config_from_nemo(y, 128, 100, legacy=True)[0].attention.window is None
+    for bad, needle in (({"moe_latent_size": 4}, "moe_latent_size=4"), ({"position_embedding_type": "alibi"}, "alibi")):
+        with pytest.raises(ConvertError, match=needle):
+            config_from_nemo({**y, **bad}, 128, 100)
 
 def test_nemo_without_transformer_engine_key_keeps_local_names(gpt_a, tmp_path):
     """NeMo reads an absent ``transformer_engine`` as False (local layer names): a .nemo without the key

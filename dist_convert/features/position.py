@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..errors import ConvertError
 from .base import LAYOUT, Feature, as_tuple, get, setting
 
 # megatron-core's YaRN defaults: MLATransformerConfig's for multi-latent attention (its rope_type defaults to yarn
@@ -15,6 +16,8 @@ MLA_YARN = {"factor": 40.0, "original_max": 4096, "beta_fast": 32.0, "beta_slow"
             "mscale_all_dim": 0.0}
 GPT_YARN = {"factor": 1.0, "original_max": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
             "mscale_all_dim": 0.0}
+# the position embeddings megatron-core's models build (relative: T5's)
+KINDS = ("rope", "yarn", "mrope", "learned_absolute", "relative", "none")
 LLAMA3_DEFAULT_FACTOR = 8.0  # Megatron-LM's --rope-scaling-factor default
 
 
@@ -61,6 +64,9 @@ class Position(Feature):
     def from_args(cls, args: argparse.Namespace) -> Position:
         a = vars(args)
         kind = str(get(a, "position_embedding_type", default="learned_absolute"))
+        if kind not in KINDS:
+            raise ConvertError(f"position_embedding_type={kind}: megatron-core builds no such position embedding",
+                               f"convert a model whose positions are one of {', '.join(KINDS)}")
         mla = bool(get(a, "multi_latent_attention", default=False))
         if mla:  # MLA's own rope_type (MLATransformerConfig defaults to yarn when args leave it unset)
             kind = "yarn" if get(a, "rope_type", default="yarn") == "yarn" else "rope"

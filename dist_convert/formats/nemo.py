@@ -21,16 +21,19 @@ from typing import IO, Any
 import torch
 import yaml
 
-from ..config import ModelConfig
+from ..config import ModelConfig, classify
 from ..datamodel import Origin, SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
 from ..durable import copy_durable, fsync_file, save_durable, write_durable
 from ..errors import ConvertError
+from ..features.base import as_tuple
 from ..features.expressed import ANY, refuse_unexpressed
+from ..features.position import LLAMA3_DEFAULT_FACTOR
 from ..integrity import is_run_state
 from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
 from .base import FileAtATime, FormatOptions, KeyPolicy, add_rank_file_chunks
+from .mcore_config import FIELDS as MCORE_FIELDS
 from .nemo_legacy import nemo_target_files, source_style, target_style
 
 CONFIG = "model_config.yaml"
@@ -41,13 +44,28 @@ _RANK_DIR = re.compile(r"^(?:mp_rank_(\d{2})|tp_rank_(\d{2})_pp_rank_(\d{3}))$")
 # approx-gelu (x * sigmoid(1.702 x)) and the ReLU GLUs have no megatron-core Megatron-LM argument: refused
 NEMO_ACTIVATIONS = {"gelu": (False, "gelu"), "geglu": (True, "gelu"), "fast-geglu": (True, "gelu"),
                     "swiglu": (True, "silu"), "fast-swiglu": (True, "silu"), "squared-relu": (False, "squared_relu")}
-# What model_config.yaml (megatron-core GPT and T5) says of a model: RoPE (base, share) or learned / relative
-# positions, the norm, its epsilon, q/k layernorms, biases, the activations of NEMO_ACTIVATIONS (openai_gelu: tanh GELU)
+# What model_config.yaml (megatron-core GPT and T5) says of a model in NeMo's own keys: RoPE (base, share) or learned /
+# relative positions, llama3 RoPE scaling (scale_positional_embedding, megatron-core's factor), the norm, its epsilon,
+# q/k layernorms, biases, the activations of NEMO_ACTIVATIONS (openai_gelu: tanh GELU)
 NEMO_EXPRESSES = {"position.kind": {"rope", "learned_absolute", "relative"}, "position.base": ANY,
-                  "position.percent": ANY, "norm.kind": ANY, "norm.eps": ANY, "attention.qk_norm": ANY,
-                  "add_bias_linear": ANY, "add_qkv_bias": ANY, "mlp.gated": ANY, "t5": ANY,
+                  "position.percent": ANY, "position.scaling": {None, "llama3"},
+                  "position.scaling_factor": {None, LLAMA3_DEFAULT_FACTOR}, "norm.kind": ANY, "norm.eps": ANY,
+                  "attention.qk_norm": ANY, "add_bias_linear": ANY, "add_qkv_bias": ANY, "mlp.gated": ANY, "t5": ANY,
                   "mlp.activation": lambda act, cfg: act in ("silu", "gelu", "gelu_tanh") if cfg.mlp.gated else
                   act in ("gelu", "gelu_tanh", "squared_relu")}
+# megatron-core settings a megatron-core model's config holds under megatron-core's own names (NeMo hands them to
+# TransformerConfig as they stand; legacy NeMo models have none of them): setting -> name
+NEMO_PASSED = {"position.interleaved": "rotary_interleaved",
+               "position.seq_len_interpolation": "seq_len_interpolation_factor",
+               "attention.qk_l2_norm": "qk_l2_norm", "attention.softmax_scale": "softmax_scale",
+               "attention.softmax_type": "softmax_type", "attention.window": "window_size",
+               "attention.window_skip_freq": "window_attn_skip_freq", "attention.output_gate": "attention_output_gate",
+               "mlp.glu_linear_offset": "glu_linear_offset", "mlp.clamp": "activation_func_clamp_value"}
+# megatron-core names NeMo derives from its own keys (bias, qkv_bias, activation, normalization, the precision), not
+# from the name itself (MegatronBaseModel.build_transformer_config)
+_NEMO_DERIVED = {"activation_func", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "normalization",
+                 "layernorm_zero_centered_gamma", "apply_layernorm_1p", "apply_residual_connection_post_layernorm",
+                 "transformer_impl", "max_sequence_length", "rope_scaling", "rope_scaling_factor"}
 _DTYPES = {"bf16": torch.bfloat16, "bf16-mixed": torch.bfloat16, "16": torch.float16, "16-mixed": torch.float16,
            "32": torch.float32}
 
@@ -103,11 +121,12 @@ def t5_sections(y: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return {**y, **(y.get("encoder") or {})}, {**y, **(y.get("decoder") or {})}
 
 
-def config_from_nemo(y: dict[str, Any], padded_vocab: int,
-                     vocab_size: int | None) -> tuple[ModelConfig, argparse.Namespace]:
-    """Model config and Megatron-LM style args from a NeMo ``model_config.yaml`` (GPT, or T5 with ``mcore_t5``)."""
+def config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | None,
+                     legacy: bool = False) -> tuple[ModelConfig, argparse.Namespace]:
+    """Model config and Megatron-LM style args from a NeMo ``model_config.yaml`` (GPT, or T5 with ``mcore_t5``;
+    ``legacy``: a legacy NeMo GPT, which reads no megatron-core names)."""
     if not y.get("mcore_t5"):
-        return _config_from_nemo(y, padded_vocab, vocab_size, "gpt")
+        return _config_from_nemo(y, padded_vocab, vocab_size, "gpt", legacy=legacy)
     enc, dec = t5_sections(y)
     differ = [k for k in T5_ARCH if enc.get(k) != dec.get(k)]
     if differ:
@@ -123,7 +142,8 @@ def config_from_nemo(y: dict[str, Any], padded_vocab: int,
 
 
 def _config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | None, family: str,
-                      stacks: dict[str, int] | None = None) -> tuple[ModelConfig, argparse.Namespace]:
+                      stacks: dict[str, int] | None = None,
+                      legacy: bool = False) -> tuple[ModelConfig, argparse.Namespace]:
     try:
         heads, hidden, layers = int(y["num_attention_heads"]), int(y["hidden_size"]), int(y["num_layers"])
     except KeyError as e:
@@ -157,9 +177,26 @@ def _config_from_nemo(y: dict[str, Any], padded_vocab: int, vocab_size: int | No
         transformer_impl="transformer_engine" if y.get("transformer_engine", False) else "local",
         params_dtype=_DTYPES.get(str(y.get("precision", "32")), torch.float32),
         relative_attention_num_buckets=int(y.get("relative_attention_num_buckets", 32)), **(stacks or {}))
+    if y.get("scale_positional_embedding"):
+        args.use_rope_scaling = True
+    if not legacy:
+        _pass_through(y, args)
     from ..config import config_from_args
 
     return config_from_args(args, vocab_size, None, 1, family), args
+
+
+def _pass_through(y: dict[str, Any], args: argparse.Namespace) -> None:
+    """The megatron-core TransformerConfig / GPTModel settings model_config.yaml holds under their own names, which
+    NeMo hands to megatron-core as they stand (windows, softmax settings, RoPE interpolation, MoE routing, ...): set
+    on ``args`` under their Megatron-LM names, so they are carried, or refused where dist_convert does not convert
+    them."""
+    for name, value in y.items():
+        if value is None or name in _NEMO_DERIVED or classify(name)[0] not in ("read", "unconverted"):
+            continue
+        arg = MCORE_FIELDS.get(name, name)
+        if getattr(args, arg, None) is None:  # not one this reader sets from NeMo's own keys
+            setattr(args, arg, as_tuple(value))
 
 
 def nemo_activation(cfg: ModelConfig, section: dict[str, Any], swiglu: str) -> dict[str, Any]:
@@ -225,7 +262,7 @@ class NemoFormat:
         embed = shapes[(0, 0)].get(style.embedding_key)
         if embed is None:
             raise ConvertError(f"{files[(0, 0)]} has no {style.embedding_key}", "the archive is not a GPT model")
-        cfg, args = config_from_nemo(y, embed[0][0] * tp, vocab_size)
+        cfg, args = config_from_nemo(y, embed[0][0] * tp, vocab_size, legacy=style.legacy)
         cfg = cfg.replace(spec="te" if any("layer_norm_weight" in k for k in shapes[(0, 0)]) else "local")
         cfg.check_layout(layout, "source")
         chunks: list[SourceChunk] = []
@@ -272,7 +309,10 @@ class NemoFormat:
         if target.cfg.num_experts:
             raise ConvertError("Mixture-of-Experts .nemo targets are not supported yet",
                                "write --dst-format torch_dist (megatron-core) or megatron instead")
-        refuse_unexpressed(target.cfg, NEMO_EXPRESSES, "NeMo's model_config.yaml",
+        legacy = target_style(self.options.nemo_style, target, target.cfg.family).legacy
+        declared = NEMO_EXPRESSES if legacy else {**NEMO_EXPRESSES, **dict.fromkeys(NEMO_PASSED, ANY)}
+        refuse_unexpressed(target.cfg, declared,
+                           "a legacy NeMo model's model_config.yaml" if legacy else "NeMo's model_config.yaml",
                            "write --dst-format torch_dist (megatron-core) or megatron instead")
         return nemo_target_files(target, dtypes, lambda t, p, e: rank_file(t, p, target.layout),
                                  self.options.nemo_style)
@@ -295,6 +335,13 @@ class NemoFormat:
             arch["qkv_bias"] = cfg.add_qkv_bias
         if cfg.position.kind == "rope":
             arch.update(rotary_base=cfg.position.base, rotary_percentage=cfg.position.percent)
+        if cfg.position.scaling or "scale_positional_embedding" in y:
+            arch["scale_positional_embedding"] = cfg.position.scaling == "llama3"
+        settings = {s.key: s for s in cfg.settings()}
+        for key, name in NEMO_PASSED.items():  # megatron-core's own names, where not plain or the source had them
+            s = settings[key]
+            if s.value != s.plain or name in y:
+                arch[name] = list(s.value) if isinstance(s.value, tuple) else s.value
         y.update(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                  make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by)
         if cfg.t5 is not None:  # NeMo's T5 config: one section per stack, the split rank at the top

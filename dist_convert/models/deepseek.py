@@ -232,7 +232,7 @@ def _dense_then_moe(pattern: Any, cfg: ModelConfig) -> bool:
     return 1 in pattern and all(pattern[first:])
 
 
-def _two_per_group(group_topk: Any, cfg: ModelConfig) -> bool:
+def two_per_group(group_topk: Any, cfg: ModelConfig) -> bool:
     """megatron-core scores a group by its top (top-k / group top-k) experts, DeepSeek and GLM by their top 2."""
     moe = cfg.moe
     return moe is None or not moe.num_groups or (group_topk and moe.topk % group_topk == 0
@@ -244,7 +244,7 @@ def moe_expresses(v3: bool) -> dict[str, Allowed]:
     for top-k > 1, scaled) or V2's softmax before top-k, dense layers first, ungated shared experts of whole
     experts, the router in fp32 or not."""
     router: dict[str, Allowed] = {"moe.score_function": {"sigmoid"}, "moe.expert_bias": {True},
-                                  "moe.num_groups": ANY, "moe.group_topk": _two_per_group} if v3 else \
+                                  "moe.num_groups": ANY, "moe.group_topk": two_per_group} if v3 else \
         {"moe.score_function": {"softmax"}, "moe.pre_softmax": {True}}
     return {"moe.layer_pattern": _dense_then_moe, "moe.topk_scaling_factor": ANY,
             "moe.shared_size": lambda v, cfg: not v or v % cfg.expert_ffn == 0, **router}

@@ -44,7 +44,7 @@ from .base import (
     layer_prefix,
     require_int,
 )
-from .deepseek import MoE, _two_per_group, router_from_hf
+from .deepseek import MoE, router_from_hf, two_per_group
 
 ARCHITECTURE = "NemotronHForCausalLM"
 # transformers' layer types (and the older names it still reads) <-> megatron-core's pattern symbols
@@ -192,7 +192,7 @@ class NemotronH(Family):
                 "mlp.gated": {False}, "mlp.activation": {"squared_relu"}, "moe": {True, False},
                 "moe.score_function": {"sigmoid"}, "moe.expert_bias": {True},
                 "moe.shared_size": lambda v, cfg: v is not None, "moe.topk_scaling_factor": ANY,
-                "moe.num_groups": ANY, "moe.group_topk": _two_per_group}
+                "moe.num_groups": ANY, "moe.group_topk": two_per_group}
 
     def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
         assert cfg.mamba is not None

@@ -279,6 +279,7 @@ def test_legacy_target_refuses_uneven_stages_and_non_nemo_targets(gpt_l, tmp_pat
     ({"transformer_engine": True}, ["transformer_engine: true", "not supported"]),
     ({"headscale": True}, ["headscale: true", "convert_gpt_nemo_to_mcore.py"]),
     ({"transformer_block_type": "post_ln"}, ["transformer_block_type: post_ln"]),
+    ({"normalize_attention_scores": False}, ["normalize_attention_scores: false"]),
     ({"position_embedding_type": "alibi"}, ["position_embedding_type: alibi"]),
     ({"mcore_gpt": True}, ["mcore_gpt: true", "legacy NeMo keys", "set mcore_gpt: false"]),
 ])

@@ -223,6 +223,8 @@ def _legacy_source(y: dict[str, Any]) -> NemoStyle:
     act = str(y.get("activation", "gelu")).lower()
     checks = [(bool(y.get("transformer_engine", False)), "transformer_engine: true (Transformer Engine layer keys)"),
               (bool(y.get("headscale", False)), "headscale: true"),
+              (y.get("normalize_attention_scores", True) is False,
+               "normalize_attention_scores: false (attention scores not scaled by 1/sqrt(head size))"),
               (str(y.get("transformer_block_type", "pre_ln")) != "pre_ln",
                f"transformer_block_type: {y.get('transformer_block_type')}"),
               (str(y.get("position_embedding_type", "learned_absolute")) not in ("learned_absolute", "rope"),

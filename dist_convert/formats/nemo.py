@@ -263,6 +263,10 @@ class NemoFormat:
         if embed is None:
             raise ConvertError(f"{files[(0, 0)]} has no {style.embedding_key}", "the archive is not a GPT model")
         cfg, args = config_from_nemo(y, embed[0][0] * tp, vocab_size, legacy=style.legacy)
+        if cfg.moe is not None:
+            raise ConvertError(f"{path}: model_config.yaml says num_moe_experts={cfg.moe.num_experts}; Mixture-of-"
+                               "Experts .nemo sources are not supported yet",
+                               "load it in NeMo and save it as a megatron-core (torch_dist) checkpoint first")
         cfg = cfg.replace(spec="te" if any("layer_norm_weight" in k for k in shapes[(0, 0)]) else "local")
         cfg.check_layout(layout, "source")
         chunks: list[SourceChunk] = []

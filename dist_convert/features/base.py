@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, ClassVar, NamedTuple
 
@@ -63,7 +64,7 @@ def as_tuple(value: Any) -> Any:
     return value
 
 
-class Feature:
+class Feature(ABC):
     """The base of the feature records (frozen, keyword-only dataclasses). ``attr``: the ``ModelConfig`` attribute
     holding it; ``title``: its ``inspect`` group."""
 
@@ -74,13 +75,13 @@ class Feature:
     essential: ClassVar[tuple[str, ...] | None] = None  # what inspect always shows (None: every field)
 
     @classmethod
+    @abstractmethod
     def from_args(cls, args: argparse.Namespace) -> Any:
         """The record the Megatron-LM ``args`` describe (None for an optional feature the model lacks)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def to_args(self) -> dict[str, Any]:
         """The Megatron-LM ``args`` fields that say this record (``from_args`` reads them back)."""
-        raise NotImplementedError
 
     def fields(self, kind: str | None = None) -> Iterator[tuple[str, Any, dataclasses.Field]]:
         """(name, value, field) of each field, of ``kind`` only when given."""

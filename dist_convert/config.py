@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from .features import (
     moe_layer_pattern,
 )
 from .features.audit import COVERED, NOT_MATH, UNCONVERTED, refuse_unconverted
-from .features.base import LAYOUT, SETTING, SIZE, Setting, get, setting
+from .features.base import LAYOUT, SETTING, SIZE, Setting, arg_name, get, setting
 from .layout.topology import Layout
 
 __all__ = ["DEFAULT_DIVISIBLE_BY", "HYBRID_SYMBOLS", "ModelConfig", "Setting", "config_from_args",
@@ -92,9 +93,8 @@ class ModelConfig:
     def settings(self, kinds: tuple[str, ...] = (SETTING,)) -> list[Setting]:
         """Every setting that changes the math (``SETTING`` fields; ``kinds``: fields of those kinds): the core's,
         each record's present, whether each optional feature is present (then its fields)."""
-        out = [Setting(f.name, getattr(self, f.name), f.default, f.metadata["arg"][0] if f.metadata["arg"] else
-                       f.name, f.metadata["what"]) for f in dataclasses.fields(self)
-               if f.metadata.get("kind") in kinds]
+        out = [Setting(f.name, getattr(self, f.name), f.default, arg_name(f), f.metadata["what"])
+               for f in dataclasses.fields(self) if f.metadata.get("kind") in kinds]
         # whether each optional feature is there first: the most telling difference between two models
         out += [Setting(name, getattr(self, name) is not None, False, name, RECORDS[name].what) for name in OPTIONAL]
         for name in ALWAYS + OPTIONAL:
@@ -104,8 +104,7 @@ class ModelConfig:
             plain = type(record)()
             for field, value, f in record.fields():
                 if f.metadata.get("kind") in kinds:
-                    args = f.metadata["arg"]
-                    out.append(Setting(f"{name}.{field}", value, getattr(plain, field), args[0] if args else field,
+                    out.append(Setting(f"{name}.{field}", value, getattr(plain, field), arg_name(f),
                                        f.metadata["what"]))
         return out
 
@@ -276,16 +275,17 @@ class ModelConfig:
             record = getattr(self, name)
             if record is not None:
                 out.update(record.to_args())
-            elif hasattr(RECORDS[name], "absent_args"):
+            else:
                 out.update(RECORDS[name].absent_args())
         return out
 
 
-RECORDS: dict[str, type[Feature]] = {"position": Position, "attention": Attention, "norm": Norms, "mlp": MLP,
-                                     "embedding": Embedding, "moe": MoE, "mla": MLA, "mtp": MTP, "mamba": Mamba,
-                                     "gdn": GDN, "t5": T5}
+RECORDS: dict[str, type[Feature]] = {c.attr: c for c in (Position, Attention, Norms, MLP, Embedding, MoE, MLA, MTP,
+                                                          Mamba, GDN, T5)}
+assert tuple(RECORDS) == ALWAYS + OPTIONAL
 
 
+@functools.cache
 def read_names() -> dict[str, str]:
     """megatron-core name -> the ModelConfig field (``record.field``, or a core field) that reads it (the ``config``
     names each field declares; an optional record's ``presence`` names)."""

@@ -58,8 +58,8 @@ def used_config(cfg: ModelConfig) -> dict[str, Any]:
         rec = getattr(cfg, record)
         if rec is None:
             continue
-        if not field:  # an optional feature's presence
-            out[name] = "gated_delta_net" if record == "gdn" else True
+        if not field:  # an optional feature's presence, as its args say it
+            out[name] = rec.to_args()[name]
         elif field in shown[record]:
             out[name] = getattr(rec, field)
     return out

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .config import RECORDS, ModelConfig
+from .config import ALWAYS, RECORDS, ModelConfig
 from .errors import ConvertError
 from .layout.topology import Layout
 
@@ -198,8 +198,7 @@ LEGACY_ORIGIN_ARGS = ("hf_config", "nemo_config", "nemo_source", "nemo2_source",
 HF_TOKENIZER = "HuggingFaceTokenizer"
 # the args of the plain model: each always-present record's defaults (a field at its plain value is not written
 # unless Megatron-LM's table lists it or the source has it)
-PLAIN_ARGS: dict[str, Any] = {k: v for name in ("position", "attention", "norm", "mlp", "embedding")
-                              for k, v in RECORDS[name]().to_args().items()}
+PLAIN_ARGS: dict[str, Any] = {k: v for name in ALWAYS for k, v in RECORDS[name]().to_args().items()}
 
 
 def complete_args(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, dtype: torch.dtype | None = None,
@@ -242,9 +241,8 @@ def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) ->
     """The model's fields, as its records write them (``ModelConfig.to_args``). A field Megatron-LM's table does not
     list (dist_convert's own, Megatron-Bridge's, a newer megatron-core's) is written only where it says something:
     its value is not the plain model's, or the source's args have it; so a Llama's args stay Megatron-LM's."""
-    plain = PLAIN_ARGS
     f: dict[str, Any] = {name: value for name, value in cfg.to_args().items()
-                         if name in BY_NAME or value != plain.get(name) or hasattr(args, name)}
+                         if name in BY_NAME or value != PLAIN_ARGS.get(name) or hasattr(args, name)}
     f["padded_vocab_size"] = cfg.padded_vocab(layout.tp)
     f["max_position_embeddings"] = cfg.max_position_embeddings if cfg.max_position_embeddings is not None \
         else getattr(args, "max_position_embeddings", None)
@@ -264,9 +262,8 @@ def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) ->
 def model_args(cfg: ModelConfig, dtype: torch.dtype, **extra: Any) -> argparse.Namespace:
     """The Megatron-LM args of a model known only by its config (a Hugging Face import): the model's fields,
     Megatron-LM's defaults, the dtype, a TP1 PP1 layout and ``extra``."""
-    out = complete_args(argparse.Namespace(hidden_dropout=0.0, attention_dropout=0.0, **extra), cfg, Layout(tp=1, pp=1),
-                        dtype)
-    return out
+    return complete_args(argparse.Namespace(hidden_dropout=0.0, attention_dropout=0.0, **extra), cfg,
+                         Layout(tp=1, pp=1), dtype)
 
 
 def _precision_fields(args: argparse.Namespace, dtype: torch.dtype | None) -> dict[str, Any]:

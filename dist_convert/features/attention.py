@@ -12,7 +12,6 @@ from .base import Feature, as_tuple, get, setting
 @dataclass(frozen=True, kw_only=True)
 class Attention(Feature):
     attr: ClassVar[str] = "attention"
-    title: ClassVar[str] = "attention"
     essential: ClassVar[tuple[str, ...] | None] = ("qk_norm",)
 
     qk_norm: bool = setting(False, arg="qk_layernorm", what="q/k layernorms (MLA: the q/kv down-projection norms)")
@@ -60,7 +59,6 @@ class Attention(Feature):
 @dataclass(frozen=True, kw_only=True)
 class Norms(Feature):
     attr: ClassVar[str] = "norm"
-    title: ClassVar[str] = "norms"
     essential: ClassVar[tuple[str, ...] | None] = ("kind",)
 
     kind: str = setting("RMSNorm", arg="normalization", what="the norm: RMSNorm or LayerNorm")
@@ -99,7 +97,6 @@ class Norms(Feature):
 @dataclass(frozen=True, kw_only=True)
 class Embedding(Feature):
     attr: ClassVar[str] = "embedding"
-    title: ClassVar[str] = "embedding"
     essential: ClassVar[tuple[str, ...] | None] = ()
 
     multiplier: float = setting(1.0, arg="embedding_multiplier",

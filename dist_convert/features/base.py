@@ -66,10 +66,9 @@ def as_tuple(value: Any) -> Any:
 
 class Feature(ABC):
     """The base of the feature records (frozen, keyword-only dataclasses). ``attr``: the ``ModelConfig`` attribute
-    holding it; ``title``: its ``inspect`` group."""
+    holding it (its ``inspect`` group)."""
 
     attr: ClassVar[str]
-    title: ClassVar[str]
     presence: ClassVar[tuple[str, ...]] = ()  # megatron-core names that say an optional feature is there
     what: ClassVar[str] = ""  # an optional feature, in a refusal's words
     essential: ClassVar[tuple[str, ...] | None] = None  # what inspect always shows (None: every field)
@@ -83,11 +82,15 @@ class Feature(ABC):
     def to_args(self) -> dict[str, Any]:
         """The Megatron-LM ``args`` fields that say this record (``from_args`` reads them back)."""
 
-    def fields(self, kind: str | None = None) -> Iterator[tuple[str, Any, dataclasses.Field]]:
-        """(name, value, field) of each field, of ``kind`` only when given."""
+    @staticmethod
+    def absent_args() -> dict[str, Any]:
+        """The Megatron-LM ``args`` fields that say an optional feature is absent (none unless a record says)."""
+        return {}
+
+    def fields(self) -> Iterator[tuple[str, Any, dataclasses.Field]]:
+        """(name, value, field) of each field."""
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            if kind is None or f.metadata.get("kind") == kind:
-                yield f.name, getattr(self, f.name), f
+            yield f.name, getattr(self, f.name), f
 
     def shown(self) -> list[str]:
         """The fields ``inspect`` shows (the record's group there): every field of an optional feature; of a record

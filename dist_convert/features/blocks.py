@@ -19,7 +19,6 @@ class MLA(Feature):
     """megatron-core's MLASelfAttention (DeepSeek-V2/V3): the model's kv_channels is unused then."""
 
     attr: ClassVar[str] = "mla"
-    title: ClassVar[str] = "mla"
     what: ClassVar[str] = "multi-latent attention"
     presence: ClassVar[tuple[str, ...]] = ("multi_latent_attention",)
 
@@ -63,7 +62,6 @@ class MTP(Feature):
     """megatron-core's MultiTokenPredictionBlock: layers built like the last decoder layer."""
 
     attr: ClassVar[str] = "mtp"
-    title: ClassVar[str] = "mtp"
     what: ClassVar[str] = "multi-token-prediction layers"
 
     num_layers: int = setting(1, kind=SIZE, arg="mtp_num_layers", what="multi-token-prediction layers")
@@ -87,7 +85,6 @@ class Mamba(Feature):
     "E" MoE (hybrid_override_pattern / hybrid_layer_pattern); its final norm is decoder.final_norm."""
 
     attr: ClassVar[str] = "mamba"
-    title: ClassVar[str] = "mamba"
     what: ClassVar[str] = "Mamba2 layers (a MambaModel hybrid stack)"
     presence: ClassVar[tuple[str, ...]] = ("is_hybrid_model",)
 
@@ -152,7 +149,6 @@ class GDN(Feature):
     """GPTModel with Gated DeltaNet layers (experimental_attention_variant "gated_delta_net"; Qwen3-Next/3.5)."""
 
     attr: ClassVar[str] = "gdn"
-    title: ClassVar[str] = "gated_delta_net"
     what: ClassVar[str] = "Gated DeltaNet layers"
     presence: ClassVar[tuple[str, ...]] = ("experimental_attention_variant",)
 
@@ -221,7 +217,6 @@ class T5(Feature):
     """megatron-core's T5Model: an encoder stack beside the decoder (the model's num_layers counts the decoder's)."""
 
     attr: ClassVar[str] = "t5"
-    title: ClassVar[str] = "t5"
     what: ClassVar[str] = "an encoder-decoder (T5) architecture"
 
     encoder_num_layers: int = setting(0, kind=SIZE, arg="encoder_num_layers", what="encoder layers")

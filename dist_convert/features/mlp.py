@@ -8,13 +8,10 @@ from typing import Any, ClassVar
 
 from .base import LAYOUT, NUMERICS, SIZE, Feature, as_tuple, get, setting
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "quick_gelu", "squared_relu")
-
 
 @dataclass(frozen=True, kw_only=True)
 class MLP(Feature):
     attr: ClassVar[str] = "mlp"
-    title: ClassVar[str] = "mlp"
     essential: ClassVar[tuple[str, ...] | None] = ("gated",)
 
     gated: bool = setting(True, arg=("swiglu", "quick_geglu"), config="gated_linear_unit",
@@ -54,7 +51,6 @@ class MLP(Feature):
 @dataclass(frozen=True, kw_only=True)
 class MoE(Feature):
     attr: ClassVar[str] = "moe"
-    title: ClassVar[str] = "moe"
     what: ClassVar[str] = "Mixture-of-Experts layers"
 
     num_experts: int = setting(0, kind=SIZE, arg="num_experts", config="num_moe_experts", what="routed experts")

@@ -24,7 +24,6 @@ LLAMA3_DEFAULT_FACTOR = 8.0  # Megatron-LM's --rope-scaling-factor default
 @dataclass(frozen=True, kw_only=True)
 class Position(Feature):
     attr: ClassVar[str] = "position"
-    title: ClassVar[str] = "position"
     essential: ClassVar[tuple[str, ...] | None] = ("kind",)
 
     kind: str = setting("rope", arg="position_embedding_type",

@@ -51,16 +51,12 @@ class Box:
 
 def union_numel(boxes: Iterable[Box]) -> int:
     """Pure: how many elements the union of ``boxes`` holds (replicas counted once; boxes that overlap in part cut
-    into slabs along the first axis, recursively)."""
+    into slabs along the first axis, recursively; a 0-d box holds one element)."""
     unique = list(dict.fromkeys(boxes))
     if not unique:
         return 0
     if all(a.intersect(b) is None for i, a in enumerate(unique) for b in unique[i + 1:]):
         return sum(b.numel for b in unique)
-    if len(unique[0].sizes) == 1:
-        cuts = sorted({x for b in unique for x in (b.offsets[0], b.offsets[0] + b.sizes[0])})
-        return sum(hi - lo for lo, hi in zip(cuts, cuts[1:], strict=False)
-                   if any(b.offsets[0] <= lo and hi <= b.offsets[0] + b.sizes[0] for b in unique))
     cuts = sorted({x for b in unique for x in (b.offsets[0], b.offsets[0] + b.sizes[0])})
     total = 0
     for lo, hi in zip(cuts, cuts[1:], strict=False):

@@ -145,6 +145,11 @@ def test_megatron_setting_survives_a_nemo_round_trip(mcore_models, nemo_round_tr
     torch.testing.assert_close(torch.load(nemo_round_trips / f"{name}.pt"), made["logits"], rtol=0, atol=1e-4)
 
 
+def test_a_bridge_target_refuses_what_gptmodelprovider_cannot_say(mcore_models, tmp_path):
+    assert_refused(run_cli("reshard", str(mcore_models / "yarn"), str(tmp_path / "b"), "--dst-format", "bridge"),
+                   tmp_path, "position_embedding_type=yarn", "GPTModelProvider")
+
+
 def test_a_legacy_nemo_target_refuses_what_legacy_nemo_cannot_say(mcore_models, tmp_path):
     assert_refused(run_cli("reshard", str(mcore_models / "window"), str(tmp_path / "w.nemo"), "--dst-format", "nemo",
                            "--nemo-style", "legacy"), tmp_path, "window_size=", "legacy NeMo")

@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from ..config import ModelConfig
-from ..datamodel import ORIGIN_KEY, Origin, SourceIndex, Target, WrittenFile
+from ..datamodel import ORIGIN_KEY, Origin, SourceIndex, Target, TargetFile, WrittenFile
 from ..durable import write_durable
 from ..errors import ConvertError
 from ..features.expressed import refuse_unexpressed
@@ -84,10 +84,7 @@ def bridge_origin(iter_dir: Path, y: dict[str, Any], stored: Origin) -> Origin:
 
 def bridge_model_section(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
     """A ``model:`` section for a target whose source is not a Bridge checkpoint: GPTModelProvider's fields (every
-    setting of the model; refused in one line where GPTModelProvider cannot hold one)."""
-    refuse_unexpressed(cfg, PROVIDER_EXPRESSES, "Megatron-Bridge's GPTModelProvider (written for a model that does not "
-                       "come from a Bridge checkpoint)", "convert from the model's own Megatron-Bridge checkpoint, or "
-                       "write --dst-format torch_dist")
+    setting of the model; what GPTModelProvider cannot hold is refused before, by the target's format)."""
     return {"_target_": PROVIDER, **transformer_fields(cfg),
             "seq_length": getattr(args, "seq_length", None) or cfg.max_position_embeddings,
             "should_pad_vocab": cfg.padded_vocab(1) != cfg.vocab_size, "hidden_dropout": 0.0, "attention_dropout": 0.0,
@@ -113,6 +110,13 @@ class BridgeFormat(TorchDistFormat):
         stored, _ = read_origin(self.name, common.get(ORIGIN_KEY), common.get("args") or argparse.Namespace())
         return self.index_weights(iter_dir, iteration, md, common, style, bridge_args(iter_dir, y), vocab_size,
                                   bridge_origin(iter_dir, y, stored))
+
+    def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
+        if target.origin.bridge_run_config is None:  # run_config.yaml written from the model config: refused first
+            refuse_unexpressed(target.cfg, PROVIDER_EXPRESSES, "Megatron-Bridge's GPTModelProvider (written for a "
+                               "model that does not come from a Bridge checkpoint)", "convert from the model's own "
+                               "Megatron-Bridge checkpoint, or write --dst-format torch_dist")
+        return super().target_files(target, dtypes)
 
     def common_state(self, target: Target) -> dict[str, Any]:
         return {**super().common_state(target), "content_metadata": {"singleton_local_shards": False,

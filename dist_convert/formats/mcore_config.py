@@ -5,6 +5,7 @@ the rest of dist_convert speaks) and written back. One table: TransformerConfig 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -53,17 +54,20 @@ ACTIVATION_TARGETS = {"silu": "torch.nn.functional.silu", "gelu": "torch.nn.func
                       "gelu_tanh": "megatron.core.transformer.utils.openai_gelu",
                       "quick_gelu": "megatron.core.fusions.fused_bias_geglu.quick_gelu",
                       "squared_relu": "megatron.core.activations.squared_relu"}
+# Settings a megatron-core model's config holds under megatron-core's own names, written where not plain (NeMo's
+# model_config.yaml too: NeMo hands them to TransformerConfig as they stand)
+PASSED = ("position.interleaved", "position.seq_len_interpolation", "attention.qk_l2_norm", "attention.softmax_scale",
+          "attention.softmax_type", "attention.window", "attention.window_skip_freq", "attention.output_gate",
+          "mlp.glu_linear_offset", "mlp.clamp")
 # What a megatron-core TransformerConfig subclass written from the model config alone (Megatron-Bridge's
 # GPTModelProvider, NeMo 2's GPTConfig) expresses: every attention, norm, MLP, RoPE and MoE setting megatron-core's
 # GPTModel has, and multi-token prediction; not what only other model classes build (MLA, Mamba, Gated DeltaNet,
 # T5, Gemma 3's sandwich norms, local RoPE base and embedding scale)
 PROVIDER_EXPRESSES: dict[str, Any] = {
-    **{f"position.{f}": ANY for f in ("base", "percent", "interleaved", "seq_len_interpolation", "scaling_factor")},
+    **dict.fromkeys(PASSED, ANY), **{f"position.{f}": ANY for f in ("base", "percent", "scaling_factor")},
     "position.kind": {"rope", "learned_absolute", "none"}, "position.scaling": {None, "llama3"},
-    **{f"attention.{f}": ANY for f in ("qk_norm", "qk_l2_norm", "softmax_scale", "softmax_type", "window",
-                                       "window_skip_freq", "output_gate")},
     **{f"norm.{f}": ANY for f in ("kind", "eps", "zero_centered_gamma", "residual_post_norm")},
-    **{f"mlp.{f}": ANY for f in ("gated", "activation", "glu_linear_offset", "clamp")},
+    "attention.qk_norm": ANY, "mlp.gated": ANY, "mlp.activation": ANY,
     "add_bias_linear": ANY, "add_qkv_bias": ANY, "moe": ANY, "mtp": ANY,
     **{f"moe.{f}": ANY for f in ("layer_pattern", "shared_size", "shared_gate", "expert_bias", "score_function",
                                  "pre_softmax", "topk_scaling_factor", "num_groups", "group_topk", "capacity_factor",
@@ -118,9 +122,6 @@ def args_from_fields(fields: dict[str, Any], where: str, fix: str) -> argparse.N
     rotary = fields.get("rotary_base")
     if isinstance(rotary, (list, tuple)):  # Megatron-Bridge's Gemma: (local, global)
         args.rotary_base_local, args.rotary_base = (float(x) for x in rotary)
-    for name in ("interleaved_attn_pattern",):
-        if fields.get(name) is not None:
-            setattr(args, name, tuple(fields[name]))
     args.max_position_embeddings = fields.get("max_position_embeddings") or fields.get("seq_length")
     dtype = _DTYPES.get(_target(fields.get("params_dtype")) or "")
     if dtype is None:
@@ -135,10 +136,17 @@ def args_from_fields(fields: dict[str, Any], where: str, fix: str) -> argparse.N
     return args
 
 
+def passed_fields(cfg: ModelConfig, kept: Collection[str] = ()) -> dict[str, Any]:
+    """The ``PASSED`` settings under their megatron-core names (lists for tuples), where not plain or named in
+    ``kept`` (a source config that had them)."""
+    names = {key: name for name, key in read_names().items() if key in PASSED}
+    return {names[s.key]: list(s.value) if isinstance(s.value, tuple) else s.value for s in cfg.settings()
+            if s.key in PASSED and (s.value != s.plain or names[s.key] in kept)}
+
+
 def transformer_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The TransformerConfig / GPTModelProvider fields of a model written from its config alone (what
     ``PROVIDER_EXPRESSES`` declares), as a Bridge run_config.yaml or a NeMo 2 config holds them."""
-    a = cfg.to_args()
     pos, moe = cfg.position, cfg.moe
     out: dict[str, Any] = {
         "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.ffn_hidden_size,
@@ -153,14 +161,7 @@ def transformer_fields(cfg: ModelConfig) -> dict[str, Any]:
         "position_embedding_type": pos.kind, "rotary_base": pos.base, "rotary_percent": pos.percent,
         "rotary_interleaved": pos.interleaved, "rope_scaling": pos.scaling == "llama3",
         "rope_scaling_factor": float(pos.scaling_factor or 1.0), "vocab_size": cfg.vocab_size}
-    if pos.seq_len_interpolation is not None:
-        out["seq_len_interpolation_factor"] = pos.seq_len_interpolation
-    for name in ("qk_l2_norm", "softmax_scale", "softmax_type", "window_size", "window_attn_skip_freq",
-                 "attention_output_gate", "glu_linear_offset", "activation_func_clamp_value"):
-        plain = {"qk_l2_norm": False, "softmax_type": "vanilla", "attention_output_gate": False,
-                 "glu_linear_offset": 0.0}.get(name)
-        if a.get(name) != plain:
-            out[name] = list(a[name]) if isinstance(a[name], tuple) else a[name]
+    out.update(passed_fields(cfg))
     if cfg.mtp is not None:
         out["mtp_num_layers"] = cfg.mtp.num_layers
     if moe is not None:

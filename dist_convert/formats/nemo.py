@@ -34,6 +34,7 @@ from ..runtime import Runtime
 from ..safe_load import load_pt
 from .base import FileAtATime, FormatOptions, KeyPolicy, add_rank_file_chunks
 from .mcore_config import FIELDS as MCORE_FIELDS
+from .mcore_config import PASSED, passed_fields
 from .nemo_legacy import nemo_target_files, source_style, target_style
 
 CONFIG = "model_config.yaml"
@@ -44,6 +45,14 @@ _RANK_DIR = re.compile(r"^(?:mp_rank_(\d{2})|tp_rank_(\d{2})_pp_rank_(\d{3}))$")
 # approx-gelu (x * sigmoid(1.702 x)) and the ReLU GLUs have no megatron-core Megatron-LM argument: refused
 NEMO_ACTIVATIONS = {"gelu": (False, "gelu"), "geglu": (True, "gelu"), "fast-geglu": (True, "gelu"),
                     "swiglu": (True, "silu"), "fast-swiglu": (True, "silu"), "squared-relu": (False, "squared_relu")}
+# (gated, MLP.activation) -> the name NeMo writes for it (a SwiGLU's: the caller's, split or fused)
+NEMO_NAMES = {v: k for k, v in NEMO_ACTIVATIONS.items()}
+
+
+def _nemo_mlp(gated: bool, activation: str) -> tuple[bool, str]:
+    """(gated, activation) as NeMo says it: tanh GELU is its GELU with ``openai_gelu``."""
+    return gated, "gelu" if activation == "gelu_tanh" else activation
+
 # What model_config.yaml (megatron-core GPT and T5) says of a model in NeMo's own keys: RoPE (base, share) or learned /
 # relative positions, llama3 RoPE scaling (scale_positional_embedding, megatron-core's factor), the norm, its epsilon,
 # q/k layernorms, biases, the activations of NEMO_ACTIVATIONS (openai_gelu: tanh GELU)
@@ -51,16 +60,7 @@ NEMO_EXPRESSES = {"position.kind": {"rope", "learned_absolute", "relative"}, "po
                   "position.percent": ANY, "position.scaling": {None, "llama3"},
                   "position.scaling_factor": {None, LLAMA3_DEFAULT_FACTOR}, "norm.kind": ANY, "norm.eps": ANY,
                   "attention.qk_norm": ANY, "add_bias_linear": ANY, "add_qkv_bias": ANY, "mlp.gated": ANY, "t5": ANY,
-                  "mlp.activation": lambda act, cfg: act in ("silu", "gelu", "gelu_tanh") if cfg.mlp.gated else
-                  act in ("gelu", "gelu_tanh", "squared_relu")}
-# megatron-core settings a megatron-core model's config holds under megatron-core's own names (NeMo hands them to
-# TransformerConfig as they stand; legacy NeMo models have none of them): setting -> name
-NEMO_PASSED = {"position.interleaved": "rotary_interleaved",
-               "position.seq_len_interpolation": "seq_len_interpolation_factor",
-               "attention.qk_l2_norm": "qk_l2_norm", "attention.softmax_scale": "softmax_scale",
-               "attention.softmax_type": "softmax_type", "attention.window": "window_size",
-               "attention.window_skip_freq": "window_attn_skip_freq", "attention.output_gate": "attention_output_gate",
-               "mlp.glu_linear_offset": "glu_linear_offset", "mlp.clamp": "activation_func_clamp_value"}
+                  "mlp.activation": lambda act, cfg: _nemo_mlp(cfg.mlp.gated, act) in NEMO_NAMES}
 # megatron-core names NeMo derives from its own keys (bias, qkv_bias, activation, normalization, the precision), not
 # from the name itself (MegatronBaseModel.build_transformer_config)
 _NEMO_DERIVED = {"activation_func", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "normalization",
@@ -202,13 +202,11 @@ def _pass_through(y: dict[str, Any], args: argparse.Namespace) -> None:
 def nemo_activation(cfg: ModelConfig, section: dict[str, Any], swiglu: str) -> dict[str, Any]:
     """``activation`` (and ``openai_gelu`` where it is set or was) of a model_config.yaml section for the model's
     MLP: the section's own spelling when it says the same, else NeMo's name for it (``swiglu``: a SwiGLU's)."""
-    gated, tanh = cfg.mlp.gated, cfg.mlp.activation == "gelu_tanh"
-    want = (gated, "gelu" if tanh else cfg.mlp.activation)
+    tanh = cfg.mlp.activation == "gelu_tanh"
+    want = _nemo_mlp(cfg.mlp.gated, cfg.mlp.activation)
     current = section.get("activation")
-    names = {(True, "silu"): swiglu, (True, "gelu"): "fast-geglu", (False, "gelu"): "gelu",
-             (False, "squared_relu"): "squared-relu"}
     kept = isinstance(current, str) and NEMO_ACTIVATIONS.get(current.lower()) == want
-    out: dict[str, Any] = {"activation": current if kept else names[want]}
+    out: dict[str, Any] = {"activation": current if kept else swiglu if want == (True, "silu") else NEMO_NAMES[want]}
     if tanh or "openai_gelu" in section:
         out["openai_gelu"] = tanh
     return out
@@ -279,7 +277,7 @@ class NemoFormat:
         self._archive = archive
         origin = Origin(kind=self.name, nemo_config=y, nemo_archive=path.resolve())  # a target's config, artifacts
         return policy.finish(SourceIndex(format=self.name, iter_dir=path, iteration="release", args=args, cfg=cfg,
-                                         layout=layout, chunks=chunks, notes=list(style.notes), origin=origin))
+                                         layout=layout, chunks=chunks, notes=[], origin=origin))
 
     def _shapes(self, archive: Archive, name: str) -> dict[str, Any] | str:
         """name -> (shape, dtype) of a rank file's tensors, or the error (every rank must reach the gather)."""
@@ -314,7 +312,7 @@ class NemoFormat:
             raise ConvertError("Mixture-of-Experts .nemo targets are not supported yet",
                                "write --dst-format torch_dist (megatron-core) or megatron instead")
         legacy = target_style(self.options.nemo_style, target, target.cfg.family).legacy
-        declared = NEMO_EXPRESSES if legacy else {**NEMO_EXPRESSES, **dict.fromkeys(NEMO_PASSED, ANY)}
+        declared = NEMO_EXPRESSES if legacy else {**NEMO_EXPRESSES, **dict.fromkeys(PASSED, ANY)}
         refuse_unexpressed(target.cfg, declared,
                            "a legacy NeMo model's model_config.yaml" if legacy else "NeMo's model_config.yaml",
                            "write --dst-format torch_dist (megatron-core) or megatron instead")
@@ -341,11 +339,7 @@ class NemoFormat:
             arch.update(rotary_base=cfg.position.base, rotary_percentage=cfg.position.percent)
         if cfg.position.scaling or "scale_positional_embedding" in y:
             arch["scale_positional_embedding"] = cfg.position.scaling == "llama3"
-        settings = {s.key: s for s in cfg.settings()}
-        for key, name in NEMO_PASSED.items():  # megatron-core's own names, where not plain or the source had them
-            s = settings[key]
-            if s.value != s.plain or name in y:
-                arch[name] = list(s.value) if isinstance(s.value, tuple) else s.value
+        arch.update(passed_fields(cfg, kept=y))  # megatron-core's own names (legacy targets: refused before)
         y.update(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                  make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by)
         if cfg.t5 is not None:  # NeMo's T5 config: one section per stack, the split rank at the top

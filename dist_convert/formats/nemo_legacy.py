@@ -28,7 +28,7 @@ mcore), and ``scripts/checkpoint_converters/convert_gpt_nemo_to_mcore.py`` (buil
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -73,11 +73,8 @@ class NemoStyle:
     legacy: bool = False
     megatron_legacy: bool = False  # legacy QKV rows per TP rank: [q heads; k heads; v heads]
     split_glu: bool = False  # gated MLP as dense_h_to_4h (gate) + dense_h_to_4h_2 (up)
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0
     is_target: bool = False  # refusals name the fix for a target (--nemo-style) rather than a source
     prefix: str = PREFIX  # of megatron-core keys: model. (GPT) or enc_dec_model. (T5, mcore_t5: true)
-    notes: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def embedding_key(self) -> str:
@@ -95,8 +92,9 @@ class NemoStyle:
         """Non-weight state legacy NeMo saves on every stage: the rotary ``inv_freq`` (RotaryEmbedding)."""
         if not self.legacy or cfg.position.kind != "rope":
             return {}
-        dim = int(cfg.kv_channels * self.rotary_percent) if self.rotary_percent < 1 else cfg.kv_channels
-        return {INV_FREQ: 1.0 / (self.rotary_base ** (torch.arange(0, dim, 2).float() / dim))}
+        pos = cfg.position
+        dim = int(cfg.kv_channels * pos.percent) if pos.percent < 1 else cfg.kv_channels
+        return {INV_FREQ: 1.0 / (float(pos.base) ** (torch.arange(0, dim, 2).float() / dim))}
 
     def config_updates(self, y: dict[str, Any]) -> dict[str, Any]:
         """model_config.yaml entries that select this style in NeMo."""
@@ -234,9 +232,7 @@ def _legacy_source(y: dict[str, Any]) -> NemoStyle:
     for bad, what in checks:
         if bad:
             raise _refuse(what)
-    notes: list[str] = []
-    return NemoStyle(True, bool(y.get("megatron_legacy", False)), act in SPLIT_GLU,
-                     float(y.get("rotary_base", 10000)), float(y.get("rotary_percentage", 1.0)), tuple(notes))
+    return NemoStyle(True, bool(y.get("megatron_legacy", False)), act in SPLIT_GLU)
 
 
 def target_style(option: str | None, target: Target, family: str = "gpt") -> NemoStyle:
@@ -254,8 +250,7 @@ def target_style(option: str | None, target: Target, family: str = "gpt") -> Nem
     if option not in STYLES:
         raise ConvertError(f"unknown --nemo-style {option}", f"use one of {', '.join(STYLES)}")
     act = str(y.get("activation", "")).lower()
-    return NemoStyle(option != "mcore", option == "megatron_legacy", act in SPLIT_GLU,
-                     float(target.cfg.position.base), float(target.cfg.position.percent), is_target=True)
+    return NemoStyle(option != "mcore", option == "megatron_legacy", act in SPLIT_GLU, is_target=True)
 
 
 def nemo_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name: Callable[[int, int, int], str],

@@ -29,7 +29,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -268,6 +268,7 @@ class HeadConfig(Protocol):
     num_attention_heads: int
     num_query_groups: int
     kv_channels: int
+    attention: Any  # its Attention record (output_gate: whether the query projection also holds the gate)
 
 
 def qkv(cfg: HeadConfig) -> QKV | QKVG:

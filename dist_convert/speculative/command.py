@@ -54,7 +54,8 @@ class SpeculateOptions:
 
 
 SPECULATE_FORMATS = ("torch_dist", "nemo2")
-# what the dense GPTModel speculate builds expresses (MoE and multi-token prediction are refused before)
+# what the dense GPTModel speculate builds expresses (MoE is refused before, in its own words; multi-token
+# prediction by this declaration)
 SPECULATE_EXPRESSES = {**PROVIDER_EXPRESSES, "moe": {False}, "mtp": {False}}
 
 

@@ -74,16 +74,22 @@ def config_from_hf(hf: dict[str, Any], vocab_divisible_by: int | None) -> tuple[
     return imported.cfg, model_args(imported.cfg, hf_dtype(hf), tokenizer_type=HF_TOKENIZER), imported.notes
 
 
+def _expressing(cfg: ModelConfig, base: dict[str, Any] | None = None) -> Family | None:
+    """The family the model came from (``base``: its HF config.json) when that one expresses it, else the first of
+    ``PREFERENCE`` that does; None when none does."""
+    origin = [FAMILIES[a] for a in (base or {}).get("architectures") or [] if a in FAMILIES]
+    return next((fam for fam in origin + [FAMILIES[a] for a in PREFERENCE] if not fam.unexpressed(cfg)), None)
+
+
 def export_family(cfg: ModelConfig, base: dict[str, Any] | None = None) -> Family:
     """The HF family a megatron-core model exports as: the one it came from (``base``: the HF config.json it
     was imported from, its Origin's) when that one expresses it, else the first of ``PREFERENCE`` that does;
     refused in the nearest family's words when none does."""
-    origin = [FAMILIES[a] for a in (base or {}).get("architectures") or [] if a in FAMILIES]
-    for fam in origin + [FAMILIES[a] for a in PREFERENCE]:
-        if not fam.unexpressed(cfg):
-            return fam
-    nearest = nearest_family(cfg)
-    raise nearest.refusal(nearest.unexpressed(cfg))
+    fam = _expressing(cfg, base)
+    if fam is None:
+        nearest = nearest_family(cfg)
+        raise nearest.refusal(nearest.unexpressed(cfg))
+    return fam
 
 
 def nearest_family(cfg: ModelConfig) -> Family:
@@ -91,7 +97,7 @@ def nearest_family(cfg: ModelConfig) -> Family:
     settings it cannot write, then ``PREFERENCE``."""
     def distance(fam: Family) -> tuple[int, int]:
         problems = fam.unexpressed(cfg)
-        structural = sum(1 for s in problems if "." not in s.key and s.key in OPTIONAL)
+        structural = sum(1 for s in problems if s.key in OPTIONAL)
         return structural, len(problems) - structural
 
     return min((FAMILIES[a] for a in PREFERENCE), key=distance)
@@ -99,10 +105,7 @@ def nearest_family(cfg: ModelConfig) -> Family:
 
 def naming_family(cfg: ModelConfig) -> Family:
     """The family whose names a model's HF tensors take: the one it exports as, or the nearest."""
-    try:
-        return export_family(cfg)
-    except ConvertError:
-        return nearest_family(cfg)
+    return _expressing(cfg) or nearest_family(cfg)
 
 
 def hf_from_config(cfg: ModelConfig, dtype: torch.dtype, base: dict[str, Any] | None = None) -> dict[str, Any]:

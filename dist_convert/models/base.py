@@ -32,6 +32,7 @@ import torch
 from ..config import DEFAULT_DIVISIBLE_BY, ModelConfig
 from ..errors import ConvertError
 from ..features.base import Setting
+from ..features.base import get as features_get
 from ..features.expressed import ANY, Allowed, describe_all, unexpressed
 from ..layout.boxes import Piece
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT
@@ -104,11 +105,10 @@ class Family(ABC):
         """The model's settings this family cannot write (empty: it expresses the model)."""
         return unexpressed(cfg, self.expresses())
 
-    def refusal(self, problems: list[Setting], scope: str = "none of the supported Hugging Face families"
-                ) -> ConvertError:
+    def refusal(self, problems: list[Setting]) -> ConvertError:
         """The error when this family is the nearest and still cannot express the model."""
-        return ConvertError(f"the model has {describe_all(problems)}, which {scope} expresses (nearest: "
-                            f"{self.architecture})", EXPORT_FIX)
+        return ConvertError(f"the model has {describe_all(problems)}, which none of the supported Hugging Face "
+                            f"families expresses (nearest: {self.architecture})", EXPORT_FIX)
 
     # -- names --------------------------------------------------------------------------------------------
     @abstractmethod
@@ -192,8 +192,13 @@ def layer_prefix(stack: str, layer: int) -> str:
 
 def get(hf: dict[str, Any], key: str, default: Any = None) -> Any:
     """``hf[key]``, or ``default`` when absent or null."""
-    value = hf.get(key)
-    return default if value is None else value
+    return features_get(hf, key, default=default)
+
+
+def check_silu(hf: dict[str, Any]) -> None:
+    """Refuse an MLP activation other than SiLU (the SwiGLU every such family's megatron-core model builds)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConvertError(f"hidden_act={hf['hidden_act']!r} is not supported", "only SiLU-gated (SwiGLU) MLPs convert")
 
 
 def require_int(hf: dict[str, Any], *keys: str, default: int | None = None) -> int:
@@ -208,14 +213,6 @@ def require_int(hf: dict[str, Any], *keys: str, default: int | None = None) -> i
 
 def hf_dtype(hf: dict[str, Any]) -> torch.dtype:
     return HF_DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype") or "float32"), torch.float32)
-
-
-def rope_of(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope theta, scaling parameters or None), from transformers 4 or 5 style configs."""
-    params = hf.get("rope_parameters") or {}
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    return float(theta), scaling
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,6 +33,7 @@ from .base import (
     Family,
     Imported,
     Name,
+    check_silu,
     divisible,
     expert_names,
     get,
@@ -186,8 +187,7 @@ def config_from_hf(hf: dict[str, Any], architecture: str, vocab_divisible_by: in
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ConvertError("attention_bias / mlp_bias = true: megatron-core's MLA and MoE layers have no such biases",
                            "convert a model without them")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConvertError(f"hidden_act={hf['hidden_act']!r} is not supported", "only SiLU-gated (SwiGLU) MLPs convert")
+    check_silu(hf)
     if v3 and hf.get("rope_interleave") is False:
         raise ConvertError("rope_interleave=false: megatron-core's MLA always de-interleaves the RoPE dimensions",
                            "convert a config with rope_interleave true (as DeepSeek releases have)")

@@ -26,6 +26,7 @@ from .base import (
     Imported,
     Name,
     base_config,
+    check_silu,
     dims_of,
     divisible,
     get,
@@ -43,11 +44,6 @@ GQA_HF_KEYS = COMMON_HF_KEYS | {"rope.rope_type", "attention_bias", "mlp_bias", 
 ROPE_KINDS = ("default", "llama3", "yarn")
 
 
-def check_silu(hf: dict[str, Any]) -> None:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConvertError(f"hidden_act={hf['hidden_act']!r} is not supported", "only SiLU-gated (SwiGLU) MLPs convert")
-
-
 def gqa_core(d: Dims, hf: dict[str, Any], vocab_divisible_by: int | None, **kw: Any) -> dict[str, Any]:
     """The core fields of a decoder with GQA attention and no linear biases (``kw``: a family's records and
     overrides)."""
@@ -59,11 +55,11 @@ def gqa_core(d: Dims, hf: dict[str, Any], vocab_divisible_by: int | None, **kw: 
 
 
 def gqa_import(hf: dict[str, Any], vocab_divisible_by: int | None, name: str, *, qkv_bias: bool, qk_norm: bool,
-               window: bool = False, sliding_default: bool = False, partial_default: float = 1.0,
+               window: bool = False, partial_default: float = 1.0,
                **records: Any) -> ModelConfig:
     """The part of a Llama-shaped import every GQA family shares (``records``: a family's feature records);
-    ``window``: the family maps ``sliding_window`` (applied to every layer unless ``use_sliding_window`` says no,
-    ``sliding_default``), else a window that applies is refused."""
+    ``window``: the family maps ``sliding_window`` (applied to every layer unless ``use_sliding_window`` says no),
+    else a window that applies is refused."""
     d = dims_of(hf)
     check_silu(hf)
     for flag in ("attention_bias", "mlp_bias"):
@@ -71,7 +67,7 @@ def gqa_import(hf: dict[str, Any], vocab_divisible_by: int | None, name: str, *,
             raise ConvertError(f"{flag}=true (biases on o_proj or the MLP) has no megatron-core equivalent",
                                "convert models without those biases")
     size = hf.get("sliding_window")
-    slides = bool(size) and bool(hf.get("use_sliding_window", sliding_default))
+    slides = bool(size) and bool(hf.get("use_sliding_window", window))
     types = hf.get("layer_types")
     if types and "sliding_attention" in types and not window:
         raise ConvertError(f"layer_types {types}: {name} here converts full attention on every layer",
@@ -148,7 +144,7 @@ class Llama(Family):
 
     def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
         cfg = gqa_import(hf, vocab_divisible_by, self.architecture, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
-                         window=self.window, sliding_default=self.window)
+                         window=self.window)
         return Imported(cfg=cfg, notes=[])
 
     @property

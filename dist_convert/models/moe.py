@@ -75,7 +75,7 @@ class MoE(Family):
         qkv_bias = bool(hf.get("qkv_bias", self.qkv_bias)) if self.qkv_bias_flag else self.qkv_bias
         window = not self.dense_layers  # Mixtral slides over every layer when sliding_window is set
         cfg = gqa_import(hf, vocab_divisible_by, self.architecture, qkv_bias=qkv_bias, qk_norm=self.qk_norm,
-                         window=window, sliding_default=window, moe=moe)
+                         window=window, moe=moe)
         return Imported(cfg=cfg, notes=notes)
 
     @property

@@ -151,7 +151,7 @@ class NemotronH(Family):
 
     @property
     def hf_keys(self) -> frozenset[str]:
-        return COMMON_HF_KEYS | {"layer_norm_epsilon", "rms_norm_eps", "attention_bias", "mlp_bias", "sliding_window",
+        return COMMON_HF_KEYS | {"layer_norm_epsilon", "attention_bias", "mlp_bias", "sliding_window",
                                  "moe_latent_size", "num_nextn_predict_layers", "norm_topk_prob", "scoring_func",
                                  "topk_method", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts"}
 

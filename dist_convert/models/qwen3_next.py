@@ -143,7 +143,7 @@ class GatedDeltaNet(MoE):
         if not kept:  # else the source's full_attention_interval says it
             hf["layer_types"] = [LINEAR if g else FULL for g in gdn.pattern]
         if not same:
-            hf.update(hidden_act="silu", attention_bias=False)
+            hf["attention_bias"] = False  # hidden_act: gqa_to_hf
         return hf
 
     def expresses(self) -> Mapping[str, Allowed]:

@@ -42,12 +42,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
-from oracles.common import end_parallel, report, resolve_iter_dir  # noqa: E402
+from oracles.common import end_parallel, report, resolve_iter_dir, run_program  # noqa: E402
 from oracles.te_cpu import CPU_KERNELS, install_shims  # noqa: E402
 
 # args -> value for the load on CPU: CUDA-kernel choices, none of which changes a weight's name or shape
@@ -328,8 +327,4 @@ def main(argv=None, serving=False) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    run_program(main)

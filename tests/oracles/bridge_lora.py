@@ -66,14 +66,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
-from oracles.common import compare, end_parallel, init_dist, report, resolve_iter_dir  # noqa: E402  # noqa: E402
+from oracles.common import compare, end_parallel, init_dist, report, resolve_iter_dir, run_program  # noqa: E402
 from oracles.te_cpu import install_shims  # noqa: E402
 
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
@@ -613,8 +612,4 @@ def main(argv=None, serving=False) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    run_program(main)

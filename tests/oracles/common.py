@@ -9,6 +9,27 @@ import sys
 from pathlib import Path
 
 
+def run_program(main) -> None:
+    """An oracle run as a program (``torchrun tests/oracles/NAME.py ...``): one OpenMP thread per rank, library
+    warnings off, ``main()``'s return code as the exit status."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    sys.exit(main())
+
+
+def emit_layout(out: dict, path: str | None) -> None:
+    """A layout report (rank 0): written to ``path`` with a one-line pointer to it on stdout, else printed whole."""
+    import json
+
+    text = json.dumps(out, indent=1, default=repr)
+    if path:
+        Path(path).write_text(text)
+        print(json.dumps({"layout": path}))
+    else:
+        print(text)
+
 def apply_cpu_shims():
     """Minimal patches so megatron-core 0.16.1 saves/loads/forwards on CPU-only torch.
 

@@ -40,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
 from oracles import mcore as mo  # noqa: E402
+from oracles.common import run_program  # noqa: E402
 
 _SHIMMED = False
 
@@ -329,8 +330,4 @@ def main(argv=None, serving=False):
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    run_program(main)

@@ -74,8 +74,10 @@ from oracles.common import (  # noqa: E402
     compare,
     compare_stored,
     describe_sharded,
+    emit_layout,
     init_dist,
     is_legacy,
+    run_program,
     stored_metadata,
     stored_parallel,
     unwrap,
@@ -483,12 +485,7 @@ def cmd_layout(a, serving=False) -> int:
     finally:
         end_parallel(serving)
     if rank == 0:
-        text = json.dumps(out, indent=1, default=repr)
-        if a.out:
-            Path(a.out).write_text(text)
-            print(json.dumps({"layout": a.out}))
-        else:
-            print(text)
+        emit_layout(out, a.out)
     return 0
 
 
@@ -532,8 +529,4 @@ def main(argv=None, serving=False) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    run_program(main)

@@ -88,7 +88,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -97,7 +96,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
-from oracles.common import is_legacy  # noqa: E402
+from oracles.common import is_legacy, run_program  # noqa: E402
 from oracles.nemotron_h import hf_logits, megatron_logits, tensor_state  # noqa: E402
 
 SEQ = 16  # judge input length: > conv kernel (4) and > the tiny model's chunk_size (8)
@@ -130,7 +129,6 @@ def standins() -> dict:
         return _STANDINS
     import torch
     import torch.nn.functional as F
-    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
     from megatron.core.ssm import mamba_mixer
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -143,30 +141,7 @@ def standins() -> dict:
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
     from megatron.core.utils import get_pg_rank, get_pg_size
 
-    from oracles.te_cpu import rms, te_accepts_extra_state, te_module_extra_state, te_op_extra_state
-
-    def tp_of(group):
-        return group if group is not None else parallel_state.get_tensor_model_parallel_group()
-
-    def new_param(shape, config, init_method=None, value=None):
-        p = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype))
-        with torch.no_grad():
-            if value is not None:
-                p.fill_(value)
-            elif init_method is not None and config.perform_initialization:
-                init_method(p)
-            else:
-                p.zero_()
-        return p
-
-    class ExtraState:
-        _extra = staticmethod(te_module_extra_state)
-
-        def get_extra_state(self):
-            return self._extra()
-
-        def set_extra_state(self, state):
-            te_accepts_extra_state(state, type(self).__name__)
+    from oracles.te_cpu import ExtraState, new_param, rms, te_accepts_extra_state, te_op_extra_state, tp_of
 
     class TENorm(ExtraState, torch.nn.Module):
         """te.pytorch.RMSNorm as megatron-core's TENorm builds it: ``weight``, no sharded_state_dict of its own."""
@@ -892,8 +867,4 @@ def main(argv=None, serving=False) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    run_program(main)

@@ -155,7 +155,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
-from oracles.common import apply_cpu_shims, detect_format, end_parallel, iter_dir_name, resolve_iter_dir  # noqa: E402
+from oracles.common import apply_cpu_shims, detect_format, end_parallel, iter_dir_name, resolve_iter_dir, run_program  # noqa: E402
 
 # ----------------------------------------------------------------------------- config / args
 
@@ -1223,8 +1223,4 @@ def layout_vpp(a):
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    run_program(main)

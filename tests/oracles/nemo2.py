@@ -71,14 +71,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
-from oracles.common import apply_cpu_shims, end_parallel, report  # noqa: E402
+from oracles.common import apply_cpu_shims, end_parallel, report, run_program  # noqa: E402
 from oracles.mcore import build_model, init_parallel, is_moe, load_config, padded_vocab, randomize  # noqa: E402
 
 # GPTConfig switches for CUDA kernels (no model property): off on CPU
@@ -514,8 +513,4 @@ def main(argv=None, serving=False) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    run_program(main)

@@ -114,7 +114,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
-from oracles.common import is_legacy, unwrap  # noqa: E402
+from oracles.common import is_legacy, run_program, unwrap  # noqa: E402
 
 VOCAB = 300
 PATTERN = "M*-EM-"
@@ -1025,8 +1025,4 @@ def main(argv=None, serving=False) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    run_program(main)

@@ -77,7 +77,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
-from oracles.common import is_legacy, unwrap  # noqa: E402
+from oracles.common import emit_layout, is_legacy, run_program, unwrap  # noqa: E402
 from oracles.nemotron_h import judge_ids, megatron_logits, tensor_state  # noqa: E402
 
 VOCAB = 300
@@ -228,12 +228,7 @@ def cpu_classes():
 
     base = te_cpu.cpu_classes()
 
-    class ExtraState:
-        def get_extra_state(self):
-            return te_cpu.te_module_extra_state()
-
-        def set_extra_state(self, state):
-            te_cpu.te_accepts_extra_state(state, type(self).__name__)
+    ExtraState = te_cpu.ExtraState
 
     def new_weight(shape, config, init_method):
         p = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype))
@@ -815,12 +810,7 @@ def cmd_layout(a, serving=False) -> int:
     finally:
         end_parallel(serving)
     if rank == 0:
-        text = json.dumps(out, indent=1, default=repr)
-        if a.out:
-            Path(a.out).write_text(text)
-            print(json.dumps({"layout": a.out}))
-        else:
-            print(text)
+        emit_layout(out, a.out)
     return 0
 
 
@@ -870,8 +860,4 @@ def main(argv=None, serving=False) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    run_program(main)

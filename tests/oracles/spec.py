@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
 from oracles import mcore as mo  # noqa: E402
+from oracles.common import run_program  # noqa: E402
 
 
 def local_layers_without_te():
@@ -261,8 +262,4 @@ def main(argv=None, serving=False):
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    run_program(main)

@@ -106,6 +106,39 @@ def rms(x, weight, eps: float, zero_centered: bool):
     return (y * w).to(x.dtype)
 
 
+def tp_of(group):
+    """A stand-in's tensor-parallel group: the one given, else megatron-core's."""
+    from megatron.core import parallel_state
+
+    return group if group is not None else parallel_state.get_tensor_model_parallel_group()
+
+
+def new_param(shape, config, init_method=None, value=None):
+    """A stand-in's parameter: filled with ``value``, else initialised as megatron-core would, else zeros."""
+    import torch
+
+    p = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype))
+    with torch.no_grad():
+        if value is not None:
+            p.fill_(value)
+        elif init_method is not None and config.perform_initialization:
+            init_method(p)
+        else:
+            p.zero_()
+    return p
+
+
+class ExtraState:
+    """TE's _extra_state: saved as the module gives it, checked on load as TE would."""
+    _extra = staticmethod(te_module_extra_state)
+
+    def get_extra_state(self):
+        return self._extra()
+
+    def set_extra_state(self, state):
+        te_accepts_extra_state(state, type(self).__name__)
+
+
 _CLASSES = None
 
 
@@ -117,7 +150,6 @@ def cpu_classes():
     import torch
     import torch.nn.functional as F
     from megatron.bridge.models.gemma.gemma3_provider import _is_local_attn_layer
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
@@ -125,30 +157,6 @@ def cpu_classes():
     )
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
-
-    def tp_of(group):
-        return group if group is not None else parallel_state.get_tensor_model_parallel_group()
-
-    def new_param(shape, config, init_method=None, value=None):
-        p = torch.nn.Parameter(torch.empty(*shape, dtype=config.params_dtype))
-        with torch.no_grad():
-            if value is not None:
-                p.fill_(value)
-            elif init_method is not None and config.perform_initialization:
-                init_method(p)
-            else:
-                p.zero_()
-        return p
-
-    class ExtraState:
-        """TE's _extra_state: saved as the module gives it, checked on load as TE would."""
-        _extra = staticmethod(te_module_extra_state)
-
-        def get_extra_state(self):
-            return self._extra()
-
-        def set_extra_state(self, state):
-            te_accepts_extra_state(state, type(self).__name__)
 
     class CpuTENorm(ExtraState, torch.nn.Module):
         """te.pytorch.RMSNorm as megatron-core's TENorm builds it (TE 2.x: an op, weight ``weight``)."""

@@ -104,6 +104,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 from oracles import mcore as mo
+from oracles.common import run_program
 
 KINDS = ("dp_reshardable", "fully_reshardable", "torch")
 ARG_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
@@ -882,8 +883,4 @@ def main(argv=None, serving=False):
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    sys.exit(main())
+    run_program(main)

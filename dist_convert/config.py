@@ -35,6 +35,7 @@ from .features import (
 )
 from .features.audit import COVERED, NOT_MATH, UNCONVERTED, refuse_unconverted
 from .features.base import LAYOUT, SETTING, SIZE, Setting, arg_name, get, setting
+from .features.vision import Vision
 from .layout.topology import Layout
 
 __all__ = ["DEFAULT_DIVISIBLE_BY", "HYBRID_SYMBOLS", "ModelConfig", "Setting", "config_from_args",
@@ -43,7 +44,7 @@ __all__ = ["DEFAULT_DIVISIBLE_BY", "HYBRID_SYMBOLS", "ModelConfig", "Setting", "
 
 DEFAULT_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 ALWAYS = ("position", "attention", "norm", "mlp", "embedding")  # records every model has
-OPTIONAL = ("moe", "mla", "mtp", "mamba", "gdn", "t5")  # records of the structural features (None: absent)
+OPTIONAL = ("moe", "mla", "mtp", "mamba", "gdn", "t5", "vision")  # records of the structural features (None: absent)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +79,7 @@ class ModelConfig:
     mamba: Mamba | None = None
     gdn: GDN | None = None
     t5: T5 | None = None
+    vision: Vision | None = None
 
     def __post_init__(self) -> None:  # the family and the T5 record say the same
         if self.family == "t5" and self.t5 is None:
@@ -230,6 +232,7 @@ class ModelConfig:
                                        f"choose {flag} among the divisors of {n}, or --target-spec te (which "
                                        "replicates them)")
         self._check_hybrid(layout, what)
+        self._check_vision(layout, what)
         if self.moe is not None:
             layout.validate_experts(self.num_experts, self.expert_ffn, self.moe.shared_size, what)
             if self.add_bias_linear and layout.expert_tp != 1:  # TransformerConfig.__post_init__ asserts it
@@ -239,6 +242,23 @@ class ModelConfig:
         elif layout.ep != 1 or layout.etp is not None:
             raise ConvertError(f"{what} {layout} sets expert parallelism, but the model has no experts",
                                "drop --target-ep/--target-etp")
+
+    def _check_vision(self, layout: Layout, what: str) -> None:
+        """Megatron-Bridge's Qwen3-VL adds the deepstack features to the first language layers, on the first pipeline
+        stage with the tower (Qwen3VLModel asserts it); the tower splits over TP by whole heads."""
+        if self.vision is None:
+            return
+        flag = "--target-tp" if what == "target" else "the source layout"
+        if self.vision.heads % layout.tp:
+            raise ConvertError(f"{what} TP={layout.tp} does not divide the vision tower's {self.vision.heads} heads",
+                               f"choose {flag} among the divisors of {self.vision.heads}")
+        first = next(n for p, v, _, n in layout.model_chunks(self.num_layers) if (p, v) == (0, 0))
+        need = len(self.vision.deepstack)
+        if first < need:
+            raise ConvertError(f"{what} {layout} puts {first} language layers on the first pipeline stage, and the "
+                               f"vision tower's {need} deepstack features feed language layers 0-{need - 1} there",
+                               f"put at least {need} layers on the first stage "
+                               "(--target-num-layers-in-first-stage) or lower --target-pp")
 
     def _check_hybrid(self, layout: Layout, what: str) -> None:
         """megatron-core splits a Mamba2 mixer by whole heads and groups, a Gated DeltaNet by whole key and value
@@ -281,7 +301,7 @@ class ModelConfig:
 
 
 RECORDS: dict[str, type[Feature]] = {c.attr: c for c in (Position, Attention, Norms, MLP, Embedding, MoE, MLA, MTP,
-                                                          Mamba, GDN, T5)}
+                                                          Mamba, GDN, T5, Vision)}
 assert tuple(RECORDS) == ALWAYS + OPTIONAL
 
 
@@ -368,4 +388,4 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
         position=Position.from_args(sized), attention=Attention.from_args(sized), norm=Norms.from_args(sized),
         mlp=MLP.from_args(sized), embedding=Embedding.from_args(sized), moe=MoE.from_args(sized),
         mla=MLA.from_args(sized, spec), mtp=MTP.from_args(sized), mamba=Mamba.from_args(sized),
-        gdn=GDN.from_args(sized), t5=T5.from_args(args) if t5 else None)
+        gdn=GDN.from_args(sized), t5=T5.from_args(args) if t5 else None, vision=Vision.from_args(sized))

@@ -204,6 +204,10 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
     if f.torch_dist_style and dst_fmt.name not in ("torch_dist", "megatron"):
         raise ConvertError(f"--mcore-style applies to torch_dist and megatron targets, not {dst_fmt.name}",
                            "drop --mcore-style or pass --dst-format torch_dist / megatron")
+    if index.cfg.vision is not None and not dst_fmt.components:
+        raise ConvertError(f"a {dst_fmt.name} target cannot hold the model's vision tower ({index.cfg.vision.tower}); "
+                           "converting the language model alone would drop it",
+                           "pass --dst-format torch_dist (Megatron-Bridge's layout) or hf")
     layout = target_layout(opts, index, dst_fmt)
     spec = opts.target_spec or index.cfg.spec
     # MLA's down-projections: split over TP in the local spec, replicated in today's TE spec (the source's

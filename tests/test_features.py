@@ -193,6 +193,11 @@ SAMPLES = {
                                                            shared_expert_intermediate_size=48, linear_num_key_heads=2,
                                                            linear_num_value_heads=4, linear_key_head_dim=16,
                                                            linear_value_head_dim=8)),
+    "Qwen3VLForConditionalGeneration": ("Qwen3VLConfig", dict(
+        text_config=dict(SMALL, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                                             "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0]))),
 }
 assert set(SAMPLES) == set(FAMILIES)
 
@@ -244,16 +249,19 @@ def test_config_keys_that_change_the_math_are_mapped_or_refused(arch):
                  "decoder_sparse_step": 2, "mlp_only_layers": [1], "moe_latent_size": 16,
                  "num_nextn_predict_layers": 1, "n_shared_experts": 2, "shared_expert_intermediate_size": 16}
     refused = 0
+    text = "text_config" if "text_config" in base else None  # a vision-language model's language model
     for key in HF_MATH_KEYS:
         if key.startswith("rope.") or key in fam.hf_keys or key not in non_plain:
             continue
         with pytest.raises(ConvertError) as e:
-            config_from_hf({**base, key: non_plain[key]}, None)
+            config_from_hf({**base, text: {**base[text], key: non_plain[key]}} if text else
+                           {**base, key: non_plain[key]}, None)
         assert key in str(e.value) and "\n" not in str(e.value), (key, str(e.value))
         refused += 1
     if "rope.partial_rotary_factor" not in fam.hf_keys:
         with pytest.raises(ConvertError, match="partial_rotary_factor"):
-            config_from_hf({**base, "partial_rotary_factor": 0.5}, None)
+            config_from_hf({**base, text: {**base[text], "partial_rotary_factor": 0.5}} if text else
+                           {**base, "partial_rotary_factor": 0.5}, None)
     assert refused > 0 or arch in ("Qwen2MoeForCausalLM",)
 
 

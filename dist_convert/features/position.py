@@ -50,6 +50,10 @@ class Position(Feature):
     local_base: float | None = setting(None, arg="rotary_base_local",
                                        what="the RoPE base of sliding-window layers (Megatron-Bridge's Gemma 3)")
     mrope_section: tuple[int, ...] | None = setting(None, arg="mrope_section", what="multimodal RoPE sections")
+    # megatron-core's MRoPE takes the sections one after the other; Megatron-Bridge's Qwen3-VL model interleaves them
+    # (transformers' apply_interleaved_mrope): a setting of its own, written only by dist_convert
+    mrope_interleaved: bool = setting(False, arg="mrope_interleaved", config=(),
+                                      what="interleaved multimodal RoPE sections (Qwen3-VL)")
     no_rope_freq: Any = setting(None, arg="no_rope_freq", what="layers without RoPE (no_rope_freq)")
     mla_names: bool = setting(False, kind=LAYOUT, arg="rope_type",
                               what="YaRN written as multi-latent attention's rope_type (else position_embedding_type)")
@@ -77,6 +81,7 @@ class Position(Feature):
                        interleaved=bool(get(a, "rotary_interleaved", default=False)),
                        seq_len_interpolation=_float(get(a, "rotary_seq_len_interpolation_factor")),
                        mrope_section=as_tuple(get(a, "mrope_section")),
+                       mrope_interleaved=bool(get(a, "mrope_interleaved", default=False)),
                        no_rope_freq=as_tuple(get(a, "no_rope_freq")))
             local = get(a, "rotary_base_local")
             factor = _float(get(a, "rope_scaling_factor"))
@@ -121,6 +126,8 @@ class Position(Feature):
                             ("no_rope_freq", self.no_rope_freq)):
             if value is not None:
                 out[name] = list(value) if isinstance(value, tuple) else value
+        if self.mrope_interleaved:
+            out["mrope_interleaved"] = True
         if self.scaling == "linear":
             out["rope_scaling_factor"] = self.scaling_factor
         if self.kind == "rope" and self.yarn_factor is not None:

@@ -53,6 +53,7 @@ class Format(Protocol):
     sharded: bool  # stores TP/PP shards (False: whole tensors, e.g. hf)
     any_writer: bool  # a target file is only a group of chunks: any rank may write any part of it (DCP)
     row_blocks: bool  # its writer takes a large tensor in row blocks, in any order (``put_rows``)
+    components: bool  # holds a model's components beside its language model (a vision tower: layout/vision.py)
 
     def detect(self, path: Path) -> bool: ...
 
@@ -149,6 +150,7 @@ class IterDirFormat:
     sharded = True
     any_writer = False
     row_blocks = False
+    components = False
     looks_like: Callable[[Path], bool]  # is ``path`` an iteration directory of this format?
 
     def __init__(self, options: FormatOptions | None = None) -> None:

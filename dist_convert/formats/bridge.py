@@ -93,6 +93,7 @@ def bridge_model_section(cfg: ModelConfig, args: argparse.Namespace) -> dict[str
 
 class BridgeFormat(TorchDistFormat):
     name = "bridge"
+    components = False  # run_config.yaml of a GPTModelProvider: no vision-language provider yet
     looks_like = staticmethod(_looks_like_bridge)
 
     def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:

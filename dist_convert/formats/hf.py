@@ -64,6 +64,8 @@ def hf_tensors(cfg, fam: Family | None = None, stored: dict[str, bool] | None = 
                     shape, pieces = part_pieces(name, logical[name].shape, part, cfg)
                     shift = fam.shifts.get(hf_suffix, 0.0)
                     out[hf + hf_suffix] = shape, [replace(p, shift=shift) for p in pieces] if shift else pieces
+    for hf, name, part in fam.component_names(cfg):  # a vision tower and its projectors
+        out[hf] = part_pieces(name, logical[name].shape, part, cfg)
     out.update(fam.alternatives(cfg, out.keys(), out))  # the layouts a family stores without a name-table row
     for hf_name in rest:
         if top[hf_name] in logical:
@@ -134,6 +136,7 @@ class HFFormat:
     sharded = False
     any_writer = False
     row_blocks = False
+    components = True
 
     def __init__(self, options: FormatOptions | None = None) -> None:
         self.options = options or FormatOptions()

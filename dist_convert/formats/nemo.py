@@ -224,6 +224,7 @@ class NemoFormat:
     sharded = True
     any_writer = False
     row_blocks = False
+    components = False
 
     def __init__(self, options: FormatOptions | None = None) -> None:
         self.options = options or FormatOptions()

@@ -194,6 +194,7 @@ def nemo2_origin(ckpt: Path) -> Origin:
 
 
 class Nemo2Format(TorchDistFormat):
+    components = False
     name = "nemo2"
     iteration_dirs = False
     subdir = WEIGHTS  # the directory the weights are written to

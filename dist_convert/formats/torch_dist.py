@@ -45,6 +45,7 @@ from ..layout.rules import (
     top_extra_state_modules,
 )
 from ..layout.topology import Layout
+from ..layout.vision import LM_PREFIX, vision_objects
 from ..optim import sources as optim_sources
 from ..optim.state import COUNTERS, optimizer_tensors, renamed
 from ..runtime import Runtime
@@ -223,6 +224,7 @@ class TorchDistFormat(IterDirFormat):
     looks_like = staticmethod(_looks_like)
     any_writer = True
     row_blocks = True  # StreamWriter.put_rows
+    components = True  # a vision tower under vision_model., the language model under language_model. (Bridge's)
     writes_dcp = True  # a .metadata: dcp_meta.writer_note at start-up
     prefix = ""  # of every model key (NeMo 2: "module.")
 
@@ -378,7 +380,7 @@ class TorchDistFormat(IterDirFormat):
         objects: dict[tuple[int, int, int], dict[str, Any]] = {r: {} for r in ranks}
         for key, g in self.target_groups(target).items():
             for at, t in g.members.items():
-                holder = stage[(t.stack, t.layer)] if t.layer is not None else holders(t.stage, layout)[0][0]
+                holder = stage[(t.stack, t.layer)] if t.stage == "layer" else holders(t.stage, layout)[0][0]
                 gshape = mcore_global_shape(t.kind, t.shape, cfg.padded_vocab(layout.tp))
                 dtype = target_dtype(target, dtypes, t.name)
                 degree, ep_rank = (layout.tp, 0) if t.expert is None else \
@@ -402,6 +404,9 @@ class TorchDistFormat(IterDirFormat):
         if self.saves_objects and (cfg.t5 is not None or cfg.mamba is not None):
             for m in OUTPUT_MODULES[cfg.family]:
                 objects[(0, layout.pp - 1, 0)][f"{m}._extra_state/shard_0_1"] = [None]
+        if self.saves_objects and cfg.vision is not None:  # the language model's under its prefix, then the tower's
+            objects = {r: {LM_PREFIX + k: v for k, v in o.items()} for r, o in objects.items()}
+            objects[(0, 0, 0)].update(vision_objects(cfg))
         if target.optimizer is not None:  # model-space (fully_reshardable) optimizer state beside each chunk
             for r in ranks:
                 tensors[r] += optimizer_tensors(tensors[r], self.prefix)

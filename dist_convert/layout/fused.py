@@ -170,6 +170,8 @@ class QKV(Fused):
     then one key and one value head, ``head_dim`` rows each. MHA: groups == heads; MQA: groups == 1."""
 
     parts: ClassVar[tuple[str, ...]] = ("q", "k", "v")
+    # HF's concatenated ``attn.qkv`` (the Qwen-VL vision towers): all q rows, then all k, then all v
+    composites: ClassVar[dict[str, tuple[tuple[str, ...], bool]]] = {"qkv": (("q", "k", "v"), False)}
     heads: int
     groups: int
     head_dim: int
@@ -291,9 +293,10 @@ def glu(rows: int) -> GLU:
 
 
 # name-table part -> its fused tensor. The gated attention's parts are q_gate (HF's q_proj) / k / v; a Gated
-# DeltaNet's carry a ``gdn_`` prefix in the name tables (its own parts / composites after it)
+# DeltaNet's carry a ``gdn_`` prefix in the name tables (its own parts / composites after it), a vision tower's
+# concatenated q/k/v ``vision_qkv``
 OWNERS = {"q": "qkv", "k": "qkv", "v": "qkv", "q_gate": "qkv", "gate": "glu", "up": "glu",
-          **{f"gdn_{p}": "gdn" for p in (*GDNInProj.parts, *GDNInProj.composites)}}
+          **{f"gdn_{p}": "gdn" for p in (*GDNInProj.parts, *GDNInProj.composites)}, "vision_qkv": "vision"}
 
 
 def fused_for(part: str, cfg: HeadConfig, rows: int) -> Fused:
@@ -304,9 +307,12 @@ def fused_for(part: str, cfg: HeadConfig, rows: int) -> Fused:
         raise ValueError(f"no fused tensor has a part named {part} (known: {', '.join(OWNERS)})")
     if owner == "gdn":
         return gdn_in_proj(cfg)
+    if owner == "vision":  # a vision tower's multi-head attention (layout/vision.py)
+        v = cfg.vision
+        return QKV(heads=v.heads, groups=v.heads, head_dim=v.head_dim)
     return qkv(cfg) if owner == "qkv" else glu(rows)
 
 
 def part_in(part: str) -> str:
     """A name-table part's name in its fused tensor (``gdn_qkvz`` -> ``qkvz``)."""
-    return part.removeprefix("gdn_")
+    return part.removeprefix("gdn_").removeprefix("vision_")

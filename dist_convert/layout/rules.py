@@ -7,40 +7,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..config import ModelConfig
 from .boxes import Kind
+from .tensors import Cond, LogicalTensor, Rule, Shape
 from .topology import Layout
+from .vision import vision_tensors
 
-Cond = Callable[[ModelConfig], bool]
-Shape = Callable[[ModelConfig], tuple[int, ...]]
-
-_always: Cond = lambda c: True  # noqa: E731
 _norm_bias: Cond = lambda c: c.norm.bias  # noqa: E731
 _bias: Cond = lambda c: c.add_bias_linear  # noqa: E731
 _h: Shape = lambda c: (c.hidden_size,)  # noqa: E731
 _gqa: Cond = lambda c: not c.mla  # noqa: E731  (megatron-core SelfAttention: fused group-major linear_qkv)
 _mla: Cond = lambda c: c.mla  # noqa: E731
 _q_lora: Cond = lambda c: c.mla and c.mla.q_lora_rank is not None  # noqa: E731
-
-
-@dataclass(frozen=True)
-class Rule:
-    name: str  # per-layer suffix (after <stack>.layers.N.) or a full top-level name
-    kind: Kind
-    shape: Shape
-    when: Cond = _always
-    te_name: str | None = None  # name in Transformer Engine fused layer specs (and torch_dist keys)
-    aliases: tuple[str, ...] = ()  # further names megatron-core stores the same tensor under
-    layers: str = "all"  # MoE models: "all" layers, "dense" layers only, or "moe" layers only
-    per_expert: bool = False  # one tensor per (global) expert: ``name`` has an ``{e}`` field
-    dist_name: str | None = None  # torch_dist key suffix when it differs from te_name / name
-    mixer: str | None = None  # the layer kind it belongs to: "mamba" / "gdn" (None: attention, or MLP by its name)
-    # Kind.PARTS: the named row sections, each split over TP on its own; ``dist_split``: torch_dist keys each
-    # section on its own (``<key>.<section>``, megatron-core's ShardedTensorFactory of the Mamba2 / GDN mixers)
-    sections: Callable[[ModelConfig], tuple[tuple[str, int], ...]] | None = None
-    dist_split: bool = False
 
 
 # Per-layer tensors: suffix after ``decoder.layers.<N>.``
@@ -264,27 +243,6 @@ LAYER_PREFIX = "decoder.layers."
 _LAYER_RE = re.compile(r"^(?:encoder|decoder|mtp)\.layers\.(\d+)\.(.+)$")
 
 
-@dataclass(frozen=True, kw_only=True)
-class LogicalTensor:
-    name: str
-    kind: Kind
-    shape: tuple[int, ...]
-    layer: int | None  # layer number within its stack, None for top-level tensors
-    suffix: str  # rule name: per-layer suffix or the top-level name
-    stage: str  # "layer", or a top-level placement (see TOP_RULES / holders)
-    te_name: str | None
-    stack: str | None = None  # "decoder" / "encoder" for layer tensors
-    aliases: tuple[str, ...] = ()
-    expert: int | None = None  # MoE: the global expert index of a routed expert's tensor
-    dist_suffix: str | None = None  # torch_dist key suffix when it differs from te_name / suffix
-    sections: tuple[int, ...] = ()  # Kind.PARTS: row counts of the sections split over TP on their own
-    section_names: tuple[str, ...] = ()  # torch_dist keys them one by one (``<key>.<name>``)
-
-    @property
-    def layer_prefix(self) -> str:
-        return f"{self.stack}.layers."
-
-
 def effective_kind(rule: Rule, cfg: ModelConfig) -> Kind:
     """SwiGLU fc1 (dense, routed and shared experts) is [gate; up]: each half splits on its own."""
     if rule.kind is Kind.COL and rule.name.startswith("mlp.") and ".linear_fc1." in rule.name and cfg.mlp.gated:
@@ -342,11 +300,12 @@ def _top(rule: Rule, stage: str, cfg: ModelConfig) -> LogicalTensor:
 
 
 def logical_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
-    """Every logical tensor of the model, in a stable order: top-level tensors outside the stacks,
-    then per stack its layers followed by its own top-level tensors (e.g. its final layernorm)."""
+    """Every logical tensor of the model, in a stable order: a vision component's (``layout/vision.py``), then
+    top-level tensors outside the stacks, then per stack its layers followed by its own top-level tensors (e.g. its
+    final layernorm)."""
     tops = [(r, st) for r, st in (T5_TOP_RULES if cfg.t5 is not None else TOP_RULES) if r.when(cfg)]
     stacks = cfg.stacks
-    out: dict[str, LogicalTensor] = {}
+    out: dict[str, LogicalTensor] = vision_tensors(cfg)
     for rule, stage in tops:
         if not any(rule.name.startswith(f"{name}.") for name, _ in stacks):
             out[rule.name] = _top(rule, stage, cfg)

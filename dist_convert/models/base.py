@@ -11,8 +11,9 @@ the engine to use:
 - ``to_hf``: ``ModelConfig`` -> ``config.json``; ``expresses``: the value of every setting it writes, positively
   (``ModelConfig.settings``; a setting it does not name must hold its plain value). Export compares the model with
   that declaration field by field (``unexpressed``): a value no family expresses is refused in one line;
-- ``layer_names`` / ``top_names``: its HF name table, each HF tensor given as (HF name, logical name,
-  fused part), the parts being ``layout.fused``'s (``q``/``k``/``v`` of a QKV, ``gate``/``up`` of a GLU);
+- ``layer_names`` / ``top_names`` / ``component_names`` (a vision tower's): its HF name table, each HF tensor given
+  as (HF name, logical name, fused part), the parts being ``layout.fused``'s (``q``/``k``/``v`` of a QKV,
+  ``gate``/``up`` of a GLU);
 - optional special cases: stored copies checked on read (``stored_copies``), alternative stored layouts
   (``alternatives``), optional stored tensor sets a release may or may not carry (``optional_sets``: a round trip
   gives them back as the source had them).
@@ -118,6 +119,11 @@ class Family(ABC):
 
     def top_names(self, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
         return TOP_NAMES
+
+    def component_names(self, cfg: ModelConfig) -> list[Name]:
+        """(full HF name, full logical name, part) of every tensor of the model's components beside the language
+        model (a vision tower and its projectors: ``layout/vision.py``), in HF order; none for a text model."""
+        return []
 
     def stored_copies(self, cfg: ModelConfig, found: Collection[str]) -> dict[str, list[str]]:
         """HF names stored as copies of another tensor, by the name they copy (compared on read)."""

@@ -1,0 +1,81 @@
+"""The vision component of a vision-language model: a vision tower and its projectors beside the language model.
+
+A multimodal model is a language model (any family's, every other record of ``ModelConfig``) plus this component,
+with its own tensors under its own prefix (``layout/vision.py``: Megatron-Bridge's ``vision_model.`` beside its
+``language_model.``). The record holds what the tower computes: its architecture, sizes, activation, norm epsilon,
+the language-model layers its deepstack features feed, and the token ids that mark images in the text.
+
+Megatron-LM has no arguments for these towers (Megatron-Bridge builds them from Hugging Face's vision config): the
+record writes its own ``vision_*`` args, which only dist_convert reads, so a torch_dist target carries the whole
+model; megatron-core's ``TransformerConfig`` has none of them (``config=()``).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .base import SIZE, Feature, as_tuple, get, setting
+
+TOWERS = ("qwen3_vl",)  # Megatron-Bridge's Megatron-native Qwen3-VL tower (Qwen3VLVisionModel)
+
+
+def _size(what: str, default: int = 0) -> Any:
+    return setting(default, kind=SIZE, arg=f"vision_{what.split()[0]}", config=(), what=f"the vision tower's {what}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Vision(Feature):
+    attr: ClassVar[str] = "vision"
+    what: ClassVar[str] = "a vision tower (vision-language model)"
+
+    tower: str = setting("qwen3_vl", arg="vision_tower", config=(), what="the vision tower's architecture")
+    depth: int = _size("depth (layers)")
+    hidden: int = _size("hidden size")
+    heads: int = _size("heads (attention heads)")
+    ffn: int = _size("ffn (MLP size)")
+    out_hidden: int = setting(0, kind=SIZE, arg="vision_out_hidden", config=(),
+                              what="the projector's output size (the language model's hidden size)")
+    patch: int = _size("patch (patch size)", 16)
+    temporal_patch: int = setting(2, kind=SIZE, arg="vision_temporal_patch", config=(),
+                                  what="the vision tower's temporal patch size")
+    in_channels: int = setting(3, kind=SIZE, arg="vision_in_channels", config=(), what="image channels")
+    merge: int = setting(2, kind=SIZE, arg="vision_merge", config=(),
+                         what="the spatial merge size (patches merged per side into one token)")
+    positions: int = setting(0, kind=SIZE, arg="vision_positions", config=(),
+                             what="the vision tower's learned position embeddings")
+    deepstack: tuple[int, ...] = setting((), arg="vision_deepstack", config=(),
+                                         what="the tower layers whose merged features feed the first language layers "
+                                              "(deepstack)")
+    activation: str = setting("gelu_tanh", arg="vision_activation", config=(), what="the vision MLP's activation")
+    eps: float = setting(1e-6, arg="vision_eps", config=(), what="the vision tower's LayerNorm epsilon")
+    image_token_id: int | None = setting(None, arg="image_token_id", config=(), what="the image token id")
+    video_token_id: int | None = setting(None, arg="video_token_id", config=(), what="the video token id")
+    vision_start_token_id: int | None = setting(None, arg="vision_start_token_id", config=(),
+                                                what="the vision start token id")
+    vision_end_token_id: int | None = setting(None, arg="vision_end_token_id", config=(),
+                                              what="the vision end token id")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def merged(self) -> int:
+        """The width of a merged token: ``merge**2`` patches side by side."""
+        return self.hidden * self.merge * self.merge
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Vision | None:
+        a = vars(args)
+        if get(a, "vision_tower") is None:
+            return None
+        out: dict[str, Any] = {}
+        for name, _, f in cls().fields():
+            value = get(a, f.metadata["arg"][0])
+            if value is not None:
+                out[name] = as_tuple(value)
+        return cls(**out)
+
+    def to_args(self) -> dict[str, Any]:
+        return {f.metadata["arg"][0]: list(v) if isinstance(v, tuple) else v for _, v, f in self.fields()}

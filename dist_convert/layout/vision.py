@@ -1,0 +1,108 @@
+"""The vision component's logical tensors: Megatron-Bridge's Qwen3-VL vision tower (``Qwen3VLVisionModel``) as its
+model holds them, under ``vision_model.``, beside the language model (``language_model.`` in a torch_dist
+checkpoint; its logical names stay the plain GPT ones, ``LM_PREFIX`` is added to its keys).
+
+The tower is Megatron-native and always Transformer Engine's spec: pre-norms (LayerNorm, with bias) fused into
+``linear_qkv`` / ``linear_fc1``, biases everywhere, a non-gated MLP, multi-head attention whose ``linear_qkv`` holds
+each head's q, k, v rows in turn (megatron-core's group-major order with groups == heads). It splits over TP like a
+language layer (column-parallel qkv / fc1, row-parallel proj / fc2); the Conv3d patch embedding and the learned
+position embeddings are replicated; the patch mergers (the final one, on the hidden size, and one per deepstack
+layer, on the merged width) are a LayerNorm, a column-parallel fc1 and a row-parallel fc2. The whole tower sits on
+the first pipeline stage (``stage="first"``); its layers are one stack of their own (``VISION_STACK``), stacked on
+a layer axis in torch_dist as megatron-core's TransformerBlock does.
+"""
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .boxes import Kind
+from .tensors import LogicalTensor, Rule, Shape
+
+VISION = "vision_model."
+VISION_STACK = "vision_model.decoder"
+LM_PREFIX = "language_model."
+DEEPSTACK = "vision_model.decoder.deepstack_merger_list.{j}."
+MERGER = "vision_model.merger."
+
+_vh: Shape = lambda c: (c.vision.hidden,)  # noqa: E731
+_ffn: Shape = lambda c: (c.vision.ffn,)  # noqa: E731
+_merged: Shape = lambda c: (c.vision.merged,)  # noqa: E731
+
+# per layer, after ``vision_model.decoder.layers.N.``
+LAYER_RULES: tuple[Rule, ...] = (
+    Rule("self_attention.linear_qkv.layer_norm_weight", Kind.REP, _vh),
+    Rule("self_attention.linear_qkv.layer_norm_bias", Kind.REP, _vh),
+    Rule("self_attention.linear_qkv.weight", Kind.COL, lambda c: (3 * c.vision.hidden, c.vision.hidden)),
+    Rule("self_attention.linear_qkv.bias", Kind.COL, lambda c: (3 * c.vision.hidden,)),
+    Rule("self_attention.linear_proj.weight", Kind.ROW, lambda c: (c.vision.hidden, c.vision.hidden)),
+    Rule("self_attention.linear_proj.bias", Kind.REP, _vh),
+    Rule("mlp.linear_fc1.layer_norm_weight", Kind.REP, _vh),
+    Rule("mlp.linear_fc1.layer_norm_bias", Kind.REP, _vh),
+    Rule("mlp.linear_fc1.weight", Kind.COL, lambda c: (c.vision.ffn, c.vision.hidden)),
+    Rule("mlp.linear_fc1.bias", Kind.COL, _ffn),
+    Rule("mlp.linear_fc2.weight", Kind.ROW, lambda c: (c.vision.hidden, c.vision.ffn)),
+    Rule("mlp.linear_fc2.bias", Kind.REP, _vh),
+)
+# a patch merger, after its prefix; ``norm``: the width its LayerNorm works on (the final merger normalises each
+# patch before merging, a deepstack merger the merged token)
+def merger_rules(norm: Shape) -> tuple[Rule, ...]:
+    return (Rule("patch_norm.weight", Kind.REP, norm), Rule("patch_norm.bias", Kind.REP, norm),
+            Rule("linear_fc1.weight", Kind.COL, lambda c: (c.vision.merged, c.vision.merged)),
+            Rule("linear_fc1.bias", Kind.COL, _merged),
+            Rule("linear_fc2.weight", Kind.ROW, lambda c: (c.vision.out_hidden, c.vision.merged)),
+            Rule("linear_fc2.bias", Kind.REP, lambda c: (c.vision.out_hidden,)))
+
+
+TOP_RULES: tuple[Rule, ...] = (
+    Rule("vision_model.patch_embed.proj.weight", Kind.REP,
+         lambda c: (c.vision.hidden, c.vision.in_channels, c.vision.temporal_patch, c.vision.patch, c.vision.patch)),
+    Rule("vision_model.patch_embed.proj.bias", Kind.REP, _vh),
+    Rule("vision_model.pos_embed.weight", Kind.REP, lambda c: (c.vision.positions, c.vision.hidden)),
+)
+
+
+def _top(rule: Rule, cfg: ModelConfig, prefix: str = "") -> LogicalTensor:
+    name = prefix + rule.name
+    return LogicalTensor(name=name, kind=rule.kind, shape=rule.shape(cfg), layer=None, suffix=name, stage="first",
+                         te_name=None)
+
+
+def vision_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
+    """Every logical tensor of the model's vision component (none without one), in the tower's order."""
+    if cfg.vision is None:
+        return {}
+    out = [_top(r, cfg) for r in TOP_RULES]
+    for layer in range(cfg.vision.depth):
+        out += [LogicalTensor(name=f"{VISION_STACK}.layers.{layer}.{r.name}", kind=r.kind, shape=r.shape(cfg),
+                              layer=layer, suffix=r.name, stage="first", te_name=None, stack=VISION_STACK)
+                for r in LAYER_RULES]
+    out += [_top(r, cfg, MERGER) for r in merger_rules(_vh)]
+    for j in range(len(cfg.vision.deepstack)):
+        out += [_top(r, cfg, DEEPSTACK.format(j=j)) for r in merger_rules(_merged)]
+    return {t.name: t for t in out}
+
+
+def stack_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """Layers per stack, the vision tower's included."""
+    return dict(cfg.stacks) | ({VISION_STACK: cfg.vision.depth} if cfg.vision is not None else {})
+
+
+def key_prefix(cfg: ModelConfig, name: str) -> str:
+    """What a torch_dist key of logical tensor ``name`` starts with beyond it: the language model's prefix in a
+    multimodal model (the vision component's names carry their own)."""
+    return LM_PREFIX if cfg.vision is not None and not name.startswith(VISION) else ""
+
+
+# modules of the tower with an ``_extra_state`` (Transformer Engine's linears and attention; TODO check norms)
+LAYER_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj",
+                     "mlp.linear_fc1", "mlp.linear_fc2")
+MERGER_EXTRA_STATE = ("linear_fc1", "linear_fc2")
+
+
+def vision_objects(cfg: ModelConfig) -> dict[str, list]:
+    """The ShardedObjects (``_extra_state``) megatron-core saves for the vision tower (first stage, rank 0)."""
+    v = cfg.vision
+    out = {f"{VISION_STACK}.layers.{m}._extra_state/shard_{i}_{v.depth}": [None]
+           for i in range(v.depth) for m in LAYER_EXTRA_STATE}
+    for prefix in [MERGER] + [DEEPSTACK.format(j=j) for j in range(len(v.deepstack))]:
+        out.update({f"{prefix}{m}._extra_state/shard_0_1": [None] for m in MERGER_EXTRA_STATE})
+    return out

@@ -1,0 +1,184 @@
+"""Qwen3-VL (``Qwen3VLForConditionalGeneration``): a Qwen3 language model (GQA, q/k RMSNorm, SwiGLU, interleaved
+multimodal RoPE) plus the Qwen3-VL vision tower (``features.vision``), as Megatron-Bridge 0.6.2 lays it out.
+
+``config.json`` nests the two: ``text_config`` (read as a Qwen3 config, its ``rope_parameters`` carrying
+``mrope_section``), ``vision_config``, and at the top the image/video token ids and ``tie_word_embeddings`` (which
+Bridge and transformers read there, not in ``text_config``). The tower's tensors: transformers 5's names under
+``model.visual.``; the language model's under ``model.language_model.``.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConvertError
+from ..features.expressed import ANY, Allowed
+from ..features.vision import Vision
+from ..layout.rules import EMBEDDING, OUTPUT
+from ..layout.vision import DEEPSTACK, LAYER_RULES, MERGER, VISION_STACK
+from .base import COMMON_HF_KEYS, DTYPE_NAMES, Family, Imported, Name, base_config, get, require_int
+from .hf_keys import unmapped
+from .llama import FAMILIES as LLAMA_FAMILIES
+from .llama import GQA_HF_KEYS, Llama
+
+VISUAL = "model.visual."
+# the vision activations transformers names and Megatron-Bridge's tower builds (tanh-approximated GELU only)
+VISION_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
+TEXT_KEYS = GQA_HF_KEYS | {"rope.mrope_section", "rope.mrope_interleaved"}
+TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+# HF block suffix (after ``model.visual.blocks.N.``) -> the tower layer's suffix (after ``...layers.N.``), fused part
+BLOCK_NAMES: tuple[Name, ...] = (
+    ("norm1.weight", "self_attention.linear_qkv.layer_norm_weight", None),
+    ("norm1.bias", "self_attention.linear_qkv.layer_norm_bias", None),
+    ("attn.qkv.weight", "self_attention.linear_qkv.weight", "vision_qkv"),
+    ("attn.qkv.bias", "self_attention.linear_qkv.bias", "vision_qkv"),
+    ("attn.proj.weight", "self_attention.linear_proj.weight", None),
+    ("attn.proj.bias", "self_attention.linear_proj.bias", None),
+    ("norm2.weight", "mlp.linear_fc1.layer_norm_weight", None),
+    ("norm2.bias", "mlp.linear_fc1.layer_norm_bias", None),
+    ("mlp.linear_fc1.weight", "mlp.linear_fc1.weight", None),
+    ("mlp.linear_fc1.bias", "mlp.linear_fc1.bias", None),
+    ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight", None),
+    ("mlp.linear_fc2.bias", "mlp.linear_fc2.bias", None),
+)
+MERGER_NAMES = (("norm.weight", "patch_norm.weight"), ("norm.bias", "patch_norm.bias"),
+                *((f"linear_fc{i}.{p}",) * 2 for i in (1, 2) for p in ("weight", "bias")))
+assert {lg for _, lg, _ in BLOCK_NAMES} == {r.name for r in LAYER_RULES}, "one HF name per tower tensor"
+
+
+def text_of(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config.json keys: ``text_config`` with the top-level ``tie_word_embeddings``."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConvertError("config.json of a vision-language model lacks text_config",
+                           "use the config.json saved with the model")
+    return {**text, "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False))}
+
+
+def vision_from_hf(hf: dict[str, Any], arch: str) -> Vision:
+    v = hf.get("vision_config")
+    if not isinstance(v, dict):
+        raise ConvertError(f"config.json of {arch} lacks vision_config", "use the config.json saved with the model")
+    act = v.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in VISION_ACTIVATIONS:
+        raise ConvertError(f"vision_config.hidden_act={act!r}: Megatron-Bridge's Qwen3-VL tower builds "
+                           f"{', '.join(VISION_ACTIVATIONS)} only", "convert a config with the released activation")
+    patch = v.get("patch_size", 16)
+    if isinstance(patch, (list, tuple)) and len(set(patch)) == 1:
+        patch = patch[0]
+    vision = Vision(tower="qwen3_vl", depth=require_int(v, "depth"), hidden=require_int(v, "hidden_size"),
+                    heads=require_int(v, "num_heads"), ffn=require_int(v, "intermediate_size"),
+                    out_hidden=require_int(v, "out_hidden_size"), patch=int(patch),
+                    temporal_patch=int(v.get("temporal_patch_size", 2)), in_channels=int(v.get("in_channels", 3)),
+                    merge=int(v.get("spatial_merge_size", 2)), positions=require_int(v, "num_position_embeddings"),
+                    deepstack=tuple(int(i) for i in v.get("deepstack_visual_indexes") or ()),
+                    activation=VISION_ACTIVATIONS[act],
+                    **{k: None if get(hf, k) is None else int(hf[k]) for k in TOP_KEYS})
+    if vision.hidden % vision.heads:
+        raise ConvertError(f"vision_config: hidden_size {vision.hidden} does not split into {vision.heads} heads",
+                           "use the config.json saved with the model")
+    bad = [i for i in vision.deepstack if not 0 <= i < vision.depth]
+    if bad:
+        raise ConvertError(f"vision_config.deepstack_visual_indexes {list(vision.deepstack)} name layers outside the "
+                           f"tower's {vision.depth}", "use the config.json saved with the model")
+    return vision
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3VL(Family):
+    architecture: str = "Qwen3VLForConditionalGeneration"
+    model_type: str = "qwen3_vl"
+    hf_layers: ClassVar[str] = "model.language_model.layers."
+    text: ClassVar[Llama] = next(f for f in LLAMA_FAMILIES if f.architecture == "Qwen3ForCausalLM")
+
+    def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
+        text = text_of(hf)
+        left = unmapped(text, TEXT_KEYS)
+        if left:
+            shown = ", ".join(f"text_config.{k}={v!r}" for k, v in left[:4])
+            raise ConvertError(f"config.json sets {shown}, which changes what {self.architecture} computes and "
+                               "which megatron-core's model here does not express",
+                               "convert a config without it (dist_convert never drops a setting that changes the math)")
+        params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if params.get("rope_type", params.get("type", "default")) != "default":
+            raise ConvertError(f"text_config RoPE type {params.get('rope_type', params.get('type'))!r}: Qwen3-VL's "
+                               "multimodal RoPE is unscaled here", "convert a config whose rope_type is default")
+        section = params.get("mrope_section")
+        if not section:
+            raise ConvertError("text_config's RoPE parameters lack mrope_section",
+                               "use the config.json saved with the model")
+        cfg = self.text.from_hf(text, vocab_divisible_by).cfg
+        if sum(section) * 2 != cfg.kv_channels:
+            raise ConvertError(f"mrope_section {section} covers {2 * sum(section)} of the head's {cfg.kv_channels} "
+                               "dimensions", "use the config.json saved with the model")
+        position = replace(cfg.position, kind="mrope", mrope_section=tuple(int(s) for s in section),
+                           mrope_interleaved=True)  # Qwen3-VL interleaves its sections whatever the flag says
+        return Imported(cfg=cfg.replace(position=position, vision=vision_from_hf(hf, self.architecture)), notes=[])
+
+    @property
+    def hf_keys(self) -> frozenset[str]:
+        return COMMON_HF_KEYS
+
+    def to_hf(self, cfg: ModelConfig, base: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
+        hf, same = base_config(self, base)
+        plain = cfg.replace(position=replace(cfg.position, kind="rope", mrope_section=None, mrope_interleaved=False),
+                            vision=None)
+        text = self.text.to_hf(plain, {**hf.get("text_config", {}), "architectures": [self.text.architecture]}
+                               if same else None, dtype)
+        for key in ("architectures", "tie_word_embeddings", "torch_dtype") + (
+                () if "dtype" in hf.get("text_config", {}) else ("dtype",)):  # transformers 5 writes it at the top
+            text.pop(key, None)
+        text["model_type"] = "qwen3_vl_text"
+        if "rope_parameters" not in text:  # transformers 5 spells Qwen3-VL's RoPE in rope_parameters
+            text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta")}
+        text["rope_parameters"].update(mrope_section=list(cfg.position.mrope_section or ()), mrope_interleaved=True)
+        v = cfg.vision
+        vision = copy.deepcopy(hf.get("vision_config", {})) if same else {}
+        vision.setdefault("model_type", "qwen3_vl_vision")
+        vision.update(depth=v.depth, hidden_size=v.hidden, num_heads=v.heads,
+                      intermediate_size=v.ffn, out_hidden_size=v.out_hidden, patch_size=v.patch,
+                      temporal_patch_size=v.temporal_patch, in_channels=v.in_channels, spatial_merge_size=v.merge,
+                      num_position_embeddings=v.positions, deepstack_visual_indexes=list(v.deepstack),
+                      hidden_act=next(k for k, a in VISION_ACTIVATIONS.items() if a == v.activation))
+        hf.update(architectures=[self.architecture], model_type=self.model_type, text_config=text,
+                  vision_config=vision, tie_word_embeddings=cfg.tied, dtype=DTYPE_NAMES.get(dtype, "float32"))
+        hf.update({k: getattr(v, k) for k in TOP_KEYS if getattr(v, k) is not None})
+        return hf
+
+    def expresses(self) -> Mapping[str, Allowed]:
+        out = {k: v for k, v in self.text.expresses().items() if not k.startswith("position.yarn_")}
+        out.update({"position.scaling": {None}, "position.kind": {"mrope"}, "position.mrope_section": ANY,
+                    "position.mrope_interleaved": {True},
+                    "vision": {True}, "vision.tower": {"qwen3_vl"}, "vision.deepstack": ANY,
+                    "vision.activation": set(VISION_ACTIVATIONS.values()), "vision.eps": {1e-6},
+                    **{f"vision.{k}": ANY for k in TOP_KEYS}})
+        return out
+
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
+        return self.text.layer_names(cfg, stack, layer)
+
+    def top_names(self, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
+        return (("model.language_model.embed_tokens.weight", EMBEDDING),
+                ("model.language_model.norm.weight", "decoder.final_layernorm.weight"), ("lm_head.weight", OUTPUT))
+
+    def component_names(self, cfg: ModelConfig) -> list[Name]:
+        v = cfg.vision
+        out: list[Name] = [(f"{VISUAL}patch_embed.proj.{p}", f"vision_model.patch_embed.proj.{p}", None)
+                           for p in ("weight", "bias")]
+        out.append((f"{VISUAL}pos_embed.weight", "vision_model.pos_embed.weight", None))
+        for i in range(v.depth):
+            out += [(f"{VISUAL}blocks.{i}.{hf}", f"{VISION_STACK}.layers.{i}.{lg}", part)
+                    for hf, lg, part in BLOCK_NAMES]
+        out += [(f"{VISUAL}merger.{hf}", MERGER + lg, None) for hf, lg in MERGER_NAMES]
+        for j in range(len(v.deepstack)):
+            out += [(f"{VISUAL}deepstack_merger_list.{j}.{hf}", DEEPSTACK.format(j=j) + lg, None)
+                    for hf, lg in MERGER_NAMES]
+        return out
+
+
+FAMILIES = (Qwen3VL(),)

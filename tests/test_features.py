@@ -158,6 +158,10 @@ MOE_KW = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 DS_KW = dict(SMALL, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
              n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=32,
              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+VL_TEXT = dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3],
+                                           "mrope_interleaved": True})
+VL_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
+                 num_position_embeddings=16, deepstack_visual_indexes=[0])
 SAMPLES = {
     "LlamaForCausalLM": ("LlamaConfig", SMALL),
     "MistralForCausalLM": ("MistralConfig", dict(SMALL, sliding_window=8)),
@@ -193,11 +197,10 @@ SAMPLES = {
                                                            shared_expert_intermediate_size=48, linear_num_key_heads=2,
                                                            linear_num_value_heads=4, linear_key_head_dim=16,
                                                            linear_value_head_dim=8)),
-    "Qwen3VLForConditionalGeneration": ("Qwen3VLConfig", dict(
-        text_config=dict(SMALL, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5,
-                                                             "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
-        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
-                           num_position_embeddings=16, deepstack_visual_indexes=[0]))),
+    "Qwen3VLForConditionalGeneration": ("Qwen3VLConfig", dict(text_config=dict(SMALL, **VL_TEXT),
+                                                               vision_config=VL_VISION)),
+    "Qwen3VLMoeForConditionalGeneration": ("Qwen3VLMoeConfig", dict(
+        text_config=dict(SMALL, **VL_TEXT, **MOE_KW, mlp_only_layers=[0]), vision_config=VL_VISION)),
 }
 assert set(SAMPLES) == set(FAMILIES)
 

@@ -20,13 +20,12 @@ import torch
 from ..datamodel import Origin, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
 from ..durable import write_durable
 from ..errors import ConvertError
-from ..layout.boxes import Box, Piece
-from ..layout.fused import fused_for, part_in
+from ..layout.boxes import Box
 from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
 from ..mlm_args import HF_TOKENIZER, model_args
 from ..models import export_family, family_of, hf_from_config, import_config, naming_family
-from ..models.base import TIED_HEAD, Family, HFTensors, hf_dtype
+from ..models.base import TIED_HEAD, Family, HFTensors, hf_dtype, part_pieces
 from ..runtime import Runtime
 from . import fp8, mxfp4
 from .base import FileAtATime, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
@@ -36,15 +35,6 @@ CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved; recomputed by every loader
-
-def part_pieces(logical: str, lshape: tuple[int, ...], part: str | None, cfg) -> tuple[tuple[int, ...], list[Piece]]:
-    """Shape of the HF tensor holding ``part`` of a fused logical tensor, and its pieces (``layout/fused.py``
-    declares the parts: q/k/v of ``linear_qkv``, gate/up of a gated ``linear_fc1``)."""
-    if part is None:
-        full = Box.full(lshape)
-        return lshape, [Piece(logical, full, full)]
-    return fused_for(part, cfg, lshape[0]).pieces(logical, lshape, part_in(part))
-
 
 def hf_tensors(cfg, fam: Family | None = None, stored: dict[str, bool] | None = None) -> HFTensors:
     """Pure: every tensor of the HF checkpoint of ``cfg`` as family ``fam`` names it (default: the family

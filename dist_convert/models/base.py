@@ -35,7 +35,8 @@ from ..errors import ConvertError
 from ..features.base import Setting
 from ..features.base import get as features_get
 from ..features.expressed import ANY, Allowed, describe_all, unexpressed
-from ..layout.boxes import Piece
+from ..layout.boxes import Box, Piece
+from ..layout.fused import fused_for, part_in
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT
 
 # (HF name, logical name, fused part or None). In the per-layer tables the HF name is the suffix after
@@ -173,6 +174,16 @@ DENSE_MLP: tuple[Name, ...] = (
 )
 EXPERT_FC1 = "mlp.experts.local_experts.{e}.linear_fc1.weight"
 EXPERT_FC2 = "mlp.experts.local_experts.{e}.linear_fc2.weight"
+
+
+def part_pieces(logical: str, lshape: tuple[int, ...], part: str | None,
+                cfg: ModelConfig) -> tuple[tuple[int, ...], list[Piece]]:
+    """Shape of the HF tensor holding ``part`` of a fused logical tensor, and its pieces (``layout/fused.py``
+    declares the parts: q/k/v of ``linear_qkv``, gate/up of a gated ``linear_fc1``)."""
+    if part is None:
+        full = Box.full(lshape)
+        return lshape, [Piece(logical, full, full)]
+    return fused_for(part, cfg, lshape[0]).pieces(logical, lshape, part_in(part))
 
 
 def in_layer(names: tuple[Name, ...] | list[Name], prefix: str) -> list[Name]:

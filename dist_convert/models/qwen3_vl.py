@@ -1,15 +1,19 @@
-"""Qwen3-VL (``Qwen3VLForConditionalGeneration``): a Qwen3 language model (GQA, q/k RMSNorm, SwiGLU, interleaved
-multimodal RoPE) plus the Qwen3-VL vision tower (``features.vision``), as Megatron-Bridge 0.6.2 lays it out.
+"""Qwen3-VL (``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``): a Qwen3 or Qwen3-MoE
+language model (GQA, q/k RMSNorm, SwiGLU, interleaved multimodal RoPE) plus the Qwen3-VL vision tower
+(``features.vision``), as Megatron-Bridge 0.6.2 lays it out.
 
 ``config.json`` nests the two: ``text_config`` (read as a Qwen3 config, its ``rope_parameters`` carrying
 ``mrope_section``), ``vision_config``, and at the top the image/video token ids and ``tie_word_embeddings`` (which
 Bridge and transformers read there, not in ``text_config``). The tower's tensors: transformers 5's names under
-``model.visual.``; the language model's under ``model.language_model.``.
+``model.visual.``; the language model's under ``model.language_model.``. The MoE variant's router renormalises its
+top-k (no ``norm_topk_prob`` key) and the releases (and transformers' ``save_pretrained``) store a layer's experts
+fused and transposed, ``mlp.experts.gate_up_proj`` [E, H, 2F] ([gate | up] on the last axis) and
+``mlp.experts.down_proj`` [E, F, H]; per-expert ``mlp.experts.{e}.gate_proj.weight`` tensors are read too.
 """
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -19,17 +23,31 @@ from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features.expressed import ANY, Allowed
 from ..features.vision import Vision
-from ..layout.rules import EMBEDDING, OUTPUT
+from ..layout.boxes import Box, Piece, View
+from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
 from ..layout.vision import DEEPSTACK, LAYER_RULES, MERGER, VISION_STACK
-from .base import COMMON_HF_KEYS, DTYPE_NAMES, Family, Imported, Name, base_config, get, require_int
+from .base import (
+    DTYPE_NAMES,
+    EXPERT_FC1,
+    EXPERT_FC2,
+    Family,
+    HFTensors,
+    Imported,
+    Name,
+    base_config,
+    get,
+    part_pieces,
+    require_int,
+)
 from .hf_keys import unmapped
 from .llama import FAMILIES as LLAMA_FAMILIES
-from .llama import GQA_HF_KEYS, Llama
+from .moe import FAMILIES as MOE_FAMILIES
+from .moe import FUSED_FC1, FUSED_FC2, MoE
 
 VISUAL = "model.visual."
 # the vision activations transformers names and Megatron-Bridge's tower builds (tanh-approximated GELU only)
 VISION_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
-TEXT_KEYS = GQA_HF_KEYS | {"rope.mrope_section", "rope.mrope_interleaved"}
+MROPE_KEYS = frozenset({"rope.mrope_section", "rope.mrope_interleaved"})
 TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 # HF block suffix (after ``model.visual.blocks.N.``) -> the tower layer's suffix (after ``...layers.N.``), fused part
 BLOCK_NAMES: tuple[Name, ...] = (
@@ -89,16 +107,53 @@ def vision_from_hf(hf: dict[str, Any], arch: str) -> Vision:
     return vision
 
 
+def fused_experts(cfg: ModelConfig, layer: int, hf: str, transposed: bool) -> HFTensors:
+    """A layer's experts in one tensor per linear (``hf``: the layer's HF prefix), expert e at index e: as the releases
+    store them (``transposed``: fc1 [H, 2F], fc2 [F, H]) or as transformers 5 holds and saves them (fc1 [2F, H],
+    fc2 [H, F])."""
+    out: HFTensors = {}
+    for fused, per_expert in ((FUSED_FC1, EXPERT_FC1), (FUSED_FC2, EXPERT_FC2)):
+        rows, cols = (2 * cfg.expert_ffn, cfg.hidden_size) if fused == FUSED_FC1 else (cfg.hidden_size, cfg.expert_ffn)
+        stored = (cols, rows) if transposed else (rows, cols)
+        view = View(axes=(2, 1), steps=(1, 1, 1)) if transposed else None
+        out[hf + fused] = ((cfg.num_experts, *stored), [
+            Piece(f"{LAYER_PREFIX}{layer}.{per_expert.format(e=e)}", Box.full((rows, cols)),
+                  Box((e, 0, 0), (1, *stored)), view=view) for e in range(cfg.num_experts)])
+    return out
+
+
+def release_layout(cfg: ModelConfig, found: Collection[str], hf: str) -> bool:
+    """Whether a layer's fused experts are stored transposed, as the releases have them (transformers 5 loads either,
+    saves its own [E, 2F, H]): from the stored shapes when ``found`` maps names to (file, dtype, shape) (the fc2 tells
+    whenever F != H, fc1 when H != 2F), else yes: what an export writes, as the releases and Megatron-Bridge do."""
+    shapes = found if isinstance(found, Mapping) else {}
+    f, h = cfg.expert_ffn, cfg.hidden_size
+    for name, release in ((FUSED_FC2, (f, h)), (FUSED_FC1, (h, 2 * f))):
+        held = shapes.get(hf + name)
+        if held is not None and release[0] != release[1]:
+            return tuple(held[2][1:]) == release
+    return True
+
+
 @dataclass(frozen=True, kw_only=True)
 class Qwen3VL(Family):
-    architecture: str = "Qwen3VLForConditionalGeneration"
-    model_type: str = "qwen3_vl"
+    architecture: str
+    model_type: str
+    text: Family  # the language model's family (Qwen3 or Qwen3-MoE)
     hf_layers: ClassVar[str] = "model.language_model.layers."
-    text: ClassVar[Llama] = next(f for f in LLAMA_FAMILIES if f.architecture == "Qwen3ForCausalLM")
+
+    @property
+    def experts(self) -> bool:
+        return isinstance(self.text, MoE)
 
     def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
         text = text_of(hf)
-        left = unmapped(text, TEXT_KEYS)
+        if self.experts:  # Qwen3-VL-MoE's router always renormalises its top-k
+            if "norm_topk_prob" in text:
+                raise ConvertError(f"text_config.norm_topk_prob: {self.architecture} has no such setting (its router "
+                                   "always renormalises)", "use the config.json saved with the model")
+            text["norm_topk_prob"] = True
+        left = unmapped(text, self.hf_keys)
         if left:
             shown = ", ".join(f"text_config.{k}={v!r}" for k, v in left[:4])
             raise ConvertError(f"config.json sets {shown}, which changes what {self.architecture} computes and "
@@ -122,7 +177,8 @@ class Qwen3VL(Family):
 
     @property
     def hf_keys(self) -> frozenset[str]:
-        return COMMON_HF_KEYS
+        """The text family's (applied to ``text_config``, where transformers reads them), and MRoPE's."""
+        return self.text.hf_keys | MROPE_KEYS
 
     def to_hf(self, cfg: ModelConfig, base: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
         hf, same = base_config(self, base)
@@ -130,10 +186,13 @@ class Qwen3VL(Family):
                             vision=None)
         text = self.text.to_hf(plain, {**hf.get("text_config", {}), "architectures": [self.text.architecture]}
                                if same else None, dtype)
-        for key in ("architectures", "tie_word_embeddings", "torch_dtype") + (
-                () if "dtype" in hf.get("text_config", {}) else ("dtype",)):  # transformers 5 writes it at the top
-            text.pop(key, None)
-        text["model_type"] = "qwen3_vl_text"
+        kept = hf.get("text_config", {})  # transformers 5 writes dtype at the top, its text config's own tie flag inside
+        for key in ("architectures", "torch_dtype", "norm_topk_prob", "dtype", "tie_word_embeddings"):
+            if key not in kept or key == "architectures":
+                text.pop(key, None)
+        if "tie_word_embeddings" in kept:  # unread (the top-level flag ties): kept as the source wrote it
+            text["tie_word_embeddings"] = kept["tie_word_embeddings"]
+        text["model_type"] = f"{self.model_type}_text"
         if "rope_parameters" not in text:  # transformers 5 spells Qwen3-VL's RoPE in rope_parameters
             text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta")}
         text["rope_parameters"].update(mrope_section=list(cfg.position.mrope_section or ()), mrope_interleaved=True)
@@ -156,11 +215,30 @@ class Qwen3VL(Family):
                     "position.mrope_interleaved": {True},
                     "vision": {True}, "vision.tower": {"qwen3_vl"}, "vision.deepstack": ANY,
                     "vision.activation": set(VISION_ACTIVATIONS.values()), "vision.eps": {1e-6},
+                    **({"moe.pre_softmax": {False}} if self.experts else {}),
                     **{f"vision.{k}": ANY for k in TOP_KEYS}})
         return out
 
     def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
-        return self.text.layer_names(cfg, stack, layer)
+        """The text family's names; a MoE layer's experts are stored fused (``alternatives``)."""
+        names = self.text.layer_names(cfg, stack, layer)
+        return [n for n in names if ".experts." not in n[0]]
+
+    def alternatives(self, cfg: ModelConfig, found: Collection[str], expected: HFTensors) -> HFTensors:
+        """A MoE layer's experts: per expert where ``found`` holds them so, else fused (the releases' layout)."""
+        out: HFTensors = {}
+        for layer in range(cfg.num_layers) if self.experts else ():
+            if not cfg.is_moe_layer(layer):
+                continue
+            hf = f"{self.hf_layers}{layer}."
+            per_expert = [(hf + h, lg, part) for h, lg, part in self.text.layer_names(cfg, "decoder", layer)
+                          if ".experts." in h]
+            if any(h in found for h, _, _ in per_expert):
+                logical = logical_tensors(cfg)
+                out.update({h: part_pieces(lg, logical[lg].shape, part, cfg) for h, lg, part in per_expert})
+            else:
+                out.update(fused_experts(cfg, layer, hf, release_layout(cfg, found, hf)))
+        return out
 
     def top_names(self, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
         return (("model.language_model.embed_tokens.weight", EMBEDDING),
@@ -181,4 +259,13 @@ class Qwen3VL(Family):
         return out
 
 
-FAMILIES = (Qwen3VL(),)
+def _family(families: tuple[Family, ...], arch: str) -> Family:
+    return next(f for f in families if f.architecture == arch)
+
+
+FAMILIES = (
+    Qwen3VL(architecture="Qwen3VLForConditionalGeneration", model_type="qwen3_vl",
+            text=_family(LLAMA_FAMILIES, "Qwen3ForCausalLM")),
+    Qwen3VL(architecture="Qwen3VLMoeForConditionalGeneration", model_type="qwen3_vl_moe",
+            text=_family(MOE_FAMILIES, "Qwen3MoeForCausalLM")),
+)

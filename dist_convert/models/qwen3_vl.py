@@ -186,7 +186,7 @@ class Qwen3VL(Family):
                             vision=None)
         text = self.text.to_hf(plain, {**hf.get("text_config", {}), "architectures": [self.text.architecture]}
                                if same else None, dtype)
-        kept = hf.get("text_config", {})  # transformers 5 writes dtype at the top, its text config's own tie flag inside
+        kept = hf.get("text_config", {})  # transformers 5: dtype at the top, the text config's own tie flag inside
         for key in ("architectures", "torch_dtype", "norm_topk_prob", "dtype", "tie_word_embeddings"):
             if key not in kept or key == "architectures":
                 text.pop(key, None)

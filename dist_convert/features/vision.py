@@ -17,7 +17,10 @@ from typing import Any, ClassVar
 
 from .base import SIZE, Feature, as_tuple, get, setting
 
-TOWERS = ("qwen3_vl",)  # Megatron-Bridge's Megatron-native Qwen3-VL tower (Qwen3VLVisionModel)
+# qwen3_vl: Megatron-Bridge's Megatron-native Qwen3-VL tower (Qwen3VLVisionModel, split over TP); qwen2_5_vl and
+# siglip: the Hugging Face modules Bridge keeps replicated (Qwen2.5-VL's windowed ViT; Gemma 3's SigLIP encoder and
+# its multimodal projector)
+TOWERS = ("qwen3_vl", "qwen2_5_vl", "siglip")
 
 
 def _size(what: str, default: int = 0) -> Any:
@@ -44,17 +47,30 @@ class Vision(Feature):
                          what="the spatial merge size (patches merged per side into one token)")
     positions: int = setting(0, kind=SIZE, arg="vision_positions", config=(),
                              what="the vision tower's learned position embeddings")
+    image_size: int = setting(0, kind=SIZE, arg="vision_image_size", config=(),
+                              what="the image side the tower takes (SigLIP; 0: any)")
     deepstack: tuple[int, ...] = setting((), arg="vision_deepstack", config=(),
                                          what="the tower layers whose merged features feed the first language layers "
                                               "(deepstack)")
     activation: str = setting("gelu_tanh", arg="vision_activation", config=(), what="the vision MLP's activation")
-    eps: float = setting(1e-6, arg="vision_eps", config=(), what="the vision tower's LayerNorm epsilon")
+    eps: float = setting(1e-6, arg="vision_eps", config=(), what="the vision tower's norm epsilon")
+    window: int | None = setting(None, arg="vision_window", config=(),
+                                 what="the window of the tower's windowed attention (Qwen2.5-VL; pixels)")
+    full_layers: tuple[int, ...] = setting((), arg="vision_full_layers", config=(),
+                                           what="the tower layers with full attention among windowed ones")
+    tokens_per_second: int | None = setting(None, arg="vision_tokens_per_second", config=(),
+                                            what="video frames' temporal MRoPE positions per second")
+    head: bool = setting(False, kind=SIZE, arg="vision_head", config=(),
+                         what="SigLIP's attention-pooling head (stored, unused by the language model)")
+    mm_tokens: int | None = setting(None, arg="mm_tokens_per_image", config=(),
+                                    what="image tokens per image after the projector's pooling (Gemma 3)")
     image_token_id: int | None = setting(None, arg="image_token_id", config=(), what="the image token id")
     video_token_id: int | None = setting(None, arg="video_token_id", config=(), what="the video token id")
     vision_start_token_id: int | None = setting(None, arg="vision_start_token_id", config=(),
                                                 what="the vision start token id")
     vision_end_token_id: int | None = setting(None, arg="vision_end_token_id", config=(),
                                               what="the vision end token id")
+    vision_token_id: int | None = setting(None, arg="vision_token_id", config=(), what="the vision token id")
 
     @property
     def head_dim(self) -> int:

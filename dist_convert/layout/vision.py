@@ -1,8 +1,14 @@
-"""The vision component's logical tensors: Megatron-Bridge's Qwen3-VL vision tower (``Qwen3VLVisionModel``) as its
-model holds them, under ``vision_model.``, beside the language model (``language_model.`` in a torch_dist
-checkpoint; its logical names stay the plain GPT ones, ``LM_PREFIX`` is added to its keys).
+"""The vision component's logical tensors, as Megatron-Bridge's vision-language models hold them beside the language
+model (``language_model.`` in a torch_dist checkpoint; its logical names stay the plain GPT ones, ``LM_PREFIX`` is
+added to its keys). Each tower (``features.vision.TOWERS``) has its own table:
 
-The tower is Megatron-native and always Transformer Engine's spec: pre-norms (LayerNorm, with bias) fused into
+* ``qwen3_vl``: Bridge's Megatron-native Qwen3-VL tower (``Qwen3VLVisionModel``) under ``vision_model.``;
+* ``qwen2_5_vl``: transformers' Qwen2.5-VL vision transformer, which Bridge keeps whole and replicated under
+  ``visual.`` with Hugging Face's own module names (``HF_TOWERS``);
+* ``siglip``: Gemma 3's SigLIP encoder, kept the same way under ``vision_tower.``, and Bridge's multimodal projector
+  (``multi_modal_projector.``: a replicated RMSNorm and a column-parallel projection).
+
+The Qwen3-VL tower is Megatron-native and always Transformer Engine's spec: pre-norms (LayerNorm, with bias) fused into
 ``linear_qkv`` / ``linear_fc1``, biases everywhere, a non-gated MLP, multi-head attention whose ``linear_qkv`` holds
 each head's q, k, v rows in turn (megatron-core's group-major order with groups == heads). It splits over TP like a
 language layer (column-parallel qkv / fc1, row-parallel proj / fc2); the Conv3d patch embedding and the learned
@@ -18,6 +24,9 @@ from .boxes import Kind
 from .tensors import LogicalTensor, Rule, Shape
 
 VISION = "vision_model."
+PROJECTOR = "multi_modal_projector."
+# the torch_dist key prefixes of a vision component (every other key is the language model's, under LM_PREFIX)
+COMPONENT_PREFIXES = (VISION, "visual.", "vision_tower.", PROJECTOR)
 VISION_STACK = "vision_model.decoder"
 LM_PREFIX = "language_model."
 DEEPSTACK = "vision_model.decoder.deepstack_merger_list.{j}."
@@ -70,6 +79,11 @@ def vision_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
     """Every logical tensor of the model's vision component (none without one), in the tower's order."""
     if cfg.vision is None:
         return {}
+    if cfg.vision.tower in HF_TOWERS:
+        prefix, table = HF_TOWERS[cfg.vision.tower]
+        out = [LogicalTensor(name=prefix + suffix, kind=Kind.REP, shape=shape, layer=None, suffix=prefix + suffix,
+                             stage="first", te_name=None) for suffix, shape in table(cfg)]
+        return {t.name: t for t in out + [_top(r, cfg) for r in PROJECTOR_RULES.get(cfg.vision.tower, ())]}
     out = [_top(r, cfg) for r in TOP_RULES]
     for layer in range(cfg.vision.depth):
         out += [LogicalTensor(name=f"{VISION_STACK}.layers.{layer}.{r.name}", kind=r.kind, shape=r.shape(cfg),
@@ -89,7 +103,64 @@ def stack_sizes(cfg: ModelConfig) -> dict[str, int]:
 def key_prefix(cfg: ModelConfig, name: str) -> str:
     """What a torch_dist key of logical tensor ``name`` starts with beyond it: the language model's prefix in a
     multimodal model (the vision component's names carry their own)."""
-    return LM_PREFIX if cfg.vision is not None and not name.startswith(VISION) else ""
+    return LM_PREFIX if cfg.vision is not None and not name.startswith(COMPONENT_PREFIXES) else ""
+
+
+# -- the towers Bridge keeps as Hugging Face modules: (their suffix, shape), in the module's order ---------------
+Table = list[tuple[str, tuple[int, ...]]]
+
+
+def _linear(name: str, rows: int, cols: int) -> Table:
+    return [(f"{name}.weight", (rows, cols)), (f"{name}.bias", (rows,))]
+
+
+def qwen2_5_vl_tower(cfg: ModelConfig) -> Table:
+    """transformers' ``Qwen2_5_VisionTransformerPretrainedModel``: RMSNorm pre-norms, a fused q/k/v with bias, a gated
+    MLP with biases, the merger's RMSNorm and two-layer MLP on the merged width."""
+    v = cfg.vision
+    h, m = v.hidden, v.merged
+    out: Table = [("patch_embed.proj.weight", (h, v.in_channels, v.temporal_patch, v.patch, v.patch))]
+    for i in range(v.depth):
+        b = f"blocks.{i}."
+        out += [(b + "norm1.weight", (h,)), (b + "norm2.weight", (h,)), *_linear(b + "attn.qkv", 3 * h, h),
+                *_linear(b + "attn.proj", h, h), *_linear(b + "mlp.gate_proj", v.ffn, h),
+                *_linear(b + "mlp.up_proj", v.ffn, h), *_linear(b + "mlp.down_proj", h, v.ffn)]
+    return out + [("merger.ln_q.weight", (h,)), *_linear("merger.mlp.0", m, m),
+                  *_linear("merger.mlp.2", v.out_hidden, m)]
+
+
+def siglip_tower(cfg: ModelConfig) -> Table:
+    """transformers' SigLIP vision encoder (``SiglipVisionModel`` flattened, as Gemma 3 holds it): LayerNorms with
+    biases, separate q/k/v, a GELU MLP, the post-norm, and the attention-pooling head when the config keeps it."""
+    v = cfg.vision
+    h = v.hidden
+    out: Table = [("embeddings.patch_embedding.weight", (h, v.in_channels, v.patch, v.patch)),
+                  ("embeddings.patch_embedding.bias", (h,)),
+                  ("embeddings.position_embedding.weight", ((v.image_size // v.patch) ** 2, h))]
+    for i in range(v.depth):
+        b = f"encoder.layers.{i}."
+        out += [*_norm(b + "layer_norm1", h), *_linear(b + "self_attn.k_proj", h, h),
+                *_linear(b + "self_attn.v_proj", h, h), *_linear(b + "self_attn.q_proj", h, h),
+                *_linear(b + "self_attn.out_proj", h, h), *_norm(b + "layer_norm2", h),
+                *_linear(b + "mlp.fc1", v.ffn, h), *_linear(b + "mlp.fc2", h, v.ffn)]
+    out += _norm("post_layernorm", h)
+    if v.head:
+        out += [("head.probe", (1, 1, h)), ("head.attention.in_proj_weight", (3 * h, h)),
+                ("head.attention.in_proj_bias", (3 * h,)), *_linear("head.attention.out_proj", h, h),
+                *_norm("head.layernorm", h), *_linear("head.mlp.fc1", v.ffn, h), *_linear("head.mlp.fc2", h, v.ffn)]
+    return out
+
+
+def _norm(name: str, n: int) -> Table:
+    return [(f"{name}.weight", (n,)), (f"{name}.bias", (n,))]
+
+
+HF_TOWERS = {"qwen2_5_vl": ("visual.", qwen2_5_vl_tower), "siglip": ("vision_tower.", siglip_tower)}
+# Gemma 3's projector (Bridge's Gemma3VLMultimodalProjector): the soft-embedding RMSNorm on the tower's width, then a
+# column-parallel projection to the language model's
+PROJECTOR_RULES: dict[str, tuple[Rule, ...]] = {"siglip": (
+    Rule(PROJECTOR + "mm_soft_embed_norm.weight", Kind.REP, _vh),
+    Rule(PROJECTOR + "proj.weight", Kind.COL, lambda c: (c.hidden_size, c.vision.hidden)))}
 
 
 # modules of the tower with an ``_extra_state`` (Transformer Engine's linears and attention; TODO check norms)
@@ -99,8 +170,12 @@ MERGER_EXTRA_STATE = ("linear_fc1", "linear_fc2")
 
 
 def vision_objects(cfg: ModelConfig) -> dict[str, list]:
-    """The ShardedObjects (``_extra_state``) megatron-core saves for the vision tower (first stage, rank 0)."""
+    """The ShardedObjects (``_extra_state``) megatron-core saves for the vision component (first stage, rank 0):
+    Transformer Engine's modules', none of a Hugging Face module's."""
     v = cfg.vision
+    if v.tower in HF_TOWERS:
+        return {f"{r.name.removesuffix('.weight')}._extra_state/shard_0_1": [None]
+                for r in PROJECTOR_RULES.get(v.tower, ())}
     out = {f"{VISION_STACK}.layers.{m}._extra_state/shard_{i}_{v.depth}": [None]
            for i in range(v.depth) for m in LAYER_EXTRA_STATE}
     for prefix in [MERGER] + [DEEPSTACK.format(j=j) for j in range(len(v.deepstack))]:

@@ -12,43 +12,36 @@ fused and transposed, ``mlp.experts.gate_up_proj`` [E, H, 2F] ([gate | up] on th
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar
-
-import torch
+from dataclasses import dataclass
+from typing import Any
 
 from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features.expressed import ANY, Allowed
 from ..features.vision import Vision
 from ..layout.boxes import Box, Piece, View
-from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT, logical_tensors
+from ..layout.rules import LAYER_PREFIX, logical_tensors
 from ..layout.vision import DEEPSTACK, LAYER_RULES, MERGER, VISION_STACK
-from .base import (
-    DTYPE_NAMES,
-    EXPERT_FC1,
-    EXPERT_FC2,
-    Family,
-    HFTensors,
-    Imported,
-    Name,
-    base_config,
-    get,
-    part_pieces,
-    require_int,
-)
-from .hf_keys import unmapped
+from .base import EXPERT_FC1, EXPERT_FC2, Family, HFTensors, Name, part_pieces, require_int
 from .llama import FAMILIES as LLAMA_FAMILIES
 from .moe import FAMILIES as MOE_FAMILIES
 from .moe import FUSED_FC1, FUSED_FC2, MoE
+from .vlm import (
+    VisionLanguage,
+    mrope_position,
+    text_of,
+    token_expresses,
+    token_ids,
+    vision_config,
+    vision_record,
+    write_mrope,
+)
 
 VISUAL = "model.visual."
 # the vision activations transformers names and Megatron-Bridge's tower builds (tanh-approximated GELU only)
 VISION_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
-MROPE_KEYS = frozenset({"rope.mrope_section", "rope.mrope_interleaved"})
-TOP_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+TOKENS = {k: k for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
 # HF block suffix (after ``model.visual.blocks.N.``) -> the tower layer's suffix (after ``...layers.N.``), fused part
 BLOCK_NAMES: tuple[Name, ...] = (
     ("norm1.weight", "self_attention.linear_qkv.layer_norm_weight", None),
@@ -69,19 +62,8 @@ MERGER_NAMES = (("norm.weight", "patch_norm.weight"), ("norm.bias", "patch_norm.
 assert {lg for _, lg, _ in BLOCK_NAMES} == {r.name for r in LAYER_RULES}, "one HF name per tower tensor"
 
 
-def text_of(hf: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config.json keys: ``text_config`` with the top-level ``tie_word_embeddings``."""
-    text = hf.get("text_config")
-    if not isinstance(text, dict):
-        raise ConvertError("config.json of a vision-language model lacks text_config",
-                           "use the config.json saved with the model")
-    return {**text, "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False))}
-
-
 def vision_from_hf(hf: dict[str, Any], arch: str) -> Vision:
-    v = hf.get("vision_config")
-    if not isinstance(v, dict):
-        raise ConvertError(f"config.json of {arch} lacks vision_config", "use the config.json saved with the model")
+    v = vision_config(hf, arch)
     act = v.get("hidden_act", "gelu_pytorch_tanh")
     if act not in VISION_ACTIVATIONS:
         raise ConvertError(f"vision_config.hidden_act={act!r}: Megatron-Bridge's Qwen3-VL tower builds "
@@ -89,17 +71,14 @@ def vision_from_hf(hf: dict[str, Any], arch: str) -> Vision:
     patch = v.get("patch_size", 16)
     if isinstance(patch, (list, tuple)) and len(set(patch)) == 1:
         patch = patch[0]
-    vision = Vision(tower="qwen3_vl", depth=require_int(v, "depth"), hidden=require_int(v, "hidden_size"),
-                    heads=require_int(v, "num_heads"), ffn=require_int(v, "intermediate_size"),
-                    out_hidden=require_int(v, "out_hidden_size"), patch=int(patch),
-                    temporal_patch=int(v.get("temporal_patch_size", 2)), in_channels=int(v.get("in_channels", 3)),
-                    merge=int(v.get("spatial_merge_size", 2)), positions=require_int(v, "num_position_embeddings"),
-                    deepstack=tuple(int(i) for i in v.get("deepstack_visual_indexes") or ()),
-                    activation=VISION_ACTIVATIONS[act],
-                    **{k: None if get(hf, k) is None else int(hf[k]) for k in TOP_KEYS})
-    if vision.hidden % vision.heads:
-        raise ConvertError(f"vision_config: hidden_size {vision.hidden} does not split into {vision.heads} heads",
-                           "use the config.json saved with the model")
+    vision = vision_record(tower="qwen3_vl", depth=require_int(v, "depth"), hidden=require_int(v, "hidden_size"),
+                           heads=require_int(v, "num_heads"), ffn=require_int(v, "intermediate_size"),
+                           out_hidden=require_int(v, "out_hidden_size"), patch=int(patch),
+                           temporal_patch=int(v.get("temporal_patch_size", 2)),
+                           in_channels=int(v.get("in_channels", 3)), merge=int(v.get("spatial_merge_size", 2)),
+                           positions=require_int(v, "num_position_embeddings"),
+                           deepstack=tuple(int(i) for i in v.get("deepstack_visual_indexes") or ()),
+                           activation=VISION_ACTIVATIONS[act], **token_ids(hf, TOKENS))
     bad = [i for i in vision.deepstack if not 0 <= i < vision.depth]
     if bad:
         raise ConvertError(f"vision_config.deepstack_visual_indexes {list(vision.deepstack)} name layers outside the "
@@ -136,88 +115,48 @@ def release_layout(cfg: ModelConfig, found: Collection[str], hf: str) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Qwen3VL(Family):
-    architecture: str
-    model_type: str
-    text: Family  # the language model's family (Qwen3 or Qwen3-MoE)
-    hf_layers: ClassVar[str] = "model.language_model.layers."
-
+class Qwen3VL(VisionLanguage):
     @property
     def experts(self) -> bool:
         return isinstance(self.text, MoE)
 
-    def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
+    def lm_name(self, name: str) -> str:
+        return name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+
+    def text_config(self, hf: dict[str, Any]) -> dict[str, Any]:
         text = text_of(hf)
         if self.experts:  # Qwen3-VL-MoE's router always renormalises its top-k
             if "norm_topk_prob" in text:
                 raise ConvertError(f"text_config.norm_topk_prob: {self.architecture} has no such setting (its router "
                                    "always renormalises)", "use the config.json saved with the model")
             text["norm_topk_prob"] = True
-        left = unmapped(text, self.hf_keys)
-        if left:
-            shown = ", ".join(f"text_config.{k}={v!r}" for k, v in left[:4])
-            raise ConvertError(f"config.json sets {shown}, which changes what {self.architecture} computes and "
-                               "which megatron-core's model here does not express",
-                               "convert a config without it (dist_convert never drops a setting that changes the math)")
-        params = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        if params.get("rope_type", params.get("type", "default")) != "default":
-            raise ConvertError(f"text_config RoPE type {params.get('rope_type', params.get('type'))!r}: Qwen3-VL's "
-                               "multimodal RoPE is unscaled here", "convert a config whose rope_type is default")
-        section = params.get("mrope_section")
-        if not section:
-            raise ConvertError("text_config's RoPE parameters lack mrope_section",
-                               "use the config.json saved with the model")
-        cfg = self.text.from_hf(text, vocab_divisible_by).cfg
-        if sum(section) * 2 != cfg.kv_channels:
-            raise ConvertError(f"mrope_section {section} covers {2 * sum(section)} of the head's {cfg.kv_channels} "
-                               "dimensions", "use the config.json saved with the model")
-        position = replace(cfg.position, kind="mrope", mrope_section=tuple(int(s) for s in section),
-                           mrope_interleaved=True)  # Qwen3-VL interleaves its sections whatever the flag says
-        return Imported(cfg=cfg.replace(position=position, vision=vision_from_hf(hf, self.architecture)), notes=[])
+        return text
 
-    @property
-    def hf_keys(self) -> frozenset[str]:
-        """The text family's (applied to ``text_config``, where transformers reads them), and MRoPE's."""
-        return self.text.hf_keys | MROPE_KEYS
+    def with_vision(self, cfg: ModelConfig, hf: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
+        # Qwen3-VL interleaves its MRoPE sections, whatever mrope_interleaved says
+        cfg = mrope_position(cfg, text, self.architecture, interleaved=True)
+        return cfg.replace(vision=vision_from_hf(hf, self.architecture))
 
-    def to_hf(self, cfg: ModelConfig, base: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
-        hf, same = base_config(self, base)
-        plain = cfg.replace(position=replace(cfg.position, kind="rope", mrope_section=None, mrope_interleaved=False),
-                            vision=None)
-        text = self.text.to_hf(plain, {**hf.get("text_config", {}), "architectures": [self.text.architecture]}
-                               if same else None, dtype)
-        kept = hf.get("text_config", {})  # transformers 5: dtype at the top, the text config's own tie flag inside
-        for key in ("architectures", "torch_dtype", "norm_topk_prob", "dtype", "tie_word_embeddings"):
-            if key not in kept or key == "architectures":
-                text.pop(key, None)
-        if "tie_word_embeddings" in kept:  # unread (the top-level flag ties): kept as the source wrote it
-            text["tie_word_embeddings"] = kept["tie_word_embeddings"]
-        text["model_type"] = f"{self.model_type}_text"
-        if "rope_parameters" not in text:  # transformers 5 spells Qwen3-VL's RoPE in rope_parameters
-            text["rope_parameters"] = {"rope_type": "default", "rope_theta": text.pop("rope_theta")}
-        text["rope_parameters"].update(mrope_section=list(cfg.position.mrope_section or ()), mrope_interleaved=True)
+    def vision_to_hf(self, hf: dict[str, Any], text: dict[str, Any], vision: dict[str, Any], cfg: ModelConfig) -> None:
+        write_mrope(text, cfg)
         v = cfg.vision
-        vision = copy.deepcopy(hf.get("vision_config", {})) if same else {}
         vision.setdefault("model_type", "qwen3_vl_vision")
         vision.update(depth=v.depth, hidden_size=v.hidden, num_heads=v.heads,
                       intermediate_size=v.ffn, out_hidden_size=v.out_hidden, patch_size=v.patch,
                       temporal_patch_size=v.temporal_patch, in_channels=v.in_channels, spatial_merge_size=v.merge,
                       num_position_embeddings=v.positions, deepstack_visual_indexes=list(v.deepstack),
                       hidden_act=next(k for k, a in VISION_ACTIVATIONS.items() if a == v.activation))
-        hf.update(architectures=[self.architecture], model_type=self.model_type, text_config=text,
-                  vision_config=vision, tie_word_embeddings=cfg.tied, dtype=DTYPE_NAMES.get(dtype, "float32"))
-        hf.update({k: getattr(v, k) for k in TOP_KEYS if getattr(v, k) is not None})
-        return hf
+        hf.update({k: getattr(v, f) for k, f in TOKENS.items() if getattr(v, f) is not None})
 
     def expresses(self) -> Mapping[str, Allowed]:
-        out = {k: v for k, v in self.text.expresses().items() if not k.startswith("position.yarn_")}
-        out.update({"position.scaling": {None}, "position.kind": {"mrope"}, "position.mrope_section": ANY,
-                    "position.mrope_interleaved": {True},
-                    "vision": {True}, "vision.tower": {"qwen3_vl"}, "vision.deepstack": ANY,
-                    "vision.activation": set(VISION_ACTIVATIONS.values()), "vision.eps": {1e-6},
-                    **({"moe.pre_softmax": {False}} if self.experts else {}),
-                    **{f"vision.{k}": ANY for k in TOP_KEYS}})
-        return out
+        out = {k: v for k, v in super().expresses().items() if not k.startswith("position.yarn_")}
+        return {**out, "position.scaling": {None}}
+
+    def vision_expresses(self) -> dict[str, Allowed]:
+        return {"position.kind": {"mrope"}, "position.mrope_section": ANY, "position.mrope_interleaved": {True},
+                "vision.tower": {"qwen3_vl"}, "vision.deepstack": ANY,
+                "vision.activation": set(VISION_ACTIVATIONS.values()), "vision.eps": {1e-6},
+                **({"moe.pre_softmax": {False}} if self.experts else {}), **token_expresses(TOKENS.values())}
 
     def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
         """The text family's names; a MoE layer's experts are stored fused (``alternatives``)."""
@@ -239,10 +178,6 @@ class Qwen3VL(Family):
             else:
                 out.update(fused_experts(cfg, layer, hf, release_layout(cfg, found, hf)))
         return out
-
-    def top_names(self, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
-        return (("model.language_model.embed_tokens.weight", EMBEDDING),
-                ("model.language_model.norm.weight", "decoder.final_layernorm.weight"), ("lm_head.weight", OUTPUT))
 
     def component_names(self, cfg: ModelConfig) -> list[Name]:
         v = cfg.vision

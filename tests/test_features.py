@@ -19,6 +19,7 @@ from dist_convert.datamodel import TargetFile, TargetTensor
 from dist_convert.errors import ConvertError
 from dist_convert.features import GDN, MLA, MLP, MTP, T5, Attention, Embedding, Mamba, MoE, Norms, Position
 from dist_convert.features.expressed import ANY, unexpressed
+from dist_convert.features.vision import Vision
 from dist_convert.formats.hf import hf_tensors, source_tensors
 from dist_convert.formats.mcore_config import FIELDS as MCORE_FIELDS
 from dist_convert.formats.mcore_config import PROVIDER_EXPRESSES, args_from_fields, transformer_fields
@@ -73,6 +74,14 @@ VARIANTS: list[dict[str, Any]] = [
     {"position": Position(base=5e5, percent=0.5, interleaved=True, seq_len_interpolation=2.0)},
     {"position": Position(scaling="llama3", scaling_factor=32.0)},
     {"position": Position(**YARN)},
+    {"position": Position(local_base=1e4)},  # Gemma 3 without scaling (gemma-3-1b): no factor read back
+    {"position": Position(local_base=1e4, scaling="linear", scaling_factor=8.0)},
+    {"position": Position(kind="mrope", mrope_section=(2, 3, 3), mrope_interleaved=True),
+     "vision": Vision(depth=2, hidden=32, heads=2, ffn=64, out_hidden=64, deepstack=(0, 1), image_token_id=7)},
+    {"vision": Vision(tower="siglip", depth=2, hidden=32, heads=2, ffn=64, patch=4, image_size=32, head=True,
+                      mm_tokens=4, eps=1e-5)},
+    {"vision": Vision(tower="qwen2_5_vl", depth=2, hidden=32, heads=2, ffn=48, window=16, full_layers=(1,),
+                      tokens_per_second=2, activation="silu")},
     {"position": Position(kind="learned_absolute")},
     {"attention": Attention(qk_norm=True, qk_l2_norm=True, softmax_scale=0.125, softmax_type="learnable",
                             window=(7, 0), window_skip_freq=(1, 0, 1, 0), output_gate=True)},
@@ -201,6 +210,14 @@ SAMPLES = {
                                                                vision_config=VL_VISION)),
     "Qwen3VLMoeForConditionalGeneration": ("Qwen3VLMoeConfig", dict(
         text_config=dict(SMALL, **VL_TEXT, **MOE_KW, mlp_only_layers=[0]), vision_config=VL_VISION)),
+    "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", dict(
+        text_config=dict(SMALL, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                           fullatt_block_indexes=[1]))),
+    "Gemma3ForConditionalGeneration": ("Gemma3Config", dict(
+        text_config=dict(SMALL, head_dim=16, sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=4, vision_use_head=False), mm_tokens_per_image=4)),
 }
 assert set(SAMPLES) == set(FAMILIES)
 

@@ -118,7 +118,10 @@ class Position(Feature):
             "rotary_base": self.base if rope else 10000, "rotary_percent": self.percent,
             "rotary_interleaved": self.interleaved, "rotary_seq_len_interpolation_factor": self.seq_len_interpolation,
             "use_rope_scaling": self.scaling == "llama3",
-            "rope_scaling_factor": self.scaling_factor if self.scaling else LLAMA3_DEFAULT_FACTOR,
+            # Megatron-LM's default is Llama-3's 8; with a local base (Megatron-Bridge's Gemma 3) the factor scales the
+            # global layers linearly, so an unscaled one writes 1
+            "rope_scaling_factor": self.scaling_factor if self.scaling else
+            (1.0 if self.local_base is not None else LLAMA3_DEFAULT_FACTOR),
         }
         if self.mla_names:
             out["rope_type"] = "yarn" if self.kind == "yarn" else "rope"

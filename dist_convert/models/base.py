@@ -35,7 +35,7 @@ from ..errors import ConvertError
 from ..features.base import Setting
 from ..features.base import get as features_get
 from ..features.expressed import ANY, Allowed, describe_all, unexpressed
-from ..layout.boxes import Box, Piece
+from ..layout.boxes import Box, Piece, View
 from ..layout.fused import fused_for, part_in
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT
 
@@ -53,6 +53,7 @@ TOP_NAMES: tuple[tuple[str, str], ...] = (
     ("lm_head.weight", OUTPUT),
 )
 TIED_HEAD = "tied lm_head"  # the optional set of a tied model's output head stored as a copy of the embedding
+TRANSPOSED = "transposed"  # a name-table part: the whole logical tensor, stored transposed
 EXPORT_FIX = ("--dst-format hf takes only models a supported family expresses; export it with --dst-format "
               "torch_dist or megatron instead of hf")
 
@@ -179,10 +180,14 @@ EXPERT_FC2 = "mlp.experts.local_experts.{e}.linear_fc2.weight"
 def part_pieces(logical: str, lshape: tuple[int, ...], part: str | None,
                 cfg: ModelConfig) -> tuple[tuple[int, ...], list[Piece]]:
     """Shape of the HF tensor holding ``part`` of a fused logical tensor, and its pieces (``layout/fused.py``
-    declares the parts: q/k/v of ``linear_qkv``, gate/up of a gated ``linear_fc1``)."""
+    declares the parts: q/k/v of ``linear_qkv``, gate/up of a gated ``linear_fc1``; ``TRANSPOSED``: the whole
+    tensor, transposed)."""
     if part is None:
         full = Box.full(lshape)
         return lshape, [Piece(logical, full, full)]
+    if part == TRANSPOSED:  # a 2-D tensor HF stores as its transpose (Gemma 3's mm_input_projection_weight)
+        shape = (lshape[1], lshape[0])
+        return shape, [Piece(logical, Box.full(lshape), Box.full(shape), view=View(axes=(1, 0), steps=(1, 1)))]
     return fused_for(part, cfg, lshape[0]).pieces(logical, lshape, part_in(part))
 
 

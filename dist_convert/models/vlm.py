@@ -27,13 +27,14 @@ from .hf_keys import unmapped
 MROPE_KEYS = frozenset({"rope.mrope_section", "rope.mrope_interleaved"})
 
 
-def text_of(hf: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config.json keys: ``text_config`` with the top-level ``tie_word_embeddings``."""
+def text_of(hf: dict[str, Any], tied: bool = False) -> dict[str, Any]:
+    """The language model's config.json keys: ``text_config`` with the top-level ``tie_word_embeddings`` (``tied``:
+    transformers' default for the model when config.json does not say)."""
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise ConvertError("config.json of a vision-language model lacks text_config",
                            "use the config.json saved with the model")
-    return {**copy.deepcopy(text), "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False))}
+    return {**copy.deepcopy(text), "tie_word_embeddings": bool(hf.get("tie_word_embeddings", tied))}
 
 
 def vision_config(hf: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -143,6 +144,8 @@ class VisionLanguage(Family):
                 text.pop(key, None)
         if "tie_word_embeddings" in kept:
             text["tie_word_embeddings"] = kept["tie_word_embeddings"]
+        if same and "head_dim" not in kept and text.get("head_dim") == cfg.hidden_size // cfg.num_attention_heads:
+            text.pop("head_dim")  # what transformers derives
         text["model_type"] = kept.get("model_type", f"{self.model_type}_text")
         vision = copy.deepcopy(hf.get("vision_config", {})) if same else {}
         self.vision_to_hf(hf, text, vision, cfg)

@@ -211,11 +211,13 @@ SAMPLES = {
     "Qwen3VLMoeForConditionalGeneration": ("Qwen3VLMoeConfig", dict(
         text_config=dict(SMALL, **VL_TEXT, **MOE_KW, mlp_only_layers=[0]), vision_config=VL_VISION)),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", dict(
-        text_config=dict(SMALL, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+        text_config=dict(SMALL, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                 "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
                            fullatt_block_indexes=[1]))),
     "Gemma3ForConditionalGeneration": ("Gemma3Config", dict(
-        text_config=dict(SMALL, head_dim=16, sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+        text_config=dict(SMALL, head_dim=16, sliding_window=8,
+                         layer_types=["sliding_attention"] * 3 + ["full_attention"]),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                            image_size=32, patch_size=4, vision_use_head=False), mm_tokens_per_image=4)),
 }

@@ -1,8 +1,9 @@
 """``bench --plan-scale``: the planner alone at real shapes, no tensors: DeepSeek-V3 (61 layers, 256 experts,
 MTP: 685B parameters), gpt-oss-120b (36 layers, 128 experts: 117B), GLM-4.5 (92 layers, 160 experts, MTP:
-357B), Nemotron-3-Nano (52 hybrid Mamba2 / MoE / attention layers: 31.6B) and Qwen3-Next-80B (48 Gated DeltaNet /
-gated attention layers, 512 experts: 79.7B); the chunks an HF release or a torch_dist save at one layout would be
-indexed as, planned into a torch_dist target at another over many ranks.
+357B), Nemotron-3-Nano (52 hybrid Mamba2 / MoE / attention layers: 31.6B), Qwen3-Next-80B (48 Gated DeltaNet /
+gated attention layers, 512 experts: 79.7B) and Qwen3-VL-235B-A22B (94 MoE layers, a 27-layer vision tower:
+235.7B); the chunks an HF release or a torch_dist save at one layout would be indexed as, planned into a torch_dist
+target at another over many ranks.
 Reports what every rank of such a run computes before it reads a byte: plan time, chunks, waves,
 per-rank bytes read / written and the per-wave memory bound."""
 from __future__ import annotations
@@ -75,9 +76,26 @@ QWEN3_NEXT_80B: dict[str, Any] = {
     "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "partial_rotary_factor": 0.25,
     "rope_theta": 10000000, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16"}
+# Qwen3-VL-235B-A22B's config.json (94 MoE layers of 128 experts, a 27-layer vision tower with 3 deepstack mergers)
+QWEN3_VL_235B: dict[str, Any] = {
+    "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe", "image_token_id": 151655,
+    "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "tie_word_embeddings": False, "text_config": {
+        "model_type": "qwen3_vl_moe_text", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+        "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+        "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "hidden_act": "silu",
+        "attention_bias": False, "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20],
+                                                  "mrope_interleaved": True}, "rope_theta": 5000000},
+    "vision_config": {"model_type": "qwen3_vl_moe", "depth": 27, "hidden_size": 1152, "intermediate_size": 4304,
+                      "num_heads": 16, "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2,
+                      "temporal_patch_size": 2, "in_channels": 3, "num_position_embeddings": 2304,
+                      "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh"},
+    "torch_dtype": "bfloat16"}
 MODELS = {"DeepSeek-V3": DEEPSEEK_V3, "gpt-oss-120b": GPT_OSS_120B, "GLM-4.5": GLM_45,
-          "Nemotron-3-Nano": NEMOTRON_3_NANO, "Qwen3-Next-80B": QWEN3_NEXT_80B}
-HF_SHARDS = {"DeepSeek-V3": 163, "gpt-oss-120b": 15, "GLM-4.5": 93, "Nemotron-3-Nano": 13, "Qwen3-Next-80B": 41}
+          "Nemotron-3-Nano": NEMOTRON_3_NANO, "Qwen3-Next-80B": QWEN3_NEXT_80B, "Qwen3-VL-235B-A22B": QWEN3_VL_235B}
+HF_SHARDS = {"DeepSeek-V3": 163, "gpt-oss-120b": 15, "GLM-4.5": 93, "Nemotron-3-Nano": 13, "Qwen3-Next-80B": 41,
+             "Qwen3-VL-235B-A22B": 96}
 # the cases planned: (model, source layout or None for its HF release, target layout, ranks); DeepSeek-V3's
 # Megatron recipes (16 and 8 pipeline stages, MTP on the last)
 CASES: dict[str, tuple[str, Layout | None, Layout, int]] = {
@@ -92,6 +110,9 @@ CASES: dict[str, tuple[str, Layout | None, Layout, int]] = {
                                    Layout(tp=4, pp=8, ep=16, etp=1, pipeline_layout="Et*11|(t*12|)*6t*9mL"), 128),
     "Nemotron-3-Nano hf -> TP1 PP2 EP16": ("Nemotron-3-Nano", None, Layout(tp=1, pp=2, ep=16, etp=1), 32),
     "Qwen3-Next-80B hf -> TP2 PP4 EP16": ("Qwen3-Next-80B", None, Layout(tp=2, pp=4, ep=16, etp=1), 64),
+    # 94 layers: 22 on the first stage, beside the vision tower (the deepstack features feed layers 0-2 there)
+    "Qwen3-VL-235B-A22B hf -> TP4 PP4 EP16": ("Qwen3-VL-235B-A22B", None,
+                                              Layout(tp=4, pp=4, ep=16, etp=1, first=22), 64),
 }
 
 

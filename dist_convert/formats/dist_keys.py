@@ -18,7 +18,7 @@ from ..layout.rules import (
     per_layer_keys,
     torch_dist_key,
 )
-from ..layout.vision import VISION_STACK, key_prefix, stack_sizes
+from ..layout.vision import VISION_STACKS, key_prefix, stack_sizes
 
 
 @dataclass(kw_only=True)
@@ -37,7 +37,7 @@ def placement(t: LogicalTensor, cfg: ModelConfig, per_layer: bool) -> tuple[tupl
     global layer first (stacked keys) and a routed expert's global index after it."""
     lead: tuple[int, ...] = ()
     at: tuple[int, ...] = ()
-    if t.layer is not None and (not per_layer or t.stack == VISION_STACK) and t.stack != "mtp":
+    if t.layer is not None and (not per_layer or t.stack in VISION_STACKS) and t.stack != "mtp":
         lead, at = (stack_sizes(cfg)[t.stack],), (t.layer,)
     if t.expert is not None:
         lead, at = lead + (cfg.num_experts,), at + (t.expert,)
@@ -51,7 +51,8 @@ def dist_groups(cfg: ModelConfig, tensors: Iterable[LogicalTensor] | None = None
     groups: dict[str, DistGroup] = {}
     for t in logical_tensors(cfg).values() if tensors is None else tensors:
         lead, at = placement(t, cfg, per_layer)
-        key = key_prefix(cfg, t.name) + torch_dist_key(t, (per_layer and t.stack != VISION_STACK) or t.stack == "mtp")
+        key = key_prefix(cfg, t.name) + torch_dist_key(t, (per_layer and t.stack not in VISION_STACKS)
+                                                       or t.stack == "mtp")
         for suffix, offset, member in sections_of(t):
             groups.setdefault(key + suffix, DistGroup(lead=lead, members={}, row_offset=offset)).members[at] = member
         for alias in t.aliases:

@@ -220,11 +220,12 @@ POST_NORM_EXTRA_STATE_MODULES = (
 
 def top_extra_state_modules(cfg: ModelConfig) -> tuple[str, ...]:
     """Top-level modules (on the last stage) with an ``_extra_state`` entry in torch_dist: Transformer Engine 2's
-    final norm (MambaModel's ``decoder.final_norm``)."""
+    final norm (MambaModel's ``decoder.final_norm``; Megatron-Bridge's Gemma 3, Gated DeltaNet and vision-language
+    models)."""
     if cfg.mamba is not None:
         return ("decoder.final_norm",)
-    return ("decoder.final_layernorm",) if (cfg.norm.post_norms or cfg.gdn is not None) and cfg.spec == "te" \
-        else ()
+    te2 = cfg.norm.post_norms or cfg.gdn is not None or cfg.vision is not None
+    return ("decoder.final_layernorm",) if te2 and cfg.spec == "te" else ()
 
 
 CROSS_EXTRA_STATE_MODULES = {
@@ -371,8 +372,8 @@ def extra_state_modules(cfg: ModelConfig, stack: str, spec: str, layer: int | No
     MLP but its shared experts' linears; its routed experts' entries are named by ``expert_modules``.
     An MTP layer has its eh_proj's and its TransformerLayer's (under ``transformer_layer.``)."""
     cross = CROSS_EXTRA_STATE_MODULES[spec] if cfg.t5 is not None and stack == "decoder" else ()
-    if hybrid(cfg) and layer is not None:
-        return te2_layer_modules(cfg, stack, layer)
+    if (hybrid(cfg) or (cfg.vision is not None and not cfg.norm.post_norms)) and layer is not None:
+        return te2_layer_modules(cfg, stack, layer)  # Megatron-Bridge's vision-language models: TE 2's modules too
     base = EXTRA_STATE_MODULES[spec]
     if cfg.norm.post_norms and spec == "te":
         base = tuple(m for m in POST_NORM_EXTRA_STATE_MODULES if cfg.attention.qk_norm or "_layernorm" not in m)

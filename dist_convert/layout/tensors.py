@@ -45,9 +45,10 @@ class LogicalTensor:
     aliases: tuple[str, ...] = ()
     expert: int | None = None  # MoE: the global expert index of a routed expert's tensor
     dist_suffix: str | None = None  # torch_dist key suffix when it differs from te_name / suffix
+    items: str = "layers."  # what the stack calls its numbered items (``<stack>.<items><N>.``)
     sections: tuple[int, ...] = ()  # Kind.PARTS: row counts of the sections split over TP on their own
     section_names: tuple[str, ...] = ()  # torch_dist keys them one by one (``<key>.<name>``)
 
     @property
     def layer_prefix(self) -> str:
-        return f"{self.stack}.layers."
+        return f"{self.stack}.{self.items}"

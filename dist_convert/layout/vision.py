@@ -28,8 +28,10 @@ PROJECTOR = "multi_modal_projector."
 # the torch_dist key prefixes of a vision component (every other key is the language model's, under LM_PREFIX)
 COMPONENT_PREFIXES = (VISION, "visual.", "vision_tower.", PROJECTOR)
 VISION_STACK = "vision_model.decoder"
+DEEPSTACK_STACK = "vision_model.decoder.deepstack_merger_list"  # a ModuleList megatron-core stacks like layers
+VISION_STACKS = (VISION_STACK, DEEPSTACK_STACK)  # stacked on a layer axis whatever the language model's keys do
 LM_PREFIX = "language_model."
-DEEPSTACK = "vision_model.decoder.deepstack_merger_list.{j}."
+DEEPSTACK = DEEPSTACK_STACK + ".{j}."
 MERGER = "vision_model.merger."
 
 _vh: Shape = lambda c: (c.vision.hidden,)  # noqa: E731
@@ -91,13 +93,17 @@ def vision_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
                 for r in LAYER_RULES]
     out += [_top(r, cfg, MERGER) for r in merger_rules(_vh)]
     for j in range(len(cfg.vision.deepstack)):
-        out += [_top(r, cfg, DEEPSTACK.format(j=j)) for r in merger_rules(_merged)]
+        out += [LogicalTensor(name=DEEPSTACK.format(j=j) + r.name, kind=r.kind, shape=r.shape(cfg), layer=j,
+                              suffix=r.name, stage="first", te_name=None, stack=DEEPSTACK_STACK, items="")
+                for r in merger_rules(_merged)]
     return {t.name: t for t in out}
 
 
 def stack_sizes(cfg: ModelConfig) -> dict[str, int]:
-    """Layers per stack, the vision tower's included."""
-    return dict(cfg.stacks) | ({VISION_STACK: cfg.vision.depth} if cfg.vision is not None else {})
+    """Layers per stack, the vision tower's (its layers, its deepstack mergers) included."""
+    v = cfg.vision
+    return dict(cfg.stacks) | ({VISION_STACK: v.depth, DEEPSTACK_STACK: len(v.deepstack)}
+                               if v is not None and v.tower == "qwen3_vl" else {})
 
 
 def key_prefix(cfg: ModelConfig, name: str) -> str:
@@ -163,10 +169,9 @@ PROJECTOR_RULES: dict[str, tuple[Rule, ...]] = {"siglip": (
     Rule(PROJECTOR + "proj.weight", Kind.COL, lambda c: (c.hidden_size, c.vision.hidden)))}
 
 
-# modules of the tower with an ``_extra_state`` (Transformer Engine's linears and attention; TODO check norms)
-LAYER_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj",
-                     "mlp.linear_fc1", "mlp.linear_fc2")
-MERGER_EXTRA_STATE = ("linear_fc1", "linear_fc2")
+# modules of the tower with an ``_extra_state`` (Transformer Engine 2's linears and norms; its attention saves none)
+LAYER_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+MERGER_EXTRA_STATE = ("patch_norm", "linear_fc1", "linear_fc2")
 
 
 def vision_objects(cfg: ModelConfig) -> dict[str, list]:
@@ -178,6 +183,8 @@ def vision_objects(cfg: ModelConfig) -> dict[str, list]:
                 for r in PROJECTOR_RULES.get(v.tower, ())}
     out = {f"{VISION_STACK}.layers.{m}._extra_state/shard_{i}_{v.depth}": [None]
            for i in range(v.depth) for m in LAYER_EXTRA_STATE}
-    for prefix in [MERGER] + [DEEPSTACK.format(j=j) for j in range(len(v.deepstack))]:
-        out.update({f"{prefix}{m}._extra_state/shard_0_1": [None] for m in MERGER_EXTRA_STATE})
+    n = len(v.deepstack)
+    out.update({f"{DEEPSTACK_STACK}.{m}._extra_state/shard_{j}_{n}": [None]
+                for j in range(n) for m in MERGER_EXTRA_STATE})
+    out.update({f"{MERGER}{m}._extra_state/shard_0_1": [None] for m in MERGER_EXTRA_STATE})
     return out

@@ -24,6 +24,7 @@ from ..features.vision import Vision
 from .base import DTYPE_NAMES, Family, HFTensors, Imported, Name, base_config, get
 from .hf_keys import unmapped
 
+UNPADDED = 1
 MROPE_KEYS = frozenset({"rope.mrope_section", "rope.mrope_interleaved"})
 
 
@@ -125,7 +126,8 @@ class VisionLanguage(Family):
             raise ConvertError(f"config.json sets {shown}, which changes what {self.architecture} computes and "
                                "which megatron-core's model here does not express",
                                "convert a config without it (dist_convert never drops a setting that changes the math)")
-        imported = self.text.from_hf(text, vocab_divisible_by)
+        # Megatron-Bridge keeps these models' vocabulary unpadded (should_pad_vocab False): pad only where TP needs it
+        imported = self.text.from_hf(text, vocab_divisible_by or UNPADDED)
         return Imported(cfg=self.with_vision(imported.cfg, hf, text), notes=imported.notes)
 
     def text_config(self, hf: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,946 @@
+"""Oracle for Qwen3-VL (dense): Megatron-Bridge 0.6.2's ``Qwen3VLBridge`` / ``Qwen3VLModelProvider`` (its
+``Qwen3VLModel``: a Megatron vision tower under ``vision_model.``, a GPT language model with MRoPE and deepstack
+under ``language_model.``) on megatron-core 0.19.2 is the Megatron-side layout; transformers'
+``Qwen3VLForConditionalGeneration`` is the HF side. Runs in the second runtime (.venv-mcore19, Python 3.12);
+imports megatron-core, Megatron-Bridge, transformers; never dist_convert.
+
+  oracles/qwen3_vl.py make HF_DIR [--seed S]
+      a tiny random Qwen3VLForConditionalGeneration made by transformers' own classes (Qwen3VLConfig with a
+      Qwen3VLTextConfig and a Qwen3VLVisionConfig), fp32, save_pretrained (safetensors). Text: hidden 64, 4 heads,
+      2 kv heads, head_dim 16, ffn 128 (SwiGLU), 4 layers, vocab 300 (not a multiple of 128), untied lm_head,
+      rope_theta 50000, mrope_section [2, 3, 3] (sums to head_dim / 2), mrope_interleaved; image / video / vision
+      start / vision end tokens 290..293. Vision: depth 3, hidden 32, 2 heads, ffn 64, patch 4, temporal patch 2,
+      spatial merge 2, 3 channels, out_hidden_size 64, num_position_embeddings 36 (a 6 x 6 grid, interpolated to
+      every image grid), deepstack_visual_indexes [0, 2], hidden_act gelu_pytorch_tanh (as released). Every tensor
+      random with distinct values, seeded per tensor name (norm weights in [0.5, 1.5] but never 1, norm and linear
+      biases nonzero). A 300-token WordLevel tokenizer (what save_megatron_model(hf_tokenizer_path=) loads: Bridge
+      reads it with AutoTokenizer; no processor is needed). Prints what save_pretrained wrote.
+  oracles/qwen3_vl.py bridge-import HF_DIR OUT_DIR [--pp P]
+      Megatron-Bridge's own import (AutoBridge.from_hf_pretrained, to_megatron_provider(load_weights=True),
+      provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True), save_megatron_model): a
+      torch_dist checkpoint at PP --pp (default 1), TP = world size / PP. The vision tower lives on the first stage
+      only (Bridge's Qwen3VLModel: pre_process and add_encoder); the deepstack indexes must fit in the first
+      stage's language layers (2 of 4 at PP 2).
+  oracles/qwen3_vl.py judge MEGATRON_DIR --truth BRIDGE_DIR --hf HF_DIR [--tp N] [--pp N] [--atol 1e-4]
+      [--allow-vocab-padding]
+      builds Bridge's Qwen3-VL model from the HF config (TP = world size, PP 1), loads MEGATRON_DIR into it with
+      megatron-core's dist_checkpointing.load (StrictHandling.RAISE_ALL: no missing, no unexpected key; resharding
+      from any TP/PP), TE's check of each _extra_state value, then module.load_state_dict (every key but an unsaved
+      _extra_state, as Megatron-LM's and Bridge's loaders allow); asserts
+        * every loaded tensor == Bridge's own import of HF_DIR at this layout (in memory), bit for bit
+        * every stored tensor == BRIDGE_DIR's (load_plain_tensors, global shapes), bit for bit, and the same
+          _extra_state objects (names); Bridge does not pad the vocab (300 rows): with --allow-vocab-padding, stored
+          embedding / output rows past 300 are accepted if zero
+        * --tp N / --pp N: the TP / PP the checkpoint records (Megatron-LM args, else run_config.yaml) are N
+        * the Megatron logits WITH IMAGES match transformers' Qwen3VLForConditionalGeneration (eager, fp32) within
+          --atol (1e-4). The input: one sequence of 25 tokens holding two images of different grids (image_grid_thw
+          [[1, 4, 4], [1, 4, 6]]: 4 and 6 image tokens between vision start / end tokens), pixel_values
+          [16 + 24, 3 * 2 * 4 * 4] from a seeded generator, so the patch embedding, the interpolated position
+          embedding, the per-image (block-diagonal) vision attention with 2-D rotary, the mergers, the deepstack
+          injection into language layers 0 and 1 and the interleaved MRoPE positions all take part. Megatron gets
+          input_ids, pixel_values, image_grid_thw (it computes its own MRoPE positions from the vision start tokens,
+          Bridge's get_rope_index); transformers gets the same plus mm_token_type_ids (1 at image tokens) from which
+          it computes its own.
+      The fair comparison. Bridge's vision mergers (``merger`` and ``deepstack_merger_list.*``) take the tower's
+      activation, gelu with approximate="tanh" (get_vision_model_config sets activation_func for the whole vision
+      config); transformers' Qwen3VLVisionPatchMerger uses exact nn.GELU(). That is a flaw of Bridge's model, not
+      of any checkpoint (1.2e-3 in logits here, logits up to 3.9). The judge measures the logits of Bridge's
+      model as Bridge builds it (``logits_max_abs_diff_vs_hf_raw``), then sets exactly those modules'
+      activation_func to exact F.gelu (the vision MLPs keep tanh GELU, which is what transformers'
+      gelu_pytorch_tanh computes) and judges that (``logits_max_abs_diff_vs_hf``: 0 at TP 1, 2.6e-6 at TP 2)
+      against --atol; both numbers are in the JSON.
+      Prints one JSON line (rank 0); exit 1 on any problem. torch_dist checkpoints only.
+  oracles/qwen3_vl.py mutate SRC DST --hf HF_DIR --kind value|swap_qkv_heads|swap_deepstack|pos_embed_transpose|
+      lm_value|drop_object
+      SRC with one defect, saved as Bridge saves (save_megatron_model at TP = world size): the judge must fail on
+      DST. value: one element of vision layer 1's linear_qkv.weight += 1e-3; swap_qkv_heads: vision layer 0's
+      linear_qkv q and k rows exchanged in every head (weight and bias); swap_deepstack: the two deepstack mergers
+      exchanged; pos_embed_transpose: vision pos_embed rows of the 6 x 6 grid transposed (h <-> w); lm_value: one
+      element of language layer 2's linear_qkv.weight += 1e-3; drop_object: no vision merger.linear_fc2._extra_state
+  oracles/qwen3_vl.py layout HF_DIR [--ckpt DIR] [--out JSON]
+      the layout itself, at TP = world size (run it under torchrun with 2 ranks for TP 2): per rank, the model's
+      state_dict() (names, shapes, dtypes) and its sharded_state_dict() (keys, global shapes and offsets, TP axis,
+      replica ids, ShardedObjects with their replica ids, incl. every _extra_state); the module classes; Bridge's
+      mapping registry (Megatron name pattern -> HF names, mapping type, the TP split AutoMapping picks); which HF
+      rows each row of the fused tensors holds (vision and language linear_qkv, language linear_fc1) on each rank;
+      and with --ckpt the checkpoint's stored keys (.metadata: shapes, dtypes; objects), its common state and
+      run_config.yaml's model section.
+
+The CPU stand-ins. Bridge builds Qwen3-VL only from Transformer Engine modules, and TE has no CPU build:
+  * language model: Qwen3VLModelProvider.provide calls megatron-core's get_gpt_layer_with_transformer_engine_spec
+    (TESpecProvider: TELayerNormColumnParallelLinear for linear_qkv and linear_fc1, TEDotProductAttention,
+    TERowParallelLinear for linear_proj and linear_fc2, TENorm for q_layernorm / k_layernorm) and the block's final
+    layernorm is transformer_block.LayerNormImpl (TENorm when TE is present);
+  * vision tower (modelling_qwen3_vl/model.py): megatron-core's get_vit_layer_with_transformer_engine_spec
+    (TELayerNormColumnParallelLinear for linear_qkv and linear_fc1, TEDotProductAttention, TERowParallelLinear for
+    linear_proj and linear_fc2) and PatchMergerSubmodules(patch_norm=TENorm, linear_fc1=TEColumnParallelLinear,
+    linear_fc2=TERowParallelLinear) for the merger and the deepstack mergers.
+The oracle swaps exactly those leaves, while the model is built (each swapped slot must hold the expected TE class:
+a changed Bridge or megatron-core spec fails instead of silently building something else; every patched name is
+restored afterwards), for plain-torch stand-ins with TE's parameter names, TE's _extra_state, megatron-core's TE
+wrappers' sharded_state_dict (same make_sharded_tensors_for_checkpoint call, same TP axis map) and the class names
+of what they stand for (Bridge's AutoMapping picks a weight's TP split by its module's class name):
+  * TENorm -> CpuTENorm, which, as TENorm.__new__, builds by config.normalization either oracles.te_cpu's RMSNorm
+    stand-in (``weight``; language q/k layernorms and final layernorm) or CpuTELayerNorm (te.pytorch.LayerNorm:
+    ``weight``, ``bias``, y = (x - mean) / sqrt(var + eps) * w + b; the vision mergers' patch_norm, eps 1e-6 as
+    Bridge passes it); both op-based modules in TE 2.x: _extra_state the pickled empty dict (5 bytes); replicated
+  * CpuTELayerNormColumnParallelLinear: ``layer_norm_weight`` (+ ``layer_norm_bias`` with LayerNorm; replicated),
+    ``weight`` and ``bias`` (TP axis 0); RMSNorm or LayerNorm by config.normalization with config.layernorm_epsilon
+    (vision 1e-6), then copy-to-TP-region and the local linear; TE's return_bias = skip_bias_add and bias: the bias
+    is returned apart (the bias-dropout-add adds it) or added; _extra_state an empty uint8 tensor (TE's module
+    without FP8)
+  * CpuTEColumnParallelLinear (vision mergers' linear_fc1): ``weight``, ``bias`` TP axis 0; same bias rule
+  * CpuTERowParallelLinear (linear_proj, linear_fc2, mergers' linear_fc2): ``weight`` TP axis 1, ``bias``
+    replicated and added once after the all-reduce (or returned apart), as TE's row-parallel Linear
+  * CpuTEDotProductAttention: megatron-core's local DotProductAttention (no sharded state, as
+    TEDotProductAttention.sharded_state_dict in 0.19.2 without a learnable softmax offset; legacy _extra_state an
+    empty uint8 tensor). Being a DotProductAttention, Bridge's Qwen3VLSelfAttention sends unpacked (language)
+    attention through its own ``_local_causal_attention`` fallback (causal, GQA by repeat, fp32 softmax), which is
+    what TEDotProductAttention computes for a causal mask. For packed THD input (the vision tower: one sequence per
+    image frame, cu_seqlens from build_packed_seq_params) the stand-in computes TE's thd attention exactly: per
+    segment [cu_seqlens[i], cu_seqlens[i+1]), softmax(q k^T * softmax_scale) v in fp32, no mask within a segment
+    for the vision tower's AttnMaskType.no_mask (causal within it for a causal mask type), nothing across segments
+No provider setting is changed for the CPU (Bridge's own values build and run here: apply_rope_fusion and
+gradient_accumulation_fusion are already off, its SwiGLU bias_activation_fusion is plain torch), so run_config.yaml
+records what Bridge records. Other CPU shims: oracles.te_cpu.apply_bridge_cpu_shims (TE stub for Bridge's
+lora_layers only; CUDA no-ops: torch.cuda.current_device -> "cpu" is where the vision and language rotary embeddings
+allocate; the save's CUDA RNG state is the CPU one). The judge's forward passes runtime_gather_output=True
+(Qwen3VLModelProvider.provide does not pass parallel_output to Qwen3VLModel, so its logits are otherwise vocab-split
+at TP > 1).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
+
+from oracles.common import (  # noqa: E402
+    compare,
+    compare_stored,
+    describe_sharded,
+    emit_layout,
+    init_dist,
+    model_objects,
+    run_program,
+    stored_metadata,
+    stored_parallel,
+    unwrap,
+)
+from oracles.te_cpu import apply_bridge_cpu_shims, load_strict  # noqa: E402
+
+VOCAB = 300
+IMAGE, VIDEO, VSTART, VEND = 290, 291, 292, 293
+TEXT = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "pad_token_id": 0,
+        "bos_token_id": 2, "eos_token_id": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0, "mrope_section": [2, 3, 3],
+                            "mrope_interleaved": True}}
+VISION = {"depth": 3, "hidden_size": 32, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 64, "num_heads": 2,
+          "in_channels": 3, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+          "out_hidden_size": 64, "num_position_embeddings": 36, "deepstack_visual_indexes": [0, 2]}
+GRIDS = [[1, 4, 4], [1, 4, 6]]  # the judge's two images (t, h, w in patches)
+MUTATIONS = ("value", "swap_qkv_heads", "swap_deepstack", "pos_embed_transpose", "lm_value", "drop_object")
+EMB, OUT = "language_model.embedding.word_embeddings.weight", "language_model.output_layer.weight"
+
+
+# ----------------------------------------------------------------------------- CPU stand-ins for TE
+
+_CLASSES = None
+
+
+def cpu_classes():
+    """The stand-in classes (built once, after megatron-core is importable); see the module docstring."""
+    global _CLASSES
+    if _CLASSES is not None:
+        return _CLASSES
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    from oracles import te_cpu
+
+    ExtraState, new_param, tp_of = te_cpu.ExtraState, te_cpu.new_param, te_cpu.tp_of
+    CpuRMSNorm = te_cpu.cpu_classes()["norm"]  # te.pytorch.RMSNorm as TENorm builds it (class name "RMSNorm")
+
+    def norm(x, config, weight, bias, eps):
+        if config.normalization == "RMSNorm":
+            return te_cpu.rms(x, weight, eps, config.layernorm_zero_centered_gamma)
+        assert config.normalization == "LayerNorm", config.normalization
+        w = weight + 1.0 if config.layernorm_zero_centered_gamma else weight
+        return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
+
+    def sharded(module, prefix, axes, sharded_offsets, metadata):  # megatron-core's TE wrappers' sharded_state_dict
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(module.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                                   sharded_offsets, tp_group=module._tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
+
+    def bias_out(module, out):  # TE's return_bias = skip_bias_add and bias (TELinear.__init__)
+        if module.bias is None:
+            return out, None
+        return (out, module.bias) if module.skip_bias_add else (out + module.bias, None)
+
+    class CpuTELayerNorm(ExtraState, torch.nn.Module):
+        """te.pytorch.LayerNorm as megatron-core's TENorm builds it (TE 2.x: an op, ``weight`` and ``bias``)."""
+        _extra = staticmethod(te_cpu.te_op_extra_state)
+
+        def __init__(self, config, hidden_size, eps=1e-5):
+            super().__init__()
+            self.config, self.eps = config, eps
+            self.weight = new_param((hidden_size,), config, value=0.0 if config.layernorm_zero_centered_gamma else 1.0)
+            self.bias = new_param((hidden_size,), config, value=0.0)
+            for p in (self.weight, self.bias):
+                p.sequence_parallel = config.sequence_parallel
+
+        def forward(self, x):
+            return norm(x, self.config, self.weight, self.bias, self.eps)
+
+    class CpuTENorm:
+        """megatron-core's TENorm: a factory choosing the TE norm by config.normalization."""
+
+        def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+            if config.normalization == "RMSNorm":
+                return CpuRMSNorm(config, hidden_size, eps)
+            assert config.normalization == "LayerNorm", config.normalization
+            return CpuTELayerNorm(config, hidden_size, eps)
+
+    class CpuTELayerNormColumnParallelLinear(ExtraState, torch.nn.Module):
+        """TELayerNormColumnParallelLinear: a norm (``layer_norm_weight``, ``layer_norm_bias`` with LayerNorm)
+        fused before a column-parallel linear (``weight``, ``bias``: TP axis 0)."""
+
+        def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add,
+                     is_expert, skip_weight_param_allocation=False, tp_comm_buffer_name=None, tp_group=None,
+                     stride=1, name=None):
+            super().__init__()
+            assert not gather_output and not is_expert and not skip_weight_param_allocation
+            self.config, self._tp_group, self.skip_bias_add = config, tp_of(tp_group), skip_bias_add
+            tp = self._tp_group.size()
+            self.eps = config.layernorm_epsilon
+            self.layer_norm_weight = new_param((input_size,), config,
+                                               value=0.0 if config.layernorm_zero_centered_gamma else 1.0)
+            self.layer_norm_bias = (new_param((input_size,), config, value=0.0)
+                                    if config.normalization == "LayerNorm" else None)
+            self.weight = new_param((output_size // tp, input_size), config, init_method)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+            self.bias = new_param((output_size // tp,), config, value=0.0) if bias else None
+            if self.bias is not None:
+                set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+
+        def forward(self, x):
+            x = norm(x, self.config, self.layer_norm_weight, self.layer_norm_bias, self.eps)
+            x = copy_to_tensor_model_parallel_region(x, group=self._tp_group)
+            return bias_out(self, F.linear(x, self.weight))
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            return sharded(self, prefix, {"weight": 0, "bias": 0}, sharded_offsets, metadata)
+
+    class CpuTEColumnParallelLinear(ExtraState, torch.nn.Module):
+        """TEColumnParallelLinear: ``weight``, ``bias`` TP axis 0."""
+
+        def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add,
+                     is_expert, skip_weight_param_allocation=False, tp_comm_buffer_name=None, tp_group=None,
+                     stride=1, name=None):
+            super().__init__()
+            assert not gather_output and not is_expert and not skip_weight_param_allocation
+            self.config, self._tp_group, self.skip_bias_add = config, tp_of(tp_group), skip_bias_add
+            tp = self._tp_group.size()
+            self.weight = new_param((output_size // tp, input_size), config, init_method)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+            self.bias = new_param((output_size // tp,), config, value=0.0) if bias else None
+            if self.bias is not None:
+                set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+
+        def forward(self, x):
+            x = copy_to_tensor_model_parallel_region(x, group=self._tp_group)
+            return bias_out(self, F.linear(x, self.weight))
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            return sharded(self, prefix, {"weight": 0, "bias": 0}, sharded_offsets, metadata)
+
+    class CpuTERowParallelLinear(ExtraState, torch.nn.Module):
+        """TERowParallelLinear: ``weight`` TP axis 1, ``bias`` replicated, added after the all-reduce."""
+
+        def __init__(self, input_size, output_size, *, config, init_method, bias, input_is_parallel, skip_bias_add,
+                     is_expert, tp_comm_buffer_name=None, tp_group=None, name=None):
+            super().__init__()
+            assert input_is_parallel and not is_expert
+            self.config, self._tp_group, self.skip_bias_add = config, tp_of(tp_group), skip_bias_add
+            tp = self._tp_group.size()
+            self.weight = new_param((output_size, input_size // tp), config, init_method)
+            set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
+            self.bias = new_param((output_size,), config, value=0.0) if bias else None
+
+        def forward(self, x):
+            return bias_out(self, reduce_from_tensor_model_parallel_region(F.linear(x, self.weight),
+                                                                           group=self._tp_group))
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            return sharded(self, prefix, {"weight": 1}, sharded_offsets, metadata)
+
+    class CpuTEDotProductAttention(ExtraState, DotProductAttention):
+        """TEDotProductAttention: megatron-core's local DotProductAttention, plus TE's packed (THD) attention."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None,
+                     **kwargs):
+            assert k_channels is None or k_channels == config.kv_channels, k_channels
+            assert v_channels is None or v_channels == config.kv_channels, v_channels
+            super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                             softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+
+        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, **kwargs):
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias, packed_seq_params=None)
+            assert packed_seq_params.qkv_format == "thd" and attention_bias is None and attention_mask is None
+            assert packed_seq_params.cu_seqlens_q_padded is None and packed_seq_params.cu_seqlens_kv_padded is None
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            assert mask_type in (AttnMaskType.no_mask, AttnMaskType.padding, AttnMaskType.causal), mask_type
+            cq = packed_seq_params.cu_seqlens_q.tolist()
+            ck = packed_seq_params.cu_seqlens_kv.tolist()
+            if key.shape[1] != query.shape[1]:  # GQA: [t, groups, d] -> [t, heads, d]
+                key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+                value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+            out = torch.empty(query.shape[0], query.shape[1], value.shape[-1], dtype=query.dtype)
+            for i in range(len(cq) - 1):
+                q, k, v = query[cq[i]:cq[i + 1]], key[ck[i]:ck[i + 1]], value[ck[i]:ck[i + 1]]
+                scores = torch.einsum("shd,thd->hst", q.float(), k.float()) * self.softmax_scale
+                if mask_type == AttnMaskType.causal:
+                    sq, sk = scores.shape[-2:]
+                    scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1 + sk - sq),
+                                                float("-inf"))
+                probs = torch.softmax(scores, dim=-1)
+                out[cq[i]:cq[i + 1]] = torch.einsum("hst,thd->shd", probs, v.float()).to(query.dtype)
+            return out.reshape(out.shape[0], -1)
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            return {}  # TEDotProductAttention.sharded_state_dict in 0.19.2, softmax_type "vanilla": nothing
+
+    for cls, name in ((CpuTELayerNorm, "LayerNorm"), (CpuTENorm, "TENorm"),
+                      (CpuTELayerNormColumnParallelLinear, "TELayerNormColumnParallelLinear"),
+                      (CpuTEColumnParallelLinear, "TEColumnParallelLinear"),
+                      (CpuTERowParallelLinear, "TERowParallelLinear"),
+                      (CpuTEDotProductAttention, "TEDotProductAttention")):
+        cls.__name__ = cls.__qualname__ = name
+    _CLASSES = {"norm": CpuTENorm, "ln_col": CpuTELayerNormColumnParallelLinear, "col": CpuTEColumnParallelLinear,
+                "row": CpuTERowParallelLinear, "attn": CpuTEDotProductAttention}
+    return _CLASSES
+
+
+def cpu_backend():
+    """TESpecProvider's choices (megatron-core 0.19.2 extensions/transformer_engine_spec_provider.py) for a dense
+    GPT layer, with the CPU leaves."""
+    from megatron.core.models.backends import BackendSpecProvider
+
+    c = cpu_classes()
+
+    class CpuTESpecProvider(BackendSpecProvider):
+        def linear(self):
+            raise NotImplementedError("TELinear is not used by Qwen3-VL")
+
+        def column_parallel_linear(self):
+            return c["col"]
+
+        def row_parallel_linear(self):
+            return c["row"]
+
+        def fuse_layernorm_and_linear(self):
+            return True
+
+        def column_parallel_layer_norm_linear(self):
+            return c["ln_col"]
+
+        def layer_norm(self, rms_norm=False, for_qk=False, has_residual=False):
+            return c["norm"]  # TENorm (it picks RMSNorm / LayerNorm from config.normalization, not rms_norm)
+
+        def core_attention(self):
+            return c["attn"]
+
+        def grouped_mlp_modules(self, moe_use_grouped_gemm):
+            raise NotImplementedError("the dense Qwen3-VL has no experts")
+
+        def activation_func(self):
+            return None
+
+    return CpuTESpecProvider()
+
+
+@contextlib.contextmanager
+def cpu_build_patches():
+    """While Bridge builds Qwen3-VL: the TE leaves of its specs swapped for the stand-ins (see the module
+    docstring); every name patched here is restored on exit (other oracles share a test worker)."""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as vl_model
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import transformer_block
+
+    c = cpu_classes()
+    swap = {id(te_ext.TELayerNormColumnParallelLinear): c["ln_col"], id(te_ext.TEDotProductAttention): c["attn"],
+            id(te_ext.TERowParallelLinear): c["row"], id(te_ext.TEColumnParallelLinear): c["col"],
+            id(te_ext.TENorm): c["norm"]}
+    vit_spec = vl_model.get_vit_layer_with_transformer_engine_spec
+
+    def cpu_vit_spec():
+        spec = vit_spec()
+        attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.keywords["submodules"]
+        for holder, name in ((attn, "linear_qkv"), (attn, "core_attention"), (attn, "linear_proj"),
+                             (mlp, "linear_fc1"), (mlp, "linear_fc2")):
+            cur = getattr(holder, name)
+            assert id(cur) in swap, f"get_vit_layer_with_transformer_engine_spec: unexpected {name}={cur!r}"
+            setattr(holder, name, swap[id(cur)])
+        return spec
+
+    names = ("TENorm", "TEColumnParallelLinear", "TERowParallelLinear")
+    for n in names:
+        assert id(getattr(vl_model, n)) in swap, f"Bridge's qwen3_vl model.py: unexpected {n}={getattr(vl_model, n)!r}"
+    backend = cpu_backend()
+    saved = ({n: getattr(vl_model, n) for n in names}, vl_model.get_vit_layer_with_transformer_engine_spec,
+             gpt_layer_specs.TESpecProvider, transformer_block.LayerNormImpl)
+    for n in names:
+        setattr(vl_model, n, swap[id(getattr(vl_model, n))])
+    vl_model.get_vit_layer_with_transformer_engine_spec = cpu_vit_spec
+    gpt_layer_specs.TESpecProvider = lambda: backend
+    transformer_block.LayerNormImpl = c["norm"]
+    try:
+        yield
+    finally:
+        for n, v in saved[0].items():
+            setattr(vl_model, n, v)
+        (vl_model.get_vit_layer_with_transformer_engine_spec, gpt_layer_specs.TESpecProvider,
+         transformer_block.LayerNormImpl) = saved[1:]
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def vl_provider(hf: str, load_weights: bool, tp: int, pp: int = 1, vocab_rows: int | None = None):
+    """Bridge's Qwen3VLModelProvider for ``hf`` on the CPU; ``vocab_rows`` sizes the embedding like a stored one."""
+    from megatron.bridge import AutoBridge
+
+    # a provider's attention backend sets NVTE_* selection variables; a shared worker's earlier job may leave them
+    for name in [k for k in os.environ if k.startswith(("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"))]:
+        del os.environ[name]
+    bridge = AutoBridge.from_hf_pretrained(hf)
+    provider = bridge.to_megatron_provider(load_weights=load_weights)  # no kernel switch needs changing
+    provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = tp, pp
+    if vocab_rows is not None and vocab_rows != provider.vocab_size:  # a checkpoint with padded vocab rows
+        provider.should_pad_vocab = False
+        provider.vocab_size = vocab_rows
+    provider.finalize()
+    return bridge, provider
+
+
+def build(provider):
+    """The model chunks, built with the CPU stand-ins in place of TE's modules; eval mode."""
+    with cpu_build_patches():
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    for m in model:
+        m.eval()
+    return model
+
+
+def save_as_bridge(bridge, model, out_dir: str, hf: str) -> None:
+    bridge.save_megatron_model(model, out_dir, hf_tokenizer_path=hf)
+
+
+# ----------------------------------------------------------------------------- make
+
+
+def hf_config():
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(text_config=dict(TEXT), vision_config=dict(VISION), image_token_id=IMAGE,
+                         video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+                         tie_word_embeddings=False, dtype="float32", architectures=["Qwen3VLForConditionalGeneration"])
+
+
+def cmd_make(a) -> int:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a served worker of several ranks: rank 0 makes it
+        try:
+            return make(a) if dist.get_rank() == 0 else 0
+        finally:
+            dist.barrier()
+    return make(a)
+
+
+def make(a) -> int:
+    import torch
+    from safetensors import safe_open
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
+
+    t0 = time.time()
+    out = Path(a.hf_dir)
+    config = hf_config()
+    torch.manual_seed(a.seed)
+    model = Qwen3VLForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(zlib.crc32(f"{a.seed}|{name}".encode()))
+            if "norm" in name and name.endswith("weight"):  # [0.5, 1.5], never exactly 1
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+                p.masked_fill_(p == 1.0, 1.25)
+            elif name.endswith("bias"):  # norm and linear biases: nonzero
+                mag = 0.05 + 0.2 * torch.rand(p.shape, generator=g)
+                p.copy_(torch.where(torch.rand(p.shape, generator=g) < 0.5, -mag, mag))
+            elif "embed_tokens" in name or name.endswith("pos_embed.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif p.dim() >= 2:  # linears [out, in], the Conv3d patch embedding [out, C, T, P, P]
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p[0].numel()))
+            else:
+                raise SystemExit(f"make: no rule for {name} {tuple(p.shape)}")
+    model.save_pretrained(out)
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t3", pad_token="t0", eos_token="t1",
+                            bos_token="t2").save_pretrained(out)
+    saved = {}
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                t = sf.get_slice(k)
+                saved[k] = {"shape": list(t.get_shape()), "dtype": t.get_dtype()}
+    print(json.dumps({"made": str(out), "files": sorted(p.name for p in out.iterdir()), "saved": saved,
+                      "seconds": round(time.time() - t0, 2)}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- bridge-import
+
+
+def cmd_bridge_import(a, serving=False) -> int:
+    t0 = time.time()
+    apply_bridge_cpu_shims()
+    from oracles.common import end_parallel
+
+    rank, world = init_dist(a.pp)
+    try:
+        bridge, provider = vl_provider(a.hf_dir, load_weights=True, tp=world // a.pp, pp=a.pp)
+        model = build(provider)
+        save_as_bridge(bridge, model, a.out_dir, a.hf_dir)
+    finally:
+        end_parallel(serving)
+    if rank == 0:
+        print(json.dumps({"bridge_import": str(a.out_dir), "tp": world // a.pp, "pp": a.pp,
+                          "seconds": round(time.time() - t0, 2)}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- judge
+
+
+def tensor_state(model) -> dict:
+    import torch
+
+    return {k: v.detach() for k, v in unwrap(model[0]).state_dict().items() if isinstance(v, torch.Tensor)
+            and not k.endswith("_extra_state")}
+
+
+def judge_inputs():
+    """(input_ids [1, S], pixel_values [sum t*h*w, C*T*P*P], image_grid_thw [2, 3], mm_token_type_ids [1, S])."""
+    import torch
+
+    merge = VISION["spatial_merge_size"] ** 2
+    ids = [5, 17, 42]
+    for k, (t, h, w) in enumerate(GRIDS):
+        ids += [VSTART] + [IMAGE] * (t * h * w // merge) + [VEND] + [60 + 7 * k, 111 + k, 203 - k]
+    ids += [250, 9]
+    input_ids = torch.tensor([ids])
+    g = torch.Generator().manual_seed(4321)
+    patch = VISION["in_channels"] * VISION["temporal_patch_size"] * VISION["patch_size"] ** 2
+    pixel_values = torch.randn(sum(t * h * w for t, h, w in GRIDS), patch, generator=g)
+    return input_ids, pixel_values, torch.tensor(GRIDS), (input_ids == IMAGE).int()
+
+
+def megatron_logits(model, inputs):
+    import torch
+
+    ids, pv, thw, _ = inputs
+    with torch.no_grad():
+        return unwrap(model[0])(input_ids=ids, position_ids=None, attention_mask=None, pixel_values=pv,
+                                image_grid_thw=thw, runtime_gather_output=True).float()
+
+
+def hf_logits(hf: str, inputs):
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model, info = Qwen3VLForConditionalGeneration.from_pretrained(hf, dtype=torch.float32,
+                                                                  attn_implementation="eager",
+                                                                  output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
+        raise RuntimeError(f"transformers' load of {hf} is not clean: {bad}")
+    ids, pv, thw, mm = inputs
+    with torch.no_grad():
+        return model.eval()(input_ids=ids, pixel_values=pv, image_grid_thw=thw, mm_token_type_ids=mm,
+                            use_cache=False).logits.float()
+
+
+def exact_gelu_mergers(model) -> list[str]:
+    """Bridge's vision mergers (merger, deepstack_merger_list.*) with exact GELU, as transformers' patch mergers
+    (the fair comparison, see the module docstring); returns their names. Asserts they had Bridge's tanh GELU."""
+    import functools
+
+    import torch.nn.functional as F
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils import Qwen3VLVisionPatchMerger
+
+    names = []
+    for n, mod in unwrap(model[0]).named_modules():
+        if isinstance(mod, Qwen3VLVisionPatchMerger):
+            act = mod.activation_func
+            assert isinstance(act, functools.partial) and act.func is F.gelu and act.keywords == {
+                "approximate": "tanh"}, f"{n}: activation {act!r}, not Bridge's tanh GELU"
+            mod.activation_func = F.gelu
+            names.append(n)
+    return names
+
+
+def compare_stored_padded(iter_dir: Path, truth_dir: Path) -> tuple[list[str], dict]:
+    """oracles.common.compare_stored with this model's (prefixed) vocab tensors: stored rows past Bridge's must be
+    zero and are cut off before the bit-for-bit comparison."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    def plain(d):
+        return {k: v for k, v in dist_checkpointing.load_plain_tensors(str(d)).items() if isinstance(v, torch.Tensor)}
+
+    got, want = plain(iter_dir), plain(truth_dir)
+    problems = []
+    for k in (EMB, OUT):
+        if k in got and k in want and got[k].shape[0] > want[k].shape[0] and got[k].shape[1:] == want[k].shape[1:]:
+            n = want[k].shape[0]
+            if torch.count_nonzero(got[k][n:]):
+                problems.append(f"stored: {k} vocab padding rows {n}..{got[k].shape[0]} not zero")
+            got[k] = got[k][:n]
+    problems += compare(got, want, "stored vs Bridge import")
+    mine, theirs = model_objects(stored_metadata(str(iter_dir))), model_objects(stored_metadata(str(truth_dir)))
+    problems += [f"stored: _extra_state object missing: {k}" for k in sorted(theirs - mine)]
+    problems += [f"stored: unexpected object: {k}" for k in sorted(mine - theirs)]
+    return problems, {"stored_tensors": len(got), "stored_objects": len(mine)}
+
+
+def cmd_judge(a, serving=False) -> int:
+    t0 = time.time()
+    apply_bridge_cpu_shims()
+    import torch.distributed as dist
+
+    from oracles.common import end_parallel, is_legacy, resolve_iter_dir
+
+    iter_dir, truth_dir = Path(resolve_iter_dir(a.megatron_dir)), Path(resolve_iter_dir(a.truth))
+    rank, world = init_dist()
+    problems: list[str] = []
+    info: dict = {"judged": str(iter_dir), "truth": str(truth_dir), "load_tp": world}
+    try:
+        if is_legacy(iter_dir):
+            raise RuntimeError("a legacy (mp_rank_*) checkpoint: this judge reads torch_dist only")
+        info["stored_tp"], info["stored_pp"] = stored_parallel(iter_dir)
+        for what, want in (("tp", a.tp), ("pp", a.pp)):
+            if want is not None and info[f"stored_{what}"] != want:
+                problems.append(f"checkpoint records {what.upper()}={info[f'stored_{what}']}, expected {want}")
+        meta = stored_metadata(str(iter_dir))
+        rows = None
+        if meta.get(EMB) is None:
+            problems.append(f"stored: no {EMB}")
+        else:
+            rows = meta[EMB][0]
+        sp, si = (compare_stored_padded(iter_dir, truth_dir) if a.allow_vocab_padding
+                  else compare_stored(iter_dir, truth_dir, False))
+        problems += sp
+        info.update(si)
+        _, provider = vl_provider(a.hf, load_weights=False, tp=world, vocab_rows=rows)
+        model = build(provider)
+        load_strict(model, iter_dir, problems)
+        _, ref_provider = vl_provider(a.hf, load_weights=True, tp=world, vocab_rows=rows)
+        ref = build(ref_provider)  # Bridge's own import at this very layout, in memory
+        got, want = tensor_state(model), tensor_state(ref)
+        info["loaded_tensors"] = len(got)
+        problems += compare(got, want, "loaded vs Bridge import")
+        inputs = judge_inputs()
+        info["input"] = {"tokens": inputs[0].shape[1], "image_grid_thw": GRIDS,
+                         "pixel_values": list(inputs[1].shape), "image_tokens": int(inputs[3].sum())}
+        hlog = hf_logits(a.hf, inputs)
+        raw = megatron_logits(model, inputs)[..., :VOCAB]
+        info["logits_max_abs_diff_vs_hf_raw"] = (raw - hlog).abs().max().item()
+        info["exact_gelu_modules"] = exact_gelu_mergers(model)
+        exact_gelu_mergers(ref)
+        mlog = megatron_logits(model, inputs)[..., :VOCAB]
+        rlog = megatron_logits(ref, inputs)[..., :VOCAB]
+        diff = (mlog - hlog).abs().max().item()
+        info["logits_max_abs_diff_vs_hf"] = diff
+        info["logits_max_abs_diff_vs_bridge_model"] = (mlog - rlog).abs().max().item()
+        info["logits_scale"] = hlog.abs().max().item()
+        if not diff <= a.atol:
+            problems.append(f"logits differ from transformers' by {diff:.3g} (atol {a.atol}; merger GELU made exact)")
+        info["argmax_agreement"] = (mlog.argmax(-1) == hlog.argmax(-1)).float().mean().item()
+    except Exception as e:  # noqa: BLE001 - a refused load is a verdict, not a crash
+        import traceback
+
+        traceback.print_exc()
+        problems.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
+    finally:
+        every = [None] * world
+        dist.all_gather_object(every, problems)  # every rank's verdict, reported by rank 0
+        end_parallel(serving)
+    problems = [p if r == 0 else f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
+    info.update(ok=not problems, problems=problems[:50], n_problems=len(problems), seconds=round(time.time() - t0, 2))
+    if rank == 0:
+        print(json.dumps(info), flush=True)
+    return 0 if not problems else 1
+
+
+# ----------------------------------------------------------------------------- mutate
+
+
+def cmd_mutate(a, serving=False) -> int:
+    """A copy of a checkpoint with one defect, saved the way Bridge saves (see the module docstring)."""
+    apply_bridge_cpu_shims()
+    import torch
+
+    from oracles.common import end_parallel, resolve_iter_dir
+
+    rank, world = init_dist()
+    try:
+        bridge, provider = vl_provider(a.hf, load_weights=False, tp=world)
+        model = build(provider)
+        problems: list[str] = []
+        load_strict(model, Path(resolve_iter_dir(a.src)), problems)
+        assert not problems, problems
+        m = unwrap(model[0])
+        vis = m.vision_model
+        with torch.no_grad():
+            if a.kind == "value":
+                vis.decoder.layers[1].self_attention.linear_qkv.weight[5, 7] += 1e-3
+            elif a.kind == "swap_qkv_heads":  # rows per head: [q, k, v] (num_query_groups = num_heads)
+                qkv = vis.decoder.layers[0].self_attention.linear_qkv
+                d = vis.config.kv_channels
+                for t in (qkv.weight, qkv.bias):
+                    g = t.view(-1, 3 * d, *t.shape[1:])
+                    q, k = g[:, :d].clone(), g[:, d:2 * d].clone()
+                    g[:, :d], g[:, d:2 * d] = k, q
+            elif a.kind == "swap_deepstack":
+                x, y = vis.decoder.deepstack_merger_list
+                for (_, p), (_, r) in zip(x.named_parameters(), y.named_parameters(), strict=True):
+                    tmp = p.clone()
+                    p.copy_(r)
+                    r.copy_(tmp)
+            elif a.kind == "pos_embed_transpose":
+                w = vis.pos_embed.weight
+                side = int(math.isqrt(w.shape[0]))
+                w.copy_(w.view(side, side, -1).transpose(0, 1).reshape(w.shape).clone())
+            elif a.kind == "lm_value":
+                m.language_model.decoder.layers[2].self_attention.linear_qkv.weight[3, 11] += 1e-3
+        if a.kind == "drop_object":
+            orig = m.sharded_state_dict
+
+            def dropped(*args, **kw):
+                sd = orig(*args, **kw)
+                return {k: v for k, v in sd.items() if k != "vision_model.merger.linear_fc2._extra_state"}
+
+            m.sharded_state_dict = dropped
+        save_as_bridge(bridge, model, a.dst, a.hf)
+    finally:
+        end_parallel(serving)
+    if rank == 0:
+        print(json.dumps({"mutated": str(a.dst), "kind": a.kind}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def stored_detail(iter_dir: str) -> dict:
+    """The checkpoint's .metadata: {key: {"shape", "dtype"}} for tensors, "object" for bytes items."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = FileSystemReader(iter_dir).read_metadata()
+    return {k: ({"shape": list(v.size), "dtype": str(v.properties.dtype)} if isinstance(v, TensorStorageMetadata)
+                else "object") for k, v in sorted(md.state_dict_metadata.items())}
+
+
+def object_replicas(m, described: dict) -> dict:
+    """describe_sharded's objects with their replica ids (which ranks write each _extra_state)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    for k, v in m.sharded_state_dict().items():
+        if isinstance(v, ShardedObject):
+            described[k]["replica_id"] = list(v.replica_id) if isinstance(v.replica_id, tuple) else v.replica_id
+    return described
+
+
+def mapping_table(bridge, m) -> dict:
+    """Bridge's mapping registry for this model: its patterns (Megatron name -> HF names, mapping class), and for
+    each parameter of this rank the resolved HF name(s), its module's class and the TP split AutoMapping picks
+    from that class (None where no pattern matches: Bridge would leave it as initialized)."""
+    registry = bridge._model_bridge.mapping_registry()
+    modules = dict(m.named_modules())
+    patterns = [{"megatron": mp.megatron_param, "hf": mp.hf_param, "mapping": type(mp).__name__}
+                for mp in registry.mappings]
+    params = {}
+    for name, p in m.named_parameters():
+        hit = registry.megatron_to_hf_lookup(name)
+        owner = modules[name.rsplit(".", 1)[0]]
+        if hit is None:
+            params[name] = None
+            continue
+        split = type(hit).__name__
+        if split == "AutoMapping":
+            with contextlib.suppress(Exception):
+                split = f"AutoMapping -> {hit._detect_parallelism_type(owner)}"
+        params[name] = {"hf": hit.hf_param, "module": type(owner).__name__, "mapping": split,
+                        "local_shape": list(p.shape)}
+    return {"patterns": patterns, "params": params}
+
+
+def row_sources(m, hf_dir: str) -> dict:
+    """For the fused tensors of this rank: which HF rows each local row holds (vision layer 0 linear_qkv weight
+    and bias vs attn.qkv; language layer 0 linear_qkv vs q_proj/k_proj/v_proj; linear_fc1 vs gate_proj/up_proj).
+    Rows are named like q3 (q row 3 of the HF tensor), k0, v15, gate7, up2."""
+    import torch
+    from safetensors.torch import load_file
+
+    hf = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        hf.update(load_file(str(f)))
+
+    def sources(local, parts):
+        out = []
+        for row in local:
+            hit = [f"{name}{i}" for name, t in parts for i in range(t.shape[0]) if torch.equal(t[i], row)]
+            out.append(hit[0] if len(hit) == 1 else hit)
+        return out
+
+    vq = "model.visual.blocks.0.attn.qkv"
+    vh = VISION["hidden_size"]
+    lm = "model.language_model.layers.0"
+    vis = m.vision_model.decoder.layers[0].self_attention.linear_qkv
+    lang = m.language_model.decoder.layers[0]
+    return {
+        "vision_linear_qkv_weight": sources(vis.weight, [(p, hf[f"{vq}.weight"][j * vh:(j + 1) * vh])
+                                                         for j, p in enumerate("qkv")]),
+        "vision_linear_qkv_bias": sources(vis.bias[:, None], [(p, hf[f"{vq}.bias"][j * vh:(j + 1) * vh, None])
+                                                               for j, p in enumerate("qkv")]),
+        "language_linear_qkv_weight": sources(lang.self_attention.linear_qkv.weight,
+                                              [(p, hf[f"{lm}.self_attn.{p}_proj.weight"]) for p in "qkv"]),
+        "language_linear_fc1_weight": sources(lang.mlp.linear_fc1.weight,
+                                              [(p, hf[f"{lm}.mlp.{p}_proj.weight"]) for p in ("gate", "up")]),
+    }
+
+
+def cmd_layout(a, serving=False) -> int:
+    apply_bridge_cpu_shims()
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from oracles.common import end_parallel
+
+    rank, world = init_dist()
+    try:
+        bridge, provider = vl_provider(a.hf_dir, load_weights=True, tp=world)
+        m = unwrap(build(provider)[0])
+        state = {k: ({"shape": list(v.shape), "dtype": str(v.dtype)} if isinstance(v, torch.Tensor) else repr(v))
+                 for k, v in m.state_dict().items()}
+        mine = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(), "state_dict": state,
+                "sharded_state_dict": object_replicas(m, describe_sharded(m.sharded_state_dict())),
+                "row_sources": row_sources(m, a.hf_dir)}
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        out = {"tp": world, "pp": 1, "ranks": every,
+               "modules": {n: type(mod).__name__ for n, mod in m.named_modules()
+                           if not any(f".layers.{i}." in n + "." for i in range(1, 8))},
+               "mappings": mapping_table(bridge, m),
+               "vision_config": {k: repr(getattr(m.vision_model.config, k)) for k in (
+                   "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                   "ffn_hidden_size", "normalization", "layernorm_epsilon", "add_bias_linear", "add_qkv_bias",
+                   "gated_linear_unit", "activation_func", "deepstack_visual_indexes", "spatial_merge_size",
+                   "patch_size", "temporal_patch_size", "num_position_embeddings", "out_hidden_size")},
+               "language_config": {k: repr(getattr(provider, k)) for k in (
+                   "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                   "ffn_hidden_size", "normalization", "layernorm_epsilon", "qk_layernorm", "gated_linear_unit",
+                   "position_embedding_type", "mrope_section", "rotary_base", "vocab_size", "should_pad_vocab",
+                   "share_embeddings_and_output_weights", "image_token_id", "vision_start_token_id")}}
+        if a.ckpt:
+            from megatron.core import dist_checkpointing
+
+            from oracles.common import resolve_iter_dir
+
+            it = Path(resolve_iter_dir(a.ckpt))
+            out["stored"] = stored_detail(str(it))
+            common = dist_checkpointing.load_common_state_dict(str(it))
+            out["common_state"] = {k: repr(v)[:300] for k, v in common.items()}
+            rc = it / "run_config.yaml"
+            if rc.is_file():
+                import yaml
+
+                out["run_config_model"] = (yaml.safe_load(rc.read_text()) or {}).get("model")
+            out["files"] = sorted(str(p.relative_to(it.parent)) for p in it.parent.rglob("*") if p.is_file())
+    finally:
+        end_parallel(serving)
+    if rank == 0:
+        emit_layout(out, a.out)
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None, serving=False) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("make")
+    sp.add_argument("hf_dir")
+    sp.add_argument("--seed", type=int, default=7)
+    sp = sub.add_parser("bridge-import")
+    sp.add_argument("hf_dir")
+    sp.add_argument("out_dir")
+    sp.add_argument("--pp", type=int, default=1, help="pipeline stages (TP = world size / PP)")
+    sp = sub.add_parser("judge")
+    sp.add_argument("megatron_dir")
+    sp.add_argument("--truth", required=True, help="Bridge's own import of --hf (bridge-import)")
+    sp.add_argument("--hf", required=True)
+    sp.add_argument("--tp", type=int, default=None, help="the TP the checkpoint must record")
+    sp.add_argument("--pp", type=int, default=None, help="the PP the checkpoint must record")
+    sp.add_argument("--atol", type=float, default=1e-4, help="logits vs transformers, max abs")
+    sp.add_argument("--allow-vocab-padding", action="store_true",
+                    help="stored vocab rows past Bridge's (unpadded) vocab are accepted if zero")
+    sp = sub.add_parser("mutate")
+    sp.add_argument("src")
+    sp.add_argument("dst")
+    sp.add_argument("--hf", required=True)
+    sp.add_argument("--kind", choices=MUTATIONS, required=True)
+    sp = sub.add_parser("layout")
+    sp.add_argument("hf_dir")
+    sp.add_argument("--ckpt", default=None)
+    sp.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.cmd == "make":
+        return cmd_make(a)
+    return {"bridge-import": cmd_bridge_import, "judge": cmd_judge, "layout": cmd_layout,
+            "mutate": cmd_mutate}[a.cmd](a, serving)
+
+
+if __name__ == "__main__":
+    run_program(main)

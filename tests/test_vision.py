@@ -1,0 +1,186 @@
+"""Vision-language models: a language model plus a vision component (features/vision.py, layout/vision.py,
+models/vlm.py), in Megatron-Bridge 0.6.2's layout.
+
+Pure: the vision tower's fused q/k/v (HF's [all q; all k; all v] against megatron-core's per-head order), the
+language-model prefix of torch_dist keys, Qwen3-VL-MoE's fused experts in both orientations, the refusals (a format
+that cannot hold the tower, the deepstack features off the first stage, a tower TP does not split).
+Processes: tiny random models made by transformers' own classes, with real images (two images of different grids),
+convert HF -> torch_dist under torchrun; Megatron-Bridge's own model of the family (tests/oracles/qwen3_vl.py, ...;
+the second runtime) loads each target strictly at another layout, compares every tensor with its own import of the
+HF model and the logits with images against transformers'; the way back to HF is bit-exact, with the same
+config.json, and loads cleanly in transformers.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_convert.config import ModelConfig
+from dist_convert.errors import ConvertError
+from dist_convert.features import MoE
+from dist_convert.formats.dist_keys import dist_groups
+from dist_convert.formats.hf import hf_tensors
+from dist_convert.layout.topology import Layout
+from dist_convert.models import config_from_hf
+from dist_convert.models.qwen3_vl import release_layout
+
+from conftest import ok, oracle, run_cli
+
+QWEN3_VL = {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": 290,
+            "tie_word_embeddings": False,
+            "text_config": {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 5e4, "mrope_section": [2, 3, 3],
+                                                "mrope_interleaved": True}},
+            "vision_config": {"depth": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64,
+                              "out_hidden_size": 64, "patch_size": 4, "num_position_embeddings": 36,
+                              "deepstack_visual_indexes": [0, 2]}}
+
+
+def test_vision_qkv_is_hf_concatenated_per_head_in_megatron():
+    """HF's attn.qkv [all q; all k; all v] <-> megatron-core's linear_qkv [q_h; k_h; v_h] per head (Bridge's
+    ConcatenatedQKVMapping): row r of head h's k in HF is row H*d + h*d + r, in megatron-core 3*d*h + d + r."""
+    cfg, _, _ = config_from_hf(QWEN3_VL, None)
+    shape, pieces = hf_tensors(cfg)["model.visual.blocks.1.attn.qkv.weight"]
+    assert shape == (96, 32)
+    hf = torch.arange(96.0).repeat_interleave(32).reshape(96, 32)
+    logical = torch.empty(96, 32)
+    for p in pieces:
+        assert p.logical == "vision_model.decoder.layers.1.self_attention.linear_qkv.weight"
+        logical[p.lbox.slices()] = hf[p.sbox.slices()]
+    d = 16
+    order = [part * 32 + head * d + r for head in range(2) for part in range(3) for r in range(d)]
+    assert logical[:, 0].tolist() == [float(i) for i in order]
+
+
+def test_torch_dist_keys_in_bridges_layout():
+    """The language model under language_model., the tower's layers and deepstack mergers stacked on their own axes."""
+    cfg, _, _ = config_from_hf(QWEN3_VL, None)
+    groups = dist_groups(cfg)
+    assert groups["language_model.decoder.layers.self_attention.linear_qkv.weight"].lead == (4,)
+    assert groups["vision_model.decoder.layers.self_attention.linear_qkv.weight"].lead == (3,)
+    assert groups["vision_model.decoder.deepstack_merger_list.linear_fc1.weight"].lead == (2,)
+    assert {"vision_model.merger.patch_norm.weight", "vision_model.pos_embed.weight",
+            "language_model.embedding.word_embeddings.weight"} <= set(groups)
+    assert not [k for k in groups if k.startswith(("decoder.", "embedding.", "output_layer"))]
+
+
+def test_refusals():
+    cfg, _, _ = config_from_hf(QWEN3_VL, None)
+    with pytest.raises(ConvertError, match="deepstack features feed language layers 0-1.*--target-num-layers-in-first"):
+        cfg.check_layout(Layout(tp=1, pp=4))
+    cfg.check_layout(Layout(tp=1, pp=2, first=2))
+    with pytest.raises(ConvertError, match="does not divide the vision tower's 2 heads"):
+        cfg.check_layout(Layout(tp=4, pp=1))
+    with pytest.raises(ConvertError, match="mrope_section"):
+        config_from_hf({**QWEN3_VL, "text_config": {**QWEN3_VL["text_config"], "rope_parameters": {
+            "rope_type": "default", "rope_theta": 5e4, "mrope_section": [4, 3, 3]}}}, None)
+    with pytest.raises(ConvertError, match="hidden_act='gelu'"):
+        config_from_hf({**QWEN3_VL, "vision_config": {**QWEN3_VL["vision_config"], "hidden_act": "gelu"}}, None)
+    with pytest.raises(ConvertError, match="deepstack_visual_indexes"):
+        config_from_hf({**QWEN3_VL, "vision_config": {**QWEN3_VL["vision_config"], "deepstack_visual_indexes": [3]}},
+                       None)
+
+
+def test_moe_experts_orientation_from_the_stored_shapes():
+    """Qwen3-VL-MoE's fused experts: the releases' [E, H, 2F] / [E, F, H], transformers 5's own [E, 2F, H] / [E, H, F];
+    told apart by the fc2 (or, when F == H, the fc1); an export writes the releases'."""
+    cfg = ModelConfig(num_layers=2, hidden_size=64, moe=MoE(num_experts=4, ffn=48, topk=2))
+    hf = "model.language_model.layers.1."
+    assert release_layout(cfg, {hf + "mlp.experts.down_proj": ("f", None, (4, 48, 64))}, hf)
+    assert not release_layout(cfg, {hf + "mlp.experts.down_proj": ("f", None, (4, 64, 48))}, hf)
+    assert release_layout(cfg, [hf + "mlp.experts.down_proj"], hf)  # no shapes: what an export writes
+
+
+def test_formats_that_cannot_hold_the_tower_refuse(tmp_path):
+    """A Qwen3-VL model to legacy Megatron, NeMo or Bridge's GPTModelProvider would lose its tower: refused in one
+    line, nothing written."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(QWEN3_VL))
+    cfg, _, _ = config_from_hf(QWEN3_VL, None)
+    from safetensors.torch import save_file
+
+    save_file({k: torch.zeros(s) for k, (s, _) in hf_tensors(cfg).items()}, str(hf / "model.safetensors"))
+    for fmt in ("megatron", "nemo", "fsdp_dtensor"):
+        proc = run_cli("reshard", str(hf), str(tmp_path / fmt), "--dst-format", fmt)
+        assert proc.returncode == 2 and "cannot hold the model's vision tower" in proc.stderr, proc.stderr
+        assert not (tmp_path / fmt).exists()
+
+
+def test_inspect_shows_the_tower(qwen3_vl):
+    hf, _ = qwen3_vl
+    out = ok(run_cli("inspect", str(hf))).stdout
+    assert "vision_tower" in out and "qwen3_vl" in out and "vision_deepstack" in out
+
+
+# -- processes: transformers makes the models, Megatron-Bridge judges ---------------------------------------------
+def vl(program: str, cmd: str, *args: str, nproc: int = 1, check: bool = True):
+    return oracle(cmd, nproc, *args, program=program, runtime="mcore19", check=check)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory) -> tuple[Path, Path]:
+    """(HF model, Bridge's own torch_dist import of it at TP=2)."""
+    root = tmp_path_factory.mktemp("qwen3_vl")
+    vl("qwen3_vl", "make", str(root / "hf"))
+    vl("qwen3_vl", "bridge-import", str(root / "hf"), str(root / "bridge"), nproc=2)
+    return root / "hf", root / "bridge"
+
+
+def judged(program: str, dst: Path, truth: Path, hf: Path, *flags: str) -> dict:
+    proc = vl(program, "judge", str(dst), "--truth", str(truth), "--hf", str(hf), *flags, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(lines[-1])
+    assert proc.returncode == 0 and result["ok"] and result["loaded_tensors"] > 0, result
+    assert result["logits_max_abs_diff_vs_hf"] < 1e-4, result
+    return result
+
+
+def back_to_hf_is_exact(dst: Path, hf: Path, tmp_path: Path, nproc: int, model_class: str) -> None:
+    """torch_dist -> HF gives the source's safetensors bit for bit and its config.json, and transformers loads it
+    cleanly."""
+    back = tmp_path / "back"
+    ok(run_cli("reshard", str(dst), str(back), "--dst-format", "hf", nproc=nproc))
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(hf / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    assert json.loads((back / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
+    import transformers
+
+    _, info = getattr(transformers, model_class).from_pretrained(back, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+
+# (target flags, nproc, judge flags): Bridge loads each at TP=1 (one process; it reshards on load)
+QWEN3_VL_CASES = {
+    "tp2": (["--target-tp", "2"], 2, ["--tp", "2", "--pp", "1"]),
+    "tp1_pp2": (["--target-tp", "1", "--target-pp", "2"], 2, ["--tp", "1", "--pp", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(QWEN3_VL_CASES))
+def test_qwen3_vl_to_megatron_judged_by_bridge_and_back(case, qwen3_vl, tmp_path):
+    hf, truth = qwen3_vl
+    flags, nproc, judge_flags = QWEN3_VL_CASES[case]
+    dst = tmp_path / "dst"
+    ok(run_cli("reshard", str(hf), str(dst), "--dst-format", "torch_dist", *flags, nproc=nproc))
+    result = judged("qwen3_vl", dst, truth, hf, *judge_flags)
+    assert result["logits_max_abs_diff_vs_hf_raw"] > 1e-4  # Bridge's tanh-GELU mergers, fixed for the judgement
+    back_to_hf_is_exact(dst, hf, tmp_path, nproc, "Qwen3VLForConditionalGeneration")
+
+
+def test_qwen3_vl_judge_fails_on_a_defect(qwen3_vl, tmp_path):
+    """The judge is no rubber stamp: Bridge's own checkpoint with each vision head's q and k rows exchanged fails."""
+    hf, truth = qwen3_vl
+    vl("qwen3_vl", "mutate", str(truth), str(tmp_path / "bad"), "--hf", str(hf), "--kind", "swap_qkv_heads")
+    proc = vl("qwen3_vl", "judge", str(tmp_path / "bad"), "--truth", str(truth), "--hf", str(hf), check=False)
+    result = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert proc.returncode == 1 and not result["ok"] and result["logits_max_abs_diff_vs_hf"] > 1e-2, result

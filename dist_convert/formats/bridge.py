@@ -26,6 +26,7 @@ from ..durable import write_durable
 from ..errors import ConvertError
 from ..features.expressed import refuse_unexpressed
 from ..mlm_args import HF_TOKENIZER
+from ..models import config_from_hf
 from ..runtime import Runtime
 from .base import copy_tokenizer_files, on_rank0, read_origin, tokenizer_source
 from .mcore_config import PROVIDER_EXPRESSES, args_from_fields, fields_for_target, transformer_fields
@@ -60,10 +61,38 @@ def read_run_config(iter_dir: Path) -> dict[str, Any]:
     return y
 
 
+# Bridge's vision-language providers whose model: section carries the HF text and vision configs it was built from
+VL_PROVIDERS = {"Qwen3VLModelProvider": "Qwen3VLForConditionalGeneration",
+                "Qwen3VLMoEModelProvider": "Qwen3VLMoeForConditionalGeneration"}
+VL_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def vl_config(model: dict[str, Any]) -> dict[str, Any] | None:
+    """The HF config.json a vision-language provider's ``model:`` section describes (its serialized
+    ``hf_text_config`` and ``vision_config``, the token ids and the tie flag), None for a language-model provider."""
+    arch = VL_PROVIDERS.get(str(model.get("_target_", "")).rsplit(".", 1)[-1])
+    if arch is None:
+        return None
+
+    def plain(d: Any, what: str) -> dict[str, Any]:
+        if not isinstance(d, dict):
+            raise ConvertError(f"{RUN_CONFIG} model: {what} is missing", f"restore {RUN_CONFIG} as Megatron-Bridge "
+                               "saved it, or convert from the HF model with --src-format hf")
+        return {k: v for k, v in d.items() if k != "_target_" and not (isinstance(v, dict) and "_target_" in v)}
+
+    return {"architectures": [arch], "text_config": plain(model.get("hf_text_config"), "hf_text_config"),
+            "vision_config": plain(model.get("vision_config"), "vision_config"),
+            "tie_word_embeddings": bool(model.get("share_embeddings_and_output_weights", False)),
+            **{k: model[k] for k in VL_TOKENS if model.get(k) is not None}}
+
+
 def bridge_args(iter_dir: Path, y: dict[str, Any]) -> argparse.Namespace:
     model = y["model"]
     args = args_from_fields(model, f"{iter_dir / RUN_CONFIG} model:", f"restore {RUN_CONFIG} as Megatron-Bridge "
                             "saved it")
+    hf = vl_config(model)
+    if hf is not None:  # the model as its HF family reads it: the language model's settings and the vision record
+        vars(args).update(config_from_hf(hf, None)[0].to_args())
     if not model.get("should_pad_vocab", False):  # the embedding holds exactly vocab_size rows
         args.make_vocab_size_divisible_by = 1
     if (iter_dir / TOKENIZER).is_dir():
@@ -93,7 +122,7 @@ def bridge_model_section(cfg: ModelConfig, args: argparse.Namespace) -> dict[str
 
 class BridgeFormat(TorchDistFormat):
     name = "bridge"
-    components = False  # run_config.yaml of a GPTModelProvider: no vision-language provider yet
+    components = True  # a vision-language model's own run_config.yaml carried from a Bridge source (target_files)
     looks_like = staticmethod(_looks_like_bridge)
 
     def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
@@ -113,6 +142,12 @@ class BridgeFormat(TorchDistFormat):
                                   bridge_origin(iter_dir, y, stored))
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
+        run_config = target.origin.bridge_run_config
+        if target.cfg.vision is not None and (run_config is None or vl_config(run_config["model"]) is None):
+            raise ConvertError("a Megatron-Bridge target of a vision-language model needs its provider's "
+                               f"{RUN_CONFIG}, which only the model's own Bridge checkpoint carries",
+                               "convert from that Bridge checkpoint, or write --dst-format torch_dist (the same "
+                               "layout, with Megatron-LM args)")
         if target.origin.bridge_run_config is None:  # run_config.yaml written from the model config: refused first
             refuse_unexpressed(target.cfg, PROVIDER_EXPRESSES, "Megatron-Bridge's GPTModelProvider (written for a "
                                "model that does not come from a Bridge checkpoint)", "convert from the model's own "

@@ -143,8 +143,12 @@ def settings_table() -> str:
         return callable(allowed) or not isinstance(allowed, (set, frozenset, tuple, list)) or \
             any(v != plain for v in allowed)
 
+    def short(arch: str) -> str:  # Gemma3ForConditionalGeneration: Gemma 3 with images, beside the text Gemma3
+        name = arch.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
+        return name if arch.endswith("ForCausalLM") or "VL" in name else f"{name} (images)"
+
     def families(key: str, plain: object = False) -> str:
-        names = [a.removesuffix("ForCausalLM") for a in PREFERENCE
+        names = [short(a) for a in PREFERENCE
                  if key in FAMILIES[a].expresses() and writes_other(FAMILIES[a].expresses()[key], plain)]
         return ", ".join(names) or "none (refused on export to hf)"
 

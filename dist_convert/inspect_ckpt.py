@@ -20,6 +20,7 @@ from .features import LAYOUT
 from .formats.base import FormatOptions
 from .layout.rules import logical_tensors
 from .layout.topology import Layout
+from .layout.vision import vision_tensors
 from .runtime import Runtime, human_bytes
 
 
@@ -121,6 +122,7 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
         "config": used_config(index.cfg),
         "config_all": dataclasses.asdict(index.cfg),
         "logical_tensors": len(logical_tensors(index.cfg)),
+        "components": components(index.cfg),
         "stored_chunks": len(index.chunks),
         "bytes": index.nbytes,
         "dtypes": dict(dtypes),
@@ -163,6 +165,15 @@ def tensor_table(rows: list[dict[str, Any]], title: str = "logical tensors") -> 
     return table
 
 
+def components(cfg: ModelConfig) -> dict[str, int] | None:
+    """Logical tensors per component of a multimodal model (the language model, the vision tower and projectors);
+    None for a language model alone."""
+    if cfg.vision is None:
+        return None
+    tower = len(vision_tensors(cfg))
+    return {"language model": len(logical_tensors(cfg)) - tower, f"vision ({cfg.vision.tower})": tower}
+
+
 def print_description(info: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(info, indent=2, default=str))
@@ -177,7 +188,9 @@ def print_description(info: dict, as_json: bool) -> None:
                        + (f" VPP={lay['vpp']}" if lay["vpp"] else "")
                        + (f" layout={lay['pipeline_layout']!r}" if lay["pipeline_layout"] else "")
                        + (f" MTP on stage {info['mtp_stage']}" if info["mtp_stage"] is not None else "")),
-            ("logical tensors", str(info["logical_tensors"])), ("stored chunks", str(info["stored_chunks"])),
+            ("logical tensors", str(info["logical_tensors"])
+             + (f" ({', '.join(f'{k}: {n}' for k, n in info['components'].items())})" if info["components"] else "")),
+            ("stored chunks", str(info["stored_chunks"])),
             ("bytes", human_bytes(info["bytes"])),
             ("dtypes", ", ".join(f"{k}: {v} chunks" for k, v in info["dtypes"].items()))]
     if info["adapter"] is not None:

@@ -6,9 +6,10 @@ language model (GQA, q/k RMSNorm, SwiGLU, interleaved multimodal RoPE) plus the 
 ``mrope_section``), ``vision_config``, and at the top the image/video token ids and ``tie_word_embeddings`` (which
 Bridge and transformers read there, not in ``text_config``). The tower's tensors: transformers 5's names under
 ``model.visual.``; the language model's under ``model.language_model.``. The MoE variant's router renormalises its
-top-k (no ``norm_topk_prob`` key) and the releases (and transformers' ``save_pretrained``) store a layer's experts
-fused and transposed, ``mlp.experts.gate_up_proj`` [E, H, 2F] ([gate | up] on the last axis) and
-``mlp.experts.down_proj`` [E, F, H]; per-expert ``mlp.experts.{e}.gate_proj.weight`` tensors are read too.
+top-k (no ``norm_topk_prob`` key). The releases store a layer's experts fused and transposed,
+``mlp.experts.gate_up_proj`` [E, H, 2F] ([gate | up] on the last axis) and ``mlp.experts.down_proj`` [E, F, H];
+transformers 5's ``save_pretrained`` writes its own [E, 2F, H] / [E, H, F] (its loader takes either, by shape). Both
+are read, and per-expert ``mlp.experts.{e}.gate_proj.weight`` tensors too; an export writes the releases' layout.
 """
 from __future__ import annotations
 

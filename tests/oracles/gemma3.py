@@ -58,11 +58,9 @@ state is the CPU one.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 import zlib
@@ -71,18 +69,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
 from oracles.common import (  # noqa: E402
+    bridge_oracle_parser,
+    bridge_provider,
+    check_recorded,
     compare,
-    compare_stored,
+    describe_checkpoint,
     describe_sharded,
+    describe_state,
+    drop_objects,
     emit_layout,
+    finish_judge,
     init_dist,
     is_legacy,
+    judge_error,
+    judge_logits,
+    judge_stored,
     run_program,
+    save_word_tokenizer,
+    size_vocab,
     stored_metadata,
     stored_parallel,
+    tensor_state,
     unwrap,
 )
-from oracles.te_cpu import apply_bridge_cpu_shims, cpu_classes, load_strict  # noqa: E402
+from oracles.te_cpu import apply_bridge_cpu_shims, cpu_classes, load_strict, load_to_mutate  # noqa: E402
 
 VOCAB = 300
 TINY = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -95,24 +105,7 @@ TINY = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_a
 SEQ = 12  # test input length: > sliding_window, so local layers really cut keys off
 
 
-# ----------------------------------------------------------------------------- process group
-
-
-
-
 # ----------------------------------------------------------------------------- CPU stand-ins for TE
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def cpu_gemma3_layer_spec(config):
@@ -135,30 +128,21 @@ def cpu_gemma3_layer_spec(config):
     return spec
 
 
-
-
 # ----------------------------------------------------------------------------- the model
 
 
 def gemma3_provider(hf: str, load_weights: bool, tp: int, vocab_rows: int | None = None, parallel_output=True,
-                    pp: int = 1):
-    """Bridge's Gemma3ModelProvider for ``hf`` on the CPU; ``vocab_rows`` sizes the embedding like a stored one."""
-    from megatron.bridge import AutoBridge
-
-    # a provider's attention backend sets NVTE_* selection variables in os.environ; a shared worker's earlier job
-    # (another Bridge model, backend auto) leaves NVTE_FUSED_ATTN=1, which Gemma 3's flash backend refuses
-    for name in [k for k in os.environ if k.startswith(("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"))]:
-        del os.environ[name]
-    bridge = AutoBridge.from_hf_pretrained(hf)
-    provider = bridge.to_megatron_provider(load_weights=load_weights)
-    provider.transformer_layer_spec = cpu_gemma3_layer_spec
+                    pp: int = 1, layer_spec=cpu_gemma3_layer_spec):
+    """Bridge's Gemma3ModelProvider for ``hf`` on the CPU (the NVTE_* variables cleared first, see
+    oracles.common.bridge_provider); ``vocab_rows`` sizes the embedding like a stored one. Also Gemma 3 VL's
+    provider (oracles/gemma3_vl.py), with its ``layer_spec``."""
+    bridge, provider = bridge_provider(hf, load_weights)
+    provider.transformer_layer_spec = layer_spec
     provider.apply_rope_fusion = provider.persist_layer_norm = False
     provider.gradient_accumulation_fusion = False
     provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = tp, pp
     provider.parallel_output = parallel_output
-    if vocab_rows is not None and vocab_rows != provider.vocab_size:  # a checkpoint with padded vocab rows
-        provider.should_pad_vocab = False
-        provider.vocab_size = vocab_rows
+    size_vocab(provider, vocab_rows)
     provider.finalize()
     return bridge, provider
 
@@ -179,6 +163,13 @@ def build(provider):
     return model
 
 
+def save_as_bridge(bridge, provider, model, out_dir: str, hf: str) -> None:
+    """save_megatron_model, with run_config.yaml recording the layer spec Bridge records (gemma3_layer_spec), not
+    the CPU build's (also Gemma 3 VL's save, oracles/gemma3_vl.py)."""
+    from megatron.bridge.models.gemma.gemma3_provider import gemma3_layer_spec
+
+    provider.transformer_layer_spec = gemma3_layer_spec
+    bridge.save_megatron_model(model, out_dir, hf_tokenizer_path=hf)
 
 
 # ----------------------------------------------------------------------------- make
@@ -186,10 +177,7 @@ def build(provider):
 
 def cmd_make(a) -> int:
     import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     t0 = time.time()
     out = Path(a.hf_dir)
@@ -208,10 +196,7 @@ def cmd_make(a) -> int:
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
     model.save_pretrained(out)
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t3", pad_token="t0", eos_token="t1",
-                            bos_token="t2").save_pretrained(out)
+    save_word_tokenizer(out, VOCAB)
     types = config.layer_types
     print(json.dumps({"made": str(out), "layers": a.layers, "layer_types": types,
                       "files": sorted(p.name for p in out.iterdir()), "seconds": round(time.time() - t0, 2)}))
@@ -229,12 +214,7 @@ def cmd_bridge_import(a, serving=False) -> int:
     rank, world = init_dist(a.pp)
     try:
         bridge, provider = gemma3_provider(a.hf_dir, load_weights=True, tp=world // a.pp, pp=a.pp)
-        model = build(provider)
-        # run_config.yaml records the layer spec as Bridge does (gemma3_layer_spec), not the CPU build's
-        from megatron.bridge.models.gemma.gemma3_provider import gemma3_layer_spec
-
-        provider.transformer_layer_spec = gemma3_layer_spec
-        bridge.save_megatron_model(model, a.out_dir, hf_tokenizer_path=a.hf_dir)
+        save_as_bridge(bridge, provider, build(provider), a.out_dir, a.hf_dir)
     finally:
         end_parallel(serving)
     if rank == 0:
@@ -244,27 +224,6 @@ def cmd_bridge_import(a, serving=False) -> int:
 
 
 # ----------------------------------------------------------------------------- judge
-
-
-
-
-
-
-
-
-
-
-
-
-def tensor_state(model) -> dict:
-    import torch
-
-    return {k: v.detach() for k, v in unwrap(model[0]).state_dict().items() if isinstance(v, torch.Tensor)
-            and not k.endswith("_extra_state")}
-
-
-
-
 
 
 def hf_logits(hf: str, ids):
@@ -294,9 +253,7 @@ def judge_ids():
 def cmd_judge(a, serving=False) -> int:
     t0 = time.time()
     apply_bridge_cpu_shims()
-    import torch.distributed as dist
-
-    from oracles.common import end_parallel, resolve_iter_dir
+    from oracles.common import resolve_iter_dir
 
     iter_dir, truth_dir = Path(resolve_iter_dir(a.megatron_dir)), Path(resolve_iter_dir(a.truth))
     rank, world = init_dist()
@@ -306,20 +263,10 @@ def cmd_judge(a, serving=False) -> int:
         legacy = is_legacy(iter_dir)
         info["format"] = "legacy" if legacy else "torch_dist"
         info["stored_tp"], info["stored_pp"] = stored_parallel(iter_dir)
-        for what, want in (("tp", a.tp), ("pp", a.pp)):
-            if want is not None and info[f"stored_{what}"] != want:
-                problems.append(f"checkpoint records {what.upper()}={info[f'stored_{what}']}, expected {want}")
+        check_recorded(info, problems, {"tp": a.tp, "pp": a.pp})
         rows = None
         if not legacy:
-            meta = stored_metadata(str(iter_dir))
-            emb = meta.get("embedding.word_embeddings.weight")
-            if emb is None:
-                problems.append("stored: no embedding.word_embeddings.weight")
-            else:
-                rows = emb[0]
-            sp, si = compare_stored(iter_dir, truth_dir, a.allow_vocab_padding)
-            problems += sp
-            info.update(si)
+            rows = judge_stored(iter_dir, truth_dir, info, problems, a.allow_vocab_padding)
         _, provider = gemma3_provider(a.hf, load_weights=False, tp=world, vocab_rows=rows, parallel_output=False)
         model = build(provider)
         load_strict(model, iter_dir, problems)
@@ -331,29 +278,10 @@ def cmd_judge(a, serving=False) -> int:
         ids = judge_ids()
         mlog = megatron_logits(model, ids)[..., :VOCAB]
         rlog = megatron_logits(ref, ids)[..., :VOCAB]
-        hlog = hf_logits(a.hf, ids)
-        diff = (mlog - hlog).abs().max().item()
-        info["logits_max_abs_diff_vs_hf"] = diff
-        info["logits_max_abs_diff_vs_bridge_model"] = (mlog - rlog).abs().max().item()
-        info["logits_scale"] = hlog.abs().max().item()
-        if not diff <= a.atol:
-            problems.append(f"logits differ from transformers' by {diff:.3g} (atol {a.atol})")
-        agree = (mlog.argmax(-1) == hlog.argmax(-1)).float().mean().item()
-        info["argmax_agreement"] = agree
+        judge_logits(info, problems, mlog, rlog, hf_logits(a.hf, ids), a.atol)
     except Exception as e:  # noqa: BLE001 - a refused load is a verdict, not a crash
-        import traceback
-
-        traceback.print_exc()
-        problems.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
-    finally:
-        every = [None] * world
-        dist.all_gather_object(every, problems)  # every rank's verdict, reported by rank 0
-        end_parallel(serving)
-    problems = [p if r == 0 else f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
-    info.update(ok=not problems, problems=problems[:50], n_problems=len(problems), seconds=round(time.time() - t0, 2))
-    if rank == 0:
-        print(json.dumps(info), flush=True)
-    return 0 if not problems else 1
+        problems.append(judge_error(e))
+    return finish_judge(info, problems, world, rank, serving, t0)
 
 
 # ----------------------------------------------------------------------------- mutate
@@ -369,16 +297,13 @@ def cmd_mutate(a, serving=False) -> int:
     apply_bridge_cpu_shims()
     import torch
 
-    from oracles.common import end_parallel, resolve_iter_dir
+    from oracles.common import end_parallel
 
     rank, world = init_dist()
     try:
         bridge, provider = gemma3_provider(a.hf, load_weights=False, tp=world)
         model = build(provider)
-        problems: list[str] = []
-        load_strict(model, Path(resolve_iter_dir(a.src)), problems)
-        assert not problems, problems
-        m = unwrap(model[0])
+        m = load_to_mutate(model, a.src)
         layers = m.decoder.layers
         with torch.no_grad():
             if a.kind == "value":
@@ -395,17 +320,8 @@ def cmd_mutate(a, serving=False) -> int:
                 k, v = g[:, -2 * c:-c].clone(), g[:, -c:].clone()
                 g[:, -2 * c:-c], g[:, -c:] = v, k
         if a.kind == "drop_object":
-            orig = m.sharded_state_dict
-
-            def dropped(*args, **kw):
-                sd = orig(*args, **kw)
-                return {k: v for k, v in sd.items() if not k.endswith("mlp.linear_fc2._extra_state")}
-
-            m.sharded_state_dict = dropped
-        from megatron.bridge.models.gemma.gemma3_provider import gemma3_layer_spec
-
-        provider.transformer_layer_spec = gemma3_layer_spec
-        bridge.save_megatron_model(model, a.dst, hf_tokenizer_path=a.hf)
+            drop_objects(m, lambda k: k.endswith("mlp.linear_fc2._extra_state"))
+        save_as_bridge(bridge, provider, model, a.dst, a.hf)
     finally:
         end_parallel(serving)
     if rank == 0:
@@ -414,8 +330,6 @@ def cmd_mutate(a, serving=False) -> int:
 
 
 # ----------------------------------------------------------------------------- layout
-
-
 
 
 def provider_vs_llama(hf: str) -> dict:
@@ -447,9 +361,6 @@ def provider_vs_llama(hf: str) -> dict:
 
 def cmd_layout(a, serving=False) -> int:
     apply_bridge_cpu_shims()
-
-    import torch
-
     from oracles.common import end_parallel
 
     rank, world = init_dist()
@@ -457,8 +368,7 @@ def cmd_layout(a, serving=False) -> int:
         _, provider = gemma3_provider(a.hf_dir, load_weights=True, tp=world)
         model = build(provider)
         m = unwrap(model[0])
-        state = {k: ({"shape": list(v.shape), "dtype": str(v.dtype)} if isinstance(v, torch.Tensor) else repr(v))
-                 for k, v in m.state_dict().items()}
+        state = describe_state(m)
         modules = {n: type(mod).__name__ for n, mod in m.named_modules() if n.startswith(("decoder.layers.0.",
                    "decoder.layers.5.", "embedding", "output", "rotary", "decoder.final"))}
         base = provider_vs_llama(a.hf_dir)
@@ -474,14 +384,7 @@ def cmd_layout(a, serving=False) -> int:
 
             it = Path(resolve_iter_dir(a.ckpt))
             out["stored"] = {k: (list(v) if v is not None else "object") for k, v in stored_metadata(str(it)).items()}
-            from megatron.core import dist_checkpointing
-            common = dist_checkpointing.load_common_state_dict(str(it))
-            out["common_state"] = {k: repr(v)[:300] for k, v in common.items()}
-            rc = it / "run_config.yaml"
-            if rc.is_file():
-                import yaml
-                out["run_config_model"] = (yaml.safe_load(rc.read_text()) or {}).get("model")
-            out["files"] = sorted(str(p.relative_to(it.parent)) for p in it.parent.rglob("*") if p.is_file())
+            out.update(describe_checkpoint(it))
     finally:
         end_parallel(serving)
     if rank == 0:
@@ -493,34 +396,9 @@ def cmd_layout(a, serving=False) -> int:
 
 
 def main(argv=None, serving=False) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("make")
-    sp.add_argument("hf_dir")
-    sp.add_argument("--layers", type=int, default=7)
-    sp.add_argument("--seed", type=int, default=7)
-    sp = sub.add_parser("bridge-import")
-    sp.add_argument("hf_dir")
-    sp.add_argument("out_dir")
-    sp.add_argument("--pp", type=int, default=1, help="pipeline stages (TP = world size / PP)")
-    sp = sub.add_parser("judge")
-    sp.add_argument("megatron_dir")
-    sp.add_argument("--truth", required=True, help="Bridge's own import of --hf (bridge-import)")
-    sp.add_argument("--hf", required=True)
-    sp.add_argument("--tp", type=int, default=None, help="the TP the checkpoint must record")
-    sp.add_argument("--pp", type=int, default=None, help="the PP the checkpoint must record")
-    sp.add_argument("--atol", type=float, default=1e-4, help="logits vs transformers, max abs")
-    sp.add_argument("--allow-vocab-padding", action="store_true",
-                    help="stored vocab rows past Bridge's (unpadded) vocab are accepted if zero")
-    sp = sub.add_parser("mutate")
-    sp.add_argument("src")
-    sp.add_argument("dst")
-    sp.add_argument("--hf", required=True)
-    sp.add_argument("--kind", choices=MUTATIONS, required=True)
-    sp = sub.add_parser("layout")
-    sp.add_argument("hf_dir")
-    sp.add_argument("--ckpt", default=None)
-    sp.add_argument("--out", default=None)
+    p, cmds = bridge_oracle_parser(__doc__, MUTATIONS)
+    cmds["make"].add_argument("--layers", type=int, default=7)
+    cmds["make"].add_argument("--seed", type=int, default=7)
     a = p.parse_args(argv)
     if a.cmd == "make":
         return cmd_make(a)

@@ -106,15 +106,15 @@ The CPU stand-ins. Transformer Engine has no CPU build; Bridge builds Gemma 3 VL
     5.12.1 it has no ``vision_model`` wrapper, so Bridge's getattr(raw, "vision_model", raw) keeps it as is, with
     children embeddings / encoder / post_layernorm and sdpa attention): plain torch, no stand-in.
 Other CPU shims: oracles.te_cpu.apply_bridge_cpu_shims (TE stub for Bridge's lora_layers only, CUDA no-ops, the masks
-megatron-core allocates on "cuda" made on the CPU, the save's CUDA RNG state the CPU one); the NVTE_* attention
-selection variables a provider sets are cleared before each provider is made (as oracles/gemma3.py).
+megatron-core allocates on "cuda" made on the CPU, the save's CUDA RNG state the CPU one); the provider is made and
+set up for the CPU by oracles.gemma3.gemma3_provider with this layer spec (the NVTE_* attention selection variables a
+provider sets cleared first) and saved by oracles.gemma3.save_as_bridge (run_config.yaml records Bridge's
+gemma3_layer_spec).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 import time
 import zlib
@@ -123,18 +123,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
 from oracles.common import (  # noqa: E402
+    bridge_oracle_parser,
+    check_recorded,
     compare,
-    compare_stored,
+    describe_checkpoint,
     describe_sharded,
+    describe_state,
+    drop_objects,
     emit_layout,
+    finish_judge,
+    hf_file_tensors,
     init_dist,
+    judge_error,
+    judge_stored,
     run_program,
-    stored_metadata,
+    save_word_tokenizer,
+    stored_detail,
     stored_parallel,
+    tensor_state,
+    tp_gathered,
     unwrap,
 )
-from oracles.gemma3 import TINY, cpu_gemma3_layer_spec  # noqa: E402
-from oracles.te_cpu import ExtraState, apply_bridge_cpu_shims, cpu_classes, load_strict  # noqa: E402
+from oracles.gemma3 import TINY, cpu_gemma3_layer_spec, gemma3_provider, save_as_bridge  # noqa: E402
+from oracles.te_cpu import ExtraState, apply_bridge_cpu_shims, cpu_classes, load_strict, load_to_mutate  # noqa: E402
 
 VOCAB = TINY["vocab_size"]  # 300
 BOI, EOI, IMAGE = 297, 298, 299  # begin / end of image, image token: inside the vocab
@@ -211,23 +222,10 @@ def cpu_gemma3_vl_layer_spec(config):
 
 def vl_provider(hf: str, load_weights: bool, tp: int, pp: int = 1, vocab_rows: int | None = None,
                 parallel_output=True):
-    """Bridge's Gemma3VLModelProvider for ``hf`` on the CPU; ``vocab_rows`` sizes the embedding like a stored one."""
-    from megatron.bridge import AutoBridge
-
-    for name in [k for k in os.environ if k.startswith(("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"))]:
-        del os.environ[name]
-    bridge = AutoBridge.from_hf_pretrained(hf)
-    provider = bridge.to_megatron_provider(load_weights=load_weights)
-    provider.transformer_layer_spec = cpu_gemma3_vl_layer_spec
-    provider.apply_rope_fusion = provider.persist_layer_norm = False
-    provider.gradient_accumulation_fusion = False
-    provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = tp, pp
-    provider.parallel_output = parallel_output
-    if vocab_rows is not None and vocab_rows != provider.vocab_size:  # a checkpoint with padded vocab rows
-        provider.should_pad_vocab = False
-        provider.vocab_size = vocab_rows
-    provider.finalize()
-    return bridge, provider
+    """Bridge's Gemma3VLModelProvider for ``hf`` on the CPU, set up as oracles.gemma3.gemma3_provider sets up the
+    text model's, with the VL layer spec; ``vocab_rows`` sizes the embedding like a stored one."""
+    return gemma3_provider(hf, load_weights, tp, vocab_rows=vocab_rows, parallel_output=parallel_output, pp=pp,
+                           layer_spec=cpu_gemma3_vl_layer_spec)
 
 
 def build(provider):
@@ -245,15 +243,6 @@ def build(provider):
     for m in model:
         m.eval()
     return model
-
-
-def save_as_bridge(bridge, provider, model, out_dir: str, hf: str) -> None:
-    """save_megatron_model, with run_config.yaml recording the layer spec Bridge records (gemma3_layer_spec), not
-    the CPU build's."""
-    from megatron.bridge.models.gemma.gemma3_provider import gemma3_layer_spec
-
-    provider.transformer_layer_spec = gemma3_layer_spec
-    bridge.save_megatron_model(model, out_dir, hf_tokenizer_path=hf)
 
 
 # ----------------------------------------------------------------------------- make
@@ -289,11 +278,7 @@ def hf_config(layers: int = LAYERS):
 
 def cmd_make(a) -> int:
     import torch
-    from safetensors import safe_open
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import Gemma3ForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers import Gemma3ForConditionalGeneration
 
     t0 = time.time()
     out = Path(a.hf_dir)
@@ -305,14 +290,8 @@ def cmd_make(a) -> int:
             g = torch.Generator().manual_seed(zlib.crc32(f"{a.seed}|{name}".encode()))
             p.copy_(init_value(name, p.shape, g, torch).to(torch.bfloat16).float())  # bf16-exact (see make)
     model.save_pretrained(out)
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t3", pad_token="t0", eos_token="t1",
-                            bos_token="t2").save_pretrained(out)
-    stored = {}
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            stored.update({k: list(sf.get_slice(k).get_shape()) for k in sf.keys()})
+    save_word_tokenizer(out, VOCAB)
+    stored = hf_file_tensors(out)
     print(json.dumps({"made": str(out), "layer_types": config.text_config.layer_types,
                       "files": sorted(p.name for p in out.iterdir()), "hf_tensors": len(stored),
                       "hf_tensor_names_sample": sorted(stored)[:4] + [k for k in sorted(stored) if "vision" in k][:2],
@@ -344,26 +323,9 @@ def cmd_bridge_import(a, serving=False) -> int:
 # ----------------------------------------------------------------------------- judge
 
 
-def tensor_state(model) -> dict:
-    import torch
-
-    return {k: v.detach() for k, v in unwrap(model[0]).state_dict().items() if isinstance(v, torch.Tensor)
-            and not k.endswith("_extra_state")}
-
-
 def whole_embedding(model):
     """The language model's word embedding, gathered over TP (VocabParallelEmbedding splits the rows)."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    w = unwrap(model[0]).language_model.embedding.word_embeddings.weight.detach()
-    group = parallel_state.get_tensor_model_parallel_group()
-    if dist.get_world_size(group) == 1:
-        return w
-    parts = [torch.empty_like(w) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, w.contiguous(), group=group)
-    return torch.cat(parts)
+    return tp_gathered(unwrap(model[0]).language_model.embedding.word_embeddings.weight.detach())
 
 
 def judge_inputs():
@@ -427,9 +389,7 @@ def post_norms_to(model, eps: float) -> int:
 def cmd_judge(a, serving=False) -> int:
     t0 = time.time()
     apply_bridge_cpu_shims()
-    import torch.distributed as dist
-
-    from oracles.common import end_parallel, is_legacy, resolve_iter_dir
+    from oracles.common import is_legacy, resolve_iter_dir
 
     iter_dir, truth_dir = Path(resolve_iter_dir(a.megatron_dir)), Path(resolve_iter_dir(a.truth))
     rank, world = init_dist()
@@ -439,18 +399,8 @@ def cmd_judge(a, serving=False) -> int:
         if is_legacy(iter_dir):
             raise RuntimeError("a legacy (torch) checkpoint: Gemma 3 VL is judged in torch_dist only")
         info["stored_tp"], info["stored_pp"] = stored_parallel(iter_dir)
-        for what, want in (("tp", a.tp), ("pp", a.pp)):
-            if want is not None and info[f"stored_{what}"] != want:
-                problems.append(f"checkpoint records {what.upper()}={info[f'stored_{what}']}, expected {want}")
-        rows = None
-        emb = stored_metadata(str(iter_dir)).get(EMB)
-        if emb is None:
-            problems.append(f"stored: no {EMB}")
-        else:
-            rows = emb[0]
-        sp, si = compare_stored_vl(iter_dir, truth_dir, a.allow_vocab_padding)
-        problems += sp
-        info.update(si)
+        check_recorded(info, problems, {"tp": a.tp, "pp": a.pp})
+        rows = judge_stored(iter_dir, truth_dir, info, problems, a.allow_vocab_padding, (EMB,))
         _, provider = vl_provider(a.hf, load_weights=False, tp=world, vocab_rows=rows, parallel_output=False)
         model = build(provider)
         load_strict(model, iter_dir, problems)
@@ -488,50 +438,8 @@ def cmd_judge(a, serving=False) -> int:
             problems.append(f"logits differ from transformers' by {diff:.3g} (atol {a.atol})")
         info["argmax_agreement"] = (mlog.argmax(-1) == hlog.argmax(-1)).float().mean().item()
     except Exception as e:  # noqa: BLE001 - a refused load is a verdict, not a crash
-        import traceback
-
-        traceback.print_exc()
-        problems.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
-    finally:
-        every = [None] * world
-        dist.all_gather_object(every, problems)  # every rank's verdict, reported by rank 0
-        end_parallel(serving)
-    problems = [p if r == 0 else f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
-    info.update(ok=not problems, problems=problems[:50], n_problems=len(problems), seconds=round(time.time() - t0, 2))
-    if rank == 0:
-        print(json.dumps(info), flush=True)
-    return 0 if not problems else 1
-
-
-def compare_stored_vl(iter_dir: Path, truth_dir: Path, allow_pad: bool) -> tuple[list[str], dict]:
-    """oracles.common.compare_stored with the language model's embedding name (a padded embedding's extra rows must
-    be zero; compared on Bridge's rows)."""
-    import torch
-    from megatron.core import dist_checkpointing
-
-    if not allow_pad:
-        return compare_stored(iter_dir, truth_dir, False)
-    got_rows = stored_metadata(str(iter_dir)).get(EMB)
-    want_rows = stored_metadata(str(truth_dir)).get(EMB)
-    if got_rows is None or want_rows is None or got_rows[0] == want_rows[0]:
-        return compare_stored(iter_dir, truth_dir, False)
-    # padded: compare the rest as common.compare_stored does, the embedding on Bridge's rows
-    plain = dist_checkpointing.load_plain_tensors(str(iter_dir))
-    x = plain[EMB]
-    problems = []
-    if torch.count_nonzero(x[want_rows[0]:]):
-        problems.append(f"stored: {EMB} vocab padding rows {want_rows[0]}..{x.shape[0]} not zero")
-    want = dist_checkpointing.load_plain_tensors(str(truth_dir))
-    got = {k: v for k, v in plain.items() if isinstance(v, torch.Tensor)}
-    want = {k: v for k, v in want.items() if isinstance(v, torch.Tensor)}
-    got[EMB] = x[:want_rows[0]]
-    problems += compare(got, want, "stored vs Bridge import")
-    from oracles.common import model_objects
-
-    mine, theirs = model_objects(stored_metadata(str(iter_dir))), model_objects(stored_metadata(str(truth_dir)))
-    problems += [f"stored: _extra_state object missing: {k}" for k in sorted(theirs - mine)]
-    problems += [f"stored: unexpected object: {k}" for k in sorted(mine - theirs)]
-    return problems, {"stored_tensors": len(got), "stored_objects": len(mine)}
+        problems.append(judge_error(e))
+    return finish_judge(info, problems, world, rank, serving, t0)
 
 
 # ----------------------------------------------------------------------------- mutate
@@ -557,16 +465,13 @@ def cmd_mutate(a, serving=False) -> int:
     import torch
     from megatron.core import parallel_state
 
-    from oracles.common import end_parallel, resolve_iter_dir
+    from oracles.common import end_parallel
 
     rank, world = init_dist()
     try:
         bridge, provider = vl_provider(a.hf, load_weights=False, tp=world)
         model = build(provider)
-        problems: list[str] = []
-        load_strict(model, Path(resolve_iter_dir(a.src)), problems)
-        assert not problems, problems
-        m = unwrap(model[0])
+        m = load_to_mutate(model, a.src)
         proj = m.multi_modal_projector
         with torch.no_grad():
             if a.kind == "value":
@@ -589,13 +494,7 @@ def cmd_mutate(a, serving=False) -> int:
             elif a.kind == "lm_value":
                 m.language_model.decoder.layers[3].self_attention.linear_qkv.weight[5, 7] += 1 / 16
         if a.kind == "drop_object":
-            orig = m.sharded_state_dict
-
-            def dropped(*args, **kw):
-                sd = orig(*args, **kw)
-                return {k: v for k, v in sd.items() if k != "multi_modal_projector.mm_soft_embed_norm._extra_state"}
-
-            m.sharded_state_dict = dropped
+            drop_objects(m, lambda k: k == "multi_modal_projector.mm_soft_embed_norm._extra_state")
         save_as_bridge(bridge, provider, model, a.dst, a.hf)
     finally:
         end_parallel(serving)
@@ -618,8 +517,6 @@ def mapping_table(bridge) -> list:
 
 def cmd_layout(a, serving=False) -> int:
     apply_bridge_cpu_shims()
-    import torch
-    from safetensors import safe_open
 
     from oracles.common import end_parallel
 
@@ -628,14 +525,10 @@ def cmd_layout(a, serving=False) -> int:
         bridge, provider = vl_provider(a.hf_dir, load_weights=True, tp=world)
         model = build(provider)
         m = unwrap(model[0])
-        state = {k: ({"shape": list(v.shape), "dtype": str(v.dtype)} if isinstance(v, torch.Tensor) else repr(v))
-                 for k, v in m.state_dict().items()}
+        state = describe_state(m)
         modules = {n: type(mod).__name__ for n, mod in m.named_modules() if n.count(".layers.") == 0 or
                    ".layers.0." in n or ".layers.5." in n}
-        hf_names = {}
-        for f in sorted(Path(a.hf_dir).glob("*.safetensors")):
-            with safe_open(str(f), "pt") as sf:
-                hf_names.update({k: list(sf.get_slice(k).get_shape()) for k in sf.keys()})
+        hf_names = {k: v["shape"] for k, v in hf_file_tensors(a.hf_dir).items()}
         out = {"tp": world, "wrapper": type(model[0]).__name__, "state_dict": state,
                "sharded_state_dict": describe_sharded(m.sharded_state_dict()), "modules": modules,
                "mapping_registry": mapping_table(bridge), "hf_tensors": hf_names,
@@ -648,24 +541,11 @@ def cmd_layout(a, serving=False) -> int:
                    "image_token_id", "vision_start_token_id", "vision_end_token_id", "mm_tokens_per_image",
                    "attention_backend", "share_embeddings_and_output_weights", "layernorm_epsilon")}}
         if a.ckpt:
-            from megatron.core import dist_checkpointing
-            from torch.distributed.checkpoint import FileSystemReader
-            from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
             from oracles.common import resolve_iter_dir
 
             it = Path(resolve_iter_dir(a.ckpt))
-            md = FileSystemReader(str(it)).read_metadata().state_dict_metadata
-            out["stored"] = {k: ({"shape": list(v.size), "dtype": str(v.properties.dtype)}
-                                 if isinstance(v, TensorStorageMetadata) else "object") for k, v in md.items()}
-            common = dist_checkpointing.load_common_state_dict(str(it))
-            out["common_state"] = {k: repr(v)[:300] for k, v in common.items()}
-            rc = it / "run_config.yaml"
-            if rc.is_file():
-                import yaml
-
-                out["run_config_model"] = (yaml.safe_load(rc.read_text()) or {}).get("model")
-            out["files"] = sorted(str(p.relative_to(it.parent)) for p in it.parent.rglob("*") if p.is_file())
+            out["stored"] = stored_detail(str(it))
+            out.update(describe_checkpoint(it))
     finally:
         end_parallel(serving)
     if rank == 0:
@@ -677,34 +557,9 @@ def cmd_layout(a, serving=False) -> int:
 
 
 def main(argv=None, serving=False) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("make")
-    sp.add_argument("hf_dir")
-    sp.add_argument("--layers", type=int, default=LAYERS)
-    sp.add_argument("--seed", type=int, default=7)
-    sp = sub.add_parser("bridge-import")
-    sp.add_argument("hf_dir")
-    sp.add_argument("out_dir")
-    sp.add_argument("--pp", type=int, default=1, help="pipeline stages (TP = world size / PP)")
-    sp = sub.add_parser("judge")
-    sp.add_argument("megatron_dir")
-    sp.add_argument("--truth", required=True, help="Bridge's own import of --hf (bridge-import)")
-    sp.add_argument("--hf", required=True)
-    sp.add_argument("--tp", type=int, default=None, help="the TP the checkpoint must record")
-    sp.add_argument("--pp", type=int, default=None, help="the PP the checkpoint must record")
-    sp.add_argument("--atol", type=float, default=1e-4, help="logits vs transformers, max abs")
-    sp.add_argument("--allow-vocab-padding", action="store_true",
-                    help="stored vocab rows past Bridge's (unpadded) vocab are accepted if zero")
-    sp = sub.add_parser("mutate")
-    sp.add_argument("src")
-    sp.add_argument("dst")
-    sp.add_argument("--hf", required=True)
-    sp.add_argument("--kind", choices=MUTATIONS, required=True)
-    sp = sub.add_parser("layout")
-    sp.add_argument("hf_dir")
-    sp.add_argument("--ckpt", default=None)
-    sp.add_argument("--out", default=None)
+    p, cmds = bridge_oracle_parser(__doc__, MUTATIONS)
+    cmds["make"].add_argument("--layers", type=int, default=LAYERS)
+    cmds["make"].add_argument("--seed", type=int, default=7)
     a = p.parse_args(argv)
     if a.cmd == "make":
         return cmd_make(a)

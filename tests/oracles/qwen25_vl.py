@@ -80,7 +80,10 @@ block's final layernorm is transformer_block.LayerNormImpl (TENorm when TE is pr
 the model is built (and only then: every patched name is restored afterwards), megatron-core's TESpecProvider is a
 CPU backend giving plain-torch stand-ins with TE's parameter names, TE's _extra_state, megatron-core's TE wrappers'
 sharded_state_dict (same make_sharded_tensors_for_checkpoint call, same TP axis map) and the class names of what they
-stand for (Bridge's AutoMapping picks a weight's TP split by its module's class name):
+stand for (Bridge's AutoMapping picks a weight's TP split by its module's class name). The stand-ins, that backend and
+the patch are oracles/te_vl.py's, shared with oracles/qwen3_vl.py (whose docstring describes every stand-in, also what
+this model does not use: LayerNorm, TEColumnParallelLinear, packed THD attention, grouped experts); here the backend
+raises for TELinear, TEColumnParallelLinear and the grouped experts. What Qwen2.5-VL's language model uses of them:
   * CpuTELayerNormColumnParallelLinear: RMSNorm ``layer_norm_weight`` (replicated, config.layernorm_epsilon) fused
     before a column-parallel linear: ``weight`` and, for linear_qkv (add_qkv_bias), ``bias``, both TP axis 0; TE's
     return_bias = skip_bias_add and bias (linear_qkv: skip_bias_add False, the bias is added); _extra_state an empty
@@ -88,9 +91,10 @@ stand for (Bridge's AutoMapping picks a weight's TP split by its module's class 
   * CpuTERowParallelLinear (linear_proj, linear_fc2): ``weight`` TP axis 1, no bias (add_bias_linear False)
   * CpuTEDotProductAttention: megatron-core's local DotProductAttention (causal, fp32 softmax; no sharded state, as
     TEDotProductAttention.sharded_state_dict in 0.19.2 with softmax_type vanilla; legacy _extra_state an empty uint8
-    tensor)
-  * TENorm (only the final layernorm here; the per-layer norms are fused into the linears): oracles.te_cpu's RMSNorm
-    stand-in (te.pytorch.RMSNorm, an op in TE 2.x: ``weight``, _extra_state the pickled empty dict, 5 bytes)
+    tensor); the language model's input is unpacked, so the stand-in's packed (THD) path is not taken
+  * TENorm (only the final layernorm here; the per-layer norms are fused into the linears): te_vl's TENorm stand-in,
+    which for RMSNorm builds oracles.te_cpu's RMSNorm stand-in (te.pytorch.RMSNorm, an op in TE 2.x: ``weight``,
+    _extra_state the pickled empty dict, 5 bytes)
 After each build every language layer must hold exactly these stand-ins in these slots, and IdentityOp (or nothing)
 in its input / pre-MLP / q / k layernorm slots (a changed Bridge or megatron-core spec fails here instead of silently
 building something else). The vision module is transformers' own Qwen2_5_VisionTransformerPretrainedModel, built by
@@ -104,11 +108,9 @@ forward passes runtime_gather_output=True (the logits are otherwise vocab-split 
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 import zlib
@@ -116,19 +118,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
+from oracles import te_cpu, te_vl  # noqa: E402
 from oracles.common import (  # noqa: E402
+    bridge_oracle_parser,
+    bridge_provider,
+    check_recorded,
     compare,
-    compare_stored,
+    describe_checkpoint,
     describe_sharded,
+    describe_state,
+    drop_objects,
     emit_layout,
+    finish_judge,
+    hf_file_tensors,
     init_dist,
-    model_objects,
+    judge_error,
+    judge_logits,
+    judge_stored,
+    load_hf_tensors,
+    make_on_rank0,
+    matching_rows,
+    object_replicas,
     run_program,
-    stored_metadata,
+    save_word_tokenizer,
+    size_vocab,
+    stored_detail,
     stored_parallel,
+    tensor_state,
+    tp_gathered,
     unwrap,
 )
-from oracles.te_cpu import apply_bridge_cpu_shims, load_strict  # noqa: E402
+from oracles.te_cpu import apply_bridge_cpu_shims, load_strict, load_to_mutate  # noqa: E402
 
 VOCAB = 300
 IMAGE, VIDEO, VSTART, VEND = 290, 291, 292, 293
@@ -148,176 +168,11 @@ EMB, OUT = "language_model.embedding.word_embeddings.weight", "language_model.ou
 
 # ----------------------------------------------------------------------------- CPU stand-ins for TE
 
-_CLASSES = None
-
-
-def cpu_classes():
-    """The stand-in classes (built once, after megatron-core is importable); see the module docstring."""
-    global _CLASSES
-    if _CLASSES is not None:
-        return _CLASSES
-    import torch
-    import torch.nn.functional as F
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-    from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region,
-        reduce_from_tensor_model_parallel_region,
-    )
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
-
-    from oracles import te_cpu
-
-    ExtraState, new_param, tp_of = te_cpu.ExtraState, te_cpu.new_param, te_cpu.tp_of
-
-    def sharded(module, prefix, axes, sharded_offsets, metadata):  # megatron-core's TE wrappers' sharded_state_dict
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        return make_sharded_tensors_for_checkpoint(module.state_dict(prefix="", keep_vars=True), prefix, axes,
-                                                   sharded_offsets, tp_group=module._tp_group,
-                                                   dp_cp_group=metadata["dp_cp_group"])
-
-    def bias_out(module, out):  # TE's return_bias = skip_bias_add and bias (TELinear.__init__)
-        if module.bias is None:
-            return out, None
-        return (out, module.bias) if module.skip_bias_add else (out + module.bias, None)
-
-    class CpuTELayerNormColumnParallelLinear(ExtraState, torch.nn.Module):
-        """TELayerNormColumnParallelLinear: RMSNorm (``layer_norm_weight``) fused before a column-parallel linear
-        (``weight``, ``bias``: TP axis 0)."""
-
-        def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add,
-                     is_expert, skip_weight_param_allocation=False, tp_comm_buffer_name=None, tp_group=None,
-                     stride=1, name=None):
-            super().__init__()
-            assert not gather_output and not is_expert and not skip_weight_param_allocation
-            assert config.normalization == "RMSNorm", config.normalization
-            self.config, self._tp_group, self.skip_bias_add = config, tp_of(tp_group), skip_bias_add
-            tp = self._tp_group.size()
-            self.eps, self.zero_centered = config.layernorm_epsilon, config.layernorm_zero_centered_gamma
-            self.layer_norm_weight = new_param((input_size,), config, value=0.0 if self.zero_centered else 1.0)
-            self.weight = new_param((output_size // tp, input_size), config, init_method)
-            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
-            self.bias = new_param((output_size // tp,), config, value=0.0) if bias else None
-            if self.bias is not None:
-                set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
-
-        def forward(self, x):
-            x = te_cpu.rms(x, self.layer_norm_weight, self.eps, self.zero_centered)
-            x = copy_to_tensor_model_parallel_region(x, group=self._tp_group)
-            return bias_out(self, F.linear(x, self.weight))
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return sharded(self, prefix, {"weight": 0, "bias": 0}, sharded_offsets, metadata)
-
-    class CpuTERowParallelLinear(ExtraState, torch.nn.Module):
-        """TERowParallelLinear: ``weight`` TP axis 1, ``bias`` replicated, added after the all-reduce."""
-
-        def __init__(self, input_size, output_size, *, config, init_method, bias, input_is_parallel, skip_bias_add,
-                     is_expert, tp_comm_buffer_name=None, tp_group=None, name=None):
-            super().__init__()
-            assert input_is_parallel and not is_expert
-            self.config, self._tp_group, self.skip_bias_add = config, tp_of(tp_group), skip_bias_add
-            tp = self._tp_group.size()
-            self.weight = new_param((output_size, input_size // tp), config, init_method)
-            set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
-            self.bias = new_param((output_size,), config, value=0.0) if bias else None
-
-        def forward(self, x):
-            out = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight), group=self._tp_group)
-            return bias_out(self, out)
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return sharded(self, prefix, {"weight": 1}, sharded_offsets, metadata)
-
-    class CpuTEDotProductAttention(ExtraState, DotProductAttention):
-        """TEDotProductAttention: megatron-core's local DotProductAttention (causal, unpacked input only)."""
-
-        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None,
-                     **kwargs):
-            assert k_channels is None or k_channels == config.kv_channels, k_channels
-            assert v_channels is None or v_channels == config.kv_channels, v_channels
-            super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                             softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-
-        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None, **kwargs):
-            assert packed_seq_params is None, "packed (THD) input: not used by this oracle"
-            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias, packed_seq_params=None)
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return {}  # TEDotProductAttention.sharded_state_dict in 0.19.2, softmax_type "vanilla": nothing
-
-    for cls, name in ((CpuTELayerNormColumnParallelLinear, "TELayerNormColumnParallelLinear"),
-                      (CpuTERowParallelLinear, "TERowParallelLinear"),
-                      (CpuTEDotProductAttention, "TEDotProductAttention")):
-        cls.__name__ = cls.__qualname__ = name
-    _CLASSES = {"norm": te_cpu.cpu_classes()["norm"], "ln_col": CpuTELayerNormColumnParallelLinear,
-                "row": CpuTERowParallelLinear, "attn": CpuTEDotProductAttention}
-    return _CLASSES
-
-
-def cpu_backend():
-    """TESpecProvider's choices (megatron-core 0.19.2 extensions/transformer_engine_spec_provider.py) for a dense
-    GPT layer, with the CPU leaves; whatever Qwen2.5-VL's dense layer does not use raises."""
-    from megatron.core.models.backends import BackendSpecProvider
-
-    c = cpu_classes()
-
-    class CpuTESpecProvider(BackendSpecProvider):
-        def linear(self):
-            raise NotImplementedError("TELinear: not used by Qwen2.5-VL")
-
-        def column_parallel_linear(self):
-            raise NotImplementedError("TEColumnParallelLinear: not used by Qwen2.5-VL's language model")
-
-        def row_parallel_linear(self):
-            return c["row"]
-
-        def fuse_layernorm_and_linear(self):
-            return True
-
-        def column_parallel_layer_norm_linear(self):
-            return c["ln_col"]
-
-        def layer_norm(self, rms_norm=False, for_qk=False, has_residual=False):
-            return c["norm"]  # asked for q/k layernorms, which Qwen2.5-VL leaves IdentityOp (check_spec)
-
-        def core_attention(self):
-            return c["attn"]
-
-        def grouped_mlp_modules(self, moe_use_grouped_gemm):
-            raise NotImplementedError("Qwen2.5-VL has no experts")
-
-        def activation_func(self):
-            return None
-
-    return CpuTESpecProvider()
-
-
-@contextlib.contextmanager
-def cpu_build_patches():
-    """While Bridge builds Qwen2.5-VL: megatron-core's TESpecProvider and the block's LayerNormImpl are the CPU
-    stand-ins (see the module docstring); restored on exit (other oracles share a test worker)."""
-    from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer import transformer_block
-
-    c = cpu_classes()
-    saved = gpt_layer_specs.TESpecProvider, transformer_block.LayerNormImpl
-    backend = cpu_backend()
-    gpt_layer_specs.TESpecProvider = lambda: backend
-    transformer_block.LayerNormImpl = c["norm"]
-    try:
-        yield
-    finally:
-        gpt_layer_specs.TESpecProvider, transformer_block.LayerNormImpl = saved
-
 
 def check_spec(model) -> None:
     """Every language layer holds the TE classes (stand-ins) in the slots the TE spec fills: a changed Bridge or
     megatron-core spec fails here."""
-    c = cpu_classes()
+    c = te_vl.cpu_classes()
     lm = unwrap(model[0]).language_model
     want = {"self_attention.linear_qkv": c["ln_col"], "self_attention.core_attention": c["attn"],
             "self_attention.linear_proj": c["row"], "mlp.linear_fc1": c["ln_col"], "mlp.linear_fc2": c["row"]}
@@ -330,7 +185,7 @@ def check_spec(model) -> None:
             mod = mods.get(name)
             assert mod is None or type(mod).__name__ == "IdentityOp", f"language layer {i}: {name} is {mod!r}"
     if lm.post_process:  # the last pipeline stage
-        assert type(lm.decoder.final_layernorm) is c["norm"], lm.decoder.final_layernorm
+        assert type(lm.decoder.final_layernorm) is te_cpu.cpu_classes()["norm"], lm.decoder.final_layernorm
 
 
 # ----------------------------------------------------------------------------- the model
@@ -338,29 +193,21 @@ def check_spec(model) -> None:
 
 def vl_provider(hf: str, load_weights: bool, tp: int, pp: int = 1, vocab_rows: int | None = None):
     """Bridge's Qwen25VLModelProvider for ``hf`` on the CPU; ``vocab_rows`` sizes the embedding like a stored one."""
-    from megatron.bridge import AutoBridge
-
     from oracles.te_cpu import CPU_KERNELS
 
-    # a provider's attention backend sets NVTE_* selection variables; a shared worker's earlier job may leave them
-    for name in [k for k in os.environ if k.startswith(("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"))]:
-        del os.environ[name]
-    bridge = AutoBridge.from_hf_pretrained(hf)
-    provider = bridge.to_megatron_provider(load_weights=load_weights)
+    bridge, provider = bridge_provider(hf, load_weights)
     for k, v in CPU_KERNELS.items():  # fused kernels off (their weights and names are the same)
         if hasattr(provider, k):
             setattr(provider, k, v)
     provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = tp, pp
-    if vocab_rows is not None and vocab_rows != provider.vocab_size:  # a checkpoint with padded vocab rows
-        provider.should_pad_vocab = False
-        provider.vocab_size = vocab_rows
+    size_vocab(provider, vocab_rows)
     provider.finalize()
     return bridge, provider
 
 
 def build(provider):
     """The model chunks, built with the CPU stand-ins in place of TE's modules; eval mode."""
-    with cpu_build_patches():
+    with te_vl.gpt_build_patches(te_vl.cpu_backend("Qwen2.5-VL", column_linear=False, experts=False)):
         model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
     check_spec(model)
     for m in model:
@@ -384,24 +231,9 @@ def hf_config():
                             architectures=["Qwen2_5_VLForConditionalGeneration"])
 
 
-def cmd_make(a) -> int:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:  # a served worker of several ranks: rank 0 makes it
-        try:
-            return make(a) if dist.get_rank() == 0 else 0
-        finally:
-            dist.barrier()
-    return make(a)
-
-
 def make(a) -> int:
     import torch
-    from safetensors import safe_open
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     t0 = time.time()
     out = Path(a.hf_dir)
@@ -425,17 +257,8 @@ def make(a) -> int:
             else:
                 raise SystemExit(f"make: no rule for {name} {tuple(p.shape)}")
     model.save_pretrained(out)
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t3", pad_token="t0", eos_token="t1",
-                            bos_token="t2").save_pretrained(out)
-    saved = {}
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            for k in sf.keys():
-                t = sf.get_slice(k)
-                saved[k] = {"shape": list(t.get_shape()), "dtype": t.get_dtype()}
-    print(json.dumps({"made": str(out), "files": sorted(p.name for p in out.iterdir()), "saved": saved,
+    save_word_tokenizer(out, VOCAB)
+    print(json.dumps({"made": str(out), "files": sorted(p.name for p in out.iterdir()), "saved": hf_file_tensors(out),
                       "seconds": round(time.time() - t0, 2)}))
     return 0
 
@@ -464,27 +287,10 @@ def cmd_bridge_import(a, serving=False) -> int:
 # ----------------------------------------------------------------------------- judge
 
 
-def tensor_state(model) -> dict:
-    import torch
-
-    return {k: v.detach() for k, v in unwrap(model[0]).state_dict().items() if isinstance(v, torch.Tensor)
-            and not k.endswith("_extra_state")}
-
-
 def vocab_full(model) -> dict:
     """The language model's embedding and output weights gathered over TP (all vocab rows)."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
     sd = tensor_state(model)
-    out = {}
-    for k in (EMB, OUT):
-        parts = [torch.empty_like(sd[k]) for _ in range(group.size())]
-        dist.all_gather(parts, sd[k].contiguous(), group=group)
-        out[k] = torch.cat(parts)
-    return out
+    return {k: tp_gathered(sd[k]) for k in (EMB, OUT)}
 
 
 def cut_vocab_padding(model, ref, got: dict, want: dict) -> list[str]:
@@ -561,36 +367,10 @@ def fair_mrope(model, section: list[int]) -> list[int]:
     return before
 
 
-def compare_stored_padded(iter_dir: Path, truth_dir: Path) -> tuple[list[str], dict]:
-    """oracles.common.compare_stored with this model's (prefixed) vocab tensors: stored rows past Bridge's must be
-    zero and are cut off before the bit-for-bit comparison."""
-    import torch
-    from megatron.core import dist_checkpointing
-
-    def plain(d):
-        return {k: v for k, v in dist_checkpointing.load_plain_tensors(str(d)).items() if isinstance(v, torch.Tensor)}
-
-    got, want = plain(iter_dir), plain(truth_dir)
-    problems = []
-    for k in (EMB, OUT):
-        if k in got and k in want and got[k].shape[0] > want[k].shape[0] and got[k].shape[1:] == want[k].shape[1:]:
-            n = want[k].shape[0]
-            if torch.count_nonzero(got[k][n:]):
-                problems.append(f"stored: {k} vocab padding rows {n}..{got[k].shape[0]} not zero")
-            got[k] = got[k][:n]
-    problems += compare(got, want, "stored vs Bridge import")
-    mine, theirs = model_objects(stored_metadata(str(iter_dir))), model_objects(stored_metadata(str(truth_dir)))
-    problems += [f"stored: _extra_state object missing: {k}" for k in sorted(theirs - mine)]
-    problems += [f"stored: unexpected object: {k}" for k in sorted(mine - theirs)]
-    return problems, {"stored_tensors": len(got), "stored_objects": len(mine)}
-
-
 def cmd_judge(a, serving=False) -> int:
     t0 = time.time()
     apply_bridge_cpu_shims()
-    import torch.distributed as dist
-
-    from oracles.common import end_parallel, is_legacy, resolve_iter_dir
+    from oracles.common import is_legacy, resolve_iter_dir
 
     iter_dir, truth_dir = Path(resolve_iter_dir(a.megatron_dir)), Path(resolve_iter_dir(a.truth))
     rank, world = init_dist()
@@ -600,19 +380,8 @@ def cmd_judge(a, serving=False) -> int:
         if is_legacy(iter_dir):
             raise RuntimeError("a legacy (mp_rank_*) checkpoint: this judge reads torch_dist only")
         info["stored_tp"], info["stored_pp"] = stored_parallel(iter_dir)
-        for what, want in (("tp", a.tp), ("pp", a.pp)):
-            if want is not None and info[f"stored_{what}"] != want:
-                problems.append(f"checkpoint records {what.upper()}={info[f'stored_{what}']}, expected {want}")
-        meta = stored_metadata(str(iter_dir))
-        rows = None
-        if meta.get(EMB) is None:
-            problems.append(f"stored: no {EMB}")
-        else:
-            rows = meta[EMB][0]
-        sp, si = (compare_stored_padded(iter_dir, truth_dir) if a.allow_vocab_padding
-                  else compare_stored(iter_dir, truth_dir, False))
-        problems += sp
-        info.update(si)
+        check_recorded(info, problems, {"tp": a.tp, "pp": a.pp})
+        rows = judge_stored(iter_dir, truth_dir, info, problems, a.allow_vocab_padding, (EMB, OUT))
         _, provider = vl_provider(a.hf, load_weights=False, tp=world, vocab_rows=rows)
         model = build(provider)
         load_strict(model, iter_dir, problems)
@@ -640,29 +409,11 @@ def cmd_judge(a, serving=False) -> int:
         section = hf_mrope_section(a.hf)
         info["mrope_section"] = {"bridge": fair_mrope(model, section), "hf": section}
         fair_mrope(ref, section)
-        mlog = megatron_logits(model, inputs)[..., :VOCAB]
-        rlog = megatron_logits(ref, inputs)[..., :VOCAB]
-        diff = (mlog - hlog).abs().max().item()
-        info["logits_max_abs_diff_vs_hf"] = diff
-        info["logits_max_abs_diff_vs_bridge_model"] = (mlog - rlog).abs().max().item()
-        info["logits_scale"] = hlog.abs().max().item()
-        if not diff <= a.atol:
-            problems.append(f"logits differ from transformers' by {diff:.3g} (atol {a.atol}; HF mrope_section)")
-        info["argmax_agreement"] = (mlog.argmax(-1) == hlog.argmax(-1)).float().mean().item()
+        judge_logits(info, problems, megatron_logits(model, inputs)[..., :VOCAB],
+                     megatron_logits(ref, inputs)[..., :VOCAB], hlog, a.atol, "; HF mrope_section")
     except Exception as e:  # noqa: BLE001 - a refused load is a verdict, not a crash
-        import traceback
-
-        traceback.print_exc()
-        problems.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
-    finally:
-        every = [None] * world
-        dist.all_gather_object(every, problems)  # every rank's verdict, reported by rank 0
-        end_parallel(serving)
-    problems = [p if r == 0 else f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
-    info.update(ok=not problems, problems=problems[:50], n_problems=len(problems), seconds=round(time.time() - t0, 2))
-    if rank == 0:
-        print(json.dumps(info), flush=True)
-    return 0 if not problems else 1
+        problems.append(judge_error(e))
+    return finish_judge(info, problems, world, rank, serving, t0)
 
 
 # ----------------------------------------------------------------------------- mutate
@@ -673,16 +424,13 @@ def cmd_mutate(a, serving=False) -> int:
     apply_bridge_cpu_shims()
     import torch
 
-    from oracles.common import end_parallel, resolve_iter_dir
+    from oracles.common import end_parallel
 
     rank, world = init_dist()
     try:
         bridge, provider = vl_provider(a.hf, load_weights=False, tp=world)
         model = build(provider)
-        problems: list[str] = []
-        load_strict(model, Path(resolve_iter_dir(a.src)), problems)
-        assert not problems, problems
-        m = unwrap(model[0])
+        m = load_to_mutate(model, a.src)
         vis, layers = m.visual, m.language_model.decoder.layers
         with torch.no_grad():
             if a.kind == "value":
@@ -714,14 +462,7 @@ def cmd_mutate(a, serving=False) -> int:
                 w = layers[1].mlp.linear_fc1.weight
                 w.copy_(torch.cat(torch.chunk(w.clone(), 2, 0)[::-1]))
         if a.kind == "drop_object":
-            orig = m.sharded_state_dict
-
-            def dropped(*args, **kw):
-                sd = orig(*args, **kw)
-                return {k: v for k, v in sd.items()
-                        if not (k.startswith("language_model.") and k.endswith("mlp.linear_fc2._extra_state"))}
-
-            m.sharded_state_dict = dropped
+            drop_objects(m, lambda k: k.startswith("language_model.") and k.endswith("mlp.linear_fc2._extra_state"))
         save_as_bridge(bridge, model, a.dst, a.hf)
     finally:
         end_parallel(serving)
@@ -731,26 +472,6 @@ def cmd_mutate(a, serving=False) -> int:
 
 
 # ----------------------------------------------------------------------------- layout
-
-
-def stored_detail(iter_dir: str) -> dict:
-    """The checkpoint's .metadata: {key: {"shape", "dtype"}} for tensors, "object" for bytes items."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = FileSystemReader(iter_dir).read_metadata()
-    return {k: ({"shape": list(v.size), "dtype": str(v.properties.dtype)} if isinstance(v, TensorStorageMetadata)
-                else "object") for k, v in sorted(md.state_dict_metadata.items())}
-
-
-def object_replicas(m, described: dict) -> dict:
-    """describe_sharded's objects with their replica ids (which ranks write each _extra_state)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    for k, v in m.sharded_state_dict().items():
-        if isinstance(v, ShardedObject):
-            described[k]["replica_id"] = list(v.replica_id) if isinstance(v.replica_id, tuple) else v.replica_id
-    return described
 
 
 def mapping_table(bridge, m) -> list[dict]:
@@ -779,38 +500,20 @@ def mapping_table(bridge, m) -> list[dict]:
     return out
 
 
-def hf_tensors(hf_dir: str) -> dict:
-    from safetensors.torch import load_file
-
-    hf = {}
-    for f in sorted(Path(hf_dir).glob("*.safetensors")):
-        hf.update(load_file(str(f)))
-    return hf
-
-
 def row_sources(m, hf: dict) -> dict:
     """For the fused language tensors of this rank: which HF rows each local row holds (layer 0 linear_qkv weight
     and bias vs q_proj/k_proj/v_proj; linear_fc1 vs gate_proj/up_proj). Rows are named like q3 (q row 3 of the HF
     tensor), k0, v15, gate7, up2."""
-    import torch
-
-    def sources(local, parts):
-        out = []
-        for row in local:
-            hit = [f"{name}{i}" for name, t in parts for i in range(t.shape[0]) if torch.equal(t[i], row)]
-            out.append(hit[0] if len(hit) == 1 else hit)
-        return out
-
     lm = next(p for p in ("model.language_model.layers.0", "model.layers.0") if f"{p}.mlp.up_proj.weight" in hf)
     layer = m.language_model.decoder.layers[0]
     qkv = layer.self_attention.linear_qkv
     return {
         "hf_prefix": lm,
-        "linear_qkv_weight": sources(qkv.weight, [(p, hf[f"{lm}.self_attn.{p}_proj.weight"]) for p in "qkv"]),
-        "linear_qkv_bias": sources(qkv.bias[:, None], [(p, hf[f"{lm}.self_attn.{p}_proj.bias"][:, None])
-                                                         for p in "qkv"]),
-        "linear_fc1_weight": sources(layer.mlp.linear_fc1.weight,
-                                     [(p, hf[f"{lm}.mlp.{p}_proj.weight"]) for p in ("gate", "up")]),
+        "linear_qkv_weight": matching_rows(qkv.weight, [(p, hf[f"{lm}.self_attn.{p}_proj.weight"]) for p in "qkv"]),
+        "linear_qkv_bias": matching_rows(qkv.bias[:, None], [(p, hf[f"{lm}.self_attn.{p}_proj.bias"][:, None])
+                                                             for p in "qkv"]),
+        "linear_fc1_weight": matching_rows(layer.mlp.linear_fc1.weight,
+                                           [(p, hf[f"{lm}.mlp.{p}_proj.weight"]) for p in ("gate", "up")]),
     }
 
 
@@ -830,7 +533,6 @@ def vision_names(m, hf: dict) -> dict:
 
 def cmd_layout(a, serving=False) -> int:
     apply_bridge_cpu_shims()
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -840,9 +542,8 @@ def cmd_layout(a, serving=False) -> int:
     try:
         bridge, provider = vl_provider(a.hf_dir, load_weights=True, tp=world)
         m = unwrap(build(provider)[0])
-        hf = hf_tensors(a.hf_dir)
-        state = {k: ({"shape": list(v.shape), "dtype": str(v.dtype)} if isinstance(v, torch.Tensor) else repr(v))
-                 for k, v in m.state_dict().items()}
+        hf = load_hf_tensors(a.hf_dir)
+        state = describe_state(m)
         mine = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(), "state_dict": state,
                 "sharded_state_dict": object_replicas(m, describe_sharded(m.sharded_state_dict())),
                 "row_sources": row_sources(m, hf)}
@@ -871,20 +572,11 @@ def cmd_layout(a, serving=False) -> int:
                "padded_vocab_rows": m.language_model.embedding.word_embeddings.weight.shape[0] * world,
                "hf_mrope_section": hf_mrope_section(a.hf_dir)}
         if a.ckpt:
-            from megatron.core import dist_checkpointing
-
             from oracles.common import resolve_iter_dir
 
             it = Path(resolve_iter_dir(a.ckpt))
-            out["stored"] = stored_detail(str(it))
-            common = dist_checkpointing.load_common_state_dict(str(it))
-            out["common_state"] = {k: repr(v)[:300] for k, v in common.items()}
-            rc = it / "run_config.yaml"
-            if rc.is_file():
-                import yaml
-
-                out["run_config_model"] = (yaml.safe_load(rc.read_text()) or {}).get("model")
-            out["files"] = sorted(str(p.relative_to(it.parent)) for p in it.parent.rglob("*") if p.is_file())
+            out["stored"] = dict(sorted(stored_detail(str(it)).items()))
+            out.update(describe_checkpoint(it))
     finally:
         end_parallel(serving)
     if rank == 0:
@@ -896,36 +588,11 @@ def cmd_layout(a, serving=False) -> int:
 
 
 def main(argv=None, serving=False) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("make")
-    sp.add_argument("hf_dir")
-    sp.add_argument("--seed", type=int, default=7)
-    sp = sub.add_parser("bridge-import")
-    sp.add_argument("hf_dir")
-    sp.add_argument("out_dir")
-    sp.add_argument("--pp", type=int, default=1, help="pipeline stages (TP = world size / PP)")
-    sp = sub.add_parser("judge")
-    sp.add_argument("megatron_dir")
-    sp.add_argument("--truth", required=True, help="Bridge's own import of --hf (bridge-import)")
-    sp.add_argument("--hf", required=True)
-    sp.add_argument("--tp", type=int, default=None, help="the TP the checkpoint must record")
-    sp.add_argument("--pp", type=int, default=None, help="the PP the checkpoint must record")
-    sp.add_argument("--atol", type=float, default=1e-4, help="logits vs transformers, max abs")
-    sp.add_argument("--allow-vocab-padding", action="store_true",
-                    help="stored vocab rows past Bridge's (unpadded) vocab are accepted if zero")
-    sp = sub.add_parser("mutate")
-    sp.add_argument("src")
-    sp.add_argument("dst")
-    sp.add_argument("--hf", required=True)
-    sp.add_argument("--kind", choices=MUTATIONS, required=True)
-    sp = sub.add_parser("layout")
-    sp.add_argument("hf_dir")
-    sp.add_argument("--ckpt", default=None)
-    sp.add_argument("--out", default=None)
+    p, cmds = bridge_oracle_parser(__doc__, MUTATIONS)
+    cmds["make"].add_argument("--seed", type=int, default=7)
     a = p.parse_args(argv)
     if a.cmd == "make":
-        return cmd_make(a)
+        return make_on_rank0(make, a)
     return {"bridge-import": cmd_bridge_import, "judge": cmd_judge, "layout": cmd_layout,
             "mutate": cmd_mutate}[a.cmd](a, serving)
 

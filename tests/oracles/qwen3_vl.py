@@ -137,7 +137,9 @@ The CPU stand-ins. Bridge builds Qwen3-VL only from Transformer Engine modules, 
     linear_fc2=TERowParallelLinear) for the merger and the deepstack mergers.
 The oracle swaps exactly those leaves, while the model is built (each swapped slot must hold the expected TE class:
 a changed Bridge or megatron-core spec fails instead of silently building something else; every patched name is
-restored afterwards), for plain-torch stand-ins with TE's parameter names, TE's _extra_state, megatron-core's TE
+restored afterwards), for plain-torch stand-ins (oracles/te_vl.py, shared with oracles/qwen25_vl.py: its classes, its
+CPU TESpecProvider for the language model, its patch of the GPT layer spec's backend and the block's final layernorm;
+the vision spec's swap is this oracle's) with TE's parameter names, TE's _extra_state, megatron-core's TE
 wrappers' sharded_state_dict (same make_sharded_tensors_for_checkpoint call, same TP axis map) and the class names
 of what they stand for (Bridge's AutoMapping picks a weight's TP split by its module's class name):
   * TENorm -> CpuTENorm, which, as TENorm.__new__, builds by config.normalization either oracles.te_cpu's RMSNorm
@@ -185,12 +187,9 @@ at TP > 1).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import functools
 import json
 import math
-import os
 import sys
 import time
 import zlib
@@ -198,20 +197,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
+from oracles import te_vl  # noqa: E402
 from oracles.common import (  # noqa: E402
     NON_MODEL_OBJECTS,
+    bridge_oracle_parser,
+    bridge_provider,
+    check_recorded,
     compare,
-    compare_stored,
+    describe_checkpoint,
     describe_sharded,
+    describe_state,
+    drop_objects,
     emit_layout,
+    finish_judge,
+    hf_file_tensors,
     init_dist,
-    model_objects,
+    judge_error,
+    judge_logits,
+    judge_stored,
+    load_hf_tensors,
+    make_on_rank0,
+    matching_rows,
+    object_replicas,
     run_program,
-    stored_metadata,
+    save_word_tokenizer,
+    size_vocab,
+    stored_detail,
     stored_parallel,
+    tensor_state,
     unwrap,
 )
-from oracles.te_cpu import apply_bridge_cpu_shims, load_strict  # noqa: E402
+from oracles.te_cpu import apply_bridge_cpu_shims, load_strict, load_to_mutate  # noqa: E402
 
 VOCAB = 300
 IMAGE, VIDEO, VSTART, VEND = 290, 291, 292, 293
@@ -258,354 +274,16 @@ def is_moe(hf_dir: str) -> bool:
 
 # ----------------------------------------------------------------------------- CPU stand-ins for TE
 
-_CLASSES = None
-
-
-def cpu_classes():
-    """The stand-in classes (built once, after megatron-core is importable); see the module docstring."""
-    global _CLASSES
-    if _CLASSES is not None:
-        return _CLASSES
-    import torch
-    import torch.nn.functional as F
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-    from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region,
-        reduce_from_tensor_model_parallel_region,
-    )
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
-    from megatron.core.utils import get_pg_rank, get_pg_size
-
-    from oracles import te_cpu
-
-    ExtraState, new_param, tp_of = te_cpu.ExtraState, te_cpu.new_param, te_cpu.tp_of
-    CpuRMSNorm = te_cpu.cpu_classes()["norm"]  # te.pytorch.RMSNorm as TENorm builds it (class name "RMSNorm")
-
-    def norm(x, config, weight, bias, eps):
-        if config.normalization == "RMSNorm":
-            return te_cpu.rms(x, weight, eps, config.layernorm_zero_centered_gamma)
-        assert config.normalization == "LayerNorm", config.normalization
-        w = weight + 1.0 if config.layernorm_zero_centered_gamma else weight
-        return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
-
-    def sharded(module, prefix, axes, sharded_offsets, metadata):  # megatron-core's TE wrappers' sharded_state_dict
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        return make_sharded_tensors_for_checkpoint(module.state_dict(prefix="", keep_vars=True), prefix, axes,
-                                                   sharded_offsets, tp_group=module._tp_group,
-                                                   dp_cp_group=metadata["dp_cp_group"])
-
-    def bias_out(module, out):  # TE's return_bias = skip_bias_add and bias (TELinear.__init__)
-        if module.bias is None:
-            return out, None
-        return (out, module.bias) if module.skip_bias_add else (out + module.bias, None)
-
-    class CpuTELayerNorm(ExtraState, torch.nn.Module):
-        """te.pytorch.LayerNorm as megatron-core's TENorm builds it (TE 2.x: an op, ``weight`` and ``bias``)."""
-        _extra = staticmethod(te_cpu.te_op_extra_state)
-
-        def __init__(self, config, hidden_size, eps=1e-5):
-            super().__init__()
-            self.config, self.eps = config, eps
-            self.weight = new_param((hidden_size,), config, value=0.0 if config.layernorm_zero_centered_gamma else 1.0)
-            self.bias = new_param((hidden_size,), config, value=0.0)
-            for p in (self.weight, self.bias):
-                p.sequence_parallel = config.sequence_parallel
-
-        def forward(self, x):
-            return norm(x, self.config, self.weight, self.bias, self.eps)
-
-    class CpuTENorm:
-        """megatron-core's TENorm: a factory choosing the TE norm by config.normalization."""
-
-        def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-            if config.normalization == "RMSNorm":
-                return CpuRMSNorm(config, hidden_size, eps)
-            assert config.normalization == "LayerNorm", config.normalization
-            return CpuTELayerNorm(config, hidden_size, eps)
-
-    class CpuTELayerNormColumnParallelLinear(ExtraState, torch.nn.Module):
-        """TELayerNormColumnParallelLinear: a norm (``layer_norm_weight``, ``layer_norm_bias`` with LayerNorm)
-        fused before a column-parallel linear (``weight``, ``bias``: TP axis 0)."""
-
-        def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add,
-                     is_expert, skip_weight_param_allocation=False, tp_comm_buffer_name=None, tp_group=None,
-                     stride=1, name=None):
-            super().__init__()
-            assert not gather_output and not is_expert and not skip_weight_param_allocation
-            self.config, self._tp_group, self.skip_bias_add = config, tp_of(tp_group), skip_bias_add
-            tp = self._tp_group.size()
-            self.eps = config.layernorm_epsilon
-            self.layer_norm_weight = new_param((input_size,), config,
-                                               value=0.0 if config.layernorm_zero_centered_gamma else 1.0)
-            self.layer_norm_bias = (new_param((input_size,), config, value=0.0)
-                                    if config.normalization == "LayerNorm" else None)
-            self.weight = new_param((output_size // tp, input_size), config, init_method)
-            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
-            self.bias = new_param((output_size // tp,), config, value=0.0) if bias else None
-            if self.bias is not None:
-                set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
-
-        def forward(self, x):
-            x = norm(x, self.config, self.layer_norm_weight, self.layer_norm_bias, self.eps)
-            x = copy_to_tensor_model_parallel_region(x, group=self._tp_group)
-            return bias_out(self, F.linear(x, self.weight))
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return sharded(self, prefix, {"weight": 0, "bias": 0}, sharded_offsets, metadata)
-
-    class CpuTEColumnParallelLinear(ExtraState, torch.nn.Module):
-        """TEColumnParallelLinear: ``weight``, ``bias`` TP axis 0."""
-
-        def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add,
-                     is_expert, skip_weight_param_allocation=False, tp_comm_buffer_name=None, tp_group=None,
-                     stride=1, name=None):
-            super().__init__()
-            assert not gather_output and not is_expert and not skip_weight_param_allocation
-            self.config, self._tp_group, self.skip_bias_add = config, tp_of(tp_group), skip_bias_add
-            tp = self._tp_group.size()
-            self.weight = new_param((output_size // tp, input_size), config, init_method)
-            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
-            self.bias = new_param((output_size // tp,), config, value=0.0) if bias else None
-            if self.bias is not None:
-                set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
-
-        def forward(self, x):
-            x = copy_to_tensor_model_parallel_region(x, group=self._tp_group)
-            return bias_out(self, F.linear(x, self.weight))
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return sharded(self, prefix, {"weight": 0, "bias": 0}, sharded_offsets, metadata)
-
-    class CpuTERowParallelLinear(ExtraState, torch.nn.Module):
-        """TERowParallelLinear: ``weight`` TP axis 1, ``bias`` replicated, added after the all-reduce."""
-
-        def __init__(self, input_size, output_size, *, config, init_method, bias, input_is_parallel, skip_bias_add,
-                     is_expert, tp_comm_buffer_name=None, tp_group=None, name=None):
-            super().__init__()
-            assert input_is_parallel and not is_expert
-            self.config, self._tp_group, self.skip_bias_add = config, tp_of(tp_group), skip_bias_add
-            tp = self._tp_group.size()
-            self.weight = new_param((output_size, input_size // tp), config, init_method)
-            set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
-            self.bias = new_param((output_size,), config, value=0.0) if bias else None
-
-        def forward(self, x):
-            return bias_out(self, reduce_from_tensor_model_parallel_region(F.linear(x, self.weight),
-                                                                           group=self._tp_group))
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return sharded(self, prefix, {"weight": 1}, sharded_offsets, metadata)
-
-    class CpuTEGroupedLinear(ExtraState, torch.nn.Module):
-        """megatron-core 0.19.2's TEGroupedLinear (te.pytorch.GroupedLinear) for the routed experts: ``weight0..N-1``
-        (one per local expert; N = experts / EP), no bias (add_bias_linear False), one TE module _extra_state (an
-        empty uint8 tensor without FP8). No communication: the expert TP split is explicit (explicit_expert_comm;
-        the MoE token dispatcher gathers and reduces), so each weight is the expert-TP shard. sharded_state_dict:
-        megatron-core's _sharded_state_dict_grouped, non-FP8 (each local expert i = global expert
-        ep_rank * N + i: its weight with an expert axis (ep_axis = len(sharded_offsets), global E) appended to the
-        offsets, the module's one _extra_state repeated as that expert's ShardedObject, ``_extra_state`` /
-        ``_extra_state1``.. in the dict; replica ids (PP, TP, expert-DP rank)); load: TE's merge_extra_states hook
-        for a non-FP8 checkpoint (the per-expert ``_extra_state1``.. popped; each checked as TE would)."""
-        parallel_mode = None
-
-        def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias, skip_bias_add,
-                     is_expert, tp_comm_buffer_name=None, pg_collection=None, name=None):
-            super().__init__()
-            assert is_expert and not bias, "TEGroupedLinear stand-in: experts without bias only"
-            if pg_collection is None:
-                pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-            self.config, self.num_gemms, self.use_bias = config, num_gemms, False
-            self._pg_collection, self._tp_group = pg_collection, pg_collection.expt_tp
-            tp = self._tp_group.size()
-            use_expert_pgs = (config.expert_model_parallel_size > 1
-                              or config.expert_tensor_parallel_size != config.tensor_model_parallel_size)
-            col = self.parallel_mode == "column"
-            shape = (output_size // tp, input_size) if col else (output_size, input_size // tp)
-            for i in range(num_gemms):  # as _set_expert_parameter_attributes
-                w = new_param(shape, config, init_method)
-                set_tensor_model_parallel_attributes(w, True, 0 if col else 1, 1)
-                w.allreduce = not use_expert_pgs
-                setattr(self, f"weight{i}", w)
-            self._register_load_state_dict_pre_hook(type(self)._merge_extra_states, with_module=True)
-
-        def _merge_extra_states(self, state_dict, prefix, *args):
-            if not any("_extra_state" in str(k) for k in state_dict):
-                return
-            try:
-                extra = [state_dict.pop(f"{prefix}_extra_state{i}") for i in range(1, self.num_gemms)]
-            except KeyError:
-                return  # "_extra_state{i}" only exists in a dist checkpoint
-            for i, st in enumerate(extra, 1):
-                te_cpu.te_accepts_extra_state(st, f"{prefix}_extra_state{i}")
-
-        def forward(self, x, m_splits):
-            parts = torch.split(x, [int(n) for n in m_splits])
-            return torch.cat([F.linear(p, getattr(self, f"weight{i}")) for i, p in enumerate(parts)]), None
-
-        def _sharded_state_dict_grouped(self, tp_axis_map, prefix="", sharded_offsets=(), metadata=None):
-            metadata = ensure_metadata_has_dp_cp_group(metadata)
-            singleton_local_shards = metadata.get("singleton_local_shards", False)
-            out = {}
-            full = self.state_dict(prefix="", keep_vars=True)
-            num_global = get_pg_size(self._pg_collection.ep) * self.num_gemms
-            offset = get_pg_rank(self._pg_collection.ep) * self.num_gemms
-            ep_axis = len(sharded_offsets)
-            extra_states = [full["_extra_state"]] * self.num_gemms  # _split_extra_state without FP8
-            for i in range(self.num_gemms):
-                g = offset + i
-                sd = {f"{i}.weight": full[f"weight{i}"], f"{i}._extra_state": extra_states[i]}
-                if singleton_local_shards:
-                    expert_prefix, offsets = f"{g}.{prefix}", sharded_offsets
-                else:
-                    expert_prefix, offsets = prefix, (*sharded_offsets, (ep_axis, g, num_global))
-                sub = make_sharded_tensors_for_checkpoint(sd, "", tp_axis_map, offsets, tp_group=self._tp_group,
-                                                          dp_cp_group=metadata["dp_cp_group"])
-                replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
-                out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
-                out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
-            for k, sh in out.items():
-                assert len(sh.replica_id) == 3, (k, sh.replica_id)
-                if isinstance(sh, ShardedObject):
-                    edp = get_pg_rank(getattr(self._pg_collection, "expt_dp_gtp_remat", self._pg_collection.expt_dp))
-                else:
-                    edp = get_pg_rank(self._pg_collection.expt_dp)
-                sh.replica_id = (*sh.replica_id[:2], edp)
-            return out
-
-    class CpuTEColumnParallelGroupedLinear(CpuTEGroupedLinear):
-        """TEColumnParallelGroupedLinear (experts' linear_fc1): weight{i} expert-TP axis 0."""
-        parallel_mode = "column"
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            axes = {}
-            for i in range(self.num_gemms):
-                axes.update({f"{i}.weight": 0, f"{i}.bias": 0})
-            return self._sharded_state_dict_grouped(axes, prefix, sharded_offsets, metadata)
-
-    class CpuTERowParallelGroupedLinear(CpuTEGroupedLinear):
-        """TERowParallelGroupedLinear (experts' linear_fc2): weight{i} expert-TP axis 1."""
-        parallel_mode = "row"
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return self._sharded_state_dict_grouped({f"{i}.weight": 1 for i in range(self.num_gemms)}, prefix,
-                                                    sharded_offsets, metadata)
-
-    class CpuTEDotProductAttention(ExtraState, DotProductAttention):
-        """TEDotProductAttention: megatron-core's local DotProductAttention, plus TE's packed (THD) attention."""
-
-        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                     softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None,
-                     **kwargs):
-            assert k_channels is None or k_channels == config.kv_channels, k_channels
-            assert v_channels is None or v_channels == config.kv_channels, v_channels
-            super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                             softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-
-        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None, **kwargs):
-            if packed_seq_params is None:
-                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                       attention_bias=attention_bias, packed_seq_params=None)
-            assert packed_seq_params.qkv_format == "thd" and attention_bias is None and attention_mask is None
-            assert packed_seq_params.cu_seqlens_q_padded is None and packed_seq_params.cu_seqlens_kv_padded is None
-            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-            assert mask_type in (AttnMaskType.no_mask, AttnMaskType.padding, AttnMaskType.causal), mask_type
-            cq = packed_seq_params.cu_seqlens_q.tolist()
-            ck = packed_seq_params.cu_seqlens_kv.tolist()
-            if key.shape[1] != query.shape[1]:  # GQA: [t, groups, d] -> [t, heads, d]
-                key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-                value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
-            out = torch.empty(query.shape[0], query.shape[1], value.shape[-1], dtype=query.dtype)
-            for i in range(len(cq) - 1):
-                q, k, v = query[cq[i]:cq[i + 1]], key[ck[i]:ck[i + 1]], value[ck[i]:ck[i + 1]]
-                scores = torch.einsum("shd,thd->hst", q.float(), k.float()) * self.softmax_scale
-                if mask_type == AttnMaskType.causal:
-                    sq, sk = scores.shape[-2:]
-                    scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1 + sk - sq),
-                                                float("-inf"))
-                probs = torch.softmax(scores, dim=-1)
-                out[cq[i]:cq[i + 1]] = torch.einsum("hst,thd->shd", probs, v.float()).to(query.dtype)
-            return out.reshape(out.shape[0], -1)
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            return {}  # TEDotProductAttention.sharded_state_dict in 0.19.2, softmax_type "vanilla": nothing
-
-    for cls, name in ((CpuTELayerNorm, "LayerNorm"), (CpuTENorm, "TENorm"),
-                      (CpuTELayerNormColumnParallelLinear, "TELayerNormColumnParallelLinear"),
-                      (CpuTEColumnParallelLinear, "TEColumnParallelLinear"),
-                      (CpuTERowParallelLinear, "TERowParallelLinear"),
-                      (CpuTEGroupedLinear, "TEGroupedLinear"),
-                      (CpuTEColumnParallelGroupedLinear, "TEColumnParallelGroupedLinear"),
-                      (CpuTERowParallelGroupedLinear, "TERowParallelGroupedLinear"),
-                      (CpuTEDotProductAttention, "TEDotProductAttention")):
-        cls.__name__ = cls.__qualname__ = name
-    _CLASSES = {"norm": CpuTENorm, "ln_col": CpuTELayerNormColumnParallelLinear, "col": CpuTEColumnParallelLinear,
-                "row": CpuTERowParallelLinear, "attn": CpuTEDotProductAttention,
-                "gcol": CpuTEColumnParallelGroupedLinear, "grow": CpuTERowParallelGroupedLinear}
-    return _CLASSES
-
-
-def cpu_backend():
-    """TESpecProvider's choices (megatron-core 0.19.2 extensions/transformer_engine_spec_provider.py) for a dense
-    GPT layer, with the CPU leaves."""
-    from megatron.core.models.backends import BackendSpecProvider
-
-    c = cpu_classes()
-
-    class CpuTESpecProvider(BackendSpecProvider):
-        def linear(self):
-            raise NotImplementedError("TELinear is not used by Qwen3-VL")
-
-        def column_parallel_linear(self):
-            return c["col"]
-
-        def row_parallel_linear(self):
-            return c["row"]
-
-        def fuse_layernorm_and_linear(self):
-            return True
-
-        def column_parallel_layer_norm_linear(self):
-            return c["ln_col"]
-
-        def layer_norm(self, rms_norm=False, for_qk=False, has_residual=False):
-            return c["norm"]  # TENorm (it picks RMSNorm / LayerNorm from config.normalization, not rms_norm)
-
-        def core_attention(self):
-            return c["attn"]
-
-        def grouped_mlp_modules(self, moe_use_grouped_gemm):
-            # TESpecProvider with TE >= 1.7 and grouped GEMM (Qwen3VLMoEModelProvider.provide always passes
-            # moe_grouped_gemm=True): megatron-core's own TEGroupedMLP over TEColumn/RowParallelGroupedLinear;
-            # activation_func would be TEActivationOp, built only with use_te_activation_func (False: asserted)
-            if not moe_use_grouped_gemm:
-                raise NotImplementedError("SequentialMLP of TE linears: not what Bridge builds for Qwen3-VL-MoE")
-            from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
-
-            return functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
-                linear_fc1=c["gcol"], linear_fc2=c["grow"], activation_func=None))
-
-        def activation_func(self):
-            return None
-
-    return CpuTESpecProvider()
-
 
 @contextlib.contextmanager
 def cpu_build_patches():
-    """While Bridge builds Qwen3-VL: the TE leaves of its specs swapped for the stand-ins (see the module
-    docstring); every name patched here is restored on exit (other oracles share a test worker)."""
+    """While Bridge builds Qwen3-VL: the TE leaves of its specs swapped for oracles.te_vl's stand-ins (see the module
+    docstring): the vision tower's and mergers' in Bridge's qwen3_vl model.py here, the language model's by
+    te_vl.gpt_build_patches; every name patched here is restored on exit (other oracles share a test worker)."""
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as vl_model
     from megatron.core.extensions import transformer_engine as te_ext
-    from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer import transformer_block
 
-    c = cpu_classes()
+    c = te_vl.cpu_classes()
     swap = {id(te_ext.TELayerNormColumnParallelLinear): c["ln_col"], id(te_ext.TEDotProductAttention): c["attn"],
             id(te_ext.TERowParallelLinear): c["row"], id(te_ext.TEColumnParallelLinear): c["col"],
             id(te_ext.TENorm): c["norm"]}
@@ -624,69 +302,32 @@ def cpu_build_patches():
     names = ("TENorm", "TEColumnParallelLinear", "TERowParallelLinear")
     for n in names:
         assert id(getattr(vl_model, n)) in swap, f"Bridge's qwen3_vl model.py: unexpected {n}={getattr(vl_model, n)!r}"
-    backend = cpu_backend()
-    saved = ({n: getattr(vl_model, n) for n in names}, vl_model.get_vit_layer_with_transformer_engine_spec,
-             gpt_layer_specs.TESpecProvider, transformer_block.LayerNormImpl)
+    saved = {n: getattr(vl_model, n) for n in names}, vl_model.get_vit_layer_with_transformer_engine_spec
     for n in names:
         setattr(vl_model, n, swap[id(getattr(vl_model, n))])
     vl_model.get_vit_layer_with_transformer_engine_spec = cpu_vit_spec
-    gpt_layer_specs.TESpecProvider = lambda: backend
-    transformer_block.LayerNormImpl = c["norm"]
     try:
-        yield
+        with te_vl.gpt_build_patches(te_vl.cpu_backend("Qwen3-VL")):
+            yield
     finally:
         for n, v in saved[0].items():
             setattr(vl_model, n, v)
-        (vl_model.get_vit_layer_with_transformer_engine_spec, gpt_layer_specs.TESpecProvider,
-         transformer_block.LayerNormImpl) = saved[1:]
+        vl_model.get_vit_layer_with_transformer_engine_spec = saved[1]
 
 
 # ----------------------------------------------------------------------------- the model
-
-
-def init_parallel(pp: int = 1, ep: int = 1) -> tuple[int, int]:
-    """The process group and megatron-core's groups: PP ``pp``, EP ``ep``, TP = world size / (PP * EP) (data
-    parallel = EP for the dense part). EP 1: oracles.common.init_dist, as the dense oracle always did."""
-    if ep == 1:
-        return init_dist(pp)
-    import socket
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(port))
-        dist.init_process_group(backend="gloo")
-    world = dist.get_world_size()
-    assert world % (pp * ep) == 0, f"world size {world} is not a multiple of PP * EP = {pp * ep}"
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world // (pp * ep),
-                                             pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
-    return dist.get_rank(), world
 
 
 def vl_provider(hf: str, load_weights: bool, tp: int, pp: int = 1, vocab_rows: int | None = None, ep: int = 1):
     """Bridge's Qwen3VLModelProvider (Qwen3VLMoEModelProvider for the MoE model) for ``hf`` on the CPU;
     ``vocab_rows`` sizes the embedding like a stored one. MoE: EP ``ep`` and MOE_CPU_SWITCHES (Bridge's values
     kept in _BRIDGE_SETTINGS, put back by save_as_bridge)."""
-    from megatron.bridge import AutoBridge
-
-    # a provider's attention backend sets NVTE_* selection variables; a shared worker's earlier job may leave them
-    for name in [k for k in os.environ if k.startswith(("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"))]:
-        del os.environ[name]
-    bridge = AutoBridge.from_hf_pretrained(hf)
-    provider = bridge.to_megatron_provider(load_weights=load_weights)  # dense: no kernel switch needs changing
+    bridge, provider = bridge_provider(hf, load_weights)  # dense: no kernel switch needs changing
     moe = bool(getattr(provider, "num_moe_experts", None))
     assert moe == is_moe(hf), (type(provider).__name__, hf_arch(hf))
     assert ep == 1 or moe, "--ep needs the MoE model"
     provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size = tp, pp
-    if vocab_rows is not None and vocab_rows != provider.vocab_size:  # a checkpoint with padded vocab rows
-        provider.should_pad_vocab = False
-        provider.vocab_size = vocab_rows
+    size_vocab(provider, vocab_rows)
     if moe:
         assert not provider.use_te_activation_func and not provider.fused_residual_rmsnorm
         assert not provider.moe_shared_expert_intermediate_size and provider.moe_grouped_gemm
@@ -736,28 +377,9 @@ def hf_config(moe: bool = False):
                architectures=[arch])
 
 
-def cmd_make(a) -> int:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:  # a served worker of several ranks: rank 0 makes it
-        try:
-            return make(a) if dist.get_rank() == 0 else 0
-        finally:
-            dist.barrier()
-    return make(a)
-
-
 def make(a) -> int:
     import torch
-    from safetensors import safe_open
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLMoeForConditionalGeneration,
-    )
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
     t0 = time.time()
     out = Path(a.hf_dir)
@@ -796,16 +418,8 @@ def make(a) -> int:
             if k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
                 tensors[k] = tensors[k].transpose(1, 2).contiguous()
         save_file(tensors, str(files[0]), metadata={"format": "pt"})
-    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t3", pad_token="t0", eos_token="t1",
-                            bos_token="t2").save_pretrained(out)
-    saved = {}
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            for k in sf.keys():
-                t = sf.get_slice(k)
-                saved[k] = {"shape": list(t.get_shape()), "dtype": t.get_dtype()}
+    save_word_tokenizer(out, VOCAB)
+    saved = hf_file_tensors(out)
     info = {"made": str(out), "architecture": config.architectures[0], "files": sorted(p.name for p in out.iterdir()),
             "saved": saved}
     if a.moe:  # the fused experts as save_pretrained stored them vs the in-memory (transformers') layout
@@ -830,7 +444,7 @@ def cmd_bridge_import(a, serving=False) -> int:
     apply_bridge_cpu_shims()
     from oracles.common import end_parallel
 
-    rank, world = init_parallel(a.pp, a.ep)
+    rank, world = init_dist(a.pp, a.ep)
     tp = world // (a.pp * a.ep)
     try:
         bridge, provider = vl_provider(a.hf_dir, load_weights=True, tp=tp, pp=a.pp, ep=a.ep)
@@ -845,13 +459,6 @@ def cmd_bridge_import(a, serving=False) -> int:
 
 
 # ----------------------------------------------------------------------------- judge
-
-
-def tensor_state(model) -> dict:
-    import torch
-
-    return {k: v.detach() for k, v in unwrap(model[0]).state_dict().items() if isinstance(v, torch.Tensor)
-            and not k.endswith("_extra_state")}
 
 
 def judge_inputs():
@@ -945,42 +552,16 @@ def stored_ep(iter_dir: Path) -> int | None:
     return None
 
 
-def compare_stored_padded(iter_dir: Path, truth_dir: Path) -> tuple[list[str], dict]:
-    """oracles.common.compare_stored with this model's (prefixed) vocab tensors: stored rows past Bridge's must be
-    zero and are cut off before the bit-for-bit comparison."""
-    import torch
-    from megatron.core import dist_checkpointing
-
-    def plain(d):
-        return {k: v for k, v in dist_checkpointing.load_plain_tensors(str(d)).items() if isinstance(v, torch.Tensor)}
-
-    got, want = plain(iter_dir), plain(truth_dir)
-    problems = []
-    for k in (EMB, OUT):
-        if k in got and k in want and got[k].shape[0] > want[k].shape[0] and got[k].shape[1:] == want[k].shape[1:]:
-            n = want[k].shape[0]
-            if torch.count_nonzero(got[k][n:]):
-                problems.append(f"stored: {k} vocab padding rows {n}..{got[k].shape[0]} not zero")
-            got[k] = got[k][:n]
-    problems += compare(got, want, "stored vs Bridge import")
-    mine, theirs = model_objects(stored_metadata(str(iter_dir))), model_objects(stored_metadata(str(truth_dir)))
-    problems += [f"stored: _extra_state object missing: {k}" for k in sorted(theirs - mine)]
-    problems += [f"stored: unexpected object: {k}" for k in sorted(mine - theirs)]
-    return problems, {"stored_tensors": len(got), "stored_objects": len(mine)}
-
-
 def cmd_judge(a, serving=False) -> int:
     t0 = time.time()
     apply_bridge_cpu_shims()
-    import torch.distributed as dist
-
-    from oracles.common import end_parallel, is_legacy, resolve_iter_dir
+    from oracles.common import is_legacy, resolve_iter_dir
 
     iter_dir, truth_dir = Path(resolve_iter_dir(a.megatron_dir)), Path(resolve_iter_dir(a.truth))
     moe = is_moe(a.hf)
     if a.ep > 1 and not moe:
         raise SystemExit("judge --ep: the MoE model only")
-    rank, world = init_parallel(1, a.ep)
+    rank, world = init_dist(1, a.ep)
     tp = world // a.ep
     problems: list[str] = []
     info: dict = {"judged": str(iter_dir), "truth": str(truth_dir), "model": hf_arch(a.hf), "load_tp": tp}
@@ -990,23 +571,12 @@ def cmd_judge(a, serving=False) -> int:
         if is_legacy(iter_dir):
             raise RuntimeError("a legacy (mp_rank_*) checkpoint: this judge reads torch_dist only")
         info["stored_tp"], info["stored_pp"] = stored_parallel(iter_dir)
-        wants = [("tp", a.tp), ("pp", a.pp)]
+        wants = {"tp": a.tp, "pp": a.pp}
         if moe:
             info["stored_ep"] = stored_ep(iter_dir)
-            wants.append(("ep", a.expect_ep))
-        for what, want in wants:
-            if want is not None and info[f"stored_{what}"] != want:
-                problems.append(f"checkpoint records {what.upper()}={info[f'stored_{what}']}, expected {want}")
-        meta = stored_metadata(str(iter_dir))
-        rows = None
-        if meta.get(EMB) is None:
-            problems.append(f"stored: no {EMB}")
-        else:
-            rows = meta[EMB][0]
-        sp, si = (compare_stored_padded(iter_dir, truth_dir) if a.allow_vocab_padding
-                  else compare_stored(iter_dir, truth_dir, False))
-        problems += sp
-        info.update(si)
+            wants["ep"] = a.expect_ep
+        check_recorded(info, problems, wants)
+        rows = judge_stored(iter_dir, truth_dir, info, problems, a.allow_vocab_padding, (EMB, OUT))
         _, provider = vl_provider(a.hf, load_weights=False, tp=tp, vocab_rows=rows, ep=a.ep)
         model = build(provider)
         load_strict(model, iter_dir, problems)
@@ -1026,29 +596,11 @@ def cmd_judge(a, serving=False) -> int:
         info["logits_max_abs_diff_vs_hf_raw"] = (raw - hlog).abs().max().item()
         info["exact_gelu_modules"] = exact_gelu_mergers(model)
         exact_gelu_mergers(ref)
-        mlog = megatron_logits(model, inputs)[..., :VOCAB]
-        rlog = megatron_logits(ref, inputs)[..., :VOCAB]
-        diff = (mlog - hlog).abs().max().item()
-        info["logits_max_abs_diff_vs_hf"] = diff
-        info["logits_max_abs_diff_vs_bridge_model"] = (mlog - rlog).abs().max().item()
-        info["logits_scale"] = hlog.abs().max().item()
-        if not diff <= a.atol:
-            problems.append(f"logits differ from transformers' by {diff:.3g} (atol {a.atol}; merger GELU made exact)")
-        info["argmax_agreement"] = (mlog.argmax(-1) == hlog.argmax(-1)).float().mean().item()
+        judge_logits(info, problems, megatron_logits(model, inputs)[..., :VOCAB],
+                     megatron_logits(ref, inputs)[..., :VOCAB], hlog, a.atol, "; merger GELU made exact")
     except Exception as e:  # noqa: BLE001 - a refused load is a verdict, not a crash
-        import traceback
-
-        traceback.print_exc()
-        problems.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500])
-    finally:
-        every = [None] * world
-        dist.all_gather_object(every, problems)  # every rank's verdict, reported by rank 0
-        end_parallel(serving)
-    problems = [p if r == 0 else f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
-    info.update(ok=not problems, problems=problems[:50], n_problems=len(problems), seconds=round(time.time() - t0, 2))
-    if rank == 0:
-        print(json.dumps(info), flush=True)
-    return 0 if not problems else 1
+        problems.append(judge_error(e))
+    return finish_judge(info, problems, world, rank, serving, t0)
 
 
 # ----------------------------------------------------------------------------- mutate
@@ -1059,7 +611,7 @@ def cmd_mutate(a, serving=False) -> int:
     apply_bridge_cpu_shims()
     import torch
 
-    from oracles.common import end_parallel, resolve_iter_dir
+    from oracles.common import end_parallel
 
     if a.kind in MOE_MUTATIONS and not is_moe(a.hf):
         raise SystemExit(f"mutate --kind {a.kind}: the MoE model only")
@@ -1067,10 +619,7 @@ def cmd_mutate(a, serving=False) -> int:
     try:
         bridge, provider = vl_provider(a.hf, load_weights=False, tp=world)
         model = build(provider)
-        problems: list[str] = []
-        load_strict(model, Path(resolve_iter_dir(a.src)), problems)
-        assert not problems, problems
-        m = unwrap(model[0])
+        m = load_to_mutate(model, a.src)
         vis = m.vision_model
         if a.kind in MOE_MUTATIONS:
             lm = m.language_model.decoder.layers
@@ -1121,14 +670,8 @@ def cmd_mutate(a, serving=False) -> int:
         drop = {"drop_object": lambda k: k == "vision_model.merger.linear_fc2._extra_state",
                 "drop_expert_object": lambda k: ".mlp.experts.linear_fc2._extra_state" in k}
         if a.kind in drop:
-            orig = m.sharded_state_dict
-            assert any(drop[a.kind](k) for k in orig()), a.kind
-
-            def dropped(*args, **kw):
-                sd = orig(*args, **kw)
-                return {k: v for k, v in sd.items() if not drop[a.kind](k)}
-
-            m.sharded_state_dict = dropped
+            assert any(drop[a.kind](k) for k in m.sharded_state_dict()), a.kind
+            drop_objects(m, drop[a.kind])
         save_as_bridge(bridge, model, a.dst, a.hf, provider)
     finally:
         end_parallel(serving)
@@ -1138,27 +681,6 @@ def cmd_mutate(a, serving=False) -> int:
 
 
 # ----------------------------------------------------------------------------- layout
-
-
-def stored_detail(iter_dir: str) -> dict:
-    """The checkpoint's .metadata: {key: {"shape", "dtype"}} for tensors, "object" for bytes items."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = FileSystemReader(iter_dir).read_metadata()
-    return {k: ({"shape": list(v.size), "dtype": str(v.properties.dtype)} if isinstance(v, TensorStorageMetadata)
-                else "object") for k, v in sorted(md.state_dict_metadata.items())}
-
-
-def object_replicas(m, described: dict) -> dict:
-    """describe_sharded's objects (and ShardedTensorFactory entries: the MoE SwiGLU linear_fc1) with their replica
-    ids (which ranks write each _extra_state / factory's tensors)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
-
-    for k, v in m.sharded_state_dict().items():
-        if isinstance(v, (ShardedObject, ShardedTensorFactory)):
-            described[k]["replica_id"] = list(v.replica_id) if isinstance(v.replica_id, tuple) else v.replica_id
-    return described
 
 
 def mapping_table(bridge, m) -> dict:
@@ -1191,34 +713,22 @@ def row_sources(m, hf_dir: str) -> dict:
     """For the fused tensors of this rank: which HF rows each local row holds (vision layer 0 linear_qkv weight
     and bias vs attn.qkv; language layer 0 linear_qkv vs q_proj/k_proj/v_proj; linear_fc1 vs gate_proj/up_proj).
     Rows are named like q3 (q row 3 of the HF tensor), k0, v15, gate7, up2."""
-    import torch
-    from safetensors.torch import load_file
-
-    hf = {}
-    for f in sorted(Path(hf_dir).glob("*.safetensors")):
-        hf.update(load_file(str(f)))
-
-    def sources(local, parts):
-        out = []
-        for row in local:
-            hit = [f"{name}{i}" for name, t in parts for i in range(t.shape[0]) if torch.equal(t[i], row)]
-            out.append(hit[0] if len(hit) == 1 else hit)
-        return out
-
+    hf = load_hf_tensors(hf_dir)
     vq = "model.visual.blocks.0.attn.qkv"
     vh = VISION["hidden_size"]
     lm = "model.language_model.layers.0"
     vis = m.vision_model.decoder.layers[0].self_attention.linear_qkv
     lang = m.language_model.decoder.layers[0]
     return {
-        "vision_linear_qkv_weight": sources(vis.weight, [(p, hf[f"{vq}.weight"][j * vh:(j + 1) * vh])
-                                                         for j, p in enumerate("qkv")]),
-        "vision_linear_qkv_bias": sources(vis.bias[:, None], [(p, hf[f"{vq}.bias"][j * vh:(j + 1) * vh, None])
+        "vision_linear_qkv_weight": matching_rows(vis.weight, [(p, hf[f"{vq}.weight"][j * vh:(j + 1) * vh])
                                                                for j, p in enumerate("qkv")]),
-        "language_linear_qkv_weight": sources(lang.self_attention.linear_qkv.weight,
-                                              [(p, hf[f"{lm}.self_attn.{p}_proj.weight"]) for p in "qkv"]),
-        "language_linear_fc1_weight": sources(lang.mlp.linear_fc1.weight,
-                                              [(p, hf[f"{lm}.mlp.{p}_proj.weight"]) for p in ("gate", "up")]),
+        "vision_linear_qkv_bias": matching_rows(vis.bias[:, None],
+                                                [(p, hf[f"{vq}.bias"][j * vh:(j + 1) * vh, None])
+                                                 for j, p in enumerate("qkv")]),
+        "language_linear_qkv_weight": matching_rows(lang.self_attention.linear_qkv.weight,
+                                                    [(p, hf[f"{lm}.self_attn.{p}_proj.weight"]) for p in "qkv"]),
+        "language_linear_fc1_weight": matching_rows(lang.mlp.linear_fc1.weight,
+                                                    [(p, hf[f"{lm}.mlp.{p}_proj.weight"]) for p in ("gate", "up")]),
     }
 
 
@@ -1226,27 +736,15 @@ def moe_row_sources(m, hf_dir: str) -> dict:
     """MoE, language layer 0 on this rank: which HF rows each row of each local expert's linear_fc1 holds (named
     e2.gate7: row 7 of expert 2's gate half, whichever orientation the HF file stores), which HF down_proj column
     each column of linear_fc2 holds (e2.down5), and the router's rows (gate3: row 3 of mlp.gate.weight)."""
-    import torch
     from megatron.core import parallel_state
-    from safetensors.torch import load_file
 
-    hf = {}
-    for f in sorted(Path(hf_dir).glob("*.safetensors")):
-        hf.update(load_file(str(f)))
+    hf = load_hf_tensors(hf_dir)
     lm = "model.language_model.layers.0.mlp."
     E, F, H = MOE["num_experts"], MOE["moe_intermediate_size"], TEXT["hidden_size"]
     gate_up, down = hf[f"{lm}experts.gate_up_proj"], hf[f"{lm}experts.down_proj"]
     if tuple(gate_up.shape) == (E, H, 2 * F):  # the releases' orientation -> transformers' [E, 2F, H] / [E, H, F]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     assert tuple(gate_up.shape) == (E, 2 * F, H) and tuple(down.shape) == (E, H, F), (gate_up.shape, down.shape)
-
-    def sources(local, parts):
-        out = []
-        for row in local:
-            hit = [f"{name}{i}" for name, t in parts for i in range(t.shape[0]) if torch.equal(t[i], row)]
-            out.append(hit[0] if len(hit) == 1 else hit)
-        return out
-
     mlp = m.language_model.decoder.layers[0].mlp
     n = mlp.experts.num_local_experts
     first = parallel_state.get_expert_model_parallel_rank() * n
@@ -1254,11 +752,11 @@ def moe_row_sources(m, hf_dir: str) -> dict:
                  for j, half in enumerate(("gate", "up"))]
     down_parts = [(f"e{e}.down", down[e].t()) for e in range(E)]
     out = {"local_experts": list(range(first, first + n)),
-           "router_weight": sources(mlp.router.weight, [("gate", hf[f"{lm}gate.weight"])])}
+           "router_weight": matching_rows(mlp.router.weight, [("gate", hf[f"{lm}gate.weight"])])}
     for i in range(n):
-        out[f"experts.linear_fc1.weight{i}"] = sources(getattr(mlp.experts.linear_fc1, f"weight{i}"), fc1_parts)
-        out[f"experts.linear_fc2.weight{i}_columns"] = sources(getattr(mlp.experts.linear_fc2, f"weight{i}").t(),
-                                                               down_parts)
+        fc1, fc2 = getattr(mlp.experts.linear_fc1, f"weight{i}"), getattr(mlp.experts.linear_fc2, f"weight{i}")
+        out[f"experts.linear_fc1.weight{i}"] = matching_rows(fc1, fc1_parts)
+        out[f"experts.linear_fc2.weight{i}_columns"] = matching_rows(fc2.t(), down_parts)
     return out
 
 
@@ -1327,22 +825,20 @@ def stored_summary(ranks: list[dict], stored: dict | None) -> dict:
 
 def cmd_layout(a, serving=False) -> int:
     apply_bridge_cpu_shims()
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     from oracles.common import end_parallel
 
     moe = is_moe(a.hf_dir)
-    rank, world = init_parallel(1, a.ep)
+    rank, world = init_dist(1, a.ep)
     tp = world // a.ep
     try:
         bridge, provider = vl_provider(a.hf_dir, load_weights=True, tp=tp, ep=a.ep)
         m = unwrap(build(provider)[0])
-        state = {k: ({"shape": list(v.shape), "dtype": str(v.dtype)} if isinstance(v, torch.Tensor) else repr(v))
-                 for k, v in m.state_dict().items()}
+        state = describe_state(m)
         mine = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(), "state_dict": state,
-                "sharded_state_dict": object_replicas(m, describe_sharded(m.sharded_state_dict()))}
+                "sharded_state_dict": object_replicas(m, describe_sharded(m.sharded_state_dict()), factories=True)}
         if moe:
             mine.update(ep_rank=parallel_state.get_expert_model_parallel_rank(),
                         dp_rank=parallel_state.get_data_parallel_rank(),
@@ -1375,20 +871,11 @@ def cmd_layout(a, serving=False) -> int:
         if moe:
             out["cpu_switches"] = {"bridge": _BRIDGE_SETTINGS.get(id(provider)), "cpu_build": MOE_CPU_SWITCHES}
         if a.ckpt:
-            from megatron.core import dist_checkpointing
-
             from oracles.common import resolve_iter_dir
 
             it = Path(resolve_iter_dir(a.ckpt))
-            out["stored"] = stored_detail(str(it))
-            common = dist_checkpointing.load_common_state_dict(str(it))
-            out["common_state"] = {k: repr(v)[:300] for k, v in common.items()}
-            rc = it / "run_config.yaml"
-            if rc.is_file():
-                import yaml
-
-                out["run_config_model"] = (yaml.safe_load(rc.read_text()) or {}).get("model")
-            out["files"] = sorted(str(p.relative_to(it.parent)) for p in it.parent.rglob("*") if p.is_file())
+            out["stored"] = dict(sorted(stored_detail(str(it)).items()))
+            out.update(describe_checkpoint(it))
         out["summary"] = stored_summary(every, out.get("stored"))
     finally:
         end_parallel(serving)
@@ -1401,43 +888,20 @@ def cmd_layout(a, serving=False) -> int:
 
 
 def main(argv=None, serving=False) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("make")
-    sp.add_argument("hf_dir")
-    sp.add_argument("--seed", type=int, default=7)
-    sp.add_argument("--moe", action="store_true", help="Qwen3VLMoeForConditionalGeneration (MOE) instead")
-    sp.add_argument("--release-layout", action="store_true",
-                    help="MoE: store the fused experts transposed, as the Hub releases ([E, H, 2F] / [E, F, H])")
-    sp = sub.add_parser("bridge-import")
-    sp.add_argument("hf_dir")
-    sp.add_argument("out_dir")
-    sp.add_argument("--pp", type=int, default=1, help="pipeline stages (TP = world size / (PP * EP))")
-    sp.add_argument("--ep", type=int, default=1, help="expert parallel (MoE model only)")
-    sp = sub.add_parser("judge")
-    sp.add_argument("megatron_dir")
-    sp.add_argument("--truth", required=True, help="Bridge's own import of --hf (bridge-import)")
-    sp.add_argument("--hf", required=True)
-    sp.add_argument("--tp", type=int, default=None, help="the TP the checkpoint must record")
-    sp.add_argument("--pp", type=int, default=None, help="the PP the checkpoint must record")
-    sp.add_argument("--atol", type=float, default=1e-4, help="logits vs transformers, max abs")
-    sp.add_argument("--allow-vocab-padding", action="store_true",
-                    help="stored vocab rows past Bridge's (unpadded) vocab are accepted if zero")
-    sp.add_argument("--ep", type=int, default=1, help="MoE: load at expert parallel N (TP = world size / N)")
-    sp.add_argument("--expect-ep", type=int, default=None, help="MoE: the EP the checkpoint must record")
-    sp = sub.add_parser("mutate")
-    sp.add_argument("src")
-    sp.add_argument("dst")
-    sp.add_argument("--hf", required=True)
-    sp.add_argument("--kind", choices=MUTATIONS + MOE_MUTATIONS, required=True)
-    sp = sub.add_parser("layout")
-    sp.add_argument("hf_dir")
-    sp.add_argument("--ckpt", default=None)
-    sp.add_argument("--out", default=None)
-    sp.add_argument("--ep", type=int, default=1, help="MoE: expert parallel N (TP = world size / N)")
+    p, cmds = bridge_oracle_parser(__doc__, MUTATIONS + MOE_MUTATIONS,
+                                   pp_help="pipeline stages (TP = world size / (PP * EP))")
+    cmds["make"].add_argument("--seed", type=int, default=7)
+    cmds["make"].add_argument("--moe", action="store_true", help="Qwen3VLMoeForConditionalGeneration (MOE) instead")
+    cmds["make"].add_argument("--release-layout", action="store_true",
+                              help="MoE: store the fused experts transposed, as the Hub releases ([E, H, 2F] / "
+                                   "[E, F, H])")
+    cmds["bridge-import"].add_argument("--ep", type=int, default=1, help="expert parallel (MoE model only)")
+    cmds["judge"].add_argument("--ep", type=int, default=1, help="MoE: load at expert parallel N (TP = world size / N)")
+    cmds["judge"].add_argument("--expect-ep", type=int, default=None, help="MoE: the EP the checkpoint must record")
+    cmds["layout"].add_argument("--ep", type=int, default=1, help="MoE: expert parallel N (TP = world size / N)")
     a = p.parse_args(argv)
     if a.cmd == "make":
-        return cmd_make(a)
+        return make_on_rank0(make, a)
     return {"bridge-import": cmd_bridge_import, "judge": cmd_judge, "layout": cmd_layout,
             "mutate": cmd_mutate}[a.cmd](a, serving)
 

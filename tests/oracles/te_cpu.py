@@ -1,7 +1,8 @@
 """CPU stand-ins for Transformer Engine: the TE-less import of Megatron-Bridge's LoRA layers, TE's ``_extra_state``
 as TE saves and checks it, and plain-torch modules with the names, TP splits and state of the TE classes Megatron-Bridge
-builds (its Gemma 3 spec, reused by the Nemotron-H and Qwen3-Next judges). Used only where TE is absent: the oracles
-say so."""
+builds (its Gemma 3 spec, reused by the Nemotron-H and Qwen3-Next judges; the Qwen VL models' are oracles/te_vl.py's,
+built on these); a checkpoint loaded strictly into such a model (load_strict; load_to_mutate, a mutation's source).
+Used only where TE is absent: the oracles say so."""
 from __future__ import annotations
 
 import copy
@@ -15,7 +16,7 @@ import sys
 import types
 from pathlib import Path
 
-from oracles.common import apply_cpu_shims, is_legacy, unwrap
+from oracles.common import apply_cpu_shims, is_legacy, resolve_iter_dir, unwrap
 
 LORA = "megatron.bridge.peft.lora_layers"
 
@@ -301,3 +302,12 @@ def load_strict(model, iter_dir: Path, problems: list[str]) -> None:
     # (TEDotProductAttention's; the tied output layer's) may be absent; every other key must be there
     problems += [f"load_state_dict: missing {k}" for k in res.missing_keys if not k.endswith("._extra_state")]
     problems += [f"load_state_dict: unexpected {k}" for k in res.unexpected_keys]
+
+
+def load_to_mutate(model, src: str):
+    """A mutation's source: the checkpoint at ``src`` (its root or an iteration directory) loaded into ``model`` as
+    load_strict loads it, with nothing wrong; returns the first chunk's module, to be changed and saved."""
+    problems: list[str] = []
+    load_strict(model, Path(resolve_iter_dir(src)), problems)
+    assert not problems, problems
+    return unwrap(model[0])

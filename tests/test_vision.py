@@ -302,3 +302,26 @@ def test_qwen3_vl_moe_at_ep2_judged_by_bridge_and_back(qwen3_vl_moe, tmp_path):
     ok(run_cli("reshard", str(tmp_path / "tp2"), str(again), "--dst-format", "hf", nproc=2))
     c = load_file(str(again / "model.safetensors"))
     assert set(b) == set(c) and all(torch.equal(b[k], c[k]) for k in b)
+
+
+def test_lora_of_the_language_model_merges_into_a_vision_language_model(qwen3_vl, tmp_path):
+    """A peft adapter on Qwen3-VL's language model (peft's own, every projection) merged while importing to
+    torch_dist TP=2, then exported to HF: bit for bit peft's merge_and_unload, the tower untouched."""
+    hf, _ = qwen3_vl
+
+    def peft(cmd: str, *args: str) -> None:
+        oracle(cmd, 1, *args, program="peft_lora", runtime="mcore19")
+
+    peft("make", "--hf", str(hf), "--out", str(tmp_path / "adapter"))
+    peft("merge", "--hf", str(hf), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "truth"))
+    ok(run_cli("reshard", str(hf), str(tmp_path / "tp2"), "--dst-format", "torch_dist", "--target-tp", "2",
+               "--lora", str(tmp_path / "adapter"), nproc=2))
+    ok(run_cli("reshard", str(tmp_path / "tp2"), str(tmp_path / "back"), "--dst-format", "hf", nproc=2))
+    from safetensors.torch import load_file
+
+    want, got = load_file(str(tmp_path / "truth" / "model.safetensors")), load_file(
+        str(tmp_path / "back" / "model.safetensors"))
+    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+    base = load_file(str(hf / "model.safetensors"))
+    assert all(torch.equal(base[k], got[k]) for k in base if k.startswith("model.visual."))
+    assert any(not torch.equal(base[k], got[k]) for k in base if ".self_attn.q_proj." in k)

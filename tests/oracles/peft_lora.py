@@ -97,11 +97,16 @@ def report(problems: list[str], what: str) -> int:
 
 
 def load_base(hf_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    """The HF model as its config.json's architecture (a vision-language model is no AutoModelForCausalLM)."""
+    import transformers
+
+    arch = (json.loads((Path(hf_dir) / "config.json").read_text()).get("architectures") or [""])[0]
+    cls = getattr(transformers, arch, None) if arch.endswith("ForConditionalGeneration") else None
+    return (cls or AutoModelForCausalLM).from_pretrained(hf_dir, dtype=torch.float32).eval()
 
 
 def fixed_tokens(model: torch.nn.Module) -> torch.Tensor:
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size  # a vision-language model's language model's
     return torch.arange(2 * 16).reshape(2, 16) % vocab
 
 

@@ -21,7 +21,7 @@ from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features.expressed import ANY, Allowed
 from ..features.vision import Vision
-from .base import DTYPE_NAMES, Family, HFTensors, Imported, Name, base_config, get
+from .base import DTYPE_NAMES, Family, Imported, Name, base_config, get
 from .hf_keys import unmapped
 
 UNPADDED = 1
@@ -167,12 +167,6 @@ class VisionLanguage(Family):
     def optional_sets(self, cfg: ModelConfig) -> dict[str, tuple[list[str], bool]]:
         return {k: ([self.lm_name(n) for n in names], default)
                 for k, (names, default) in self.text.optional_sets(cfg).items()}
-
-    def stored_copies(self, cfg: ModelConfig, found: Collection[str]) -> dict[str, list[str]]:
-        return {}
-
-    def alternatives(self, cfg: ModelConfig, found: Collection[str], expected: HFTensors) -> HFTensors:
-        return {}
 
 
 def token_expresses(fields: Collection[str]) -> dict[str, Allowed]:

@@ -249,9 +249,11 @@ class ModelConfig:
         if self.vision is None:
             return
         flag = "--target-tp" if what == "target" else "the source layout"
-        if self.vision.heads % layout.tp:
-            raise ConvertError(f"{what} TP={layout.tp} does not divide the vision tower's {self.vision.heads} heads",
-                               f"choose {flag} among the divisors of {self.vision.heads}")
+        v = self.vision
+        for name, n in (("heads", v.heads), ("MLP size", v.ffn)) if v.tower == "qwen3_vl" else ():  # split over TP
+            if n % layout.tp:
+                raise ConvertError(f"{what} TP={layout.tp} does not divide the vision tower's {name} {n}",
+                                   f"choose {flag} among the divisors of {n}")
         first = next(n for p, v, _, n in layout.model_chunks(self.num_layers) if (p, v) == (0, 0))
         need = len(self.vision.deepstack)
         if first < need:

@@ -73,7 +73,7 @@ def test_refusals():
     with pytest.raises(ConvertError, match="deepstack features feed language layers 0-1.*--target-num-layers-in-first"):
         cfg.check_layout(Layout(tp=1, pp=4))
     cfg.check_layout(Layout(tp=1, pp=2, first=2))
-    with pytest.raises(ConvertError, match="does not divide the vision tower's 2 heads"):
+    with pytest.raises(ConvertError, match="does not divide the vision tower's heads 2"):
         cfg.check_layout(Layout(tp=4, pp=1))
     with pytest.raises(ConvertError, match="mrope_section"):
         config_from_hf({**QWEN3_VL, "text_config": {**QWEN3_VL["text_config"], "rope_parameters": {
@@ -83,6 +83,33 @@ def test_refusals():
     with pytest.raises(ConvertError, match="deepstack_visual_indexes"):
         config_from_hf({**QWEN3_VL, "vision_config": {**QWEN3_VL["vision_config"], "deepstack_visual_indexes": [3]}},
                        None)
+
+
+def test_the_releases_config_spellings():
+    """Qwen2.5-VL's releases keep transformers 4's flat config.json (the language model at the top, RoPE as
+    rope_scaling type mrope): read as the nested one. Gemma 3's releases state in text_config only what differs from
+    Gemma3TextConfig's defaults. A missing fullatt_block_indexes is transformers' default, not "none"."""
+    from dist_convert.models.qwen25_vl import FULL_LAYERS
+
+    text = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "attention_bias": False}
+    vision = {"depth": 32, "hidden_size": 32, "num_heads": 2, "intermediate_size": 48, "out_hidden_size": 64}
+    nested = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "vision_config": vision, "text_config": {
+        **text, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}}}
+    flat = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "vision_config": vision, **text,
+            "rope_theta": 1e6, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    a, b = config_from_hf(nested, None)[0], config_from_hf(flat, None)[0]
+    assert a == b and a.vision.full_layers == FULL_LAYERS and a.position.mrope_section == (2, 3, 3)
+    sparse = {"architectures": ["Gemma3ForConditionalGeneration"], "mm_tokens_per_image": 256,
+              "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                              "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+              "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                                "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14,
+                                "vision_use_head": False}}
+    cfg = config_from_hf(sparse, None)[0]
+    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.vocab_size) == (8, 4, 256, 262208)
+    assert (cfg.position.scaling, cfg.position.scaling_factor, cfg.tied) == ("linear", 8.0, True)
+    assert cfg.vision.positions == 4096 and not cfg.vision.head
 
 
 def test_moe_experts_orientation_from_the_stored_shapes():

@@ -23,6 +23,13 @@ from .gemma3 import FAMILIES as GEMMA3_FAMILIES
 from .gemma3 import GELU_TANH
 from .vlm import VisionLanguage, text_of, token_expresses, token_ids, vision_config, vision_record
 
+# transformers' Gemma3TextConfig defaults (4.5x and 5.14 agree), which the releases' sparse text_config relies on
+TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+    "attention_bias": False}
 # config.json key -> Vision field
 TOKENS = {"image_token_index": "image_token_id", "boi_token_index": "vision_start_token_id",
           "eoi_token_index": "vision_end_token_id"}
@@ -43,7 +50,8 @@ class Gemma3VL(VisionLanguage):
         return "language_model." + name
 
     def text_config(self, hf: dict[str, Any]) -> dict[str, Any]:
-        return text_of(hf, tied=True)  # Gemma3Config ties by default
+        """The releases' text_config states only what differs from Gemma3TextConfig's defaults: those fill the rest."""
+        return {**TEXT_DEFAULTS, **text_of(hf, tied=True)}  # Gemma3Config ties by default
 
     def with_vision(self, cfg: ModelConfig, hf: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
         v = vision_config(hf, self.architecture)

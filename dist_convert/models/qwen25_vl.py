@@ -18,11 +18,21 @@ from ..features.expressed import ANY, Allowed
 from ..layout.vision import HF_TOWERS
 from .base import Name, require_int
 from .llama import FAMILIES as LLAMA_FAMILIES
-from .vlm import VisionLanguage, mrope_position, token_expresses, token_ids, vision_config, vision_record, write_mrope
+from .vlm import (
+    VisionLanguage,
+    mrope_position,
+    text_of,
+    token_expresses,
+    token_ids,
+    vision_config,
+    vision_record,
+    write_mrope,
+)
 
 TOKENS = {k: k for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
                          "vision_token_id")}
 TOWER = "qwen2_5_vl"
+FULL_LAYERS = (7, 15, 23, 31)  # transformers' default fullatt_block_indexes (the releases')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +43,18 @@ class Qwen25VL(VisionLanguage):
 
     def lm_name(self, name: str) -> str:
         return name
+
+    def text_config(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """transformers 4's flat config.json (the releases: the language model's keys at the top, RoPE as
+        ``rope_scaling: {type: mrope, mrope_section}``) as transformers 5 reads it: a text config, RoPE type default."""
+        if not isinstance(hf.get("text_config"), dict):
+            hf = {**hf, "text_config": {k: v for k, v in hf.items() if k not in ("vision_config", "architectures")}}
+        text = text_of(hf)
+        for key in ("rope_scaling", "rope_parameters"):
+            p = text.get(key)
+            if isinstance(p, dict) and p.get("rope_type", p.get("type")) == "mrope":
+                text[key] = {**{k: v for k, v in p.items() if k != "type"}, "rope_type": "default"}
+        return text
 
     def with_vision(self, cfg: ModelConfig, hf: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
         v = vision_config(hf, self.architecture)
@@ -45,7 +67,7 @@ class Qwen25VL(VisionLanguage):
             out_hidden=require_int(v, "out_hidden_size"), patch=int(v.get("patch_size", 14)),
             temporal_patch=int(v.get("temporal_patch_size", 2)), in_channels=int(v.get("in_channels", 3)),
             merge=int(v.get("spatial_merge_size", 2)), window=int(v.get("window_size", 112)),
-            full_layers=tuple(int(i) for i in v.get("fullatt_block_indexes") or ()),
+            full_layers=tuple(int(i) for i in v.get("fullatt_block_indexes", FULL_LAYERS)),
             tokens_per_second=int(v.get("tokens_per_second", 4)), activation="silu", **token_ids(hf, TOKENS))
         return mrope_position(cfg, text, self.architecture, interleaved=False).replace(vision=vision)
 

@@ -40,6 +40,7 @@ from .vlm import (
 )
 
 VISUAL = "model.visual."
+DEEPSTACK_DEFAULT = (8, 16, 24)  # transformers' default deepstack_visual_indexes
 # the vision activations transformers names and Megatron-Bridge's tower builds (tanh-approximated GELU only)
 VISION_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
 TOKENS = {k: k for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
@@ -78,7 +79,7 @@ def vision_from_hf(hf: dict[str, Any], arch: str) -> Vision:
                            temporal_patch=int(v.get("temporal_patch_size", 2)),
                            in_channels=int(v.get("in_channels", 3)), merge=int(v.get("spatial_merge_size", 2)),
                            positions=require_int(v, "num_position_embeddings"),
-                           deepstack=tuple(int(i) for i in v.get("deepstack_visual_indexes") or ()),
+                           deepstack=tuple(int(i) for i in v.get("deepstack_visual_indexes", DEEPSTACK_DEFAULT)),
                            activation=VISION_ACTIVATIONS[act], **token_ids(hf, TOKENS))
     bad = [i for i in vision.deepstack if not 0 <= i < vision.depth]
     if bad:
@@ -127,9 +128,9 @@ class Qwen3VL(VisionLanguage):
     def text_config(self, hf: dict[str, Any]) -> dict[str, Any]:
         text = text_of(hf)
         if self.experts:  # Qwen3-VL-MoE's router always renormalises its top-k
-            if "norm_topk_prob" in text:
-                raise ConvertError(f"text_config.norm_topk_prob: {self.architecture} has no such setting (its router "
-                                   "always renormalises)", "use the config.json saved with the model")
+            if text.get("norm_topk_prob") is False:
+                raise ConvertError(f"text_config.norm_topk_prob=false: {self.architecture}'s router always "
+                                   "renormalises its top-k", "use the config.json saved with the model")
             text["norm_topk_prob"] = True
         return text
 

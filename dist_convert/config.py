@@ -248,6 +248,9 @@ class ModelConfig:
         stage with the tower (Qwen3VLModel asserts it); the tower splits over TP by whole heads."""
         if self.vision is None:
             return
+        if self.spec != "te":
+            raise ConvertError(f"{what}: Megatron-Bridge builds vision-language models with Transformer Engine's "
+                               f"layer spec only, not {self.spec}", "drop --target-spec local")
         flag = "--target-tp" if what == "target" else "the source layout"
         v = self.vision
         for name, n in (("heads", v.heads), ("MLP size", v.ffn)) if v.tower == "qwen3_vl" else ():  # split over TP

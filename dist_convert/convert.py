@@ -216,8 +216,8 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
                             if opts.vocab_divisible_by is None else opts.vocab_divisible_by)
     if cfg.mla is not None and spec != index.cfg.spec:
         cfg = cfg.replace(mla__down_split=spec == "local")
-    if cfg.mla:
-        cfg.check_layout(layout)  # the target spec decides whether MLA's down-projections split over TP
+    if cfg.mla or cfg.vision:
+        cfg.check_layout(layout)  # the target spec decides how MLA's down-projections split; a tower needs TE's
     if dst_fmt.sharded:
         check_vocab(opts, index, cfg, layout)
     elif not (opts.vocab_size or getattr(index.args, "vocab_size", None)):

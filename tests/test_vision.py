@@ -136,6 +136,8 @@ def test_formats_that_cannot_hold_the_tower_refuse(tmp_path):
         proc = run_cli("reshard", str(hf), str(tmp_path / fmt), "--dst-format", fmt)
         assert proc.returncode == 2 and "cannot hold the model's vision tower" in proc.stderr, proc.stderr
         assert not (tmp_path / fmt).exists()
+    proc = run_cli("reshard", str(hf), str(tmp_path / "local"), "--dst-format", "torch_dist", "--target-spec", "local")
+    assert proc.returncode == 2 and "Transformer Engine's layer spec only" in proc.stderr, proc.stderr
 
 
 def test_inspect_shows_the_tower(qwen3_vl):

@@ -64,13 +64,18 @@ def read_run_config(iter_dir: Path) -> dict[str, Any]:
 # Bridge's vision-language providers whose model: section carries the HF text and vision configs it was built from
 VL_PROVIDERS = {"Qwen3VLModelProvider": "Qwen3VLForConditionalGeneration",
                 "Qwen3VLMoEModelProvider": "Qwen3VLMoeForConditionalGeneration"}
+UNREAD_VL_PROVIDERS = ("Qwen25VLModelProvider", "Gemma3VLModelProvider")
 VL_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 def vl_config(model: dict[str, Any]) -> dict[str, Any] | None:
     """The HF config.json a vision-language provider's ``model:`` section describes (its serialized
     ``hf_text_config`` and ``vision_config``, the token ids and the tie flag), None for a language-model provider."""
-    arch = VL_PROVIDERS.get(str(model.get("_target_", "")).rsplit(".", 1)[-1])
+    provider = str(model.get("_target_", "")).rsplit(".", 1)[-1]
+    if provider in UNREAD_VL_PROVIDERS:
+        raise ConvertError(f"a Megatron-Bridge {provider} checkpoint: its {RUN_CONFIG} does not record the HF text "
+                           "config the model was built from", "convert from the model's HF release (--src-format hf)")
+    arch = VL_PROVIDERS.get(provider)
     if arch is None:
         return None
 

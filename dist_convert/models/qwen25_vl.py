@@ -24,6 +24,7 @@ from .vlm import (
     text_of,
     token_expresses,
     token_ids,
+    unscaled_rope,
     vision_config,
     vision_record,
     write_mrope,
@@ -83,8 +84,7 @@ class Qwen25VL(VisionLanguage):
         hf.update({k: getattr(v, f) for k, f in TOKENS.items() if getattr(v, f) is not None})
 
     def expresses(self) -> Mapping[str, Allowed]:
-        out = {k: v for k, v in super().expresses().items() if not k.startswith("position.yarn_")}
-        return {**out, "position.scaling": {None}}
+        return unscaled_rope(super().expresses())
 
     def vision_expresses(self) -> dict[str, Allowed]:
         return {"position.kind": {"mrope"}, "position.mrope_section": ANY, "vision.tower": {TOWER},

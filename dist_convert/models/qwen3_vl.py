@@ -34,6 +34,7 @@ from .vlm import (
     text_of,
     token_expresses,
     token_ids,
+    unscaled_rope,
     vision_config,
     vision_record,
     write_mrope,
@@ -151,8 +152,7 @@ class Qwen3VL(VisionLanguage):
         hf.update({k: getattr(v, f) for k, f in TOKENS.items() if getattr(v, f) is not None})
 
     def expresses(self) -> Mapping[str, Allowed]:
-        out = {k: v for k, v in super().expresses().items() if not k.startswith("position.yarn_")}
-        return {**out, "position.scaling": {None}}
+        return unscaled_rope(super().expresses())
 
     def vision_expresses(self) -> dict[str, Allowed]:
         return {"position.kind": {"mrope"}, "position.mrope_section": ANY, "position.mrope_interleaved": {True},
@@ -168,6 +168,7 @@ class Qwen3VL(VisionLanguage):
     def alternatives(self, cfg: ModelConfig, found: Collection[str], expected: HFTensors) -> HFTensors:
         """A MoE layer's experts: per expert where ``found`` holds them so, else fused (the releases' layout)."""
         out: HFTensors = {}
+        logical = logical_tensors(cfg) if self.experts else {}
         for layer in range(cfg.num_layers) if self.experts else ():
             if not cfg.is_moe_layer(layer):
                 continue
@@ -175,7 +176,6 @@ class Qwen3VL(VisionLanguage):
             per_expert = [(hf + h, lg, part) for h, lg, part in self.text.layer_names(cfg, "decoder", layer)
                           if ".experts." in h]
             if any(h in found for h, _, _ in per_expert):
-                logical = logical_tensors(cfg)
                 out.update({h: part_pieces(lg, logical[lg].shape, part, cfg) for h, lg, part in per_expert})
             else:
                 out.update(fused_experts(cfg, layer, hf, release_layout(cfg, found, hf)))

@@ -169,6 +169,11 @@ class VisionLanguage(Family):
                 for k, (names, default) in self.text.optional_sets(cfg).items()}
 
 
+def unscaled_rope(expresses: Mapping[str, Allowed]) -> dict[str, Allowed]:
+    """A text family's declaration under multimodal RoPE, which is unscaled here: no YaRN, no frequency scaling."""
+    return {**{k: v for k, v in expresses.items() if not k.startswith("position.yarn_")}, "position.scaling": {None}}
+
+
 def token_expresses(fields: Collection[str]) -> dict[str, Allowed]:
     """Every token-id field the family writes: any value; the others only unset."""
     return {f"vision.{f}": ANY for f in fields}

@@ -15,6 +15,7 @@ from typing import Any
 
 from .errors import ConvertError
 from .features import (
+    DSA,
     GDN,
     HYBRID_SYMBOLS,
     MLA,
@@ -44,7 +45,8 @@ __all__ = ["DEFAULT_DIVISIBLE_BY", "HYBRID_SYMBOLS", "ModelConfig", "Setting", "
 
 DEFAULT_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 ALWAYS = ("position", "attention", "norm", "mlp", "embedding")  # records every model has
-OPTIONAL = ("moe", "mla", "mtp", "mamba", "gdn", "t5", "vision")  # records of the structural features (None: absent)
+# records of the structural features (None: absent)
+OPTIONAL = ("moe", "mla", "dsa", "mtp", "mamba", "gdn", "t5", "vision")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +77,7 @@ class ModelConfig:
     embedding: Embedding = Embedding()
     moe: MoE | None = None
     mla: MLA | None = None
+    dsa: DSA | None = None
     mtp: MTP | None = None
     mamba: Mamba | None = None
     gdn: GDN | None = None
@@ -233,6 +236,7 @@ class ModelConfig:
                                        "replicates them)")
         self._check_hybrid(layout, what)
         self._check_vision(layout, what)
+        self._check_dsa(layout, what)
         if self.moe is not None:
             layout.validate_experts(self.num_experts, self.expert_ffn, self.moe.shared_size, what)
             if self.add_bias_linear and layout.expert_tp != 1:  # TransformerConfig.__post_init__ asserts it
@@ -264,6 +268,31 @@ class ModelConfig:
                                f"vision tower's {need} deepstack features feed language layers 0-{need - 1} there",
                                f"put at least {need} layers on the first stage "
                                "(--target-num-layers-in-first-stage) or lower --target-pp")
+
+    def has_indexer(self, stack: str, layer: int) -> bool:
+        """Whether a layer of ``stack`` has a DeepSeek-sparse-attention indexer (``DSA.computes_topk``)."""
+        return self.dsa is not None and stack in ("decoder", "mtp") and self.dsa.computes_topk(layer)
+
+    def _check_dsa(self, layout: Layout, what: str) -> None:
+        """megatron-core builds DeepSeek sparse attention with Transformer Engine's spec only, over MLA, and shares a
+        top-k only within a pipeline chunk (the experimental spec raises when a chunk starts on a sharing layer)."""
+        if self.dsa is None:
+            return
+        if self.mla is None:
+            raise ConvertError(f"{what}: DeepSeek sparse attention without multi-latent attention; megatron-core's "
+                               "DSA spec is MLA's", "convert a model with multi_latent_attention set")
+        if self.spec != "te":
+            raise ConvertError(f"{what}: megatron-core builds DeepSeek sparse attention with Transformer Engine's "
+                               f"layer spec only, not {self.spec}", "drop --target-spec local")
+        if self.dsa.topk_freq == 1:
+            return
+        for p, v, first, n in layout.model_chunks(self.num_layers):
+            if n and not self.dsa.computes_topk(first):
+                flag = "--target-pp / --target-num-layers-in-first-stage" if what == "target" else "the source layout"
+                raise ConvertError(f"{what} {layout} starts pipeline chunk (pp {p}, vpp {v}) on layer {first}, which "
+                                   f"reuses the top-k of an earlier layer (dsa_indexer_topk_freq="
+                                   f"{self.dsa.topk_freq}); megatron-core shares top-k only within a chunk",
+                                   f"choose {flag} so that every stage starts on a layer with an indexer")
 
     def _check_hybrid(self, layout: Layout, what: str) -> None:
         """megatron-core splits a Mamba2 mixer by whole heads and groups, a Gated DeltaNet by whole key and value
@@ -305,8 +334,8 @@ class ModelConfig:
         return out
 
 
-RECORDS: dict[str, type[Feature]] = {c.attr: c for c in (Position, Attention, Norms, MLP, Embedding, MoE, MLA, MTP,
-                                                          Mamba, GDN, T5, Vision)}
+RECORDS: dict[str, type[Feature]] = {c.attr: c for c in (Position, Attention, Norms, MLP, Embedding, MoE, MLA, DSA,
+                                                          MTP, Mamba, GDN, T5, Vision)}
 assert tuple(RECORDS) == ALWAYS + OPTIONAL
 
 
@@ -392,5 +421,6 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
         spec=spec, family=family,
         position=Position.from_args(sized), attention=Attention.from_args(sized), norm=Norms.from_args(sized),
         mlp=MLP.from_args(sized), embedding=Embedding.from_args(sized), moe=MoE.from_args(sized),
-        mla=MLA.from_args(sized, spec), mtp=MTP.from_args(sized), mamba=Mamba.from_args(sized),
-        gdn=GDN.from_args(sized), t5=T5.from_args(args) if t5 else None, vision=Vision.from_args(sized))
+        mla=MLA.from_args(sized, spec), dsa=DSA.from_args(sized), mtp=MTP.from_args(sized),
+        mamba=Mamba.from_args(sized), gdn=GDN.from_args(sized), t5=T5.from_args(args) if t5 else None,
+        vision=Vision.from_args(sized))

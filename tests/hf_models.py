@@ -63,6 +63,11 @@ FAMILIES = {
     # dims > 128 so the FP8 test sees partial 128x128 blocks (dense 200, experts 160)
     "deepseek_v3_fp8": ("DeepseekV3Config", {**DEEPSEEK, "intermediate_size": 200, "moe_intermediate_size": 160}),
     "glm4_moe": ("Glm4MoeConfig", GLM),
+    # GLM-4.7-Flash (Glm4MoeLiteConfig): DeepSeek-V3's MLA and MoE under GLM's config class, whose MoE layers are
+    # given by mlp_layer_types (its first_k_dense_replace is not read); layer 0 dense
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", {**{k: v for k, v in DEEPSEEK.items()
+                                              if k not in ("num_mtp_layers", "first_k_dense_replace")},
+                                           "mlp_layer_types": ["dense", "sparse", "sparse"]}),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2_lite", "deepseek_v3_fp8")
 DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v2_lite", "deepseek_v3_fp8")
@@ -108,7 +113,7 @@ def hf_logits(path: Path, tokens: torch.Tensor) -> torch.Tensor:
 def oracle_config(path: Path) -> dict:
     """The megatron-core oracle's config (Megatron-LM names) for an HF model directory."""
     hf = json.loads((path / "config.json").read_text())
-    if hf["model_type"] in ("deepseek_v3", "deepseek_v2"):
+    if hf["model_type"] in ("deepseek_v3", "deepseek_v2", "glm4_moe_lite"):
         return deepseek_oracle_config(hf)
     if hf["model_type"] == "glm4_moe":
         return glm_oracle_config(hf)
@@ -161,7 +166,8 @@ def deepseek_oracle_config(hf: dict) -> dict:
       mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim) with mscale 1 for plain RoPE: the same.
       RoPE: HF rope_interleave=True de-interleaves q_rot/k_rot at run time, as megatron-core's MLA RoPE
       does (rope_utils: t[..., 0::2], t[..., 1::2]), so no weight permutation; plain rope only.
-    * MoE: layer l is MoE iff l >= first_k_dense_replace (moe_layer_freq list); experts of
+    * MoE: layer l is MoE iff l >= first_k_dense_replace, or mlp_layer_types[l] is "sparse" where the config gives
+      it (GLM-4.7-Flash's Glm4MoeLiteConfig; moe_layer_freq list); experts of
       moe_intermediate_size; n_shared_experts * moe_intermediate_size shared, ungated; router: sigmoid
       scores, + e_score_correction_bias (expert_bias) for the choice only, group-limited top-k (HF:
       group score = sum of the group's top-2 biased scores; megatron-core: sum of the top
@@ -201,7 +207,8 @@ def deepseek_oracle_config(hf: dict) -> dict:
             "moe_shared_expert_intermediate_size": (hf["moe_intermediate_size"] * hf["n_shared_experts"]
                                                     if hf.get("n_shared_experts") else None),
             "moe_shared_expert_gate": False,
-            "moe_layer_freq": [int(layer >= k) for layer in range(layers)],
+            "moe_layer_freq": [int(t == "sparse") for t in hf["mlp_layer_types"]] if hf.get("mlp_layer_types")
+            else [int(layer >= k) for layer in range(layers)],
             "moe_router_topk": hf["num_experts_per_tok"],
             "moe_router_score_function": "softmax" if v2 else "sigmoid", "moe_router_enable_expert_bias": not v2,
             "moe_router_pre_softmax": v2, "moe_router_num_groups": groups if groups > 1 else None,

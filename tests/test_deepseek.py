@@ -32,6 +32,7 @@ def ds(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("deepseek")
     add_mtp_layer(make_hf_model(root, "deepseek_v3"))
     make_hf_model(root, "deepseek_v2_lite")
+    make_hf_model(root, "glm4_moe_lite")
     quantize_fp8(make_hf_model(root, "deepseek_v3_fp8"), root / "fp8")
     return root
 
@@ -45,6 +46,7 @@ def write_config(path: Path, cfg: dict) -> str:
 LOGITS = [
     ("deepseek_v3", "torch_dist", 2, 2),  # q LoRA, MTP layer (its forward runs too), down-projections split over TP
     ("deepseek_v2_lite", "megatron", 2, None),  # DeepseekV2: q_proj, softmax routing; legacy files, one process
+    ("glm4_moe_lite", "torch_dist", 2, 2),  # GLM-4.7-Flash: V3's MLA and MoE, its MoE layers by mlp_layer_types
 ]
 
 
@@ -72,8 +74,8 @@ def test_import_gives_transformers_logits_in_megatron_core(ds, tmp_path, name, f
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     hf, again = (json.loads((d / "config.json").read_text()) for d in (src, back))
     for k in ("architectures", "q_lora_rank", "n_routed_experts", "num_experts_per_tok", "routed_scaling_factor",
-              "first_k_dense_replace", "n_shared_experts"):
-        assert again[k] == hf[k], k
+              "first_k_dense_replace", "mlp_layer_types", "n_shared_experts"):
+        assert k not in hf or again.get(k) == hf[k], k
 
 
 # (runtime, TP, PP of megatron-core's save, the sources converted: (format, target EP, world))

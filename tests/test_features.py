@@ -17,7 +17,7 @@ import transformers
 from dist_convert.config import RECORDS, ModelConfig, classify, config_from_args
 from dist_convert.datamodel import TargetFile, TargetTensor
 from dist_convert.errors import ConvertError
-from dist_convert.features import GDN, MLA, MLP, MTP, T5, Attention, Embedding, Mamba, MoE, Norms, Position
+from dist_convert.features import DSA, GDN, MLA, MLP, MTP, T5, Attention, Embedding, Mamba, MoE, Norms, Position
 from dist_convert.features.expressed import ANY, unexpressed
 from dist_convert.features.vision import Vision
 from dist_convert.formats.hf import hf_tensors, source_tensors
@@ -101,6 +101,10 @@ VARIANTS: list[dict[str, Any]] = [
     {"mla": MLA(q_lora_rank=None, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16),
      "position": Position(mla_names=True), "num_query_groups": 4},
     {"mtp": MTP(num_layers=2)},
+    {"mla": MLA(q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16),
+     "dsa": DSA(n_heads=2, head_dim=16, topk=4, topk_freq=2, skip_topk_offset=3, rope_interleaved=True,
+                scoring_relu=False, k_norm_eps=1e-6, rotate_activation=False, k_norm_fp32=True),
+     "position": Position(mla_names=True), "num_query_groups": 4},
     {"mamba": Mamba(pattern="M*-E", num_heads=8, head_dim=16, num_groups=2, state_dim=32),
      "moe": MoE(num_experts=4, ffn=32, topk=2)},
     {"gdn": GDN(pattern=(1, 0, 1, 0), num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=8,
@@ -167,6 +171,7 @@ MOE_KW = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 DS_KW = dict(SMALL, num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
              n_group=2, topk_group=1, n_shared_experts=1, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=32,
              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+DSA_KW = dict(index_n_heads=2, index_head_dim=16, index_topk=4)
 VL_TEXT = dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3],
                                            "mrope_interleaved": True})
 VL_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
@@ -183,6 +188,10 @@ SAMPLES = {
     "DeepseekV3ForCausalLM": ("DeepseekV3Config", DS_KW),
     "DeepseekV2ForCausalLM": ("DeepseekV2Config", dict(DS_KW, q_lora_rank=None, n_group=None, topk_group=None,
                                                        topk_method="greedy")),
+    "Glm4MoeLiteForCausalLM": ("Glm4MoeLiteConfig", {k: v for k, v in DS_KW.items() if k != "first_k_dense_replace"}),
+    "GlmMoeDsaForCausalLM": ("GlmMoeDsaConfig", dict(DS_KW, **DSA_KW, rms_norm_eps=1e-5, indexer_rope_interleave=True,
+                                                      index_topk_freq=2, index_skip_topk_offset=1)),
+    "DeepseekV32ForCausalLM": ("DeepseekV32Config", dict(DS_KW, **DSA_KW)),
     "Glm4MoeForCausalLM": ("Glm4MoeConfig", dict(SMALL, head_dim=32, attention_bias=True, use_qk_norm=True,
                                                  first_k_dense_replace=1, n_routed_experts=8, n_group=2, topk_group=1,
                                                  num_experts_per_tok=2,

@@ -162,12 +162,16 @@ def test_planner_at_deepseek_v3_scale():
 @pytest.mark.parametrize("case,params,write_max", [("gpt-oss-120b hf -> TP1 PP4 EP16", 116.8e9, 1.45),
                                                    ("GLM-4.5 hf -> TP4 PP8 EP16", 356.7e9, 1.2),
                                                    ("Nemotron-3-Nano hf -> TP1 PP2 EP16", 31.58e9, 1.35),
-                                                   ("Qwen3-VL-235B-A22B hf -> TP4 PP4 EP16", 235.67e9, 1.15)],
-                         ids=["gpt-oss-120b", "GLM-4.5", "Nemotron-3-Nano", "Qwen3-VL-235B-A22B"])
+                                                   ("Qwen3-VL-235B-A22B hf -> TP4 PP4 EP16", 235.67e9, 1.15),
+                                                   ("DeepSeek-V3.2 hf -> TP8 PP16 EP64", 683.50e9, 1.05),
+                                                   ("GLM-5 hf -> TP4 PP8 EP16", 753.86e9, 1.16)],
+                         ids=["gpt-oss-120b", "GLM-4.5", "Nemotron-3-Nano", "Qwen3-VL-235B-A22B", "DeepSeek-V3.2",
+                              "GLM-5"])
 def test_planner_at_gpt_oss_glm_and_nemotron_scale(case, params, write_max):
     """gpt-oss-120b (36 layers, 128 experts) over 64 ranks, GLM-4.5 (92 layers, 160 experts, its MTP layer placed
     by a layout string) over 128, Nemotron-3-Nano (52 Mamba2 / MoE / attention layers) over 32 and Qwen3-VL-235B-A22B
-    (94 MoE layers, its vision tower on the first stage) over 64: every rank reads
+    (94 MoE layers, its vision tower on the first stage) over 64, DeepSeek-V3.2 (V3 with an indexer per layer) and
+    GLM-5 (78 sparse-attention layers, 256 experts, MTP; 744B without its MTP layer) over 128: every rank reads
     and writes about its share (the first and last stages hold the embedding and the output layer on top; Nemotron's
     first expert rank holds every Mamba2 mixer, its files are cut so that other ranks write parts of them).
     Qwen3-Next-80B's case (79.67B, the published count) is bench --plan-scale's: it plans 78k chunks in ~25 s."""

@@ -1,5 +1,6 @@
 """``bench --plan-scale``: the planner alone at real shapes, no tensors: DeepSeek-V3 (61 layers, 256 experts,
-MTP: 685B parameters), gpt-oss-120b (36 layers, 128 experts: 117B), GLM-4.5 (92 layers, 160 experts, MTP:
+MTP: 685B parameters), DeepSeek-V3.2 (V3 with a sparse-attention indexer per layer), GLM-5 (78 sparse-attention
+layers, 256 experts, MTP), gpt-oss-120b (36 layers, 128 experts: 117B), GLM-4.5 (92 layers, 160 experts, MTP:
 357B), Nemotron-3-Nano (52 hybrid Mamba2 / MoE / attention layers: 31.6B), Qwen3-Next-80B (48 Gated DeltaNet /
 gated attention layers, 512 experts: 79.7B) and Qwen3-VL-235B-A22B (94 MoE layers, a 27-layer vision tower:
 235.7B); the chunks an HF release or a torch_dist save at one layout would be indexed as, planned into a torch_dist
@@ -92,10 +93,27 @@ QWEN3_VL_235B: dict[str, Any] = {
                       "temporal_patch_size": 2, "in_channels": 3, "num_position_embeddings": 2304,
                       "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh"},
     "torch_dtype": "bfloat16"}
-MODELS = {"DeepSeek-V3": DEEPSEEK_V3, "gpt-oss-120b": GPT_OSS_120B, "GLM-4.5": GLM_45,
-          "Nemotron-3-Nano": NEMOTRON_3_NANO, "Qwen3-Next-80B": QWEN3_NEXT_80B, "Qwen3-VL-235B-A22B": QWEN3_VL_235B}
-HF_SHARDS = {"DeepSeek-V3": 163, "gpt-oss-120b": 15, "GLM-4.5": 93, "Nemotron-3-Nano": 13, "Qwen3-Next-80B": 41,
-             "Qwen3-VL-235B-A22B": 96}
+# DeepSeek-V3.2's config.json: V3's shapes with a lightning indexer in every layer (64 heads of 128, top-2048)
+DEEPSEEK_V32: dict[str, Any] = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k not in ("moe_layer_freq", "topk_method")},
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_n_heads": 64,
+    "index_head_dim": 128, "index_topk": 2048}
+# GLM-5's config.json (78 MLA layers with a DSA indexer each, 256 experts, MTP)
+GLM_5: dict[str, Any] = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "vocab_size": 154880, "hidden_size": 6144,
+    "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_hidden_layers": 78, "num_attention_heads": 64,
+    "num_key_value_heads": 64, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "q_lora_rank": 2048, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192,
+    "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "norm_topk_prob": True, "first_k_dense_replace": 3,
+    "num_nextn_predict_layers": 1, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
+    "indexer_rope_interleave": True, "max_position_embeddings": 202752, "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000}, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16"}
+MODELS = {"DeepSeek-V3": DEEPSEEK_V3, "DeepSeek-V3.2": DEEPSEEK_V32, "GLM-5": GLM_5, "gpt-oss-120b": GPT_OSS_120B,
+          "GLM-4.5": GLM_45, "Nemotron-3-Nano": NEMOTRON_3_NANO, "Qwen3-Next-80B": QWEN3_NEXT_80B,
+          "Qwen3-VL-235B-A22B": QWEN3_VL_235B}
+HF_SHARDS = {"DeepSeek-V3": 163, "DeepSeek-V3.2": 163, "GLM-5": 282, "gpt-oss-120b": 15, "GLM-4.5": 93,
+             "Nemotron-3-Nano": 13, "Qwen3-Next-80B": 41, "Qwen3-VL-235B-A22B": 96}
 # the cases planned: (model, source layout or None for its HF release, target layout, ranks); DeepSeek-V3's
 # Megatron recipes (16 and 8 pipeline stages, MTP on the last)
 CASES: dict[str, tuple[str, Layout | None, Layout, int]] = {
@@ -105,6 +123,11 @@ CASES: dict[str, tuple[str, Layout | None, Layout, int]] = {
                                       Layout(tp=8, pp=16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"),
                                       Layout(tp=4, pp=8, ep=32, etp=1, pipeline_layout="Et*7|(tttttttt|)*6ttttttmL"),
                                       128),
+    "DeepSeek-V3.2 hf -> TP8 PP16 EP64": ("DeepSeek-V3.2", None,
+                                          Layout(tp=8, pp=16, ep=64, etp=1, pipeline_layout="Et*4|(tttt|)*14tmL"),
+                                          128),
+    "GLM-5 hf -> TP4 PP8 EP16": ("GLM-5", None,
+                                 Layout(tp=4, pp=8, ep=16, etp=1, pipeline_layout="Et*10|(t*10|)*6t*8mL"), 128),
     "gpt-oss-120b hf -> TP1 PP4 EP16": ("gpt-oss-120b", None, Layout(tp=1, pp=4, ep=16, etp=1), 64),
     "GLM-4.5 hf -> TP4 PP8 EP16": ("GLM-4.5", None,
                                    Layout(tp=4, pp=8, ep=16, etp=1, pipeline_layout="Et*11|(t*12|)*6t*9mL"), 128),

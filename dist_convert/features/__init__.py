@@ -3,6 +3,7 @@ reading and writing (``features.base``), and the audit of every megatron-core se
 from .attention import Attention, Embedding, Norms
 from .base import LAYOUT, NUMERICS, SETTING, SIZE, Feature
 from .blocks import (
+    DSA,
     GDN,
     HYBRID_SYMBOLS,
     MLA,
@@ -16,6 +17,6 @@ from .blocks import (
 from .mlp import MLP, MoE, moe_layer_pattern
 from .position import Position
 
-__all__ = ["GDN", "HYBRID_SYMBOLS", "LAYOUT", "MLA", "MLP", "MTP", "NUMERICS", "SETTING", "SIZE", "T5", "Attention",
-           "Embedding", "Feature", "Mamba", "MoE", "Norms", "Position", "hybrid_pattern_of", "linear_attention_freq",
-           "linear_attention_pattern", "moe_layer_pattern"]
+__all__ = ["DSA", "GDN", "HYBRID_SYMBOLS", "LAYOUT", "MLA", "MLP", "MTP", "NUMERICS", "SETTING", "SIZE", "T5",
+           "Attention", "Embedding", "Feature", "Mamba", "MoE", "Norms", "Position", "hybrid_pattern_of",
+           "linear_attention_freq", "linear_attention_pattern", "moe_layer_pattern"]

@@ -48,7 +48,7 @@ NOT_MATH: dict[str, str] = {
         min_offloaded_tensor_size fine_grained_offloading_max_inflight_offloads activation_offload_fraction
         delay_offload_until_cuda_graph moe_paged_stash moe_paged_stash_page_size moe_paged_stash_buffer_size_factor_cpu
         moe_paged_stash_buffer_size_factor_cuda mlp_chunks_for_training experimental_attention_variant_loss_scale_func
-        fp16_lm_cross_entropy"""),
+        fp16_lm_cross_entropy dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss"""),
     **_names(KERNEL, """attention_backend bias_activation_fusion masked_softmax_fusion persist_layer_norm
         memory_efficient_layer_norm bias_dropout_fusion apply_rope_fusion use_fused_weighted_squared_relu
         fused_single_qkv_rope fused_residual_rmsnorm moe_permute_fusion moe_router_fusion moe_grouped_gemm
@@ -78,10 +78,6 @@ COVERED: dict[str, str] = {
                     "moe_expert_capacity_factor"),
     **dict.fromkeys(("mup_attn_scale_power", "mup_base_head_dim", "mup_base_hidden_size", "mup_embedding_mult",
                      "mup_output_mult", "mup_width_mult"), "use_mup"),
-    **dict.fromkeys(("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_loss_coeff",
-                     "dsa_indexer_use_sparse_loss", "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32",
-                     "dsa_indexer_rope_interleaved", "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu",
-                     "dsa_indexer_skip_topk_offset", "dsa_indexer_topk_freq"), "experimental_attention_variant"),
 }
 
 # Megatron-LM args name -> (its value that changes nothing, why a checkpoint with another value is refused on read)

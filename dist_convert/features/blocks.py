@@ -1,5 +1,6 @@
-"""The structural features: multi-latent attention, multi-token prediction, Mamba2 hybrid stacks, Gated DeltaNet
-layers and T5's encoder-decoder. Each is present (a record) or absent (None on ``ModelConfig``)."""
+"""The structural features: multi-latent attention and its DeepSeek sparse attention, multi-token prediction,
+Mamba2 hybrid stacks, Gated DeltaNet layers and T5's encoder-decoder. Each is present (a record) or absent (None on
+``ModelConfig``)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import ConvertError
-from .base import LAYOUT, SIZE, Feature, get, setting
+from .base import LAYOUT, NUMERICS, SIZE, Feature, get, setting
 
 # MambaModel's layer symbols -> (mixer, MLP) of the layer (megatron-core's hybrid layer allocation)
 HYBRID_SYMBOLS: dict[str, tuple[str | None, str | None]] = {
@@ -55,6 +56,70 @@ class MLA(Feature):
     @staticmethod
     def absent_args() -> dict[str, Any]:
         return {"multi_latent_attention": False}
+
+
+DSA_VARIANT = "dsa"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DSA(Feature):
+    """megatron-core's DeepSeek Sparse Attention (``experimental_attention_variant`` "dsa"; GLM-5, DeepSeek-V3.2): MLA
+    whose core attention reads only the top-k keys a lightning indexer scores per query. The indexer (its q from the
+    MLA's normalised q latent, one shared key per token through a LayerNorm, RoPE on the first qk_pos_emb_head_dim
+    features, ReLU'd dot products weighted per head) is replicated over TP. With ``topk_freq`` > 1 only computing layers
+    have an indexer; the others reuse the top-k of the last computing layer (1-based layer L computes iff
+    max(L - max(offset, 1), 0) % topk_freq == 0; an MTP layer counts its own layers from 1)."""
+
+    attr: ClassVar[str] = "dsa"
+    what: ClassVar[str] = "DeepSeek sparse attention (a top-k indexer)"
+    presence: ClassVar[tuple[str, ...]] = ("experimental_attention_variant",)
+
+    n_heads: int = setting(64, kind=SIZE, arg="dsa_indexer_n_heads", what="indexer heads")
+    head_dim: int = setting(128, kind=SIZE, arg="dsa_indexer_head_dim", what="indexer head size")
+    topk: int = setting(2048, arg="dsa_indexer_topk", what="the keys each query attends to (the indexer's top-k)")
+    topk_freq: int = setting(1, arg="dsa_indexer_topk_freq", what="layers per indexer (1: every layer its own top-k)")
+    skip_topk_offset: int = setting(0, arg="dsa_indexer_skip_topk_offset",
+                                    what="where top-k sharing starts (with topk_freq > 1; 0 and 1 alike)")
+    rope_interleaved: bool = setting(False, arg="dsa_indexer_rope_interleaved",
+                                     what="interleaved (MLA-style) RoPE in the indexer instead of rotate-half")
+    scoring_relu: bool = setting(True, arg="dsa_indexer_scoring_relu", what="ReLU on the indexer's q.k scores")
+    k_norm_eps: float | None = setting(None, arg="dsa_indexer_k_norm_epsilon",
+                                       what="the indexer key LayerNorm's epsilon (None: the norm epsilon)")
+    # an orthonormal (Hadamard) rotation of the indexer's q and k: dot products are kept, only rounding differs
+    rotate_activation: bool = setting(True, kind=NUMERICS, arg="dsa_indexer_rotate_activation",
+                                      what="a Hadamard rotation of the indexer's q and k")
+    k_norm_fp32: bool = setting(False, kind=NUMERICS, arg="dsa_indexer_k_norm_fp32",
+                                what="the indexer key LayerNorm in fp32")
+
+    def computes_topk(self, layer: int) -> bool:
+        """Whether 0-based layer ``layer`` (of the decoder, or of the MTP block) has an indexer of its own."""
+        return self.topk_freq == 1 or max(layer + 1 - max(self.skip_topk_offset, 1), 0) % self.topk_freq == 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DSA | None:
+        a = vars(args)
+        if get(a, "experimental_attention_variant") != DSA_VARIANT:
+            return None
+        freq = int(get(a, "dsa_indexer_topk_freq", default=1))
+        eps = get(a, "dsa_indexer_k_norm_epsilon", default=get(a, "layernorm_epsilon", "norm_epsilon", default=1e-5))
+        return cls(n_heads=int(get(a, "dsa_indexer_n_heads", default=64)),
+                   head_dim=int(get(a, "dsa_indexer_head_dim", default=128)),
+                   topk=int(get(a, "dsa_indexer_topk", default=2048)), topk_freq=freq,
+                   # megatron-core counts offsets below 1 as 1, and none matters when every layer computes
+                   skip_topk_offset=max(int(get(a, "dsa_indexer_skip_topk_offset", default=0)), 1) if freq > 1 else 0,
+                   rope_interleaved=bool(get(a, "dsa_indexer_rope_interleaved", default=False)),
+                   scoring_relu=bool(get(a, "dsa_indexer_scoring_relu", default=True)),
+                   k_norm_eps=float(eps),
+                   rotate_activation=bool(get(a, "dsa_indexer_rotate_activation", default=True)),
+                   k_norm_fp32=bool(get(a, "dsa_indexer_k_norm_fp32", default=False)))
+
+    def to_args(self) -> dict[str, Any]:
+        return {"experimental_attention_variant": DSA_VARIANT, "dsa_indexer_n_heads": self.n_heads,
+                "dsa_indexer_head_dim": self.head_dim, "dsa_indexer_topk": self.topk,
+                "dsa_indexer_topk_freq": self.topk_freq, "dsa_indexer_skip_topk_offset": self.skip_topk_offset,
+                "dsa_indexer_rope_interleaved": self.rope_interleaved, "dsa_indexer_scoring_relu": self.scoring_relu,
+                "dsa_indexer_k_norm_epsilon": self.k_norm_eps,
+                "dsa_indexer_rotate_activation": self.rotate_activation, "dsa_indexer_k_norm_fp32": self.k_norm_fp32}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,11 +237,11 @@ class GDN(Feature):
     def from_args(cls, args: argparse.Namespace) -> GDN | None:
         a = vars(args)
         variant = get(a, "experimental_attention_variant")
-        if variant is None:
+        if variant is None or variant == DSA_VARIANT:
             return None
         if variant != "gated_delta_net":
             raise ConvertError(f"experimental_attention_variant={variant!r}: the variants converted here are "
-                               "gated_delta_net", "convert a model of a supported layer kind")
+                               f"gated_delta_net and {DSA_VARIANT}", "convert a model of a supported layer kind")
         return cls(pattern=linear_attention_pattern(get(a, "linear_attention_freq"), int(a["num_layers"])),
                    num_key_heads=int(get(a, "linear_num_key_heads", default=16)),
                    num_value_heads=int(get(a, "linear_num_value_heads", default=32)),

@@ -132,6 +132,9 @@ def _refuse_layout(layout: Layout, cfg: ModelConfig, what: str) -> None:
     if cfg.mamba is not None or cfg.gdn is not None:
         raise ConvertError(f"an fsdp_dtensor {what} of a hybrid model (Mamba2 or Gated DeltaNet layers) is not "
                            "supported", "choose another --dst-format (torch_dist or megatron)")
+    if cfg.dsa is not None:
+        raise ConvertError(f"an fsdp_dtensor {what} of a DeepSeek-sparse-attention model is not supported",
+                           "choose another --dst-format (torch_dist or megatron)")
     if layout.pp != 1 or layout.vpp:
         raise ConvertError(f"fsdp_dtensor {what} at {layout}: Megatron-FSDP checkpoints key layers by module path "
                            "and have no pipeline stages", "pass --target-pp 1" if what == "target" else

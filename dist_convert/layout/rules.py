@@ -101,6 +101,21 @@ LAYER_RULES: tuple[Rule, ...] = (
          lambda c: bool(c.shared_size) and c.moe.shared_gate, layers="moe"),
 )
 
+# DeepSeek sparse attention (megatron-core's DSA spec: AbsorbedMLASelfAttention over DSAttention): the lightning
+# indexer of a layer that computes its top-k (``ModelConfig.has_indexer``), replicated over TP. The MLA tensors are
+# LAYER_RULES', with the q/kv norms as modules of their own (``DSA_UNFUSED``: the indexer reads the normed q latent).
+_ix: Shape = lambda c: (c.dsa.head_dim,)  # noqa: E731
+INDEXER = "self_attention.core_attention.indexer."
+DSA_RULES: tuple[Rule, ...] = (
+    Rule(INDEXER + "linear_wq_b.weight", Kind.REP,
+         lambda c: (c.dsa.n_heads * c.dsa.head_dim, c.mla.q_lora_rank or c.hidden_size), layers="indexed"),
+    Rule(INDEXER + "linear_wk.weight", Kind.REP, lambda c: (c.dsa.head_dim, c.hidden_size), layers="indexed"),
+    Rule(INDEXER + "k_norm.weight", Kind.REP, _ix, layers="indexed"),
+    Rule(INDEXER + "k_norm.bias", Kind.REP, _ix, layers="indexed"),
+    Rule(INDEXER + "linear_weights_proj.weight", Kind.REP, lambda c: (c.dsa.n_heads, c.hidden_size), layers="indexed"),
+)
+DSA_UNFUSED = frozenset({"self_attention.q_layernorm.weight", "self_attention.kv_layernorm.weight"})
+
 # Multi-token-prediction layers (megatron-core MultiTokenPredictionLayer), suffix after ``mtp.layers.<K>.``;
 # the layer's TransformerLayer follows under ``transformer_layer.`` (LAYER_RULES, built like the last
 # decoder layer). eh_proj maps [enorm(embedding); hnorm(hidden)] (2h) to h, column-parallel.
@@ -224,7 +239,7 @@ def top_extra_state_modules(cfg: ModelConfig) -> tuple[str, ...]:
     models)."""
     if cfg.mamba is not None:
         return ("decoder.final_norm",)
-    te2 = cfg.norm.post_norms or cfg.gdn is not None or cfg.vision is not None
+    te2 = cfg.norm.post_norms or cfg.gdn is not None or cfg.vision is not None or cfg.dsa is not None
     return ("decoder.final_layernorm",) if te2 and cfg.spec == "te" else ()
 
 
@@ -260,6 +275,8 @@ def _layer_rule_applies(rule: Rule, cfg: ModelConfig, stack: str, layer: int) ->
     if not rule.when(cfg):
         return False
     mixer, mlp = cfg.layer_kind(stack, layer)
+    if rule.layers == "indexed":
+        return mixer == "attention" and cfg.has_indexer(stack, layer)
     if rule.mixer is None and rule.name.startswith(MLP_PREFIXES):
         return mlp is not None and (rule.layers == "all" or (rule.layers == "moe") == (mlp == "moe"))
     return (rule.mixer or "attention") == mixer
@@ -276,6 +293,8 @@ def _layer_tensors(rule: Rule, cfg: ModelConfig, stack: str, layer: int, inner: 
     """The logical tensors of ``rule`` in one layer; ``inner`` prefixes the rule's name (an MTP layer's
     TransformerLayer lives under ``transformer_layer.``)."""
     te_name, dist = rule.te_name, rule.dist_name
+    if cfg.dsa is not None and rule.name in DSA_UNFUSED:
+        te_name = None
     if rule.name.startswith("pre_mlp_layernorm") and cfg.layer_is_moe(stack, layer):
         # TE fuses it into linear_fc1 only in dense layers (an MoE layer keeps a TENorm of its own);
         # the local spec still maps it to the fused name in sharded_state_dict
@@ -313,7 +332,7 @@ def logical_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
     for name, count in stacks:
         rules = LAYER_RULES + (CROSS_RULES if cfg.t5 is not None and name == "decoder" else ()) \
             + (MAMBA_RULES if cfg.mamba is not None else ()) \
-            + (GDN_RULES if cfg.gdn is not None else ())
+            + (GDN_RULES if cfg.gdn is not None else ()) + (DSA_RULES if cfg.dsa is not None else ())
         for layer in range(count):
             if name == "mtp":
                 for rule in MTP_RULES:
@@ -367,11 +386,34 @@ def te2_layer_modules(cfg: ModelConfig, stack: str, layer: int) -> tuple[str, ..
     return tuple(MTP_LAYER + m for m in out) if stack == "mtp" else out
 
 
+MTP_TE2_MODULES = ("enorm", "hnorm", "eh_proj", "final_layernorm")  # an MTP layer's own Transformer Engine 2 modules
+
+
+def dsa_layer_modules(cfg: ModelConfig, stack: str, layer: int) -> tuple[str, ...]:
+    """The ``_extra_state`` modules of a layer of megatron-core's DSA spec (Transformer Engine 2's linears and norms;
+    the DSAttention core has none); an MTP layer adds its own norms and eh_proj."""
+    mla = cfg.mla
+    assert mla is not None
+    norm = cfg.attention.qk_norm
+    q = ("linear_q_proj",) if mla.q_lora_rank is None else \
+        ("linear_q_down_proj", *(("q_layernorm",) if norm else ()), "linear_q_up_proj")
+    attn = (*q, "linear_kv_down_proj", *(("kv_layernorm",) if norm else ()), "linear_kv_up_proj", "linear_proj")
+    indexer = tuple(INDEXER + m for m in ("linear_wq_b", "linear_wk", "k_norm", "linear_weights_proj")) \
+        if cfg.has_indexer(stack, layer) else ()
+    _, mlp = cfg.layer_kind(stack, layer)
+    out = ("input_layernorm", *("self_attention." + m for m in attn), *indexer) + MLP_EXTRA_STATE[mlp]
+    if mlp == "moe" and cfg.shared_size:
+        out += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+    return MTP_TE2_MODULES + tuple(MTP_LAYER + m for m in out) if stack == "mtp" else out
+
+
 def extra_state_modules(cfg: ModelConfig, stack: str, spec: str, layer: int | None = None) -> tuple[str, ...]:
     """Modules of a layer with an ``_extra_state`` entry. An MoE layer (``layer`` given) has no dense
     MLP but its shared experts' linears; its routed experts' entries are named by ``expert_modules``.
     An MTP layer has its eh_proj's and its TransformerLayer's (under ``transformer_layer.``)."""
     cross = CROSS_EXTRA_STATE_MODULES[spec] if cfg.t5 is not None and stack == "decoder" else ()
+    if cfg.dsa is not None and layer is not None:
+        return dsa_layer_modules(cfg, stack, layer)
     if (hybrid(cfg) or (cfg.vision is not None and not cfg.norm.post_norms)) and layer is not None:
         return te2_layer_modules(cfg, stack, layer)  # Megatron-Bridge's vision-language models: TE 2's modules too
     base = EXTRA_STATE_MODULES[spec]

@@ -22,7 +22,8 @@ class Rule:
     when: Cond = _always
     te_name: str | None = None  # name in Transformer Engine fused layer specs (and torch_dist keys)
     aliases: tuple[str, ...] = ()  # further names megatron-core stores the same tensor under
-    layers: str = "all"  # MoE models: "all" layers, "dense" layers only, or "moe" layers only
+    # MoE models: "all" layers, "dense" layers only, or "moe" layers only; "indexed": layers with a DSA indexer
+    layers: str = "all"
     per_expert: bool = False  # one tensor per (global) expert: ``name`` has an ``{e}`` field
     dist_name: str | None = None  # torch_dist key suffix when it differs from te_name / name
     mixer: str | None = None  # the layer kind it belongs to: "mamba" / "gdn" (None: attention, or MLP by its name)

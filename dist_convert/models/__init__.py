@@ -17,20 +17,22 @@ import torch
 from ..config import OPTIONAL, ModelConfig
 from ..errors import ConvertError
 from ..mlm_args import HF_TOKENIZER, model_args
-from . import deepseek, gemma3, gemma3_vl, glm, gpt_oss, llama, moe, nemotron_h, qwen3_next, qwen3_vl, qwen25_vl
+from . import deepseek, dsa, gemma3, gemma3_vl, glm, gpt_oss, llama, moe, nemotron_h, qwen3_next, qwen3_vl, qwen25_vl
 from .base import EXPORT_FIX, Family, Imported, hf_dtype
 from .hf_keys import unmapped
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
-    *llama.FAMILIES, *moe.FAMILIES, *deepseek.FAMILIES, *gemma3.FAMILIES, *glm.FAMILIES, *gpt_oss.FAMILIES,
-    *nemotron_h.FAMILIES, *qwen3_next.FAMILIES, *qwen3_vl.FAMILIES, *qwen25_vl.FAMILIES, *gemma3_vl.FAMILIES)}
+    *llama.FAMILIES, *moe.FAMILIES, *deepseek.FAMILIES, *dsa.FAMILIES, *gemma3.FAMILIES, *glm.FAMILIES,
+    *gpt_oss.FAMILIES, *nemotron_h.FAMILIES, *qwen3_next.FAMILIES, *qwen3_vl.FAMILIES, *qwen25_vl.FAMILIES,
+    *gemma3_vl.FAMILIES)}
 # The order a model without an origin of its own tries the families in; the first that expresses it exports it.
 # Families rarely overlap (each expresses what its config.json can say): the order decides only between those that
 # both can, e.g. Llama before Mistral for a model without a window, Mixtral before the Qwen MoE families.
 PREFERENCE: tuple[str, ...] = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
-    "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM", "NemotronHForCausalLM",
+    "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM", "GptOssForCausalLM", "NemotronHForCausalLM",
     "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
 assert sorted(PREFERENCE) == sorted(FAMILIES), "every family has its place in PREFERENCE"

@@ -174,9 +174,11 @@ def moe_from_hf(hf: dict[str, Any], layers: int, ffn: int, v3: bool, name: str =
                shared_size=shared or None, shared_gate=False, **router_from_hf(hf, v3, experts, topk, name))
 
 
-def config_from_hf(hf: dict[str, Any], architecture: str, vocab_divisible_by: int | None) -> ModelConfig:
-    """The model config of a DeepSeek-V2/V3 ``config.json``."""
-    v3 = architecture == V3
+def config_from_hf(hf: dict[str, Any], architecture: str, vocab_divisible_by: int | None, *, v3: bool | None = None,
+                   one_eps: bool = True) -> ModelConfig:
+    """The model config of a DeepSeek-V2/V3 ``config.json`` (``v3``: V3's routing, MTP and interleaved RoPE, for
+    another architecture of V3's shape; ``one_eps``: refuse an rms_norm_eps other than the latent norms' 1e-6)."""
+    v3 = architecture == V3 if v3 is None else v3
     try:
         heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
         layers, ffn, vocab = int(hf["num_hidden_layers"]), int(hf["intermediate_size"]), int(hf["vocab_size"])
@@ -192,7 +194,7 @@ def config_from_hf(hf: dict[str, Any], architecture: str, vocab_divisible_by: in
         raise ConvertError("rope_interleave=false: megatron-core's MLA always de-interleaves the RoPE dimensions",
                            "convert a config with rope_interleave true (as DeepSeek releases have)")
     eps = float(get(hf, "rms_norm_eps", 1e-6))
-    if eps != A_NORM_EPS:
+    if eps != A_NORM_EPS and one_eps:
         raise ConvertError(f"rms_norm_eps={eps}: transformers' {architecture} builds q_a_layernorm / kv_a_layernorm "
                            f"with eps {A_NORM_EPS} whatever config.json says, megatron-core's MLA every norm with "
                            "one epsilon", f"convert a config with rms_norm_eps {A_NORM_EPS} (as DeepSeek releases "
@@ -250,15 +252,18 @@ def moe_expresses(v3: bool) -> dict[str, Allowed]:
             "moe.shared_size": lambda v, cfg: not v or v % cfg.expert_ffn == 0, **router}
 
 
-def hf_from_config(cfg: ModelConfig, architecture: str, base: dict[str, Any] | None, dtype_name: str) -> dict[str, Any]:
-    """``config.json`` of an MLA model (``base``, the source's DeepSeek config, updated, when of that architecture)."""
+def hf_from_config(cfg: ModelConfig, architecture: str, base: dict[str, Any] | None, dtype_name: str, *,
+                   model_type: str | None = None, v3: bool | None = None) -> dict[str, Any]:
+    """``config.json`` of an MLA model (``base``, the source's DeepSeek config, updated, when of that architecture;
+    ``v3``: V3's routing and MTP keys, for another architecture of V3's shape)."""
     same = isinstance(base, dict) and architecture in (base.get("architectures") or [])
     hf: dict[str, Any] = dict(base) if same else {}
     mla = cfg.mla
     assert mla is not None
+    v3 = architecture == V3 if v3 is None else v3
     hf.update({
-        "architectures": [architecture], "model_type": hf.get("model_type") or ("deepseek_v3" if architecture == V3
-                                                                                else "deepseek_v2"),
+        "architectures": [architecture],
+        "model_type": hf.get("model_type") or model_type or ("deepseek_v3" if v3 else "deepseek_v2"),
         "hidden_act": "silu", "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.ffn_hidden_size, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_attention_heads,
@@ -267,11 +272,11 @@ def hf_from_config(cfg: ModelConfig, architecture: str, base: dict[str, Any] | N
         "head_dim": mla.qk_pos_emb_head_dim, "qk_head_dim": mla.q_head_dim, "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": cfg.tied, "max_position_embeddings": int(cfg.max_position_embeddings or 4096),
         "attention_bias": False, "rms_norm_eps": cfg.norm.eps, "torch_dtype": dtype_name, "dtype": dtype_name})
-    if architecture == V3:
+    if v3:
         hf.update(num_nextn_predict_layers=cfg.mtp_num_layers, rope_interleave=True)
     if cfg.moe is not None:
         hf.update(moe_to_hf(cfg), moe_layer_freq=1)
-        if architecture == V3:
+        if v3:
             hf.update(scoring_func="sigmoid", topk_method="noaux_tc")
         else:
             hf.update(norm_topk_prob=False, topk_method="greedy")
@@ -304,6 +309,16 @@ def mla_softmax_scale_is_plain(factor: Any, cfg: ModelConfig) -> bool:
     return pos.kind == "yarn" or factor is None or yarn_mscale(float(factor), float(pos.yarn_mscale_all_dim or 0)) == 1
 
 
+def mla_expresses() -> dict[str, Allowed]:
+    """What transformers' DeepSeek-shaped attention computes: MLA with its q/kv latent norms (eps 1e-6), plain or
+    YaRN RoPE (``mla_softmax_scale_is_plain``)."""
+    return {**COMMON, "norm.eps": {A_NORM_EPS}, "mla": {True}, "attention.qk_norm": {True},
+            "position.kind": {"rope", "yarn"}, "position.yarn_factor": mla_softmax_scale_is_plain,
+            **{f"position.yarn_{k}": (lambda v, cfg: v is None or cfg.position.kind == "yarn")
+               for k in ("original_max", "beta_fast", "beta_slow", "mscale", "round_to_int")},
+            "position.yarn_mscale_all_dim": ANY}
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeepSeek(Family):
     architecture: str
@@ -322,12 +337,8 @@ class DeepSeek(Family):
 
     def expresses(self) -> Mapping[str, Allowed]:
         v3 = self.architecture == V3
-        return {**COMMON, "norm.eps": {A_NORM_EPS}, "mla": {True}, "attention.qk_norm": {True},
-                "position.kind": {"rope", "yarn"}, "position.yarn_factor": mla_softmax_scale_is_plain,
-                **{f"position.yarn_{k}": (lambda v, cfg: v is None or cfg.position.kind == "yarn")
-                   for k in ("original_max", "beta_fast", "beta_slow", "mscale", "round_to_int")},
-                "position.yarn_mscale_all_dim": ANY, "moe": {True, False} if v3 else {True},
-                "mtp": {True, False} if v3 else {False}, **moe_expresses(v3)}
+        return {**mla_expresses(), "moe": {True, False} if v3 else {True}, "mtp": {True, False} if v3 else {False},
+                **moe_expresses(v3)}
 
     def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
         return layer_names(cfg, stack, layer)

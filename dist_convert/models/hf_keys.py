@@ -61,6 +61,9 @@ HF_MATH_KEYS: dict[str, Plain] = {
     "first_k_dense_replace": _is(None, 0), "moe_layer_freq": _is(None, 1), "decoder_sparse_step": _is(None, 1),
     "mlp_only_layers": lambda v, hf: not v, "moe_latent_size": _is(None), "num_nextn_predict_layers": _is(None, 0),
     "n_shared_experts": _is(None, 0), "shared_expert_intermediate_size": _is(None, 0),
+    # DeepSeek sparse attention (an indexer choosing each query's top-k keys)
+    **dict.fromkeys(("index_topk", "index_n_heads", "index_head_dim", "index_topk_pattern", "indexer_types",
+                     "indexer_rope_interleave"), _is(None)), "index_topk_freq": _is(None, 1),
 }
 
 

@@ -43,6 +43,9 @@ def check_supported(cfg: ModelConfig, where: str, states: set[str]) -> None:
     if cfg.mamba is not None or cfg.gdn is not None:
         raise ConvertError(f"{where}: converting the optimizer state of a hybrid model (Mamba2 or Gated DeltaNet "
                            "layers) is not supported yet", NO_STATE)
+    if cfg.dsa is not None:
+        raise ConvertError(f"{where}: converting the optimizer state of a DeepSeek-sparse-attention model is not "
+                           "supported yet", NO_STATE)
     if states and not {"exp_avg", "exp_avg_sq"} <= states:
         raise ConvertError(f"{where}: the optimizer stores {sorted(states)} per parameter; --optimizer converts "
                            "Adam's (param, exp_avg, exp_avg_sq)", NO_STATE)

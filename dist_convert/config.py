@@ -118,6 +118,8 @@ class ModelConfig:
         mine = {s.key: s.value for s in self.settings((SETTING, SIZE))}
         theirs = {s.key: s.value for s in other.settings((SETTING, SIZE))}
         unused = {"max_position_embeddings"} if self.max_position_embeddings is None else set()
+        if self.mla is not None:
+            unused.add("kv_channels")  # MLA's heads are sized by its own record
         if not any(self.layer_kind(stack, layer)[1] == "dense" for stack, n in self.stacks for layer in range(n)):
             unused.add("ffn_hidden_size")  # no dense MLP uses it
         return [f"{k}: {mine.get(k)!r} -> {theirs.get(k)!r}" for k in dict.fromkeys([*mine, *theirs])

@@ -104,14 +104,16 @@ class MoE(Feature):
                                                ("router_dtype", "moe_router_dtype"),
                                                ("force_biased", "moe_router_force_biased"),
                                                ("rank_capacity_factor", "moe_expert_rank_capacity_factor"))}
+        score = str(get(a, "moe_router_score_function", default="softmax"))
         return cls(num_experts=experts, ffn=int(ffn), layer_pattern=moe_layer_pattern(get(a, "moe_layer_freq",
                                                                                           default=1), layers),
                    shared_size=int(shared) if shared else None,
                    shared_gate=bool(get(a, "moe_shared_expert_gate", default=False)),
                    expert_bias=bool(get(a, "moe_router_enable_expert_bias", default=False)),
                    topk=int(get(a, "moe_router_topk", default=2)),
-                   score_function=str(get(a, "moe_router_score_function", default="softmax")),
-                   pre_softmax=bool(get(a, "moe_router_pre_softmax", default=False)),
+                   score_function=score,
+                   # megatron-core reads it for softmax routing only (Megatron-Bridge's GLM-5 sets it with sigmoid)
+                   pre_softmax=bool(get(a, "moe_router_pre_softmax", default=False)) and score == "softmax",
                    apply_probs_on_input=bool(get(a, "moe_apply_probs_on_input", default=False)),
                    force_load_balancing=bool(get(a, "moe_router_force_load_balancing", default=False)),
                    **_router(opt))

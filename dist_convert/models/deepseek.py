@@ -117,11 +117,11 @@ def drop_absent_mtp(cfg: ModelConfig, found: Collection[str], notes: list[str]) 
     return cfg
 
 
-def mtp_optional_sets(cfg: ModelConfig) -> dict[str, tuple[list[str], bool]]:
+def mtp_optional_sets(cfg: ModelConfig, written: bool = True) -> dict[str, tuple[list[str], bool]]:
     """The MTP layers' copies of the embedding and of the output head: DeepSeek-V3 and GLM-4.5 releases store
-    them, GLM-4.6 and later neither (written unless the source said otherwise)."""
+    them, GLM-4.6 and later neither (``written``: whether an export writes them when the source said nothing)."""
     return {f"mtp {suffix.removesuffix('.weight')}": (
-        [f"model.layers.{cfg.num_layers + k}.{suffix}" for k in range(cfg.mtp_num_layers)], True)
+        [f"model.layers.{cfg.num_layers + k}.{suffix}" for k in range(cfg.mtp_num_layers)], written)
         for suffix, _ in MTP_COPIES} if cfg.mtp_num_layers else {}
 
 

@@ -213,7 +213,8 @@ class MlaMoe(Family):
         return mtp_copies(cfg, found)
 
     def optional_sets(self, cfg: ModelConfig) -> dict[str, tuple[list[str], bool]]:
-        return {**super().optional_sets(cfg), **mtp_optional_sets(cfg)}
+        # GLM-5's MTP layer without copies of the embedding and the head, as Megatron-Bridge's GLM-5 bridge writes it
+        return {**super().optional_sets(cfg), **mtp_optional_sets(cfg, written=not self.glm)}
 
 
 FAMILIES = (

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+import yaml
 
 from dist_convert.errors import ConvertError
 from dist_convert.features import DSA
@@ -133,12 +134,16 @@ def dsa(cmd: str, *args: str, nproc: int = 1, check: bool = True, runtime: str =
 
 
 UNPADDED = ["--make-vocab-size-divisible-by", "1"]  # 300 rows, as Bridge imports it (padding is tested elsewhere)
-# target -> (flags, source), in order: both layouts the issue names from HF, each back to HF, and Bridge's own import
-# (a Bridge checkpoint with its run_config.yaml) to HF
+# target -> (flags, source), in order: torch_dist at both layouts the issue names from HF, Megatron-Bridge targets
+# (MLAModelProvider's run_config.yaml written from the model, and Bridge's own carried), each back to HF, and Bridge's
+# own import (a Bridge checkpoint with its run_config.yaml) to HF
 TARGETS = {"td_tp2_ep2": (["--dst-format", "torch_dist", "--target-tp", "2", "--target-ep", "2", *UNPADDED], "hf"),
            "td_pp2": (["--dst-format", "torch_dist", "--target-tp", "1", "--target-pp", "2", *UNPADDED], "hf"),
+           "bridge_tp2_ep2": (["--dst-format", "bridge", "--target-tp", "2", "--target-ep", "2", *UNPADDED], "hf"),
+           "bridge_carried": (["--dst-format", "bridge", "--target-tp", "2"], "truth"),
            "hf_back": (["--dst-format", "hf"], "td_tp2_ep2"), "hf_back_pp2": (["--dst-format", "hf"], "td_pp2"),
            "hf_from_bridge": (["--dst-format", "hf"], "truth")}
+DSA_SPEC = "megatron.core.models.gpt.experimental_attention_variant_module_specs."
 
 
 @pytest.fixture(scope="module", params=["glm5", "v32"])
@@ -156,10 +161,11 @@ def converted(request, tmp_path_factory) -> tuple[str, Path]:
 
 
 def test_targets_load_in_megatron_cores_dsa_model_at_another_layout(converted):
-    """TP2 EP2 and TP1 PP2 targets judged at TP2 (sequence parallel, EP1): strict load, every tensor the truth's, the
-    recorded DSA settings the model's, logits within 1e-4 of transformers' and MTP logits of the truth's."""
+    """torch_dist TP2 EP2 and TP1 PP2 and Bridge TP2 (EP2) targets judged at TP2 (sequence parallel, EP1): strict
+    load, every tensor the truth's, the recorded DSA settings the model's (args, or run_config.yaml), logits within
+    1e-4 of transformers' and MTP logits of the truth's; the Bridge targets name DSA's layer spec."""
     arch, root = converted
-    names = ["td_tp2_ep2", "td_pp2"] + (["mutated"] if arch == "glm5" else [])
+    names = ["td_tp2_ep2", "td_pp2", "bridge_tp2_ep2", "bridge_carried"] + (["mutated"] if arch == "glm5" else [])
     proc = dsa("judge", "--truth", str(root / "truth"), "--hf", str(root / "hf"), "--logits", str(root / "logits.pt"),
                "--arch", arch, "--tp", "2", *(str(root / n) for n in names), nproc=2, check=False)
     got = {Path(v["ckpt"]).name: v for v in map(json.loads, filter(lambda s: s.startswith("{"),
@@ -171,6 +177,11 @@ def test_targets_load_in_megatron_cores_dsa_model_at_another_layout(converted):
             continue
         assert got[n]["ok"] and got[n]["loaded_tensors"] > 100, got[n]
         assert got[n]["logits_max_abs_diff_vs_hf"] < 1e-4 and got[n]["mtp_logits_max_abs_diff"] < 1e-4, got[n]
+    for n in ("bridge_tp2_ep2", "bridge_carried"):  # the provider Bridge builds it with: DSA's spec, MTP on
+        model = yaml.safe_load(next((root / n).glob("*/run_config.yaml")).read_text())["model"]
+        assert model["transformer_layer_spec"]["_target_"].startswith(DSA_SPEC), n
+        assert (model["_target_"].endswith("MLAModelProvider"), model["mtp_num_layers"], model["sequence_parallel"],
+                model["tensor_model_parallel_size"]) == (True, 1, True, 2), n
 
 
 def test_back_to_hf_is_bit_exact_indexer_and_mtp_included(converted):

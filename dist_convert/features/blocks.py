@@ -72,7 +72,6 @@ class DSA(Feature):
 
     attr: ClassVar[str] = "dsa"
     what: ClassVar[str] = "DeepSeek sparse attention (a top-k indexer)"
-    presence: ClassVar[tuple[str, ...]] = ("experimental_attention_variant",)
 
     n_heads: int = setting(64, kind=SIZE, arg="dsa_indexer_n_heads", what="indexer heads")
     head_dim: int = setting(128, kind=SIZE, arg="dsa_indexer_head_dim", what="indexer head size")

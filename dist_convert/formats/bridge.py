@@ -29,15 +29,27 @@ from ..mlm_args import HF_TOKENIZER
 from ..models import config_from_hf
 from ..runtime import Runtime
 from .base import copy_tokenizer_files, on_rank0, read_origin, tokenizer_source
-from .mcore_config import PROVIDER_EXPRESSES, args_from_fields, fields_for_target, transformer_fields
+from .mcore_config import args_from_fields, fields_for_target, provider_expresses, transformer_fields
 from .torch_dist import TorchDistFormat, _looks_like, open_weights
 
 RUN_CONFIG = "run_config.yaml"
 TRAIN_STATE = "train_state.pt"
 TOKENIZER = "tokenizer"
 PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
+MLA_PROVIDER = "megatron.bridge.models.mla_provider.MLAModelProvider"
 SPECS = {"local": "megatron.bridge.models.gpt_provider.local_layer_spec",
          "te": "megatron.bridge.models.gpt_provider.transformer_engine_layer_spec"}
+# megatron-core's spec of DeepSeek sparse attention (and Gated DeltaNet) layers, as Megatron-Bridge's GLM-5 sets it
+EXPERIMENTAL_SPEC = ("megatron.core.models.gpt.experimental_attention_variant_module_specs."
+                     "get_transformer_block_with_experimental_attention_variant_spec")
+
+
+def layer_spec(cfg: ModelConfig, carried: Any) -> dict[str, Any]:
+    """The provider's ``transformer_layer_spec``: a carried model-specific spec as it stands (Gemma 3's, the
+    experimental-attention one), else GPTModelProvider's for the target's spec naming (DSA: the experimental one)."""
+    if isinstance(carried, dict) and carried.get("_target_") not in SPECS.values():
+        return carried
+    return {"_call_": False, "_target_": EXPERIMENTAL_SPEC if cfg.dsa is not None else SPECS[cfg.spec]}
 
 
 def _looks_like_bridge(path: Path) -> bool:
@@ -119,7 +131,7 @@ def bridge_origin(iter_dir: Path, y: dict[str, Any], stored: Origin) -> Origin:
 def bridge_model_section(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
     """A ``model:`` section for a target whose source is not a Bridge checkpoint: GPTModelProvider's fields (every
     setting of the model; what GPTModelProvider cannot hold is refused before, by the target's format)."""
-    return {"_target_": PROVIDER, **transformer_fields(cfg),
+    return {"_target_": MLA_PROVIDER if cfg.mla is not None else PROVIDER, **transformer_fields(cfg),
             "seq_length": getattr(args, "seq_length", None) or cfg.max_position_embeddings,
             "should_pad_vocab": cfg.padded_vocab(1) != cfg.vocab_size, "hidden_dropout": 0.0, "attention_dropout": 0.0,
             "params_dtype": {"_call_": False, "_target_": str(getattr(args, "params_dtype", torch.float32))}}
@@ -154,9 +166,9 @@ class BridgeFormat(TorchDistFormat):
                                "convert from that Bridge checkpoint, or write --dst-format torch_dist (the same "
                                "layout, with Megatron-LM args)")
         if target.origin.bridge_run_config is None:  # run_config.yaml written from the model config: refused first
-            refuse_unexpressed(target.cfg, PROVIDER_EXPRESSES, "Megatron-Bridge's GPTModelProvider (written for a "
-                               "model that does not come from a Bridge checkpoint)", "convert from the model's own "
-                               "Megatron-Bridge checkpoint, or write --dst-format torch_dist")
+            refuse_unexpressed(target.cfg, provider_expresses(target.cfg), "Megatron-Bridge's model provider "
+                               "(written for a model that does not come from a Bridge checkpoint)", "convert from the "
+                               "model's own Megatron-Bridge checkpoint, or write --dst-format torch_dist")
         return super().target_files(target, dtypes)
 
     def common_state(self, target: Target) -> dict[str, Any]:
@@ -174,7 +186,7 @@ class BridgeFormat(TorchDistFormat):
             model = fields_for_target(y["model"], cfg, target.layout, target.dtype)
         else:
             y, model = {}, fields_for_target(bridge_model_section(cfg, args), cfg, target.layout, target.dtype)
-        model["transformer_layer_spec"] = {"_call_": False, "_target_": SPECS[cfg.spec]}
+        model["transformer_layer_spec"] = layer_spec(cfg, model.get("transformer_layer_spec"))
         if model.get("should_pad_vocab") is False and cfg.padded_vocab(target.layout.tp) != cfg.vocab_size:
             model["should_pad_vocab"] = True
         y["model"] = model

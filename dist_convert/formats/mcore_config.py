@@ -76,6 +76,23 @@ PROVIDER_EXPRESSES: dict[str, Any] = {
 }
 
 
+# MLATransformerConfig's RoPE fields (Megatron-LM's args names are the same), as the Position record writes them
+MLA_ROPE = ("position_embedding_type", "rotary_base", "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+            "original_max_position_embeddings", "beta_fast", "beta_slow")
+# What Megatron-Bridge's MLAModelProvider adds: multi-latent attention with YaRN RoPE, and DeepSeek sparse attention
+MLA_PROVIDER_EXPRESSES: dict[str, Any] = {
+    **PROVIDER_EXPRESSES, "mla": ANY, "dsa": ANY, "position.kind": {"rope", "yarn"},
+    **{f"position.yarn_{f}": ANY for f in ("factor", "original_max", "beta_fast", "beta_slow", "mscale",
+                                           "mscale_all_dim", "round_to_int")},
+    **{f"dsa.{f}": ANY for f in ("topk", "topk_freq", "skip_topk_offset", "rope_interleaved", "scoring_relu",
+                                 "k_norm_eps")}}
+
+
+def provider_expresses(cfg: ModelConfig) -> dict[str, Any]:
+    """What the provider a Bridge run_config.yaml is written with expresses (MLAModelProvider for MLA models)."""
+    return MLA_PROVIDER_EXPRESSES if cfg.mla is not None else PROVIDER_EXPRESSES
+
+
 def _target(value: Any) -> str | None:
     """The dotted name a serialised callable or class stands for (``{_target_: torch.float32, _call_: false}``
     in YAML, the ``pyref`` of a Fiddle graph already resolved by the caller), else None."""
@@ -168,6 +185,11 @@ def transformer_fields(cfg: ModelConfig) -> dict[str, Any]:
         out.update({"num_moe_experts" if k == "num_experts" else k: (list(v) if isinstance(v, tuple) else v)
                     for k, v in moe.to_args().items() if v is not None})
         out["moe_ffn_hidden_size"] = cfg.expert_ffn
+    if cfg.mla is not None:  # MLATransformerConfig's fields: its sizes, its RoPE, DeepSeek sparse attention
+        rope = pos.to_args()
+        out.update(cfg.mla.to_args(), **{k: rope[k] for k in MLA_ROPE if rope.get(k) is not None})
+        if cfg.dsa is not None:
+            out.update(cfg.dsa.to_args())
     return out
 
 
@@ -183,6 +205,8 @@ def fields_for_target(fields: dict[str, Any], cfg: ModelConfig, layout: Layout,
     elif "expert_model_parallel_size" in out:
         out.update(expert_model_parallel_size=1)
     out["make_vocab_size_divisible_by"] = cfg.make_vocab_size_divisible_by
+    if cfg.dsa is not None:  # megatron-core's DSA attention (AbsorbedMLA) asserts sequence parallelism at TP > 1
+        out["sequence_parallel"] = layout.tp > 1
     if dtype is not None:
         out.update(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
         if isinstance(out.get("params_dtype"), dict):

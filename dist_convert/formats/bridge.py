@@ -44,11 +44,9 @@ EXPERIMENTAL_SPEC = ("megatron.core.models.gpt.experimental_attention_variant_mo
                      "get_transformer_block_with_experimental_attention_variant_spec")
 
 
-def layer_spec(cfg: ModelConfig, carried: Any) -> dict[str, Any]:
-    """The provider's ``transformer_layer_spec``: a carried model-specific spec as it stands (Gemma 3's, the
-    experimental-attention one), else GPTModelProvider's for the target's spec naming (DSA: the experimental one)."""
-    if isinstance(carried, dict) and carried.get("_target_") not in SPECS.values():
-        return carried
+def layer_spec(cfg: ModelConfig) -> dict[str, Any]:
+    """The provider's ``transformer_layer_spec`` (a carried one may be a ModuleSpec tree of the source's naming):
+    GPTModelProvider's for the target's spec naming; megatron-core's experimental-attention spec for DSA."""
     return {"_call_": False, "_target_": EXPERIMENTAL_SPEC if cfg.dsa is not None else SPECS[cfg.spec]}
 
 
@@ -166,9 +164,10 @@ class BridgeFormat(TorchDistFormat):
                                "convert from that Bridge checkpoint, or write --dst-format torch_dist (the same "
                                "layout, with Megatron-LM args)")
         if target.origin.bridge_run_config is None:  # run_config.yaml written from the model config: refused first
-            refuse_unexpressed(target.cfg, provider_expresses(target.cfg), "Megatron-Bridge's model provider "
-                               "(written for a model that does not come from a Bridge checkpoint)", "convert from the "
-                               "model's own Megatron-Bridge checkpoint, or write --dst-format torch_dist")
+            provider = (MLA_PROVIDER if target.cfg.mla is not None else PROVIDER).rsplit(".", 1)[1]
+            refuse_unexpressed(target.cfg, provider_expresses(target.cfg), f"Megatron-Bridge's {provider} (written "
+                               "for a model that does not come from a Bridge checkpoint)", "convert from the model's "
+                               "own Megatron-Bridge checkpoint, or write --dst-format torch_dist")
         return super().target_files(target, dtypes)
 
     def common_state(self, target: Target) -> dict[str, Any]:
@@ -186,7 +185,7 @@ class BridgeFormat(TorchDistFormat):
             model = fields_for_target(y["model"], cfg, target.layout, target.dtype)
         else:
             y, model = {}, fields_for_target(bridge_model_section(cfg, args), cfg, target.layout, target.dtype)
-        model["transformer_layer_spec"] = layer_spec(cfg, model.get("transformer_layer_spec"))
+        model["transformer_layer_spec"] = layer_spec(cfg)
         if model.get("should_pad_vocab") is False and cfg.padded_vocab(target.layout.tp) != cfg.vocab_size:
             model["should_pad_vocab"] = True
         y["model"] = model

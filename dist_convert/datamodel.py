@@ -148,6 +148,16 @@ class Origin:
                 for name in self.PATHS for path in [getattr(self, name)] if path is not None and not path.exists()]
 
 
+@dataclass(frozen=True)
+class Quantized:
+    """How one HF tensor is stored quantized (``formats/quant.py``): its scheme's name, the stored parts that make it
+    ((file, key) each, in the scheme's order) and the scheme's parameters (e.g. FP8's block size)."""
+
+    scheme: str
+    parts: tuple[tuple[str, str], ...]
+    params: tuple[Any, ...] = ()
+
+
 @dataclass(frozen=True, kw_only=True)
 class SourceChunk:
     id: int
@@ -161,12 +171,9 @@ class SourceChunk:
     contiguous_cuts: bool = False  # only boxes that are one contiguous byte run (DCP items read by offset)
     origin: tuple[int, ...] | None = None  # DCP: offsets of the stored item this chunk is (a part of)
     origin_shape: tuple[int, ...] | None = None  # DCP: that stored item's shape
-    # block-scaled FP8 (hf): (file, key, block size) of the stored weight's scale grid; ``dtype`` is then
-    # what the reader dequantizes to
-    scale: tuple[str, str, tuple[int, int]] | None = None
-    # MXFP4 (hf, gpt-oss experts): the stored pair standing in for tensor ``key``, (blocks file, blocks key, scales
-    # file, scales key); ``shape`` is transformers' dequantized layout and ``dtype`` what the reader dequantizes to
-    mxfp4: tuple[str, str, str, str] | None = None
+    # a quantized hf tensor (formats/quant.py): the stored parts standing in for tensor ``key``; ``shape`` is what
+    # they dequantize to and ``dtype`` what the reader dequantizes to
+    quant: Quantized | None = None
     twins: tuple[tuple[str, str], ...] = ()  # (file, key) of stored copies the reader checks equal (hf: MTP's)
     flat: int | None = None  # bucket space (optimizer state): where in a stored 1-D tensor this chunk starts
 

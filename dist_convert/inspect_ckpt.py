@@ -69,9 +69,7 @@ def used_config(cfg: ModelConfig) -> dict[str, Any]:
 def _stored_dtype(c: SourceChunk) -> str:
     """How a chunk is stored: its dtype, or the quantized form a reader dequantizes (to ``c.dtype``)."""
     dtype = str(c.dtype).replace("torch.", "")
-    if c.scale is not None:
-        return f"fp8-block->{dtype}"
-    return f"mxfp4->{dtype}" if c.mxfp4 is not None else dtype
+    return f"{c.quant.scheme}->{dtype}" if c.quant is not None else dtype
 
 
 def tensor_rows(cfg: ModelConfig, chunks: Iterable[SourceChunk], layout: Layout | None = None) -> list[dict[str, Any]]:

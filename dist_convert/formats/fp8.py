@@ -1,7 +1,7 @@
 """Block-scaled FP8 weights as DeepSeek-V3 (and Qwen3 FP8) releases store them: a ``float8_e4m3fn``
 weight W (M, N) with ``<name>_scale_inv`` in fp32 on a grid of ceil(M/bm) x ceil(N/bn) blocks (edge
 blocks partial), ``W = float32(W_fp8) * scale_inv[i // bm, j // bn]``. Pure functions on boxes, so a
-rank dequantizes only the slice it reads.
+rank dequantizes only the slice it reads; ``SCHEME`` is their face to the hf format (``formats/quant.py``).
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from ..errors import ConvertError
 from ..layout.boxes import Box
+from .quant import Found, Quantized, Scheme
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"
@@ -77,3 +78,49 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
     scale = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, torch.ones_like(amax))
     q = (blocks / scale[:, None, :, None]).view_as(pad)[:m, :n].to(torch.float8_e4m3fn)
     return q.contiguous(), scale
+
+
+class Fp8Block(Scheme):
+    """``--quantize fp8-block``; read: a weight stored in an FP8 dtype beside its ``_scale_inv`` grid."""
+
+    name = "fp8-block"
+    what = "block-scaled FP8"
+    config = QUANTIZATION_CONFIG
+
+    def stored(self, key: str, hf: dict[str, Any], found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
+        if key not in found or found[key][1] not in FP8_DTYPES:
+            return None
+        f, dtype, shape = found[key]
+        name = key + SCALE_SUFFIX
+        if name not in found:
+            raise ConvertError(f"{key} is stored in FP8 ({dtype}) without its scale {name}",
+                               "convert a complete FP8 checkpoint (every *_scale_inv shard), or its bf16 release")
+        block = block_size(hf)
+        grid = scale_grid(tuple(shape), block)
+        sf, sdtype, sshape = found[name]
+        if tuple(sshape) != grid or sdtype not in (torch.float32, torch.bfloat16):
+            raise ConvertError(f"{name} has shape {tuple(sshape)} ({sdtype}); a {tuple(shape)} weight in "
+                               f"{block[0]}x{block[1]} blocks needs a {grid} float32 grid",
+                               "the FP8 scales do not match the weights or quantization_config.weight_block_size; "
+                               "re-download the checkpoint")
+        return Quantized(self.name, ((f, key), (sf, name)), block), tuple(shape)
+
+    def boxes(self, q: Quantized, box: Box) -> tuple[Box, ...]:
+        return box, scale_box(box, q.params)
+
+    def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(parts[0], parts[1], box, q.params, dtype)
+
+    def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
+        return quantizable(name, shape)
+
+    def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        q, scale = quantize(x)
+        return [(name, q), (name + SCALE_SUFFIX, scale)]
+
+    def stored_sizes(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
+        rows, cols = scale_grid(shape, DEFAULT_BLOCK)
+        return [(name, shape[0] * shape[1]), (name + SCALE_SUFFIX, 4 * rows * cols)]
+
+
+SCHEME = Fp8Block()

@@ -27,9 +27,9 @@ from ..mlm_args import HF_TOKENIZER, model_args
 from ..models import export_family, family_of, hf_from_config, import_config, naming_family
 from ..models.base import TIED_HEAD, Family, HFTensors, hf_dtype, part_pieces
 from ..runtime import Runtime
-from . import fp8, mxfp4
 from .base import FileAtATime, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
 from .safetensors_io import read_boxes, read_header, write_file
+from .schemes import SCHEMES, scheme_of
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -159,14 +159,13 @@ class HFFormat:
                 found[key] = (f, dtype, shape)
         cfg = fam.as_stored(cfg, found, notes)  # e.g. MTP layers a config declares and the weights lack
         expected, sets = source_tensors(cfg, fam, found)
-        scales = {k for k in found if k.endswith(fp8.SCALE_SUFFIX)}
-        pairs = {}  # MXFP4 (gpt-oss releases): tensors stored as blocks + scales, dequantized on read
+        quantized, parts = {}, set()  # tensors stored quantized (formats/quant.py), dequantized on read
         for key in expected:
-            pair = None if key in found else mxfp4.stored_pair(key, found)
-            if pair is not None:
-                pairs[key] = pair[0]
-                scales |= {pair[0][1], pair[0][3]}
-                found[key] = (pair[0][0], torch.uint8, pair[1])
+            hit = next((h for sc in SCHEMES.values() if (h := sc.stored(key, hf, found)) is not None), None)
+            if hit is not None:
+                quantized[key] = hit[0]
+                parts |= {k for _, k in hit[0].parts if k != key}
+                found[key] = (hit[0].parts[0][0], torch.uint8, hit[1])  # as the reader sees it: its first part
         ignored = sorted(k for k in found if k.endswith(IGNORED_SUFFIXES))
         if ignored:
             notes.append(f"skipped {len(ignored)} rotary inv_freq buffers (recomputed by every loader)")
@@ -176,7 +175,7 @@ class HFFormat:
                          f"{'; '.join(fam.unconverted.values())}): the converted model is the rest")
             ignored += unconverted
         policy = KeyPolicy.of(self.options)
-        policy.unexpected(str(path), set(found) - set(expected) - set(ignored) - scales,
+        policy.unexpected(str(path), set(found) - set(expected) - set(ignored) - parts,
                           "the weights belong to another architecture or config; use the matching config.json",
                           f"tensors not in a {hf['architectures'][0]} with this config.json:")
         policy.missing(str(path), {k: {p.logical for p in v[1]} for k, v in expected.items() if k not in found},
@@ -193,18 +192,16 @@ class HFFormat:
                                        f"{tuple(shape)}", "config.json and the weights disagree; use the config "
                                        "saved with these weights")
             twins = tuple((found[k][0], k) for k in copies.get(key, ()))
-            scale = None
-            if dtype in fp8.FP8_DTYPES:
-                scale = self._scale_of(key, shape, hf, found)
-            if scale is not None or key in pairs:
+            if key in quantized:
                 dtype = self.options.dtype or torch.bfloat16  # dequantized on read
             chunks.append(SourceChunk(id=len(chunks), file=f, key=key, shape=shape, dtype=dtype, pieces=pieces,
-                                      offsets=(0,) * len(shape), sliceable=True, scale=scale, twins=twins,
-                                      mxfp4=pairs.get(key)))
+                                      offsets=(0,) * len(shape), sliceable=True, twins=twins,
+                                      quant=quantized.get(key)))
         dtype = hf_dtype(hf)
-        for kind, n in (("block-scaled FP8", sum(1 for c in chunks if c.scale)), ("MXFP4", len(pairs))):
+        for sc in SCHEMES.values():
+            n = sum(1 for c in chunks if c.quant is not None and c.quant.scheme == sc.name)
             if n:
-                notes.append(f"dequantized {n} {kind} weights to "
+                notes.append(f"dequantized {n} {sc.what} weights to "
                              f"{str(self.options.dtype or torch.bfloat16).removeprefix('torch.')} on read")
                 dtype = self.options.dtype or torch.bfloat16
         args = model_args(cfg, dtype, tokenizer_type=HF_TOKENIZER)
@@ -213,35 +210,15 @@ class HFFormat:
         return policy.finish(SourceIndex(format=self.name, iter_dir=path, iteration="release", args=args, cfg=cfg,
                                          layout=Layout(tp=1, pp=1), chunks=chunks, notes=notes, origin=origin))
 
-    @staticmethod
-    def _scale_of(key: str, shape: tuple[int, ...], hf: dict, found: dict) -> tuple[str, str, tuple[int, int]]:
-        """(file, key, block size) of an FP8 weight's ``_scale_inv``, checked against the weight's shape."""
-        name = key + fp8.SCALE_SUFFIX
-        if name not in found:
-            raise ConvertError(f"{key} is stored in FP8 ({found[key][1]}) without its scale {name}",
-                               "convert a complete FP8 checkpoint (every *_scale_inv shard), or its bf16 release")
-        block = fp8.block_size(hf)
-        grid = fp8.scale_grid(shape, block)
-        f, sdtype, sshape = found[name]
-        if tuple(sshape) != grid or sdtype not in (torch.float32, torch.bfloat16):
-            raise ConvertError(f"{name} has shape {tuple(sshape)} ({sdtype}); a {shape} weight in "
-                               f"{block[0]}x{block[1]} blocks needs a {grid} float32 grid",
-                               "the FP8 scales do not match the weights or quantization_config.weight_block_size; "
-                               "re-download the checkpoint")
-        return f, name, block
-
     def read(self, index: SourceIndex, chunks: list[SourceChunk]) -> dict[int, torch.Tensor]:
         by_file: dict[str, list[tuple[SourceChunk, str, Box]]] = {}
         for c in chunks:
             box = Box(c.offsets or (0,) * len(c.shape), c.shape)
-            if c.mxfp4 is not None:  # MXFP4: the blocks and scales covering the box, dequantized below
-                blocks, scales, _ = mxfp4.read_boxes_of(box)
-                by_file.setdefault(c.mxfp4[0], []).append((c, c.mxfp4[1], blocks))
-                by_file.setdefault(c.mxfp4[2], []).append((c, c.mxfp4[3], scales))
+            if c.quant is None:
+                by_file.setdefault(c.file, []).append((c, c.key, box))
                 continue
-            by_file.setdefault(c.file, []).append((c, c.key, box))
-            if c.scale is not None:  # FP8: the scale blocks covering the box, dequantized below
-                by_file.setdefault(c.scale[0], []).append((c, c.scale[1], fp8.scale_box(box, c.scale[2])))
+            for (f, key), b in zip(c.quant.parts, scheme_of(c.quant).boxes(c.quant, box), strict=True):
+                by_file.setdefault(f, []).append((c, key, b))  # each part's slice, dequantized below
         raw: dict[tuple[int, str], torch.Tensor] = {}
         for f, group in by_file.items():
             for (c, key, _), t in zip(group, read_boxes(index.iter_dir / f, [(k, b) for _, k, b in group]),
@@ -255,14 +232,11 @@ class HFFormat:
                                        "the checkpoint is inconsistent; re-download it")
         out: dict[int, torch.Tensor] = {}
         for c in chunks:
-            if c.mxfp4 is not None:
-                out[c.id] = mxfp4.dequantize_to(raw[(c.id, c.mxfp4[1])], raw[(c.id, c.mxfp4[3])],
-                                                Box(c.offsets or (0,) * len(c.shape), c.shape), c.dtype)
+            if c.quant is None:
+                out[c.id] = raw[(c.id, c.key)]
                 continue
-            t = raw[(c.id, c.key)]
-            if c.scale is not None:
-                t = fp8.dequantize(t, raw[(c.id, c.scale[1])], Box(c.offsets or (0, 0), c.shape), c.scale[2], c.dtype)
-            out[c.id] = t
+            out[c.id] = scheme_of(c.quant).dequantize(c.quant, [raw[(c.id, k)] for _, k in c.quant.parts],
+                                                      Box(c.offsets or (0,) * len(c.shape), c.shape), c.dtype)
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:
@@ -272,9 +246,8 @@ class HFFormat:
         tensors = {name: TargetTensor(key=name, shape=shape, dtype=target_dtype(target, dtypes, pieces[0].logical),
                                       pieces=pieces)
                    for name, (shape, pieces) in hf_tensors(target.cfg, fam, target.origin.hf_stored).items()}
-        if self.options.quantize == "mxfp4" and not any(mxfp4.quantizable(n, t.shape) for n, t in tensors.items()):
-            raise ConvertError(f"--quantize mxfp4 stores gpt-oss's expert weights ({', '.join(mxfp4.EXPERT_WEIGHTS)}), "
-                               f"and this {fam.architecture} has none", "drop --quantize mxfp4 for this model")
+        if self.options.quantize:
+            SCHEMES[self.options.quantize].check_target({n: t.shape for n, t in tensors.items()}, fam.architecture)
         shards = pack_shards([(n, t.nbytes) for n, t in tensors.items()], self.options.max_shard_size)
         names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                    for i in range(len(shards))]
@@ -293,22 +266,13 @@ class HFFormat:
 
     def _stored_sizes(self, t: TargetTensor) -> list[tuple[str, int]]:
         """(name, bytes) of what ``_stored`` writes for target tensor ``t``."""
-        if self.options.quantize == "mxfp4":
-            return mxfp4.stored_sizes(t.key, t.shape) if mxfp4.quantizable(t.key, t.shape) else [(t.key, t.nbytes)]
-        if self.options.quantize and fp8.quantizable(t.key, t.shape):
-            rows, cols = fp8.scale_grid(t.shape, fp8.DEFAULT_BLOCK)
-            return [(t.key, t.shape[0] * t.shape[1]), (t.key + fp8.SCALE_SUFFIX, 4 * rows * cols)]
-        return [(t.key, t.nbytes)]
+        sc = SCHEMES[self.options.quantize] if self.options.quantize else None
+        return sc.stored_sizes(t.key, t.shape) if sc and sc.quantizable(t.key, t.shape) else [(t.key, t.nbytes)]
 
     def _stored(self, key: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """What the file holds for one tensor: itself, or with ``--quantize fp8-block`` its FP8 values and scales,
-        with ``--quantize mxfp4`` (gpt-oss expert weights) its MXFP4 blocks and scales."""
-        if self.options.quantize == "mxfp4":
-            return mxfp4.stored(key, x) if mxfp4.quantizable(key, tuple(x.shape)) else [(key, x)]
-        if self.options.quantize and fp8.quantizable(key, tuple(x.shape)):
-            q, scale = fp8.quantize(x)
-            return [(key, q), (key + fp8.SCALE_SUFFIX, scale)]
-        return [(key, x)]
+        """What the file holds for one tensor: itself, or with ``--quantize`` what its scheme stores for it."""
+        sc = SCHEMES[self.options.quantize] if self.options.quantize else None
+        return sc.quantize(key, x) if sc and sc.quantizable(key, tuple(x.shape)) else [(key, x)]
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0: the shard index, config.json and tokenizer files (from what the writers recorded of each file)."""
@@ -327,8 +291,7 @@ class HFFormat:
                 copy_tokenizer_files(d, out_dir)
         hf = hf_from_config(target.cfg, dtype, target.origin.hf_config)
         if self.options.quantize:
-            hf["quantization_config"] = copy.deepcopy(
-                mxfp4.QUANTIZATION_CONFIG if self.options.quantize == "mxfp4" else fp8.QUANTIZATION_CONFIG)
+            hf["quantization_config"] = copy.deepcopy(SCHEMES[self.options.quantize].config)
         else:
             hf.pop("quantization_config", None)  # dequantized on read: the target holds plain weights
         write_durable(out_dir / CONFIG, json.dumps(hf, indent=2))

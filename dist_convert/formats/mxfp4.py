@@ -11,7 +11,8 @@ gpt-oss: ``mlp.experts.gate_up_proj`` blocks [E, 2F, H/32, 16] (rows gate/up int
 ``mlp.experts.down_proj`` blocks [E, H, F/32, 16]. transformers' ``convert_moe_packed_tensors`` returns the
 *transpose* of the logical weight, [..., cols, rows] (gate_up_proj [E, H, 2F], down_proj [E, F, H]: its
 ``x @ W`` orientation); ``dequantize`` here returns the blocks' own order [..., rows, cols] and
-``transformers_layout`` turns one into the other. Pure functions on boxes, so a rank dequantizes only its share.
+``transformers_layout`` turns one into the other. Pure functions on boxes, so a rank dequantizes only its share;
+``SCHEME`` is their face to the hf format (``formats/quant.py``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 from ..errors import ConvertError
 from ..layout.boxes import Box
+from .quant import Found, Quantized, Scheme
 
 BLOCK = 32  # elements per scale
 BYTES = BLOCK // 2  # bytes per block
@@ -224,3 +226,41 @@ def stored_sizes(name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
     for d in shape:
         n *= d
     return [(name + BLOCKS_SUFFIX, n // 2), (name + SCALES_SUFFIX, n // BLOCK)]
+
+
+class Mxfp4(Scheme):
+    """``--quantize mxfp4`` (gpt-oss's expert weights); read: a tensor stored as its ``_blocks`` / ``_scales`` pair."""
+
+    name = "mxfp4"
+    what = "MXFP4"
+    config = QUANTIZATION_CONFIG
+
+    def stored(self, key: str, hf: dict[str, Any], found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
+        pair = None if key in found else stored_pair(key, found)
+        if pair is None:
+            return None
+        (bf, bk, sf, sk), shape = pair
+        return Quantized(self.name, ((bf, bk), (sf, sk))), shape
+
+    def boxes(self, q: Quantized, box: Box) -> tuple[Box, ...]:
+        return read_boxes_of(box)[:2]
+
+    def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_to(parts[0], parts[1], box, dtype)
+
+    def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
+        return quantizable(name, shape)
+
+    def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return stored(name, x)
+
+    def stored_sizes(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
+        return stored_sizes(name, shape)
+
+    def check_target(self, shapes: Mapping[str, tuple[int, ...]], architecture: str) -> None:
+        if not any(quantizable(n, s) for n, s in shapes.items()):
+            raise ConvertError(f"--quantize mxfp4 stores gpt-oss's expert weights ({', '.join(EXPERT_WEIGHTS)}), "
+                               f"and this {architecture} has none", "drop --quantize mxfp4 for this model")
+
+
+SCHEME = Mxfp4()

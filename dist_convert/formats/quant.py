@@ -1,0 +1,60 @@
+"""Quantized Hugging Face weights behind one protocol.
+
+A scheme (``fp8.py``: DeepSeek's block-scaled FP8; ``mxfp4.py``: gpt-oss's MXFP4) says, for the hf reader,
+whether one HF tensor is stored its way and by which stored parts (``datamodel.Quantized``), which box of each part
+a rank reads for a box of the tensor, and how those slices dequantize; for ``--quantize``, which tensors it stores
+quantized, what the file holds for one, how many bytes that is, and the ``quantization_config`` of config.json.
+``formats/hf.py`` asks the schemes (``formats/schemes.py``) and holds no branch of its own.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from ..datamodel import Quantized
+from ..errors import ConvertError
+from ..layout.boxes import Box
+
+Found = Mapping[str, tuple[str, torch.dtype, tuple[int, ...]]]  # stored name -> (file, dtype, shape)
+
+
+class Scheme(ABC):
+    name: ClassVar[str]  # what ``--quantize`` writes it as
+    what: ClassVar[str]  # its name in a note
+    config: ClassVar[dict[str, Any]]  # config.json's ``quantization_config`` for what ``--quantize`` writes
+
+    # -- reading ------------------------------------------------------------------------------------------
+    @abstractmethod
+    def stored(self, key: str, hf: dict[str, Any], found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
+        """When HF tensor ``key`` is stored this way in ``found``: its parts and the shape it dequantizes to; None
+        when it is not; refused in one line when its parts are incomplete or disagree."""
+
+    @abstractmethod
+    def boxes(self, q: Quantized, box: Box) -> tuple[Box, ...]:
+        """The box of each part a rank reads for ``box`` of the dequantized tensor."""
+
+    @abstractmethod
+    def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
+        """``box`` of the tensor in ``dtype`` from the ``boxes`` slices of its parts."""
+
+    # -- writing (--quantize) -----------------------------------------------------------------------------
+    @abstractmethod
+    def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether ``--quantize`` stores HF tensor ``name`` this way (the rest stays as it is)."""
+
+    @abstractmethod
+    def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """What the file holds for tensor ``name`` (a quantizable one)."""
+
+    @abstractmethod
+    def stored_sizes(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
+        """(stored name, bytes) of what ``quantize`` writes for a tensor of ``shape``."""
+
+    def check_target(self, shapes: Mapping[str, tuple[int, ...]], architecture: str) -> None:
+        """Refuse (ConvertError) a target where the scheme would store nothing."""
+        if not any(self.quantizable(n, s) for n, s in shapes.items()):
+            raise ConvertError(f"--quantize {self.name} stores none of this {architecture}'s tensors",
+                               f"drop --quantize {self.name} for this model")

@@ -87,23 +87,24 @@ class Fp8Block(Scheme):
     what = "block-scaled FP8"
     config = QUANTIZATION_CONFIG
 
-    def stored(self, key: str, hf: dict[str, Any], found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
+    def stored(self, key: str, shape: tuple[int, ...], hf: dict[str, Any],
+               found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
         if key not in found or found[key][1] not in FP8_DTYPES:
             return None
-        f, dtype, shape = found[key]
+        f, dtype, stored = found[key]
         name = key + SCALE_SUFFIX
         if name not in found:
             raise ConvertError(f"{key} is stored in FP8 ({dtype}) without its scale {name}",
                                "convert a complete FP8 checkpoint (every *_scale_inv shard), or its bf16 release")
         block = block_size(hf)
-        grid = scale_grid(tuple(shape), block)
+        grid = scale_grid(tuple(stored), block)
         sf, sdtype, sshape = found[name]
         if tuple(sshape) != grid or sdtype not in (torch.float32, torch.bfloat16):
-            raise ConvertError(f"{name} has shape {tuple(sshape)} ({sdtype}); a {tuple(shape)} weight in "
+            raise ConvertError(f"{name} has shape {tuple(sshape)} ({sdtype}); a {tuple(stored)} weight in "
                                f"{block[0]}x{block[1]} blocks needs a {grid} float32 grid",
                                "the FP8 scales do not match the weights or quantization_config.weight_block_size; "
                                "re-download the checkpoint")
-        return Quantized(self.name, ((f, key), (sf, name)), block), tuple(shape)
+        return Quantized(self.name, ((f, key), (sf, name)), block), tuple(stored)
 
     def boxes(self, q: Quantized, box: Box) -> tuple[Box, ...]:
         return box, scale_box(box, q.params)

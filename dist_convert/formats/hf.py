@@ -160,11 +160,13 @@ class HFFormat:
         cfg = fam.as_stored(cfg, found, notes)  # e.g. MTP layers a config declares and the weights lack
         expected, sets = source_tensors(cfg, fam, found)
         quantized, parts = {}, set()  # tensors stored quantized (formats/quant.py), dequantized on read
-        for key in expected:
-            hit = next((h for sc in SCHEMES.values() if (h := sc.stored(key, hf, found)) is not None), None)
+        for key, (shape, _) in expected.items():
+            hit = next(((sc, h) for sc in SCHEMES.values() if (h := sc.stored(key, shape, hf, found)) is not None),
+                       None)
             if hit is not None:
+                sc, hit = hit
                 quantized[key] = hit[0]
-                parts |= {k for _, k in hit[0].parts if k != key}
+                parts |= {k for _, k in hit[0].parts if k != key} | {k for k in sc.companions(key) if k in found}
                 found[key] = (hit[0].parts[0][0], torch.uint8, hit[1])  # as the reader sees it: its first part
         ignored = sorted(k for k in found if k.endswith(IGNORED_SUFFIXES))
         if ignored:

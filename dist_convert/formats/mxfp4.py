@@ -235,7 +235,8 @@ class Mxfp4(Scheme):
     what = "MXFP4"
     config = QUANTIZATION_CONFIG
 
-    def stored(self, key: str, hf: dict[str, Any], found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
+    def stored(self, key: str, shape: tuple[int, ...], hf: dict[str, Any],
+               found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
         pair = None if key in found else stored_pair(key, found)
         if pair is None:
             return None

@@ -25,12 +25,19 @@ class Scheme(ABC):
     name: ClassVar[str]  # what ``--quantize`` writes it as
     what: ClassVar[str]  # its name in a note
     config: ClassVar[dict[str, Any]]  # config.json's ``quantization_config`` for what ``--quantize`` writes
+    writes: ClassVar[bool] = True  # whether ``--quantize`` offers it (a scheme may be read-only)
 
     # -- reading ------------------------------------------------------------------------------------------
     @abstractmethod
-    def stored(self, key: str, hf: dict[str, Any], found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
-        """When HF tensor ``key`` is stored this way in ``found``: its parts and the shape it dequantizes to; None
-        when it is not; refused in one line when its parts are incomplete or disagree."""
+    def stored(self, key: str, shape: tuple[int, ...], hf: dict[str, Any],
+               found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
+        """When HF tensor ``key`` (of ``shape``, as config.json implies it) is stored this way in ``found``: its parts
+        and the shape it dequantizes to; None when it is not; refused in one line when its parts are incomplete or
+        disagree."""
+
+    def companions(self, key: str) -> tuple[str, ...]:
+        """Stored names beside ``key``'s parts that belong to it and are not read (e.g. a stored shape)."""
+        return ()
 
     @abstractmethod
     def boxes(self, q: Quantized, box: Box) -> tuple[Box, ...]:

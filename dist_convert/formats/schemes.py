@@ -3,10 +3,10 @@ reader tries each in this order."""
 from __future__ import annotations
 
 from ..datamodel import Quantized
-from . import fp8, mxfp4
+from . import fp8, int4, mxfp4
 from .quant import Scheme
 
-SCHEMES: dict[str, Scheme] = {s.name: s for s in (fp8.SCHEME, mxfp4.SCHEME)}
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (fp8.SCHEME, mxfp4.SCHEME, int4.SCHEME)}
 
 
 def scheme_of(q: Quantized) -> Scheme:

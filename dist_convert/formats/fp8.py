@@ -89,7 +89,7 @@ class Fp8Block(Scheme):
 
     def stored(self, key: str, shape: tuple[int, ...], hf: dict[str, Any],
                found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
-        if key not in found or found[key][1] not in FP8_DTYPES:
+        if key not in found or found[key][1] not in FP8_DTYPES or compressed_tensors(hf):
             return None
         f, dtype, stored = found[key]
         name = key + SCALE_SUFFIX
@@ -125,3 +125,66 @@ class Fp8Block(Scheme):
 
 
 SCHEME = Fp8Block()
+
+
+# -- compressed-tensors ``float-quantized`` FP8 (e.g. FP8-dynamic releases): per-channel or per-tensor scales --------
+def compressed_tensors(hf: dict[str, Any], fmt: str | None = None) -> bool:
+    """Whether config.json's weights are compressed-tensors' (in format ``fmt``, when given)."""
+    q = hf.get("quantization_config") or {}
+    if str(q.get("quant_method", "")).lower() != "compressed-tensors":
+        return False
+    groups = [g for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)]
+    return fmt is None or fmt in {g.get("format") or q.get("format") for g in groups}
+
+
+class FloatQuantized(Scheme):
+    """Read: compressed-tensors ``float-quantized`` FP8 weights, ``weight`` in float8_e4m3fn with ``weight_scale``
+    [out, 1] (channel) or [1] (tensor); W = float(weight in the scale's dtype) * scale, compressed-tensors'
+    ``dequantize``. A static scheme's ``input_scale`` (the activations' calibration) is not carried (a note says so):
+    the dequantized model computes in high precision."""
+
+    name = "fp8-channel"
+    what = "compressed-tensors FP8"
+    config: dict[str, Any] = {}
+    writes = False
+    companion_note = "activation input_scale tensors (not carried by a dequantized model)"
+
+    def stored(self, key: str, shape: tuple[int, ...], hf: dict[str, Any],
+               found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
+        if key not in found or found[key][1] not in FP8_DTYPES or not compressed_tensors(hf, "float-quantized"):
+            return None
+        f, dtype, stored = found[key]
+        name = key + "_scale"
+        if name not in found:
+            raise ConvertError(f"{key} is stored in FP8 ({dtype}) without its scale {name}",
+                               "copy every shard of the release (see model.safetensors.index.json)")
+        sf, _, sshape = found[name]
+        if len(stored) != 2 or tuple(sshape) not in ((stored[0], 1), (1,)):
+            raise ConvertError(f"{name} has shape {tuple(sshape)}: a {tuple(stored)} FP8 weight takes one scale per "
+                               "output channel [out, 1] or one per tensor [1]",
+                               "convert a release quantized by channel or by tensor (block and group FP8 are other "
+                               "schemes)")
+        return Quantized(self.name, ((f, key), (sf, name)), (tuple(sshape),)), tuple(stored)
+
+    def companions(self, key: str) -> tuple[str, ...]:
+        return (key.removesuffix("weight") + "input_scale",)
+
+    def boxes(self, q: Quantized, box: Box) -> tuple[Box, ...]:
+        per_channel = len(q.params[0]) == 2  # the rows' scales, else the one scale
+        return box, Box((box.offsets[0], 0), (box.sizes[0], 1)) if per_channel else Box((0,), (1,))
+
+    def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
+        w, scale = parts
+        return (w.to(scale.dtype) * scale).to(dtype)
+
+    def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
+        return False
+
+    def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        raise NotImplementedError("writing compressed-tensors FP8 is not supported yet")
+
+    def stored_sizes(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
+        raise NotImplementedError("writing compressed-tensors FP8 is not supported yet")
+
+
+FLOAT_QUANTIZED = FloatQuantized()

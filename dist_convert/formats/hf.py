@@ -160,14 +160,19 @@ class HFFormat:
         cfg = fam.as_stored(cfg, found, notes)  # e.g. MTP layers a config declares and the weights lack
         expected, sets = source_tensors(cfg, fam, found)
         quantized, parts = {}, set()  # tensors stored quantized (formats/quant.py), dequantized on read
+        companions: dict[str, int] = {}
         for key, (shape, _) in expected.items():
             hit = next(((sc, h) for sc in SCHEMES.values() if (h := sc.stored(key, shape, hf, found)) is not None),
                        None)
             if hit is not None:
                 sc, hit = hit
                 quantized[key] = hit[0]
-                parts |= {k for _, k in hit[0].parts if k != key} | {k for k in sc.companions(key) if k in found}
+                beside = {k for k in sc.companions(key) if k in found}
+                parts |= {k for _, k in hit[0].parts if k != key} | beside
+                if beside and sc.companion_note:
+                    companions[sc.companion_note] = companions.get(sc.companion_note, 0) + len(beside)
                 found[key] = (hit[0].parts[0][0], torch.uint8, hit[1])  # as the reader sees it: its first part
+        notes += [f"skipped {n} {what}" for what, n in companions.items()]
         ignored = sorted(k for k in found if k.endswith(IGNORED_SUFFIXES))
         if ignored:
             notes.append(f"skipped {len(ignored)} rotary inv_freq buffers (recomputed by every loader)")

@@ -26,6 +26,7 @@ class Scheme(ABC):
     what: ClassVar[str]  # its name in a note
     config: ClassVar[dict[str, Any]]  # config.json's ``quantization_config`` for what ``--quantize`` writes
     writes: ClassVar[bool] = True  # whether ``--quantize`` offers it (a scheme may be read-only)
+    companion_note: ClassVar[str] = ""  # what its ``companions`` are, said in a note when a release has them
 
     # -- reading ------------------------------------------------------------------------------------------
     @abstractmethod

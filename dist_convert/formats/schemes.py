@@ -6,7 +6,7 @@ from ..datamodel import Quantized
 from . import fp8, int4, mxfp4
 from .quant import Scheme
 
-SCHEMES: dict[str, Scheme] = {s.name: s for s in (fp8.SCHEME, mxfp4.SCHEME, int4.SCHEME)}
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (fp8.SCHEME, mxfp4.SCHEME, int4.SCHEME, fp8.FLOAT_QUANTIZED)}
 
 
 def scheme_of(q: Quantized) -> Scheme:

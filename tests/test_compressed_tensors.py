@@ -1,6 +1,6 @@
-"""compressed-tensors ``pack-quantized`` INT4 releases (Kimi-K2-Thinking's experts), read by
-dist_convert/formats/int4.py behind the quantization protocol, judged by compressed-tensors 0.20 and transformers
-5.14 themselves.
+"""compressed-tensors releases read behind the quantization protocol (``formats/quant.py``), judged by
+compressed-tensors 0.20 and transformers 5.14 themselves: ``pack-quantized`` INT4 (Kimi-K2-Thinking's experts,
+dist_convert/formats/int4.py) and ``float-quantized`` FP8 by channel or tensor (dist_convert/formats/fp8.py).
 
 A tiny DeepSeek-V3 (tests/hf_models.py, bf16) has its routed experts' linears compressed by compressed-tensors' own
 code, as a release is made: ``calculate_qparams`` over each group's min / max (group 32, symmetric INT4) and
@@ -138,3 +138,77 @@ def test_slices_decode_like_the_whole(cols, rows, box):
     words = packed["weight_packed"][int4.word_box(box).slices()]
     scales = packed["weight_scale"][int4.group_box(box, GROUP).slices()]
     assert torch.equal(int4.dequantize(words, scales, box, GROUP, torch.bfloat16), whole[box.slices()])
+
+
+# -- float-quantized FP8 (per channel; per tensor) -------------------------------------------------------------
+def fp8_args(strategy: str):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy)
+
+
+def fp8_compress(w: torch.Tensor, strategy: str) -> tuple[dict[str, torch.Tensor], object]:
+    """compressed-tensors' own FP8 quantization of one weight (its qparams, its float-quantized compressor)."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    lo, hi = (w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)) if strategy == "channel" else (w.amin(), w.amax())
+    scale, zp = calculate_qparams(lo, hi, fp8_args(strategy))
+    scheme = QuantizationScheme(targets=["Linear"], weights=fp8_args(strategy))
+    return FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp},
+                                                scheme), scheme
+
+
+def test_fp8_channel_release_reads_as_compressed_tensors_decompresses_it(tmp_path):
+    """A tiny Llama whose every linear is FP8 per output channel, some with a static input_scale: read at 2 ranks to
+    plain HF, every weight the library's ``decompress`` bit for bit, the input scales dropped with a note."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    src = make_hf_model(tmp_path, "llama", dtype=torch.bfloat16)
+    rel, dst = tmp_path / "release", tmp_path / "hf"
+    rel.mkdir()
+    plain = load_file(src / "model.safetensors")
+    stored, linears = {}, [k for k in plain if k.endswith("proj.weight")]
+    for k, t in plain.items():
+        if k in linears:
+            packed, _ = fp8_compress(t, "channel")
+            stored.update({k.removesuffix("weight") + n: v for n, v in packed.items()})
+            if ".self_attn." in k:  # a static scheme's activation scale, which a dequantized model does not use
+                stored[k.removesuffix("weight") + "input_scale"] = torch.tensor([0.02])
+        else:
+            stored[k] = t
+    save_file(stored, rel / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=fp8_args("channel"))},
+        format="float-quantized", quantization_status="compressed", ignore=["lm_head"]).model_dump(exclude_none=True)
+    (rel / "config.json").write_text(json.dumps(cfg))
+    proc = ok(run_cli("reshard", str(rel), str(dst), "--dst-format", "hf", nproc=2))
+    assert "skipped 8 activation input_scale" in proc.stdout + proc.stderr  # q, k, v, o of 2 layers
+    got = load_file(dst / "model.safetensors")
+    scheme = QuantizationScheme(targets=["Linear"], weights=fp8_args("channel"))
+    for k in linears:
+        base = k.removesuffix("weight")
+        want = FloatQuantizationCompressor.decompress(
+            {"weight": stored[k], "weight_scale": stored[base + "weight_scale"]}, scheme)["weight"]
+        assert got[k].dtype == want.dtype and torch.equal(got[k], want) and not torch.equal(want, plain[k]), k
+    assert set(got) == set(plain) and all(torch.equal(got[k], plain[k]) for k in plain if k not in linears)
+
+
+@pytest.mark.parametrize("strategy,box", [("channel", Box((3, 5), (4, 20))), ("tensor", Box((2, 0), (5, 64)))])
+def test_fp8_slices_decode_like_the_whole_library_decompression(strategy, box):
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+
+    from dist_convert.datamodel import Quantized
+    from dist_convert.formats.fp8 import FLOAT_QUANTIZED
+
+    w = (torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) / 8).to(torch.bfloat16)
+    packed, scheme = fp8_compress(w, strategy)
+    whole = FloatQuantizationCompressor.decompress(dict(packed), scheme)["weight"]
+    q = Quantized("fp8-channel", (("f", "w"), ("f", "s")), (tuple(packed["weight_scale"].shape),))
+    wbox, sbox = FLOAT_QUANTIZED.boxes(q, box)
+    part = FLOAT_QUANTIZED.dequantize(q, [packed["weight"][wbox.slices()], packed["weight_scale"][sbox.slices()]],
+                                      box, torch.bfloat16)
+    assert torch.equal(part, whole[box.slices()])

@@ -184,6 +184,19 @@ def test_targets_load_in_megatron_cores_dsa_model_at_another_layout(converted):
                 model["tensor_model_parallel_size"]) == (True, 1, True, 2), n
 
 
+def test_megatron_bridges_own_loader_builds_the_written_provider(converted):
+    """Megatron-Bridge's own ``load_megatron_model`` builds the model from the run_config.yaml written from HF
+    (MLAModelProvider, the experimental-attention spec) at TP2 and loads it: every tensor the truth's (checked strictly
+    after Bridge's lenient load), logits within 1e-4 of transformers', MTP logits of the truth's."""
+    arch, root = converted
+    proc = dsa("bridge-load", str(root / "bridge_tp2_ep2"), "--truth", str(root / "truth"), "--hf", str(root / "hf"),
+               "--logits", str(root / "logits.pt"), "--arch", arch, "--tp", "2", "--ep", "1", nproc=2)
+    v = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert v["ok"] and v["loaded_tensors"] > 100 and not v["overrides"], v
+    assert v["logits_max_abs_diff_vs_hf"] < 1e-4 and v["mtp_logits_max_abs_diff"] < 1e-4, v
+    assert v["provider"].endswith("MLAModelProvider"), v
+
+
 def test_back_to_hf_is_bit_exact_indexer_and_mtp_included(converted):
     """From either target and from Bridge's own import: every tensor of the model made by transformers (the MTP layer
     as HF layer 4 included) bit for bit; from the targets the same config, and from Bridge's import (whose config.json

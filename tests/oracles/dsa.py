@@ -53,6 +53,28 @@ only inside the commands that need it.
       judge built them (dsa_indexer_rotate_activation / skip_topk_offset too where recorded); and the TP/PP/EP it
       records against --expect-tp/-pp/-ep (common.check_recorded; none expected unless given). One JSON line per
       CKPT (rank 0); exit 1 if any failed.
+  oracles/dsa.py bridge-load CKPT --truth TRUTH --hf HF_DIR --logits L.pt --arch glm5|v32 [--tp T] [--ep E] [--etp N]
+      A Megatron-Bridge checkpoint (run_config.yaml) judged by Megatron-Bridge 0.6.2's own loader, whose model comes
+      from that run_config.yaml, not from the HF config: model_load_save.load_megatron_model(model_type="gpt",
+      use_cpu_init=True), i.e. load_model_config (instantiate(run_config["model"]): its ``_target_`` provider with
+      the fields as written, transformer_layer_spec included), finalize, provide_distributed_model,
+      _load_model_weights_from_checkpoint. Layout: Bridge's own ``mp_overrides`` with the TP / EP / ETP / sequence
+      parallelism run_config.yaml records (world = TP*DP, EP*ETP dividing it), or --tp/--ep/--etp (then ETP 1,
+      sequence parallel at TP > 1); PP 1. Before the provider builds, only fields no weight, key or value of the
+      model's math depends on may be set (te_cpu.CPU_KERNELS, LOAD_OVERRIDES: moe_grouped_gemm / moe_permute_fusion
+      False, dispatcher "allgather", moe_shared_expert_overlap False, dsa_kernel_backend "none"), never MATH_FIELDS;
+      the verdict's ``overrides`` lists each one that changed a value ({} when run_config.yaml already says so).
+      Bridge's weights load is not strict (dist_ckpt_strictness "assume_ok_unexpected": a checkpoint tensor no model
+      key asks for is dropped silently; load_state_dict falls back to strict=False), so: the model is NaN-filled
+      before it (a tensor left alone fails) and then megatron-core's key sets are checked (every checkpoint key some
+      rank's model loads, every model key stored). The truth: a second model built by the same loader from CKPT's
+      run_config.yaml, TRUTH loaded into it by megatron-core with StrictHandling.RAISE_ALL (as the judge). Then every
+      tensor == the truth's, bit for bit; main logits vs transformers' (L.pt) within --atol (1e-4); the MTP logits vs
+      the truth model's within --mtp-atol (1e-4); the indexer RoPE / rotation the provider has vs the family's
+      (glm5 interleaved, no rotation; v32 half-split, rotated: transformers skips the orthogonal rotation, so logits
+      cannot tell). One JSON line (rank 0): ckpt, ok, loaded_tensors (all ranks'), logits_max_abs_diff_vs_hf,
+      mtp_logits_max_abs_diff, overrides, problems, with the layout, the provider class and the fields it built
+      with; exit 1 on failure.
   oracles/dsa.py mutate SRC DST --hf HF_DIR --arch glm5|v32 --kind swap_indexer_heads|swap_eh_halves|k_norm_bias|
                  value|drop_object
       SRC (torch_dist) loaded at TP = world size, one defect megatron-core's loader accepts, saved by Bridge's
@@ -85,6 +107,14 @@ norm, RoPE, the indexer's scoring and top-k, the sparse attention and the MoE ro
       - experts: TE's non-grouped choice, SequentialMLP (moe_grouped_gemm False, moe_permute_fusion False: torch_dist
         keys are TEGroupedMLP's); MoE token dispatcher "allgather" instead of Bridge's "flex"/hybridep (DeepEP) and
         moe_shared_expert_overlap off (CUDA streams): they move tokens only, no weight or key depends on them
+      - core_attention() -> qwen3_next's TEDotProductAttention stand-in (megatron-core's local DotProductAttention)
+        taking TE's k_channels / v_channels (MLA's q/k and v head dims): the plain MLA a run_config without the DSA
+        variant builds (bridge-load's negative controls)
+  * while specs are built and modules made (cpu_spec_backend), also megatron-core's get_backend("transformer_engine")
+    (MLA's Q/KV norm resolver asks it for defaults) and transformer_block.LayerNormImpl (the final norm of a block
+    made from a layer spec: TENorm with TE, WrappedTorchNorm without, which refuses sequence parallelism) ->
+    CpuDSASpecProvider / its TENorm; multi_latent_attention.TELinear (None without TE; MLASelfAttention picks
+    "duplicated" by it, as AbsorbedMLA) -> the TELinear above
   * dsa.rotate_activation: megatron-core's, with the CUDA kernel fast_hadamard_transform.hadamard_transform(x,
     scale=d**-0.5) replaced by the same math in plain torch (x @ H.T * d**-0.5, H the Sylvester Hadamard matrix)
     and without its bf16-only assert (the kernel's limit, not the math's); H/sqrt(d) is orthonormal, so the
@@ -103,6 +133,7 @@ import sys
 import tempfile
 import time
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
@@ -234,13 +265,14 @@ def apply_shims() -> None:
     qwen3_next.apply_shims()
     if _SHIMMED:
         return
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.experimental_attention_variant import absorbed_mla, dsa
 
     def rotate_activation(x):  # megatron-core's, the kernel in plain torch, no bf16-only assert
         return hadamard_transform(x, scale=x.size(-1) ** -0.5)
 
     dsa.rotate_activation = rotate_activation
-    absorbed_mla.TELinear = cpu_classes()["linear"]
+    absorbed_mla.TELinear = multi_latent_attention.TELinear = cpu_classes()["linear"]
     _SHIMMED = True
 
 
@@ -345,14 +377,29 @@ def cpu_classes() -> dict:
                 return CpuTELayerNorm(config, hidden_size, eps)
             return rms_norm(config, hidden_size, eps)
 
+    class CpuTEDotProductAttention(base["attn"]):
+        """qwen3_next's TEDotProductAttention stand-in with TE's k_channels / v_channels (MLA's q/k head dim
+        qk_head_dim + qk_pos_emb_head_dim, v head dim v_head_dim; megatron-core's local DotProductAttention, which it
+        runs, has kv_channels only): the MLA attention a run_config without the DSA variant builds."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(config, layer_number, attn_mask_type, attention_type,
+                             attention_dropout=attention_dropout, softmax_scale=softmax_scale, **kwargs)
+            if softmax_scale is None and k_channels is not None:  # TE's default: 1/sqrt(k_channels)
+                self.softmax_scale = k_channels ** -0.5
+            if v_channels is not None:  # the context's width: v_channels per head
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
     for c, name in ((CpuTEColumnParallelLinear, "TEColumnParallelLinear"),
                     (CpuTERowParallelLinear, "TERowParallelLinear"),
                     (CpuTELayerNormColumnParallelLinear, "TELayerNormColumnParallelLinear"),
-                    (CpuTELinear, "TELinear"), (CpuTELayerNorm, "LayerNorm"), (CpuTENorm, "TENorm")):
+                    (CpuTELinear, "TELinear"), (CpuTELayerNorm, "LayerNorm"), (CpuTENorm, "TENorm"),
+                    (CpuTEDotProductAttention, "TEDotProductAttention")):
         c.__name__ = c.__qualname__ = name
     _CLASSES = {"col": CpuTEColumnParallelLinear, "row": CpuTERowParallelLinear,
                 "ln_col": CpuTELayerNormColumnParallelLinear, "linear": CpuTELinear, "norm": CpuTENorm,
-                "attn": base["attn"]}
+                "attn": CpuTEDotProductAttention}
     return _CLASSES
 
 
@@ -445,19 +492,35 @@ def dsa_provider(view: str, arch: str, load_weights: bool, tp: int = 1, pp: int 
     return bridge, provider
 
 
-def build(provider):
-    """The model chunks, with the CPU backend in place of TESpecProvider while the specs are built."""
+@contextmanager
+def cpu_spec_backend():
+    """The CPU backend (cpu_backend) in place of TESpecProvider while specs are built and modules made: the
+    experimental-attention block spec's _get_backend_spec_provider, gpt_layer_specs' TESpecProvider (MTP block,
+    dense / MoE MLPs) and the one megatron.core.models.backends.get_backend("transformer_engine") returns (MLA's
+    Q/KV norm resolver asks it for defaults); and TENorm as the final norm a TransformerBlock of a layer spec (not a
+    block spec) takes (transformer_block's LayerNormImpl: TENorm with TE, WrappedTorchNorm without)."""
+    from megatron.core.extensions import transformer_engine_spec_provider as te_spec
     from megatron.core.models.gpt import experimental_attention_variant_module_specs as eav
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import transformer_block
 
     backend = cpu_backend()
-    saved = eav._get_backend_spec_provider, gpt_layer_specs.TESpecProvider
+    saved = (eav._get_backend_spec_provider, gpt_layer_specs.TESpecProvider, te_spec.TESpecProvider,
+             transformer_block.LayerNormImpl)
     eav._get_backend_spec_provider = lambda config: backend
-    gpt_layer_specs.TESpecProvider = lambda: backend
+    gpt_layer_specs.TESpecProvider = te_spec.TESpecProvider = lambda: backend
+    transformer_block.LayerNormImpl = cpu_classes()["norm"]
     try:
-        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+        yield
     finally:
-        eav._get_backend_spec_provider, gpt_layer_specs.TESpecProvider = saved
+        (eav._get_backend_spec_provider, gpt_layer_specs.TESpecProvider, te_spec.TESpecProvider,
+         transformer_block.LayerNormImpl) = saved
+
+
+def build(provider):
+    """The model chunks, with the CPU backend in place of TESpecProvider while the specs are built."""
+    with cpu_spec_backend():
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
     for m in model:
         m.eval()
     return model
@@ -663,6 +726,211 @@ def cmd_judge(a, serving=False) -> int:
     return 0 if results and all(r["ok"] for r in results) else 1
 
 
+# ----------------------------------------------------------------------------- bridge-load
+
+# provider fields bridge-load sets on the provider Bridge instantiated from run_config.yaml, before it builds: the CPU
+# kernels (oracles.te_cpu.CPU_KERNELS) and the stand-ins' MoE choices (see the module docstring); no weight, key or
+# value of the model's math depends on them
+LOAD_OVERRIDES = {"moe_grouped_gemm": False, "moe_permute_fusion": False, "moe_token_dispatcher_type": "allgather",
+                  "moe_shared_expert_overlap": False, "dsa_kernel_backend": "none"}
+# never overridden: the model's math comes from run_config.yaml as written
+MATH_FIELDS = ("experimental_attention_variant", "multi_latent_attention", "mtp_num_layers", "q_lora_rank",
+               "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_base",
+               "rotary_scaling_factor", "normalization", "layernorm_epsilon", "num_moe_experts", "moe_router_topk",
+               "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
+               "moe_layer_freq", "transformer_layer_spec") + ARG_FIELDS[1:] + ARG_FIELDS_IF_RECORDED
+# the indexer's RoPE and rotation each family's HF model computes (the rotation is orthogonal: logits cannot tell)
+ARCH_DSA = {"glm5": {"dsa_indexer_rope_interleaved": True, "dsa_indexer_rotate_activation": False},
+            "v32": {"dsa_indexer_rope_interleaved": False, "dsa_indexer_rotate_activation": True}}
+
+
+def plain(v):
+    """A value for the JSON verdict: as it is if JSON has it, else its repr (a callable by its qualified name)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if callable(v) and hasattr(v, "__qualname__"):
+        return f"{getattr(v, '__module__', '')}.{v.__qualname__}"
+    return repr(v)
+
+
+def load_layout(a, model_args: dict) -> dict:
+    """Bridge's mp_overrides for the load: the layout run_config.yaml records (TP, EP, ETP, sequence parallelism),
+    or --tp/--ep/--etp; PP 1 (Bridge's loader's own default, and the logits need it)."""
+    tp = a.tp or model_args.get("tensor_model_parallel_size") or 1
+    ep = a.ep or model_args.get("expert_model_parallel_size") or 1
+    if a.tp or a.ep:
+        etp, sp = a.etp or 1, tp > 1
+    else:
+        etp = a.etp or model_args.get("expert_tensor_parallel_size") or tp
+        sp = model_args.get("sequence_parallel")
+        sp = tp > 1 if sp is None else sp
+    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": ep,
+            "expert_tensor_parallel_size": etp, "sequence_parallel": sp}
+
+
+def strict_keys(m, iter_dir: Path) -> list[str]:
+    """megatron-core's strict key check (StrictHandling.RAISE_ALL's sets) of model ``m`` against ``iter_dir``: a
+    checkpoint key no rank's model loads (Bridge's "assume_ok_unexpected" load ignores it), a model key the
+    checkpoint lacks. Missing keys on rank 0 only (they are every rank's)."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    local = {sh.key for sh in nested_values(m.sharded_state_dict()) if hasattr(sh, "key")}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, local)
+    stored = {sh.key for sh in load_sharded_metadata(str(iter_dir)).values()} - {"common_state"}
+    problems = [f"strict: model key not in the checkpoint: {k}" for k in sorted(local - stored)]
+    if dist.get_rank() == 0:
+        problems += [f"strict: checkpoint key no model key loads: {k}" for k in sorted(stored - set().union(*every))]
+    return problems
+
+
+class _Judged(Exception):
+    """The verdict's problems are recorded: stop judging."""
+
+
+def cmd_bridge_load(a, serving=False) -> int:
+    """Megatron-Bridge's own loader (model_load_save.load_megatron_model) on a Bridge checkpoint: the model from
+    its run_config.yaml; see the module docstring."""
+    t0 = time.time()
+    apply_shims()
+    import torch
+    import torch.distributed as dist
+    import yaml
+    from megatron.bridge.training import checkpointing as bridge_ckpt
+    from megatron.bridge.training import model_load_save
+
+    from oracles.common import compare, end_parallel, resolve_iter_dir, tensor_state, unwrap
+    from oracles.qwen3_next import ensure_pg, init_dist, load_into, nan_fill
+    from oracles.te_cpu import CPU_KERNELS
+
+    assert not set(LOAD_OVERRIDES) & set(MATH_FIELDS) and not set(CPU_KERNELS) & set(MATH_FIELDS)
+    rank = ensure_pg()[0]
+    problems: list[str] = []
+    info: dict = {"ckpt": a.ckpt, "truth": a.truth, "hf": a.hf, "arch": a.arch, "loader": "megatron.bridge.training."
+                  "model_load_save.load_megatron_model(model_type='gpt', use_cpu_init=True, mp_overrides=layout)"}
+    overrides: dict = {}
+    seen: dict = {}
+    state = {"load_dir": None, "problems": problems}  # load_dir None: Bridge's own weights load
+    ref = torch.load(a.logits, map_location="cpu", weights_only=True)
+    ids, hlog = ref["ids"], ref["logits"]
+    orig_config, orig_weights = model_load_save.load_model_config, bridge_ckpt._load_model_weights_from_checkpoint
+
+    def load_model_config(checkpoint_path):
+        cfg, mlm_args = orig_config(checkpoint_path)  # Bridge: instantiate(run_config["model"])
+        seen["cfg"] = cfg
+        for k, v in {**CPU_KERNELS, **LOAD_OVERRIDES}.items():
+            if hasattr(cfg, k) and getattr(cfg, k) != v:
+                overrides[k] = {"run_config": plain(getattr(cfg, k)), "loaded_with": v}
+                setattr(cfg, k, v)
+        return cfg, mlm_args
+
+    def load_weights(checkpoint_path, model, *args, **kwargs):
+        state["model"] = model
+        for c in model:
+            nan_fill(unwrap(c))  # a tensor the load leaves alone stays NaN
+        if state["load_dir"] is None:
+            return orig_weights(checkpoint_path, model, *args, **kwargs)
+        try:
+            load_into(unwrap(model[0]), state["load_dir"], state["problems"])  # the truth, strictly
+        except BaseException as e:  # noqa: BLE001 - megatron-core's refusal: a problem; Bridge's own load still judged
+            state["problems"].append(error_line(e))
+        return None
+
+    def bridge_loaded(iter_dir: Path, layout: dict):
+        model_load_save.load_model_config = load_model_config
+        bridge_ckpt._load_model_weights_from_checkpoint = load_weights
+        try:
+            with cpu_spec_backend():
+                model = model_load_save.load_megatron_model(str(iter_dir), model_type="gpt", use_cpu_init=True,
+                                                            skip_temp_dist_context=True, mp_overrides=layout)
+        finally:
+            model_load_save.load_model_config = orig_config
+            bridge_ckpt._load_model_weights_from_checkpoint = orig_weights
+        model = model if isinstance(model, list) else [model]
+        for c in model:
+            c.eval()
+        return model
+
+    try:
+        iter_dir, truth_dir = Path(resolve_iter_dir(a.ckpt)), Path(resolve_iter_dir(a.truth))
+        rc_file = iter_dir / "run_config.yaml"
+        if not rc_file.is_file():
+            raise FileNotFoundError(f"{rc_file}: not a Megatron-Bridge checkpoint (no run_config.yaml)")
+        model_args = (yaml.safe_load(rc_file.read_text()) or {}).get("model") or {}
+        layout = load_layout(a, model_args)
+        info["layout"] = layout
+        info["world"] = dist.get_world_size()
+        init_dist(layout["tensor_model_parallel_size"], 1, layout["expert_model_parallel_size"],
+                  layout["expert_tensor_parallel_size"])
+        # the truth: megatron-core's strict load of TRUTH into a second model Bridge's loader builds from CKPT's
+        # run_config.yaml the same way
+        state["load_dir"], state["problems"] = truth_dir, (tprob := [])
+        truth_model = bridge_loaded(iter_dir, layout)
+        truth = tensor_state(truth_model)
+        try:
+            tlog, tmtp = forward_logits(unwrap(truth_model[0]), ids)
+        except Exception as e:  # noqa: BLE001
+            tprob.append(error_line(e))
+            tlog = tmtp = None
+        problems += [f"truth into the run_config model: {p}" for p in tprob]
+        # the judged load: Bridge's own, then the strict checks (also where Bridge's load raises: which keys)
+        state["load_dir"], state["problems"] = None, problems
+        state.pop("model", None)
+        try:
+            model = bridge_loaded(iter_dir, layout)
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            problems.append(f"Bridge's loader: {error_line(e)}")
+            if "model" in state:
+                problems += strict_keys(unwrap(state["model"][0]), iter_dir)
+            raise _Judged() from e
+        cfg, m = seen["cfg"], unwrap(model[0])
+        info["provider"] = f"{type(cfg).__module__}.{type(cfg).__qualname__}"
+        info["built"] = {k: plain(getattr(cfg, k, None)) for k in ("transformer_layer_spec",
+                                                                   "experimental_attention_variant",
+                                                                   "multi_latent_attention", "mtp_num_layers",
+                                                                   "dsa_indexer_rope_interleaved",
+                                                                   "dsa_indexer_rotate_activation")}
+        for k, want in ARCH_DSA[a.arch].items():
+            if getattr(cfg, k, None) != want:
+                problems.append(f"run_config: {k} = {getattr(cfg, k, None)!r}, {a.arch} computes {want!r}")
+        got = tensor_state(model)
+        info["loaded_tensors"] = len(got)
+        problems += [f"not loaded by Bridge's loader (still NaN): {k}" for k, v in got.items()
+                     if v.is_floating_point() and torch.isnan(v).any()]
+        problems += strict_keys(m, iter_dir)
+        problems += compare(got, truth, "loaded vs truth")
+        mlog, mmtp = forward_logits(m, ids)
+        info["logits_max_abs_diff_vs_hf"] = diff = (mlog - hlog).abs().max().item()
+        info["logits_scale"] = hlog.abs().max().item()
+        if not diff <= a.atol:
+            problems.append(f"logits differ from transformers' by {diff:.3g} (atol {a.atol})")
+        if tmtp is not None:
+            info["truth_logits_max_abs_diff_vs_hf"] = (tlog - hlog).abs().max().item()
+            info["mtp_logits_max_abs_diff"] = mdiff = (mmtp - tmtp).abs().max().item()
+            if not mdiff <= a.mtp_atol:
+                problems.append(f"MTP logits differ from the truth model's by {mdiff:.3g} (atol {a.mtp_atol})")
+    except _Judged:
+        pass
+    except BaseException as e:  # noqa: BLE001 - a refused load is a verdict (SystemExit from resolve too)
+        problems.append(error_line(e))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (problems, info.get("logits_max_abs_diff_vs_hf"),
+                                   info.get("mtp_logits_max_abs_diff"), info.get("loaded_tensors")))
+    allp = [p if r == 0 else f"rank {r}: {p}" for r, (ps, _, _, _) in enumerate(every) for p in ps]
+    for i, k in ((1, "logits_max_abs_diff_vs_hf"), (2, "mtp_logits_max_abs_diff")):
+        vals = [e[i] for e in every if e[i] is not None]
+        info[k] = max(vals) if vals else None
+    info["loaded_tensors"] = sum(e[3] or 0 for e in every)  # all ranks' local tensors
+    info.update(ok=not allp, overrides=overrides, problems=allp[:50], n_problems=len(allp),
+                seconds=round(time.time() - t0, 2))
+    end_parallel(serving)
+    if rank == 0:
+        print(json.dumps(info), flush=True)
+    return 0 if info["ok"] else 1
+
+
 # ----------------------------------------------------------------------------- mutate
 
 
@@ -737,6 +1005,17 @@ def main(argv=None, serving=False) -> int:
                         help=f"the {what.upper()} every checkpoint must record (default: not checked)")
     sp.add_argument("--atol", type=float, default=1e-4, help="main logits vs transformers, max abs")
     sp.add_argument("--mtp-atol", type=float, default=1e-4, help="MTP logits vs the truth model's, max abs")
+    sp = sub.add_parser("bridge-load")
+    sp.add_argument("ckpt", help="a Megatron-Bridge checkpoint (run_config.yaml)")
+    sp.add_argument("--truth", required=True, help="Bridge's own TP1 import of --hf (bridge-import)")
+    sp.add_argument("--hf", required=True)
+    sp.add_argument("--logits", required=True, help="make's transformers logits")
+    sp.add_argument("--arch", choices=tuple(ARCHS), required=True)
+    for what in ("tp", "ep", "etp"):
+        sp.add_argument(f"--{what}", type=int, default=None,
+                        help=f"load at this {what.upper()} (Bridge's mp_overrides; default: run_config.yaml's)")
+    sp.add_argument("--atol", type=float, default=1e-4, help="main logits vs transformers, max abs")
+    sp.add_argument("--mtp-atol", type=float, default=1e-4, help="MTP logits vs the truth model's, max abs")
     sp = sub.add_parser("mutate")
     sp.add_argument("src")
     sp.add_argument("dst")
@@ -748,7 +1027,9 @@ def main(argv=None, serving=False) -> int:
         from oracles.common import make_on_rank0
 
         return make_on_rank0(cmd_make, a)
-    return {"bridge-import": cmd_bridge_import, "judge": cmd_judge, "mutate": cmd_mutate}[a.cmd](a, serving)
+    cmds = {"bridge-import": cmd_bridge_import, "judge": cmd_judge, "bridge-load": cmd_bridge_load,
+            "mutate": cmd_mutate}
+    return cmds[a.cmd](a, serving)
 
 
 if __name__ == "__main__":

@@ -651,7 +651,6 @@ def error_line(e: BaseException) -> str:
 def cmd_judge(a, serving=False) -> int:
     apply_shims()
     import torch
-    import torch.distributed as dist
 
     from oracles.common import check_recorded, compare, end_parallel, resolve_iter_dir, unwrap
     from oracles.nemotron_h import tensor_state
@@ -705,15 +704,7 @@ def cmd_judge(a, serving=False) -> int:
                                         f"(atol {a.mtp_atol})")
             except BaseException as e:  # noqa: BLE001 - a refused load is a verdict (SystemExit from resolve too)
                 problems.append(error_line(e))
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (problems, info.get("logits_max_abs_diff_vs_hf"),
-                                       info.get("mtp_logits_max_abs_diff"), info.get("loaded_tensors")))
-        allp = [p if r == 0 else f"rank {r}: {p}" for r, (ps, _, _, _) in enumerate(every) for p in ps]
-        for i, k in ((1, "logits_max_abs_diff_vs_hf"), (2, "mtp_logits_max_abs_diff")):
-            vals = [e[i] for e in every if e[i] is not None]
-            info[k] = max(vals) if vals else None
-        info["loaded_tensors"] = sum(e[3] or 0 for e in every)  # all ranks' local tensors
-        info.update(ok=not allp, problems=allp[:50], n_problems=len(allp), seconds=round(time.time() - t0, 2))
+        gather_verdict(info, problems, t0)
         results.append(info)
         if rank == 0:
             print(json.dumps(info), flush=True)
@@ -784,6 +775,21 @@ def strict_keys(m, iter_dir: Path) -> list[str]:
     if dist.get_rank() == 0:
         problems += [f"strict: checkpoint key no model key loads: {k}" for k in sorted(stored - set().union(*every))]
     return problems
+
+
+def gather_verdict(info: dict, problems: list[str], t0: float) -> None:
+    """Every rank's problems, worst logits differences and tensor counts into rank 0's ``info`` (the verdict)."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (problems, info.get("logits_max_abs_diff_vs_hf"),
+                                   info.get("mtp_logits_max_abs_diff"), info.get("loaded_tensors")))
+    allp = [p if r == 0 else f"rank {r}: {p}" for r, (ps, _, _, _) in enumerate(every) for p in ps]
+    for i, k in ((1, "logits_max_abs_diff_vs_hf"), (2, "mtp_logits_max_abs_diff")):
+        vals = [e[i] for e in every if e[i] is not None]
+        info[k] = max(vals) if vals else None
+    info["loaded_tensors"] = sum(e[3] or 0 for e in every)  # all ranks' local tensors
+    info.update(ok=not allp, problems=allp[:50], n_problems=len(allp), seconds=round(time.time() - t0, 2))
 
 
 class _Judged(Exception):
@@ -915,16 +921,8 @@ def cmd_bridge_load(a, serving=False) -> int:
         pass
     except BaseException as e:  # noqa: BLE001 - a refused load is a verdict (SystemExit from resolve too)
         problems.append(error_line(e))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (problems, info.get("logits_max_abs_diff_vs_hf"),
-                                   info.get("mtp_logits_max_abs_diff"), info.get("loaded_tensors")))
-    allp = [p if r == 0 else f"rank {r}: {p}" for r, (ps, _, _, _) in enumerate(every) for p in ps]
-    for i, k in ((1, "logits_max_abs_diff_vs_hf"), (2, "mtp_logits_max_abs_diff")):
-        vals = [e[i] for e in every if e[i] is not None]
-        info[k] = max(vals) if vals else None
-    info["loaded_tensors"] = sum(e[3] or 0 for e in every)  # all ranks' local tensors
-    info.update(ok=not allp, overrides=overrides, problems=allp[:50], n_problems=len(allp),
-                seconds=round(time.time() - t0, 2))
+    info["overrides"] = overrides
+    gather_verdict(info, problems, t0)
     end_parallel(serving)
     if rank == 0:
         print(json.dumps(info), flush=True)

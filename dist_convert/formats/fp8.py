@@ -145,8 +145,6 @@ class FloatQuantized(Scheme):
 
     name = "fp8-channel"
     what = "compressed-tensors FP8"
-    config: dict[str, Any] = {}
-    writes = False
     companion_note = "activation input_scale tensors (not carried by a dequantized model)"
 
     def stored(self, key: str, shape: tuple[int, ...], hf: dict[str, Any],
@@ -176,15 +174,6 @@ class FloatQuantized(Scheme):
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
         w, scale = parts
         return (w.to(scale.dtype) * scale).to(dtype)
-
-    def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
-        return False
-
-    def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        raise NotImplementedError("writing compressed-tensors FP8 is not supported yet")
-
-    def stored_sizes(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
-        raise NotImplementedError("writing compressed-tensors FP8 is not supported yet")
 
 
 FLOAT_QUANTIZED = FloatQuantized()

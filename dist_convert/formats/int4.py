@@ -86,8 +86,6 @@ class PackQuantized(Scheme):
 
     name = "int4"
     what = "compressed-tensors INT4"
-    config: dict[str, Any] = {}
-    writes = False
 
     def stored(self, key: str, shape: tuple[int, ...], hf: dict[str, Any],
                found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
@@ -122,15 +120,6 @@ class PackQuantized(Scheme):
 
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(parts[0], parts[1], box, q.params[0], dtype)
-
-    def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
-        return False
-
-    def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        raise NotImplementedError("writing compressed-tensors INT4 is not supported yet")
-
-    def stored_sizes(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
-        raise NotImplementedError("writing compressed-tensors INT4 is not supported yet")
 
 
 SCHEME = PackQuantized()

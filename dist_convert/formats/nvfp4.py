@@ -53,8 +53,6 @@ class NVFP4(Scheme):
 
     name = "nvfp4"
     what = "NVFP4"
-    config: dict[str, Any] = {}
-    writes = False
     companion_note = "activation input_scale tensors (not carried by a dequantized model)"
 
     def stored(self, key: str, shape: tuple[int, ...], hf: dict[str, Any],
@@ -91,15 +89,6 @@ class NVFP4(Scheme):
 
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(parts[0], parts[1], parts[2], box, q.params[0], dtype)
-
-    def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
-        return False
-
-    def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        raise NotImplementedError("writing NVFP4 is not supported yet")
-
-    def stored_sizes(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
-        raise NotImplementedError("writing NVFP4 is not supported yet")
 
 
 SCHEME = NVFP4()

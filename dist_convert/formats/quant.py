@@ -24,8 +24,7 @@ Found = Mapping[str, tuple[str, torch.dtype, tuple[int, ...]]]  # stored name ->
 class Scheme(ABC):
     name: ClassVar[str]  # what ``--quantize`` writes it as
     what: ClassVar[str]  # its name in a note
-    config: ClassVar[dict[str, Any]]  # config.json's ``quantization_config`` for what ``--quantize`` writes
-    writes: ClassVar[bool] = True  # whether ``--quantize`` offers it (a scheme may be read-only)
+    config: ClassVar[dict[str, Any]] = {}  # config.json's ``quantization_config`` for what ``--quantize`` writes
     companion_note: ClassVar[str] = ""  # what its ``companions`` are, said in a note when a release has them
 
     # -- reading ------------------------------------------------------------------------------------------
@@ -48,18 +47,18 @@ class Scheme(ABC):
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
         """``box`` of the tensor in ``dtype`` from the ``boxes`` slices of its parts."""
 
-    # -- writing (--quantize) -----------------------------------------------------------------------------
-    @abstractmethod
+    # -- writing (--quantize; a scheme only read quantizes nothing) ------------------------------------------
     def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
         """Whether ``--quantize`` stores HF tensor ``name`` this way (the rest stays as it is)."""
+        return False
 
-    @abstractmethod
     def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """What the file holds for tensor ``name`` (a quantizable one)."""
+        raise NotImplementedError(f"writing {self.what} weights")
 
-    @abstractmethod
     def stored_sizes(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
         """(stored name, bytes) of what ``quantize`` writes for a tensor of ``shape``."""
+        raise NotImplementedError(f"writing {self.what} weights")
 
     def check_target(self, shapes: Mapping[str, tuple[int, ...]], architecture: str) -> None:
         """Refuse (ConvertError) a target where the scheme would store nothing."""

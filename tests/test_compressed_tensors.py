@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 from dist_convert.formats import int4
 from dist_convert.layout.boxes import Box
 
-from conftest import ok, run_cli
-from hf_models import make_hf_model
+from conftest import ok, oracle, run_cli
+from hf_models import hf_logits, make_hf_model, oracle_config
 
 GROUP = 32
 
@@ -116,15 +116,30 @@ def test_int4_release_reads_as_compressed_tensors_decompresses_it(release, tmp_p
 
 
 def test_int4_release_imports_to_megatron_core_and_back(release, tmp_path):
-    """HF INT4 -> torch_dist TP2 EP2 (each rank decoding only its experts) -> HF: the decompressed tensors."""
+    """HF INT4 -> torch_dist TP2 EP2 (each rank decoding only its experts) -> HF: the decompressed tensors; and
+    imported in fp32 at TP2 (megatron-core 0.16.1's local spec): megatron-core loads it strictly and gives, within
+    1e-4, the logits transformers computes in fp32 on the release's weights as compressed-tensors decompresses them
+    (the fp32 HF export, whose bf16 values the test above holds to the library's ``decompress``)."""
     _, rel = release
-    td, back, direct = tmp_path / "td", tmp_path / "back", tmp_path / "direct"
+    td, back, direct, mc = tmp_path / "td", tmp_path / "back", tmp_path / "direct", tmp_path / "mc"
     ok(run_cli("reshard", str(rel), str(td), "--dst-format", "torch_dist", "--target-tp", "2", "--target-ep", "2",
                nproc=2))
     ok(run_cli("reshard", str(td), str(back), "--dst-format", "hf", nproc=2))
     ok(run_cli("reshard", str(rel), str(direct), "--dst-format", "hf", nproc=1))
     a, b = load_file(direct / "model.safetensors"), load_file(back / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    ok(run_cli("reshard", str(rel), str(mc), "--dst-format", "torch_dist", "--target-tp", "2", "--target-spec",
+               "local", "--dtype", "fp32", nproc=2))
+    config = tmp_path / "oracle.json"
+    config.write_text(json.dumps(oracle_config(rel)))
+    oracle("compare", 2, "--config", str(config), "--tp", "2", "--ckpt", str(mc), "--ref", str(mc))
+    out = tmp_path / "logits.pt"
+    oracle("logits", 2, "--config", str(config), "--tp", "2", "--ckpt", str(mc), "--out", str(out))
+    ok(run_cli("reshard", str(rel), str(tmp_path / "hf32"), "--dst-format", "hf", "--dtype", "fp32", nproc=1))
+    got = torch.load(out)
+    want = hf_logits(tmp_path / "hf32", got["tokens"])
+    assert want.std() > 0.5
+    torch.testing.assert_close(got["logits"], want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("cols,rows,box", [(96, 5, Box((0, 0), (5, 96))), (96, 5, Box((1, 13), (3, 50))),

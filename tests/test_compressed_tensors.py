@@ -227,3 +227,51 @@ def test_fp8_slices_decode_like_the_whole_library_decompression(strategy, box):
     part = FLOAT_QUANTIZED.dequantize(q, [packed["weight"][wbox.slices()], packed["weight_scale"][sbox.slices()]],
                                       box, torch.bfloat16)
     assert torch.equal(part, whole[box.slices()])
+
+
+def test_fp8_channel_export_is_what_compressed_tensors_writes(tmp_path):
+    """``--quantize fp8-channel`` of a tiny Llama (bf16): every linear weight and scale byte for byte what
+    compressed-tensors' own qparams and compressor make of the same weight (signed zeros and ties included), the
+    config's ``quantization_config`` what its ModelCompressor writes for the model transformers builds with that
+    scheme applied, transformers loads it cleanly, and dist_convert reads it back to the library's decompression."""
+    import transformers
+    from compressed_tensors.compressors.model_compressors.model_compressor import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
+
+    src = make_hf_model(tmp_path, "llama", dtype=torch.bfloat16)
+    plain = load_file(src / "model.safetensors")
+    first = next(k for k in plain if k.endswith("q_proj.weight"))
+    plain[first][0, :4] = torch.tensor([-0.0, 0.0, 1e-30, -1e-30], dtype=torch.bfloat16)  # signed zeros, underflow
+    plain[first][1] = 0.0  # an all-zero row: the eps scale
+    save_file(plain, src / "model.safetensors", metadata={"format": "pt"})
+    dst, back = tmp_path / "fp8", tmp_path / "back"
+    ok(run_cli("reshard", str(src), str(dst), "--dst-format", "hf", "--quantize", "fp8-channel", nproc=2))
+    got = load_file(dst / "model.safetensors")
+    linears = [k for k in plain if k.endswith("proj.weight")]
+    for k in linears:
+        want, _ = fp8_compress(plain[k], "channel")
+        base = k.removesuffix("weight")
+        assert torch.equal(got[k].view(torch.uint8), want["weight"].view(torch.uint8)), k
+        assert torch.equal(got[base + "weight_scale"], want["weight_scale"]), k
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(src))
+    scheme = QuantizationScheme(targets=["Linear"], weights=fp8_args("channel"))
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    qc = QuantizationConfig.from_pretrained(model, format="float-quantized")
+    qc.quantization_status = "compressed"
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "config.json").write_text("{}")
+    ModelCompressor(quantization_config=qc).update_config(str(ref))
+    want_cfg = json.loads((ref / "config.json").read_text())["quantization_config"]
+    assert json.loads((dst / "config.json").read_text())["quantization_config"] == want_cfg
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(dst, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ok(run_cli("reshard", str(dst), str(back), "--dst-format", "hf", nproc=1))
+    again = load_file(back / "model.safetensors")
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+
+    for k in linears:
+        base = k.removesuffix("weight")
+        want = FloatQuantizationCompressor.decompress({"weight": got[k], "weight_scale": got[base + "weight_scale"]},
+                                                      scheme)["weight"]
+        assert torch.equal(again[k], want), k

@@ -5,6 +5,7 @@ rank dequantizes only the slice it reads; ``SCHEME`` is their face to the hf for
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -119,7 +120,7 @@ class Fp8Block(Scheme):
         q, scale = quantize(x)
         return [(name, q), (name + SCALE_SUFFIX, scale)]
 
-    def stored_sizes(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
+    def stored_sizes(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, int]]:
         rows, cols = scale_grid(shape, DEFAULT_BLOCK)
         return [(name, shape[0] * shape[1]), (name + SCALE_SUFFIX, 4 * rows * cols)]
 
@@ -137,15 +138,50 @@ def compressed_tensors(hf: dict[str, Any], fmt: str | None = None) -> bool:
     return fmt is None or fmt in {g.get("format") or q.get("format") for g in groups}
 
 
+CT_VERSION = "0.20.0"  # the compressed-tensors release whose config and rounding ``--quantize fp8-channel`` writes
+CHANNEL_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel",
+                   "dynamic": False}
+
+
 class FloatQuantized(Scheme):
-    """Read: compressed-tensors ``float-quantized`` FP8 weights, ``weight`` in float8_e4m3fn with ``weight_scale``
-    [out, 1] (channel) or [1] (tensor); W = float(weight in the scale's dtype) * scale, compressed-tensors'
-    ``dequantize``. A static scheme's ``input_scale`` (the activations' calibration) is not carried (a note says so):
-    the dequantized model computes in high precision."""
+    """compressed-tensors ``float-quantized`` FP8. Read: ``weight`` in float8_e4m3fn with ``weight_scale`` [out, 1]
+    (channel) or [1] (tensor); W = float(weight in the scale's dtype) * scale, compressed-tensors' ``dequantize``. A
+    static scheme's ``input_scale`` (the activations' calibration) is not carried (a note says so): the dequantized
+    model computes in high precision. Written (``--quantize fp8-channel``, weight-only as FP8-dynamic releases are)
+    as compressed-tensors 0.20 writes it: per output row, scale = amax / 448 in the weight's dtype (0 -> the dtype's
+    eps), FP8 = the weight / scale (signed zeros made +0) clamped to +-448, rounded to nearest even; every linear
+    weight but the embeddings, heads, norms and routers, which the config's ``ignore`` lists by module name."""
 
     name = "fp8-channel"
     what = "compressed-tensors FP8"
     companion_note = "activation input_scale tensors (not carried by a dequantized model)"
+
+    def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
+        return quantizable(name, shape)
+
+    def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        scale = x.abs().amax(dim=-1, keepdim=True) / torch.tensor(448.0, dtype=x.dtype)
+        scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
+        q = torch.clamp(x / scale + 0.0, -448.0, 448.0).to(torch.float8_e4m3fn)
+        return [(name, q), (name + "_scale", scale)]
+
+    def stored_sizes(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, int]]:
+        return [(name, shape[0] * shape[1]), (name + "_scale", shape[0] * dtype.itemsize)]
+
+    def quantization_config(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+        """compressed-tensors' own: the version, method and empty sparsity/transform sections, then its
+        QuantizationConfig; ``ignore``: ``lm_head`` and every other unquantized linear module by name (routers
+        count as linears there; embeddings and norms are not linears)."""
+        skip = ("embed_tokens.", "norm.", "lm_head.", "shared_head.")
+        kept = [n.removesuffix(".weight") for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight")
+                and not self.quantizable(n, s) and not any(k in n for k in skip)]
+        return {"version": CT_VERSION, "quant_method": "compressed-tensors", "sparsity_config": {},
+                "transform_config": {},
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(CHANNEL_WEIGHTS),
+                                              "input_activations": None, "output_activations": None,
+                                              "format": None}},
+                "kv_cache_scheme": None, "format": "float-quantized", "quantization_status": "compressed",
+                "global_compression_ratio": None, "ignore": [*kept, "lm_head"], "moe_sparsity_config": None}
 
     def stored(self, key: str, shape: tuple[int, ...], hf: dict[str, Any],
                found: Found) -> tuple[Quantized, tuple[int, ...]] | None:

@@ -274,7 +274,8 @@ class HFFormat:
     def _stored_sizes(self, t: TargetTensor) -> list[tuple[str, int]]:
         """(name, bytes) of what ``_stored`` writes for target tensor ``t``."""
         sc = SCHEMES[self.options.quantize] if self.options.quantize else None
-        return sc.stored_sizes(t.key, t.shape) if sc and sc.quantizable(t.key, t.shape) else [(t.key, t.nbytes)]
+        return sc.stored_sizes(t.key, t.shape, t.dtype) if sc and sc.quantizable(t.key, t.shape) else \
+            [(t.key, t.nbytes)]
 
     def _stored(self, key: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """What the file holds for one tensor: itself, or with ``--quantize`` what its scheme stores for it."""
@@ -298,7 +299,9 @@ class HFFormat:
                 copy_tokenizer_files(d, out_dir)
         hf = hf_from_config(target.cfg, dtype, target.origin.hf_config)
         if self.options.quantize:
-            hf["quantization_config"] = copy.deepcopy(SCHEMES[self.options.quantize].config)
+            fam = export_family(target.cfg, target.origin.hf_config)
+            shapes = {n: shape for n, (shape, _) in hf_tensors(target.cfg, fam, target.origin.hf_stored).items()}
+            hf["quantization_config"] = SCHEMES[self.options.quantize].quantization_config(shapes)
         else:
             hf.pop("quantization_config", None)  # dequantized on read: the target holds plain weights
         write_durable(out_dir / CONFIG, json.dumps(hf, indent=2))

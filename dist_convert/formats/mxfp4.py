@@ -255,7 +255,7 @@ class Mxfp4(Scheme):
     def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         return stored(name, x)
 
-    def stored_sizes(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
+    def stored_sizes(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, int]]:
         return stored_sizes(name, shape)
 
     def check_target(self, shapes: Mapping[str, tuple[int, ...]], architecture: str) -> None:

@@ -8,6 +8,7 @@ quantized, what the file holds for one, how many bytes that is, and the ``quanti
 """
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -56,9 +57,13 @@ class Scheme(ABC):
         """What the file holds for tensor ``name`` (a quantizable one)."""
         raise NotImplementedError(f"writing {self.what} weights")
 
-    def stored_sizes(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
-        """(stored name, bytes) of what ``quantize`` writes for a tensor of ``shape``."""
+    def stored_sizes(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, int]]:
+        """(stored name, bytes) of what ``quantize`` writes for a tensor of ``shape`` in ``dtype``."""
         raise NotImplementedError(f"writing {self.what} weights")
+
+    def quantization_config(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+        """config.json's ``quantization_config`` for a checkpoint of these tensors written with ``--quantize``."""
+        return copy.deepcopy(self.config)
 
     def check_target(self, shapes: Mapping[str, tuple[int, ...]], architecture: str) -> None:
         """Refuse (ConvertError) a target where the scheme would store nothing."""

@@ -142,6 +142,37 @@ def test_int4_release_imports_to_megatron_core_and_back(release, tmp_path):
     torch.testing.assert_close(got["logits"], want, rtol=1e-4, atol=1e-4)
 
 
+def test_int4_export_is_what_compressed_tensors_writes(release, tmp_path):
+    """``--quantize int4`` of the bf16 model: the very tensors of the release compressed-tensors made of it (packed
+    words, scales, shapes; the rest as it was), the ``quantization_config`` its ModelCompressor writes for that scheme
+    with our ``ignore`` list, and transformers reads it to the release's logits."""
+    import transformers
+    from compressed_tensors.compressors.model_compressors.model_compressor import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    src, rel = release
+    dst = tmp_path / "int4"
+    ok(run_cli("reshard", str(src), str(dst), "--dst-format", "hf", "--quantize", "int4", nproc=2))
+    got, want = load_file(dst / "model.safetensors"), load_file(rel / "model.safetensors")
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+    ours = json.loads((dst / "config.json").read_text())["quantization_config"]
+    qc = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=ct_args())},
+                            format="pack-quantized", quantization_status="compressed", ignore=ours["ignore"])
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "config.json").write_text("{}")
+    ModelCompressor(quantization_config=qc).update_config(str(ref))
+    assert ours == json.loads((ref / "config.json").read_text())["quantization_config"]
+    assert "lm_head" in ours["ignore"] and "model.layers.1.mlp.gate" in ours["ignore"]
+    ids = torch.randint(0, 150, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(rel, dtype=torch.bfloat16).eval()(ids).logits
+        mine = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.bfloat16).eval()(ids).logits
+    assert torch.equal(theirs, mine)
+
+
 @pytest.mark.parametrize("cols,rows,box", [(96, 5, Box((0, 0), (5, 96))), (96, 5, Box((1, 13), (3, 50))),
                                            (160, 4, Box((0, 61), (4, 99))), (64, 3, Box((2, 31), (1, 2)))])
 def test_slices_decode_like_the_whole(cols, rows, box):

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import ConvertError
 from ..layout.boxes import Box
+from . import compressed
 from .quant import Found, Quantized, Scheme
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -90,7 +91,7 @@ class Fp8Block(Scheme):
 
     def stored(self, key: str, shape: tuple[int, ...], hf: dict[str, Any],
                found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
-        if key not in found or found[key][1] not in FP8_DTYPES or compressed_tensors(hf):
+        if key not in found or found[key][1] not in FP8_DTYPES or compressed.declares(hf):
             return None
         f, dtype, stored = found[key]
         name = key + SCALE_SUFFIX
@@ -129,16 +130,6 @@ SCHEME = Fp8Block()
 
 
 # -- compressed-tensors ``float-quantized`` FP8 (e.g. FP8-dynamic releases): per-channel or per-tensor scales --------
-def compressed_tensors(hf: dict[str, Any], fmt: str | None = None) -> bool:
-    """Whether config.json's weights are compressed-tensors' (in format ``fmt``, when given)."""
-    q = hf.get("quantization_config") or {}
-    if str(q.get("quant_method", "")).lower() != "compressed-tensors":
-        return False
-    groups = [g for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)]
-    return fmt is None or fmt in {g.get("format") or q.get("format") for g in groups}
-
-
-CT_VERSION = "0.20.0"  # the compressed-tensors release whose config and rounding ``--quantize fp8-channel`` writes
 CHANNEL_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel",
                    "dynamic": False}
 
@@ -169,23 +160,11 @@ class FloatQuantized(Scheme):
         return [(name, shape[0] * shape[1]), (name + "_scale", shape[0] * dtype.itemsize)]
 
     def quantization_config(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
-        """compressed-tensors' own: the version, method and empty sparsity/transform sections, then its
-        QuantizationConfig; ``ignore``: ``lm_head`` and every other unquantized linear module by name (routers
-        count as linears there; embeddings and norms are not linears)."""
-        skip = ("embed_tokens.", "norm.", "lm_head.", "shared_head.")
-        kept = [n.removesuffix(".weight") for n, s in shapes.items() if len(s) == 2 and n.endswith(".weight")
-                and not self.quantizable(n, s) and not any(k in n for k in skip)]
-        return {"version": CT_VERSION, "quant_method": "compressed-tensors", "sparsity_config": {},
-                "transform_config": {},
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(CHANNEL_WEIGHTS),
-                                              "input_activations": None, "output_activations": None,
-                                              "format": None}},
-                "kv_cache_scheme": None, "format": "float-quantized", "quantization_status": "compressed",
-                "global_compression_ratio": None, "ignore": [*kept, "lm_head"], "moe_sparsity_config": None}
+        return compressed.quantization_config(CHANNEL_WEIGHTS, "float-quantized", shapes, self.quantizable)
 
     def stored(self, key: str, shape: tuple[int, ...], hf: dict[str, Any],
                found: Found) -> tuple[Quantized, tuple[int, ...]] | None:
-        if key not in found or found[key][1] not in FP8_DTYPES or not compressed_tensors(hf, "float-quantized"):
+        if key not in found or found[key][1] not in FP8_DTYPES or not compressed.declares(hf, "float-quantized"):
             return None
         f, dtype, stored = found[key]
         name = key + "_scale"
@@ -210,6 +189,7 @@ class FloatQuantized(Scheme):
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
         w, scale = parts
         return (w.to(scale.dtype) * scale).to(dtype)
+
 
 
 FLOAT_QUANTIZED = FloatQuantized()

@@ -9,10 +9,12 @@ weight W [out, in] stored as
 symmetric (q in [-8, 7], no zero point), W[r, c] = q[r, c] * scale[r, c // g] computed in the scale's dtype, as
 compressed-tensors' own decompression does (``unpack_from_int32`` then ``dequantize``). Pure functions on boxes, so
 a rank reads and decodes only its rows and the words and groups its columns touch; ``SCHEME`` is their face to the
-hf format (``formats/quant.py``). Written back: not yet (``--quantize`` does not offer it).
+hf format (``formats/quant.py``). ``--quantize int4`` writes the routed experts' linears this way (group 32, as
+Kimi-K2-Thinking ships), byte for byte as compressed-tensors 0.20 packs them, and the rest as it is.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,19 +22,25 @@ import torch
 
 from ..errors import ConvertError
 from ..layout.boxes import Box
+from . import compressed
 from .quant import Found, Quantized, Scheme
 
 PER_WORD = 8  # 4-bit values per int32
 OFFSET = 8  # stored as q + 8 (unsigned nibbles)
 SUFFIXES = ("_packed", "_scale", "_shape")
-METHOD, FORMAT = "compressed-tensors", "pack-quantized"
+FORMAT = "pack-quantized"
+GROUP = 32  # what ``--quantize int4`` writes (Kimi-K2-Thinking's group)
+GROUP_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "group_size": GROUP, "strategy": "group",
+                 "dynamic": False}
+# the routed experts' linears, per expert: what ``--quantize int4`` stores (the rest stays as it is)
+EXPERT_LINEAR = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
 def weights_args(hf: Mapping[str, Any]) -> dict[str, Any] | None:
     """The ``weights`` quantization args of a compressed-tensors pack-quantized config.json (None when it is not
     one); refused in one line when they are not symmetric INT4 by group or channel."""
     q = hf.get("quantization_config") or {}
-    if str(q.get("quant_method", "")).lower() != METHOD:
+    if not compressed.declares(hf, FORMAT):
         return None
     groups = [g for g in (q.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
     formats = {g.get("format") or q.get("format") for g in groups}
@@ -120,6 +128,39 @@ class PackQuantized(Scheme):
 
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(parts[0], parts[1], box, q.params[0], dtype)
+
+    def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
+        return bool(EXPERT_LINEAR.search(name)) and len(shape) == 2 and shape[1] % GROUP == 0
+
+    def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        packed, scale = quantize(x)
+        base = name.removesuffix("weight")
+        return [(base + "weight_packed", packed), (base + "weight_scale", scale),
+                (base + "weight_shape", torch.tensor(tuple(x.shape), dtype=torch.int64))]
+
+    def stored_sizes(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, int]]:
+        base = name.removesuffix("weight")
+        out, cols = shape
+        return [(base + "weight_packed", out * cols // 2),
+                (base + "weight_scale", out * cols // GROUP * dtype.itemsize), (base + "weight_shape", 16)]
+
+    def quantization_config(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+        return compressed.quantization_config(GROUP_WEIGHTS, FORMAT, shapes, self.quantizable)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 words, scales) of a 2-D weight in groups of 32, as compressed-tensors 0.20 quantizes it: per group,
+    scale = amax / 7.5 in the weight's dtype (0 -> the dtype's eps); q = round-half-even of clamp(w / scale, -8, 7)
+    (the division in the weight's dtype, signed zeros made +0); packed eight a word, element 8w + k in bits 4k..4k+3
+    as q + 8."""
+    rows, cols = w.shape
+    g = w.reshape(rows, cols // GROUP, GROUP)
+    scale = g.abs().amax(dim=-1, keepdim=True) / torch.tensor(7.5, dtype=w.dtype)
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype), scale)
+    q = torch.round(torch.clamp(g / scale + 0.0, -8.0, 7.0)).to(torch.int16).reshape(rows, cols) + OFFSET
+    nibbles = q.to(torch.uint8).reshape(rows, cols // 2, 2)
+    packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).contiguous().view(torch.int32)
+    return packed, scale.squeeze(-1)
 
 
 SCHEME = PackQuantized()

@@ -43,9 +43,6 @@ def weights_args(hf: Mapping[str, Any]) -> dict[str, Any] | None:
     if not compressed.declares(hf, FORMAT):
         return None
     groups = [g for g in (q.get("config_groups") or {}).values() if isinstance(g, dict) and g.get("weights")]
-    formats = {g.get("format") or q.get("format") for g in groups}
-    if FORMAT not in formats:
-        return None
     if len(groups) != 1:
         raise ConvertError(f"quantization_config has {len(groups)} weight groups; one pack-quantized INT4 group "
                            "converts here", "convert a release quantized with one scheme")

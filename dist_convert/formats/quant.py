@@ -1,6 +1,7 @@
 """Quantized Hugging Face weights behind one protocol.
 
-A scheme (``fp8.py``: DeepSeek's block-scaled FP8; ``mxfp4.py``: gpt-oss's MXFP4) says, for the hf reader,
+A scheme (``fp8.py``: DeepSeek's block-scaled FP8 and compressed-tensors' FP8; ``mxfp4.py``: gpt-oss's MXFP4;
+``int4.py``: compressed-tensors' INT4; ``nvfp4.py``: ModelOpt's NVFP4) says, for the hf reader,
 whether one HF tensor is stored its way and by which stored parts (``datamodel.Quantized``), which box of each part
 a rank reads for a box of the tensor, and how those slices dequantize; for ``--quantize``, which tensors it stores
 quantized, what the file holds for one, how many bytes that is, and the ``quantization_config`` of config.json.

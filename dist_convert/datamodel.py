@@ -156,6 +156,7 @@ class Quantized:
     scheme: str
     parts: tuple[tuple[str, str], ...]
     params: tuple[Any, ...] = ()
+    stored_bytes: int = 0  # what the stored parts of the whole tensor hold (its companions too)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +181,11 @@ class SourceChunk:
     @property
     def nbytes(self) -> int:
         return numel(self.shape) * self.dtype.itemsize
+
+    @property
+    def stored_nbytes(self) -> int:
+        """What the source stores for this chunk: a quantized tensor's parts (as indexed, whole), else ``nbytes``."""
+        return self.quant.stored_bytes if self.quant is not None else self.nbytes
 
 
 @dataclass(kw_only=True)

@@ -123,6 +123,7 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
         "components": components(index.cfg),
         "stored_chunks": len(index.chunks),
         "bytes": index.nbytes,
+        "stored_bytes": sum(c.stored_nbytes for c in index.chunks),  # a quantized source: its packed parts
         "dtypes": dict(dtypes),
         "notes": index.notes,
         "adapter": None if index.adapter is None else adapter_info(index.adapter),
@@ -189,7 +190,8 @@ def print_description(info: dict, as_json: bool) -> None:
             ("logical tensors", str(info["logical_tensors"])
              + (f" ({', '.join(f'{k}: {n}' for k, n in info['components'].items())})" if info["components"] else "")),
             ("stored chunks", str(info["stored_chunks"])),
-            ("bytes", human_bytes(info["bytes"])),
+            ("bytes", human_bytes(info["bytes"]) if info["stored_bytes"] == info["bytes"] else
+             f"{human_bytes(info['stored_bytes'])} stored, {human_bytes(info['bytes'])} dequantized"),
             ("dtypes", ", ".join(f"{k}: {v} chunks" for k, v in info["dtypes"].items()))]
     if info["adapter"] is not None:
         rows += [(f"adapter {k}", str(v)) for k, v in info["adapter"].items()]

@@ -115,6 +115,20 @@ def test_int4_release_reads_as_compressed_tensors_decompresses_it(release, tmp_p
     assert torch.equal(theirs, ours)
 
 
+def test_inspect_reports_stored_and_dequantized_bytes(release, capsys):
+    """inspect of the INT4 release: what its files hold (every stored tensor counted once: packed words, scales and
+    shapes for the experts) beside what it dequantizes to, and the scheme per tensor."""
+    from dist_convert.cli import main
+
+    src, rel = release
+    assert main(["inspect", str(rel), "--json", "--tensors"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    stored = sum(t.numel() * t.element_size() for t in load_file(rel / "model.safetensors").values())
+    plain = sum(t.numel() * t.element_size() for t in load_file(src / "model.safetensors").values())
+    assert (info["stored_bytes"], info["bytes"]) == (stored, plain) and stored < plain
+    assert any("int4->bfloat16" in r["dtypes"] for r in info["tensors"])
+
+
 def test_int4_release_imports_to_megatron_core_and_back(release, tmp_path):
     """HF INT4 -> torch_dist TP2 EP2 (each rank decoding only its experts) -> HF: the decompressed tensors; and
     imported in fp32 at TP2 (megatron-core 0.16.1's local spec): megatron-core loads it strictly and gives, within

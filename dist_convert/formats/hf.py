@@ -17,7 +17,17 @@ from typing import Any
 
 import torch
 
-from ..datamodel import Origin, SourceChunk, SourceIndex, Target, TargetFile, TargetTensor, WrittenFile, target_dtype
+from ..datamodel import (
+    Origin,
+    SourceChunk,
+    SourceIndex,
+    Target,
+    TargetFile,
+    TargetTensor,
+    WrittenFile,
+    numel,
+    target_dtype,
+)
 from ..durable import write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box
@@ -166,8 +176,9 @@ class HFFormat:
                        None)
             if hit is not None:
                 sc, hit = hit
-                quantized[key] = hit[0]
                 beside = {k for k in sc.companions(key) if k in found}
+                held = sum(numel(found[k][2]) * found[k][1].itemsize for k in {k for _, k in hit[0].parts} | beside)
+                quantized[key] = replace(hit[0], stored_bytes=held)
                 parts |= {k for _, k in hit[0].parts if k != key} | beside
                 if beside and sc.companion_note:
                     companions[sc.companion_note] = companions.get(sc.companion_note, 0) + len(beside)

@@ -191,5 +191,4 @@ class FloatQuantized(Scheme):
         return (w.to(scale.dtype) * scale).to(dtype)
 
 
-
 FLOAT_QUANTIZED = FloatQuantized()

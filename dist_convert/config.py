@@ -271,6 +271,11 @@ class ModelConfig:
                                f"put at least {need} layers on the first stage "
                                "(--target-num-layers-in-first-stage) or lower --target-pp")
 
+    def needs_sequence_parallel(self, tp: int) -> bool:
+        """Whether megatron-core builds the model only with sequence parallelism at this TP (its DSA attention,
+        AbsorbedMLA, asserts it at TP > 1)."""
+        return self.dsa is not None and tp > 1
+
     def has_indexer(self, stack: str, layer: int) -> bool:
         """Whether a layer of ``stack`` has a DeepSeek-sparse-attention indexer (``DSA.computes_topk``)."""
         return self.dsa is not None and stack in ("decoder", "mtp") and self.dsa.computes_topk(layer)

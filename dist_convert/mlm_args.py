@@ -293,8 +293,8 @@ def _layout_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, c
         "decoder_first_pipeline_num_layers": layout.first, "decoder_last_pipeline_num_layers": layout.last,
         "pipeline_model_parallel_layout": text,
         "expert_model_parallel_size": layout.ep, "expert_tensor_parallel_size": layout.expert_tp,
-        # megatron-core's DSA attention (AbsorbedMLA) asserts sequence parallelism at TP > 1
-        "sequence_parallel": (bool(getattr(args, "sequence_parallel", False)) or cfg.dsa is not None) and layout.tp > 1,
+        "sequence_parallel": (bool(getattr(args, "sequence_parallel", False)) and layout.tp > 1)
+        or cfg.needs_sequence_parallel(layout.tp),
         "overlap_p2p_comm": bool(getattr(args, "overlap_p2p_comm", True)) if layout.vpp else False,
         "world_size": world, "data_parallel_size": world // (layout.tp * layout.pp * cp),
         "no_save_optim": None if optimizer_saved else True, "no_save_rng": None if rng_saved else True,

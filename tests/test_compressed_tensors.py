@@ -320,3 +320,13 @@ def test_fp8_channel_export_is_what_compressed_tensors_writes(tmp_path):
         want = FloatQuantizationCompressor.decompress({"weight": got[k], "weight_scale": got[base + "weight_scale"]},
                                                       scheme)["weight"]
         assert torch.equal(again[k], want), k
+
+
+def test_quantize_offers_every_writing_scheme_and_only_those():
+    """``--quantize``'s choices are the protocol's writers (the reading-only NVFP4 is not offered)."""
+    from dist_convert.cli import build_parser
+    from dist_convert.formats.schemes import SCHEMES, WRITERS
+
+    reshard = next(a for a in build_parser()._subparsers._group_actions[0].choices["reshard"]._actions
+                   if a.dest == "quantize")
+    assert set(reshard.choices) == {"none", *WRITERS} and "nvfp4" in SCHEMES and "nvfp4" not in WRITERS

@@ -109,6 +109,16 @@ def test_what_megatron_core_cannot_express_is_refused_in_one_line(arch, change, 
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+def test_glm_4_7_flash_half_split_rope_is_refused():
+    """GLM-4.7-Flash's config class keeps DeepSeek-V3's rope_interleave, which transformers follows: false (rotate-half
+    MLA RoPE) is what megatron-core's MLA cannot compute, refused as for V3 (the DSA classes have no such key)."""
+    config = {**transformers.Glm4MoeLiteConfig(**{k: v for k, v in SMALL.items() if not k.startswith("index")},
+                                                 rope_interleave=False).to_dict(),
+              "architectures": ["Glm4MoeLiteForCausalLM"]}
+    with pytest.raises(ConvertError, match="rope_interleave=false"):
+        import_config(config, None)
+
+
 def test_a_deepseek_v3_config_with_an_indexer_is_refused():
     """transformers' DeepseekV3 ignores the index_* keys: a V3.2 model mislabelled V3 would lose its sparsity."""
     config = {**hf("v32"), "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}

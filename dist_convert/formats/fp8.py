@@ -13,7 +13,7 @@ import torch
 from ..errors import ConvertError
 from ..layout.boxes import Box
 from . import compressed
-from .quant import Found, Quantized, Scheme
+from .quant import Found, Quantized, Writer
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"
@@ -82,7 +82,7 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[t
     return q.contiguous(), scale
 
 
-class Fp8Block(Scheme):
+class Fp8Block(Writer):
     """``--quantize fp8-block``; read: a weight stored in an FP8 dtype beside its ``_scale_inv`` grid."""
 
     name = "fp8-block"
@@ -134,7 +134,7 @@ CHANNEL_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "group_siz
                    "dynamic": False}
 
 
-class FloatQuantized(Scheme):
+class FloatQuantized(Writer):
     """compressed-tensors ``float-quantized`` FP8. Read: ``weight`` in float8_e4m3fn with ``weight_scale`` [out, 1]
     (channel) or [1] (tensor); W = float(weight in the scale's dtype) * scale, compressed-tensors' ``dequantize``. A
     static scheme's ``input_scale`` (the activations' calibration) is not carried (a note says so): the dequantized

@@ -39,7 +39,7 @@ from ..models.base import TIED_HEAD, Family, HFTensors, hf_dtype, part_pieces
 from ..runtime import Runtime
 from .base import FileAtATime, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
 from .safetensors_io import read_boxes, read_header, write_file
-from .schemes import SCHEMES, scheme_of
+from .schemes import SCHEMES, WRITERS, scheme_of
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -265,7 +265,7 @@ class HFFormat:
                                       pieces=pieces)
                    for name, (shape, pieces) in hf_tensors(target.cfg, fam, target.origin.hf_stored).items()}
         if self.options.quantize:
-            SCHEMES[self.options.quantize].check_target({n: t.shape for n, t in tensors.items()}, fam.architecture)
+            WRITERS[self.options.quantize].check_target({n: t.shape for n, t in tensors.items()}, fam.architecture)
         shards = pack_shards([(n, t.nbytes) for n, t in tensors.items()], self.options.max_shard_size)
         names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                    for i in range(len(shards))]
@@ -284,13 +284,13 @@ class HFFormat:
 
     def _stored_sizes(self, t: TargetTensor) -> list[tuple[str, int]]:
         """(name, bytes) of what ``_stored`` writes for target tensor ``t``."""
-        sc = SCHEMES[self.options.quantize] if self.options.quantize else None
+        sc = WRITERS[self.options.quantize] if self.options.quantize else None
         return sc.stored_sizes(t.key, t.shape, t.dtype) if sc and sc.quantizable(t.key, t.shape) else \
             [(t.key, t.nbytes)]
 
     def _stored(self, key: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """What the file holds for one tensor: itself, or with ``--quantize`` what its scheme stores for it."""
-        sc = SCHEMES[self.options.quantize] if self.options.quantize else None
+        sc = WRITERS[self.options.quantize] if self.options.quantize else None
         return sc.quantize(key, x) if sc and sc.quantizable(key, tuple(x.shape)) else [(key, x)]
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
@@ -312,7 +312,7 @@ class HFFormat:
         if self.options.quantize:
             fam = export_family(target.cfg, target.origin.hf_config)
             shapes = {n: shape for n, (shape, _) in hf_tensors(target.cfg, fam, target.origin.hf_stored).items()}
-            hf["quantization_config"] = SCHEMES[self.options.quantize].quantization_config(shapes)
+            hf["quantization_config"] = WRITERS[self.options.quantize].quantization_config(shapes)
         else:
             hf.pop("quantization_config", None)  # dequantized on read: the target holds plain weights
         write_durable(out_dir / CONFIG, json.dumps(hf, indent=2))

@@ -23,7 +23,7 @@ import torch
 from ..errors import ConvertError
 from ..layout.boxes import Box
 from . import compressed
-from .quant import Found, Quantized, Scheme
+from .quant import Found, Quantized, Writer
 
 PER_WORD = 8  # 4-bit values per int32
 OFFSET = 8  # stored as q + 8 (unsigned nibbles)
@@ -85,7 +85,7 @@ def dequantize(words: torch.Tensor, scale: torch.Tensor, box: Box, group: int, d
     return (q.to(scale.dtype) * scale[:, cols]).to(dtype)
 
 
-class PackQuantized(Scheme):
+class PackQuantized(Writer):
     """Read: a weight stored as its ``_packed`` / ``_scale`` / ``_shape`` triple under a compressed-tensors
     pack-quantized ``quantization_config``."""
 

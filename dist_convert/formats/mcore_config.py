@@ -205,8 +205,8 @@ def fields_for_target(fields: dict[str, Any], cfg: ModelConfig, layout: Layout,
     elif "expert_model_parallel_size" in out:
         out.update(expert_model_parallel_size=1)
     out["make_vocab_size_divisible_by"] = cfg.make_vocab_size_divisible_by
-    if cfg.dsa is not None:  # megatron-core's DSA attention (AbsorbedMLA) asserts sequence parallelism at TP > 1
-        out["sequence_parallel"] = layout.tp > 1
+    if cfg.dsa is not None:
+        out["sequence_parallel"] = cfg.needs_sequence_parallel(layout.tp)
     if dtype is not None:
         out.update(bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
         if isinstance(out.get("params_dtype"), dict):

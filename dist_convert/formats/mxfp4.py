@@ -23,7 +23,7 @@ import torch
 
 from ..errors import ConvertError
 from ..layout.boxes import Box
-from .quant import Found, Quantized, Scheme
+from .quant import Found, Quantized, Writer
 
 BLOCK = 32  # elements per scale
 BYTES = BLOCK // 2  # bytes per block
@@ -228,7 +228,7 @@ def stored_sizes(name: str, shape: tuple[int, ...]) -> list[tuple[str, int]]:
     return [(name + BLOCKS_SUFFIX, n // 2), (name + SCALES_SUFFIX, n // BLOCK)]
 
 
-class Mxfp4(Scheme):
+class Mxfp4(Writer):
     """``--quantize mxfp4`` (gpt-oss's expert weights); read: a tensor stored as its ``_blocks`` / ``_scales`` pair."""
 
     name = "mxfp4"

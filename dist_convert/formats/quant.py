@@ -24,9 +24,10 @@ Found = Mapping[str, tuple[str, torch.dtype, tuple[int, ...]]]  # stored name ->
 
 
 class Scheme(ABC):
-    name: ClassVar[str]  # what ``--quantize`` writes it as
+    """A scheme the hf reader decodes (``Writer``: one ``--quantize`` writes too)."""
+
+    name: ClassVar[str]  # its name (``--quantize``'s, for a writer)
     what: ClassVar[str]  # its name in a note
-    config: ClassVar[dict[str, Any]] = {}  # config.json's ``quantization_config`` for what ``--quantize`` writes
     companion_note: ClassVar[str] = ""  # what its ``companions`` are, said in a note when a release has them
 
     # -- reading ------------------------------------------------------------------------------------------
@@ -49,18 +50,24 @@ class Scheme(ABC):
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
         """``box`` of the tensor in ``dtype`` from the ``boxes`` slices of its parts."""
 
-    # -- writing (--quantize; a scheme only read quantizes nothing) ------------------------------------------
+
+
+class Writer(Scheme):
+    """A scheme ``--quantize`` also writes."""
+
+    config: ClassVar[dict[str, Any]] = {}  # config.json's ``quantization_config`` (``quantization_config``'s default)
+
+    @abstractmethod
     def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
         """Whether ``--quantize`` stores HF tensor ``name`` this way (the rest stays as it is)."""
-        return False
 
+    @abstractmethod
     def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """What the file holds for tensor ``name`` (a quantizable one)."""
-        raise NotImplementedError(f"writing {self.what} weights")
 
+    @abstractmethod
     def stored_sizes(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, int]]:
         """(stored name, bytes) of what ``quantize`` writes for a tensor of ``shape`` in ``dtype``."""
-        raise NotImplementedError(f"writing {self.what} weights")
 
     def quantization_config(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
         """config.json's ``quantization_config`` for a checkpoint of these tensors written with ``--quantize``."""

@@ -82,9 +82,10 @@ class MlaMoe(Family):
                                "through its q latent", "use the config.json saved with the model")
         layers = int(get(hf, "num_hidden_layers", 0))
         pattern = self._mlp_pattern(hf, layers)
-        # DeepSeek-V3's reading, with the leading dense layers and the norm epsilon this family has
-        cfg = config_from_hf({**hf, "first_k_dense_replace": 0, "moe_layer_freq": 1, "rope_interleave": True},
-                             self.architecture, vocab_divisible_by, v3=True, one_eps=not self.glm)
+        # DeepSeek-V3's reading, with the leading dense layers and the norm epsilon this family has; the DSA classes
+        # always interleave the MLA RoPE (their configs have no rope_interleave), GLM-4.7-Flash's follows the key
+        fixed = {"first_k_dense_replace": 0, "moe_layer_freq": 1, **({"rope_interleave": True} if self.sparse else {})}
+        cfg = config_from_hf({**hf, **fixed}, self.architecture, vocab_divisible_by, v3=True, one_eps=not self.glm)
         moe = replace(cfg.moe, layer_pattern=None if all(pattern) else pattern) \
             if cfg.moe is not None and any(pattern) else None
         cfg = cfg.replace(moe=moe, dsa=self._dsa_from_hf(hf, layers) if self.sparse else None)

@@ -182,13 +182,15 @@ def _target_flags(r: argparse.ArgumentParser) -> None:
     r.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep", help=DTYPE_HELP)
     r.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE",
                    help="hf target: bytes per *.safetensors shard (default 5GB)")
-    r.add_argument("--quantize", choices=("none", "fp8-block", "fp8-channel", "int4", "mxfp4"), default="none",
+    r.add_argument("--quantize", choices=("none", "fp8-block", "fp8-channel", "int4", "mxfp4", "nvfp4"),
+                   default="none",
                    help="hf target: fp8-block writes linear weights as float8_e4m3fn with 128x128-block fp32 "
                         "<name>_scale_inv, as DeepSeek-V3's FP8 release stores them; fp8-channel as "
                         "compressed-tensors' float-quantized FP8, a scale per output channel; int4 the routed "
                         "experts' linears as compressed-tensors' pack-quantized INT4 (group 32, as Kimi-K2-Thinking); "
                         "mxfp4 writes gpt-oss's expert weights as MXFP4 <name>_blocks / <name>_scales, as OpenAI's "
-                        "release does (default: none)")
+                        "release does; nvfp4 the MLP linears as ModelOpt's weight-only NVFP4 (W4A16_NVFP4, group 16, "
+                        "as its export writes them) (default: none)")
     r.add_argument("--tokenizer-dir", type=Path, default=None, metavar="DIR",
                    help="hf, bridge, nemo2 targets: copy tokenizer files from here (default: the source's)")
     r.add_argument("--tokenizer-model", type=Path, default=None, metavar="FILE",

@@ -157,6 +157,7 @@ class Quantized:
     parts: tuple[tuple[str, str], ...]
     params: tuple[Any, ...] = ()
     stored_bytes: int = 0  # what the stored parts of the whole tensor hold (its companions too)
+    numel: int = 0  # the elements of the whole tensor they dequantize to
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,8 +185,9 @@ class SourceChunk:
 
     @property
     def stored_nbytes(self) -> int:
-        """What the source stores for this chunk: a quantized tensor's parts (as indexed, whole), else ``nbytes``."""
-        return self.quant.stored_bytes if self.quant is not None else self.nbytes
+        """What the source stores for this chunk: its share of a quantized tensor's parts, else ``nbytes``."""
+        q = self.quant
+        return self.nbytes if q is None else q.stored_bytes * numel(self.shape) // max(q.numel, 1)
 
 
 @dataclass(kw_only=True)
@@ -221,10 +223,15 @@ class TargetTensor:
     pieces: list[Piece]
     offsets: tuple[int, ...] | None = None  # DCP: chunk offset in the global tensor
     global_shape: tuple[int, ...] | None = None
+    stored_bytes: int | None = None  # what the file holds for it when that is not ``nbytes`` (hf --quantize)
 
     @property
     def nbytes(self) -> int:
         return numel(self.shape) * self.dtype.itemsize
+
+    @property
+    def stored_nbytes(self) -> int:
+        return self.nbytes if self.stored_bytes is None else self.stored_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,6 +244,11 @@ class TargetFile:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def stored_nbytes(self) -> int:
+        """What the file holds (a quantized hf target's packed parts)."""
+        return sum(t.stored_nbytes for t in self.tensors)
 
 
 def omit_absent(files: list[TargetFile], absent: Collection[str]) -> list[TargetFile]:

@@ -102,9 +102,9 @@ def estimate(opts: ReshardOptions, rt: Runtime, world: int, read_gbps: float, wr
     ranks = rank_estimates(plan, {c.id: c for c in index.chunks}, tensors, base, read_gbps, write_gbps, net_gbps,
                            overlap_io(world), block_bytes(opts.memory_budget) if p.dst_fmt.row_blocks else None)
     return {"source": {"format": index.format, "layout": str(index.layout), "bytes": index.nbytes,
-                       "chunks": len(index.chunks)},
+                       "stored_bytes": sum(c.stored_nbytes for c in index.chunks), "chunks": len(index.chunks)},
             "target": {"format": p.dst_fmt.name, "layout": str(p.target.layout), "files": len(p.files),
-                       "bytes": sum(f.nbytes for f in p.files)},
+                       "bytes": sum(f.nbytes for f in p.files), "stored_bytes": sum(f.stored_nbytes for f in p.files)},
             "world": world, "waves": len(plan.waves), "memory_budget": opts.memory_budget,
             "speeds_gbps": {"read": read_gbps, "write": write_gbps, "network": net_gbps},
             "seconds": max(r.seconds for r in ranks), "ranks": [asdict(r) for r in ranks], "notes": index.notes}
@@ -115,8 +115,13 @@ def print_estimate(est: dict[str, Any], json_path: Path | None) -> None:
     from rich.table import Table
 
     s, t = est["source"], est["target"]
-    table = Table(title=f"plan: {s['format']} {s['layout']} ({human_bytes(s['bytes'])}) -> {t['format']} "
-                        f"{t['layout']} ({t['files']} files) on {est['world']} ranks, {est['waves']} waves; "
+
+    def size(side: dict[str, Any]) -> str:  # a quantized side: what its files hold, then what it dequantizes to
+        return human_bytes(side["bytes"]) if side["stored_bytes"] == side["bytes"] else \
+            f"{human_bytes(side['stored_bytes'])} stored, {human_bytes(side['bytes'])} logical"
+
+    table = Table(title=f"plan: {s['format']} {s['layout']} ({size(s)}) -> {t['format']} "
+                        f"{t['layout']} ({t['files']} files, {size(t)}) on {est['world']} ranks, {est['waves']} waves; "
                         f"about {est['seconds']:.1f} s at {est['speeds_gbps']['read']:g} GB/s read")
     for col in ("rank", "read", "written", "sent", "received", "peak wave", "peak RSS", "pinned (nccl)", "s"):
         table.add_column(col, justify="right")

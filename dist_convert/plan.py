@@ -311,10 +311,10 @@ def make_plan(chunks: list[SourceChunk], files: list[TargetFile], world: int, bu
     reader_of = balance(sizes, world, prefer=prefer, home=set(kept), cap=1.15 * sum(sizes.values()) / world)
     read_bytes = [0] * world
     for cid, r in reader_of.items():
-        read_bytes[r] += by_id[cid].nbytes
+        read_bytes[r] += by_id[cid].stored_nbytes  # what the files hold (a quantized source: its packed parts)
     write_bytes = [0] * world
     for f in files:
-        write_bytes[writer_of[f.id]] += f.nbytes
+        write_bytes[writer_of[f.id]] += f.stored_nbytes
     waves = _waves(raw, reader_of, writer_of, by_id, world, budget)
     return Plan(world=world, reader_of=reader_of, writer_of=writer_of, waves=waves, read_bytes=read_bytes,
                 write_bytes=write_bytes, skipped_chunks=len(chunks) - len(kept))

@@ -221,13 +221,15 @@ def fp8_compress(w: torch.Tensor, strategy: str) -> tuple[dict[str, torch.Tensor
 
 
 def test_fp8_channel_release_reads_as_compressed_tensors_decompresses_it(tmp_path):
-    """A tiny Llama whose every linear is FP8 per output channel, some with a static input_scale: read at 2 ranks to
-    plain HF, every weight the library's ``decompress`` bit for bit, the input scales dropped with a note."""
+    """A tiny Qwen3-MoE whose every linear (experts per expert) is FP8 per output channel, some with a static
+    input_scale: read at 2 ranks to plain HF, every weight the library's ``decompress`` bit for bit, the input scales
+    dropped with a note; imported to torch_dist at TP2 EP2 (each rank its rows and experts), the same tensors come
+    back."""
     from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
-    src = make_hf_model(tmp_path, "llama", dtype=torch.bfloat16)
-    rel, dst = tmp_path / "release", tmp_path / "hf"
+    src = make_hf_model(tmp_path, "qwen3_moe", dtype=torch.bfloat16)
+    rel, dst, td, back = tmp_path / "release", tmp_path / "hf", tmp_path / "td", tmp_path / "back"
     rel.mkdir()
     plain = load_file(src / "model.safetensors")
     stored, linears = {}, [k for k in plain if k.endswith("proj.weight")]
@@ -246,7 +248,7 @@ def test_fp8_channel_release_reads_as_compressed_tensors_decompresses_it(tmp_pat
         format="float-quantized", quantization_status="compressed", ignore=["lm_head"]).model_dump(exclude_none=True)
     (rel / "config.json").write_text(json.dumps(cfg))
     proc = ok(run_cli("reshard", str(rel), str(dst), "--dst-format", "hf", nproc=2))
-    assert "skipped 8 activation input_scale" in proc.stdout + proc.stderr  # q, k, v, o of 2 layers
+    assert "skipped 12 activation input_scale" in proc.stdout + proc.stderr  # q, k, v, o of 3 layers
     got = load_file(dst / "model.safetensors")
     scheme = QuantizationScheme(targets=["Linear"], weights=fp8_args("channel"))
     for k in linears:
@@ -255,6 +257,12 @@ def test_fp8_channel_release_reads_as_compressed_tensors_decompresses_it(tmp_pat
             {"weight": stored[k], "weight_scale": stored[base + "weight_scale"]}, scheme)["weight"]
         assert got[k].dtype == want.dtype and torch.equal(got[k], want) and not torch.equal(want, plain[k]), k
     assert set(got) == set(plain) and all(torch.equal(got[k], plain[k]) for k in plain if k not in linears)
+    assert sum(".experts." in k for k in linears) == 3 * 4
+    ok(run_cli("reshard", str(rel), str(td), "--dst-format", "torch_dist", "--target-tp", "2", "--target-ep", "2",
+               nproc=2))
+    ok(run_cli("reshard", str(td), str(back), "--dst-format", "hf", nproc=2))
+    again = load_file(back / "model.safetensors")
+    assert set(again) == set(got) and all(torch.equal(again[k], got[k]) for k in got)
 
 
 @pytest.mark.parametrize("strategy,box", [("channel", Box((3, 5), (4, 20))), ("tensor", Box((2, 0), (5, 64)))])
@@ -323,10 +331,10 @@ def test_fp8_channel_export_is_what_compressed_tensors_writes(tmp_path):
 
 
 def test_quantize_offers_every_writing_scheme_and_only_those():
-    """``--quantize``'s choices are the protocol's writers (the reading-only NVFP4 is not offered)."""
+    """``--quantize``'s choices are the protocol's writers."""
     from dist_convert.cli import build_parser
     from dist_convert.formats.schemes import SCHEMES, WRITERS
 
     reshard = next(a for a in build_parser()._subparsers._group_actions[0].choices["reshard"]._actions
                    if a.dest == "quantize")
-    assert set(reshard.choices) == {"none", *WRITERS} and "nvfp4" in SCHEMES and "nvfp4" not in WRITERS
+    assert set(reshard.choices) == {"none", *WRITERS} and set(WRITERS) <= set(SCHEMES)

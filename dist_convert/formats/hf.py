@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -117,15 +117,21 @@ def shard_files(path: Path) -> list[str]:
     return sorted(p.name for p in path.glob("*.safetensors"))
 
 
-def pack_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-    """Pure: consecutive tensors grouped into shards of at most ``max_bytes`` (a bigger tensor alone)."""
+def pack_shards(sizes: list[tuple[str, int]], max_bytes: int,
+                together: Callable[[str], str] | None = None) -> list[list[str]]:
+    """Pure: consecutive tensors grouped into shards of at most ``max_bytes`` (a bigger tensor alone); tensors of one
+    ``together`` key share a shard (placed where the first of them is)."""
+    units: dict[str, list[tuple[str, int]]] = {}
+    for name, n in sizes:
+        units.setdefault(together(name) if together else name, []).append((name, n))
     shards: list[list[str]] = []
     used = 0
-    for name, n in sizes:
+    for unit in units.values():
+        n = sum(b for _, b in unit)
         if not shards or (used + n > max_bytes and shards[-1]):
             shards.append([])
             used = 0
-        shards[-1].append(name)
+        shards[-1].extend(name for name, _ in unit)
         used += n
     return shards
 
@@ -178,7 +184,7 @@ class HFFormat:
                 sc, hit = hit
                 beside = {k for k in sc.companions(key) if k in found}
                 held = sum(numel(found[k][2]) * found[k][1].itemsize for k in {k for _, k in hit[0].parts} | beside)
-                quantized[key] = replace(hit[0], stored_bytes=held)
+                quantized[key] = replace(hit[0], stored_bytes=held, numel=numel(hit[1]))
                 parts |= {k for _, k in hit[0].parts if k != key} | beside
                 if beside and sc.companion_note:
                     companions[sc.companion_note] = companions.get(sc.companion_note, 0) + len(beside)
@@ -266,7 +272,9 @@ class HFFormat:
                    for name, (shape, pieces) in hf_tensors(target.cfg, fam, target.origin.hf_stored).items()}
         if self.options.quantize:
             WRITERS[self.options.quantize].check_target({n: t.shape for n, t in tensors.items()}, fam.architecture)
-        shards = pack_shards([(n, t.nbytes) for n, t in tensors.items()], self.options.max_shard_size)
+            tensors = {n: replace(t, stored_bytes=sum(b for _, b in self._stored_sizes(t))) for n, t in tensors.items()}
+        shards = pack_shards([(n, t.stored_nbytes) for n, t in tensors.items()], self.options.max_shard_size,
+                             lambda n: self._shares(n, tensors[n].shape))
         names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                    for i in range(len(shards))]
         return [TargetFile(id=i, name=name, tensors=[tensors[n] for n in shard]) for i, (name, shard) in
@@ -274,8 +282,7 @@ class HFFormat:
 
     def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
         def write(f: TargetFile, tensors: list[torch.Tensor]) -> dict[str, Any]:
-            write_file(out_dir / f.name, [kv for t, x in zip(f.tensors, tensors, strict=True)
-                                          for kv in self._stored(t.key, x)])
+            write_file(out_dir / f.name, self._stored([(t.key, x) for t, x in zip(f.tensors, tensors, strict=True)]))
             # what finalize needs of the file (it keeps no state between calls): its stored names and dtypes
             return {"stored": [[k, n] for t in f.tensors for k, n in self._stored_sizes(t)],
                     "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in f.tensors})}
@@ -288,10 +295,21 @@ class HFFormat:
         return sc.stored_sizes(t.key, t.shape, t.dtype) if sc and sc.quantizable(t.key, t.shape) else \
             [(t.key, t.nbytes)]
 
-    def _stored(self, key: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """What the file holds for one tensor: itself, or with ``--quantize`` what its scheme stores for it."""
+    def _shares(self, key: str, shape: tuple[int, ...]) -> str:
+        """The key of the tensors ``key`` is quantized together with (its own name when none)."""
         sc = WRITERS[self.options.quantize] if self.options.quantize else None
-        return sc.quantize(key, x) if sc and sc.quantizable(key, tuple(x.shape)) else [(key, x)]
+        return "\0" + sc.shares(key) if sc and sc.quantizable(key, shape) else key
+
+    def _stored(self, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """What a file holds for its tensors: themselves, or with ``--quantize`` what its scheme stores for them."""
+        sc = WRITERS[self.options.quantize] if self.options.quantize else None
+        if sc is None:
+            return tensors
+        units: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for key, x in tensors:
+            units.setdefault(self._shares(key, tuple(x.shape)), []).append((key, x))
+        return [kv for unit, items in units.items() for kv in (sc.quantize_together(items) if unit.startswith("\0")
+                                                                else items)]
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0: the shard index, config.json and tokenizer files (from what the writers recorded of each file)."""
@@ -313,6 +331,8 @@ class HFFormat:
             fam = export_family(target.cfg, target.origin.hf_config)
             shapes = {n: shape for n, (shape, _) in hf_tensors(target.cfg, fam, target.origin.hf_stored).items()}
             hf["quantization_config"] = WRITERS[self.options.quantize].quantization_config(shapes)
+            for name, text in WRITERS[self.options.quantize].side_files(shapes).items():
+                write_durable(out_dir / name, text)
         else:
             hf.pop("quantization_config", None)  # dequantized on read: the target holds plain weights
         write_durable(out_dir / CONFIG, json.dumps(hf, indent=2))

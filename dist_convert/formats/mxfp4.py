@@ -42,6 +42,11 @@ _TIES_UP = torch.tensor([False, True, False, True, False, True, False])
 _BOUNDS = torch.where(_TIES_UP, torch.nextafter(_MID, torch.zeros(())), _MID)
 
 
+def e2m1_codes(mag: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..7 of magnitudes ``mag`` (float32): the nearest e2m1 magnitude, ties to even, saturating at 6."""
+    return torch.bucketize(mag, _BOUNDS.to(mag.device)).to(torch.uint8)
+
+
 def is_mxfp4(hf_config: Mapping[str, Any]) -> bool:
     """Whether a config.json (as a dict) declares MXFP4 weights (``quantization_config.quant_method``)."""
     q = hf_config.get("quantization_config") or {}
@@ -153,8 +158,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, e = torch.frexp(amax)  # amax = m * 2**e, 0.5 <= m < 1: floor(log2(amax)) = e - 1
     shared = torch.where(amax > 0, e - 1 - E2M1_EMAX, -SCALE_BIAS).clamp_(-SCALE_BIAS, SCALE_BIAS)
     mag = torch.ldexp(x.abs(), -shared.unsqueeze(-1))  # exact: a power-of-two rescale
-    codes = torch.bucketize(mag, _BOUNDS.to(mag.device)).to(torch.uint8)
-    nibbles = (codes | (torch.signbit(x).to(torch.uint8) << 3)).unflatten(-1, (BYTES, 2))
+    nibbles = (e2m1_codes(mag) | (torch.signbit(x).to(torch.uint8) << 3)).unflatten(-1, (BYTES, 2))
     blocks = nibbles[..., 0] | (nibbles[..., 1] << 4)
     return blocks.contiguous(), (shared + SCALE_BIAS).to(torch.uint8)
 

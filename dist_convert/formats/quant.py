@@ -4,7 +4,8 @@ A scheme (``fp8.py``: DeepSeek's block-scaled FP8 and compressed-tensors' FP8; `
 ``int4.py``: compressed-tensors' INT4; ``nvfp4.py``: ModelOpt's NVFP4) says, for the hf reader,
 whether one HF tensor is stored its way and by which stored parts (``datamodel.Quantized``), which box of each part
 a rank reads for a box of the tensor, and how those slices dequantize; for ``--quantize``, which tensors it stores
-quantized, what the file holds for one, how many bytes that is, and the ``quantization_config`` of config.json.
+quantized (and which share a per-tensor scale), what the file holds for them, how many bytes that is, and the
+``quantization_config`` of config.json (and any file beside it).
 ``formats/hf.py`` asks the schemes (``formats/schemes.py``) and holds no branch of its own.
 """
 from __future__ import annotations
@@ -51,7 +52,6 @@ class Scheme(ABC):
         """``box`` of the tensor in ``dtype`` from the ``boxes`` slices of its parts."""
 
 
-
 class Writer(Scheme):
     """A scheme ``--quantize`` also writes."""
 
@@ -65,6 +65,15 @@ class Writer(Scheme):
     def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """What the file holds for tensor ``name`` (a quantizable one)."""
 
+    def shares(self, name: str) -> str:
+        """The tensors that share a per-tensor scale have one key (their own name when none does); the hf writer
+        keeps them in one file and hands them to ``quantize_together`` at once."""
+        return name
+
+    def quantize_together(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """What the file holds for quantizable tensors of one ``shares`` key."""
+        return [kv for name, x in items for kv in self.quantize(name, x)]
+
     @abstractmethod
     def stored_sizes(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, int]]:
         """(stored name, bytes) of what ``quantize`` writes for a tensor of ``shape`` in ``dtype``."""
@@ -72,6 +81,10 @@ class Writer(Scheme):
     def quantization_config(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
         """config.json's ``quantization_config`` for a checkpoint of these tensors written with ``--quantize``."""
         return copy.deepcopy(self.config)
+
+    def side_files(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+        """Files the scheme's loaders read beside config.json (name -> text) for such a checkpoint."""
+        return {}
 
     def check_target(self, shapes: Mapping[str, tuple[int, ...]], architecture: str) -> None:
         """Refuse (ConvertError) a target where the scheme would store nothing."""

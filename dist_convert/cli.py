@@ -77,8 +77,8 @@ def _process_flags(p: argparse.ArgumentParser) -> None:
                    help="start N local worker processes (as torchrun --standalone --nproc_per_node=N would) and "
                         "run in them; without it: one process, or the ranks of the torchrun job it runs in")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="collective backend (auto: nccl when CUDA is available, else gloo; nccl needs a GPU per "
-                        "local rank)")
+                   help="collective backend (auto: nccl when every local rank has a GPU of its own, else gloo on "
+                        "CPU; nccl needs a GPU per local rank)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help="seconds a rank waits for the others in a collective (gloo and NCCL alike) before it "
                         "reports a hung or lost rank (default 1800); waits for a phase only rank 0 works in "

@@ -306,11 +306,11 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     staging.commit(artifact)
     mine = RankStats(rank=rt.rank, files=len(my_files), tensors=sum(len(f.tensors) for f in my_files),
                      read_bytes=counters["read"] + (merger.reader.read_bytes if merger is not None else 0),
-                     written_bytes=sum(f.nbytes for f in my_files),  # as stored
+                     written_bytes=sum(f.stored_nbytes for f in my_files),  # as stored (packed, when quantized)
                      sent_bytes=counters["sent"],
                      received_bytes=counters["received"], write_s=write_s, wall_s=time.perf_counter() - t0,
                      peak_rss=peak_rss_bytes(), exchange_s=counters.get("exchange_ns", 0) / 1e9,
-                     peak_gpu=peak_gpu_bytes(rt))
+                     peak_gpu=peak_gpu_bytes(rt), device=str(rt.device))
     stats = rt.all_gather_object(mine)
     print_summary(rt, stats, f"wrote {opts.dst} ({dst_fmt.name}, {layout})")
     if opts.stats_json is not None and rt.rank == 0:

@@ -457,8 +457,12 @@ def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runt
     send: dict[int, list[Transfer]] = defaultdict(list)
     recv: dict[int, list[Transfer]] = defaultdict(list)
     own = []
+    through = mover is not None and mover.path.own != "local"  # one rank checking its collective (transport.py)
     for t in transfers:
-        if t.reader == rt.rank and t.writer == rt.rank:
+        if t.reader == rt.rank and t.writer == rt.rank and through:
+            send[t.writer].append(t)
+            recv[t.reader].append(t)
+        elif t.reader == rt.rank and t.writer == rt.rank:
             own.append(t)
         elif t.reader == rt.rank:
             send[t.writer].append(t)

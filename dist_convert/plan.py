@@ -388,7 +388,8 @@ class StagingBytes:
 def staging_bytes(plan: Plan, rank: int, collective: Callable[[int, int], bool] | None = None) -> StagingBytes:
     """Pure: the staging buffers of ``rank``: the most bytes (each payload aligned, as packed) it sends and
     receives over the collective in any one wave. ``collective(reader, writer)``: whether that pair's bytes go
-    over it (default: every pair of different ranks; shared-memory peers do not use the staging buffers).
+    over it (default: every pair of different ranks; shared-memory peers do not use the staging buffers; a rank's
+    own bytes only where ``collective`` says so: a one-rank transport check, transport.ExchangePath.own).
 
     The waves are packed with each wave's own send and receive bytes in the budget (``_chunk_cost``); buffers
     kept at the largest wave's size add at most ``total - that wave's share`` on top in other waves, reported
@@ -398,7 +399,7 @@ def staging_bytes(plan: Plan, rank: int, collective: Callable[[int, int], bool] 
     for w in plan.waves:
         s = r = 0
         for t in w.transfers:
-            if t.reader != t.writer and over(t.reader, t.writer):
+            if (t.reader != t.writer or collective is not None) and over(t.reader, t.writer):
                 s += aligned(t.nbytes) if t.reader == rank else 0
                 r += aligned(t.nbytes) if t.writer == rank else 0
         send, receive = max(send, s), max(receive, r)

@@ -171,21 +171,35 @@ def init_runtime(backend: str = "auto", timeout_s: float = 1800.0) -> Runtime:
         return Runtime(threads=threads)
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    fewer = backend == "auto" and 0 < visible < local_world
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = auto_backend(visible, local_world)
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", gpu_index(local_rank, torch.cuda.device_count() if torch.cuda.is_available()
                                                 else 0, rank))
         torch.cuda.set_device(device)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERRORS_RAISE)
-    threads = job_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    threads = job_threads(local_world)
     torch.set_num_threads(threads)
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=PROCESS_GROUP_BACKEND[backend], timeout=timeout)
     patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=max(timeout_s, PATIENT_S)))
-    return Runtime(rank=rank, world=world, local_rank=local_rank, group=dist.group.WORLD, device=device,
-                   backend=backend, timeout_s=timeout_s, patient=patient, threads=threads)
+    rt = Runtime(rank=rank, world=world, local_rank=local_rank, group=dist.group.WORLD, device=device,
+                 backend=backend, timeout_s=timeout_s, patient=patient, threads=threads)
+    if fewer:
+        rt.log(f"backend: gloo on CPU ({local_world} ranks on this node see {visible} GPU(s); NCCL needs a GPU of "
+               "its own per rank)")
+    return rt
+
+
+def auto_backend(visible: int, local_ranks: int) -> str:
+    """Pure: what ``--backend auto`` takes: NCCL when every rank of the node has a GPU of its own, else gloo on CPU
+    (a one-GPU box running ``--nproc_per_node=2``: NCCL refuses two ranks on one device, and a conversion needs no
+    GPU; ``--backend nccl`` there is refused in one line, ``gpu_index``)."""
+    return "nccl" if 0 < local_ranks <= visible else "gloo"
 
 
 def say_together(err: ConvertError, timeout_s: float) -> None:

@@ -25,6 +25,7 @@ class RankStats:
     node: str = field(default_factory=lambda: node_name())
     exchange_s: float = 0.0  # moving bytes between ranks: packing, transport, unpacking (exchange.execute)
     peak_gpu: int = 0  # the most GPU memory torch allocated on this rank (0 on CPU)
+    device: str = "cpu"  # the rank's runtime device (cuda:N under --backend nccl)
 
 
 def node_name() -> str:

@@ -4,7 +4,9 @@ memory segments of the ``shm`` path.
 Paths, per pair of ranks (docs/exchange.md):
 
 - ``local``: reader and writer are the same rank (a copy, no transport); a job where nothing crosses ranks
-  uses no collective at all.
+  uses no collective at all. One exception: a one-rank job with ``--exchange gloo|nccl`` has no peer, so its own
+  bytes go through the one-rank collective (``ExchangePath.own``): a check of that transport on one device, which
+  ``launch/gpu_check.sh`` runs on a one-GPU machine.
 - ``shm``: peers on the same node. Each sender packs its payloads for them straight into its segment, a file
   under /dev/shm reserved once per job at its largest wave (one copy, cast included); its readers map it once
   and the name is removed before the first wave; per wave, a barrier, the readers unpack from the mapping, a
@@ -93,6 +95,7 @@ class ExchangePath:
 
     within: str
     across: str
+    own: str = "local"  # a rank's own bytes: a copy, or at world 1 with --exchange gloo|nccl that collective
     nodes: tuple[int, ...]  # node of each rank
     cross_rank_bytes: int
     cross_node_bytes: int
@@ -101,7 +104,7 @@ class ExchangePath:
 
     def via(self, a: int, b: int) -> str:
         if a == b:
-            return "local"
+            return self.own
         return self.within if self.nodes[a] == self.nodes[b] else self.across
 
     @property
@@ -111,9 +114,12 @@ class ExchangePath:
     @property
     def collective(self) -> str | None:
         """The collective transport the job uses (gloo or nccl), if any."""
-        return next((p for p in (self.across, self.within) if p in COLLECTIVES), None)
+        return next((p for p in (self.across, self.within, self.own) if p in COLLECTIVES), None)
 
     def describe(self) -> str:
+        if self.own != "local":
+            return (f"exchange: one rank, its own bytes through {self.own} (--exchange {self.requested}: a check of "
+                    "the transport)")
         if self.cross_rank_bytes == 0:
             return "exchange: local (no bytes cross ranks; no collective transport)"
         n = len(set(self.nodes))
@@ -150,8 +156,10 @@ def decide(pairs: Mapping[tuple[int, int], int], nodes: Sequence[int], requested
         if same and not shm_ok:
             within = collective
             note = f"{shm_why or '/dev/shm is not usable'}: same-node peers use {collective}"
-    return ExchangePath(within=within if same else "local", across=across if other else "local", nodes=tuple(nodes),
-                        cross_rank_bytes=same + other, cross_node_bytes=other, requested=requested, note=note)
+    own = requested if requested in COLLECTIVES and len(nodes) == 1 else "local"  # no peer: the check of it
+    return ExchangePath(within=within if same else "local", across=across if other else "local", own=own,
+                        nodes=tuple(nodes), cross_rank_bytes=same + other, cross_node_bytes=other,
+                        requested=requested, note=note)
 
 
 def segment_sizes(plan: Plan, nodes: Sequence[int]) -> list[int]:

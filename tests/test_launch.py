@@ -11,7 +11,7 @@ import pytest
 
 from dist_convert.cli import main as cli_main
 from dist_convert.errors import ConvertError
-from dist_convert.runtime import gpu_index, job_threads, threads_per_rank, usable_cpus
+from dist_convert.runtime import auto_backend, gpu_index, job_threads, threads_per_rank, usable_cpus
 
 from conftest import ENV, PY, ROOT, assert_refused, ok, run_cli
 
@@ -90,6 +90,9 @@ def test_a_gpu_backend_without_the_gpus_it_needs_is_refused_in_one_line(gpt_a, t
     assert_refused(proc, tmp_path, "--backend nccl needs GPUs", "--backend gloo")
     assert "Traceback" not in proc.stderr.split("dist_convert: error:")[0]
     assert gpu_index(3, 4, 3) == 3
+    # --backend auto: NCCL only when every local rank has a GPU of its own; a one-GPU box at 2 ranks runs gloo
+    assert [auto_backend(v, n) for v, n in ((8, 8), (1, 1), (1, 2), (4, 8), (0, 1))] == \
+        ["nccl", "nccl", "gloo", "gloo", "gloo"]
     with pytest.raises(ConvertError, match=r"local rank 4 has no GPU of its own: this process sees 4 .*--nproc_per"):
         gpu_index(4, 4, 4)
 

@@ -200,3 +200,27 @@ def test_nvfp4_release_imports_to_megatron_core_bit_exactly(releases, tmp_path):
     want = hf_logits(back, logits["tokens"])
     assert want.std() > 0.5
     torch.testing.assert_close(logits["logits"], want, rtol=1e-4, atol=1e-4)
+
+
+def test_nvfp4_release_resharded_to_nvfp4_keeps_its_weights(releases, tmp_path):
+    """ModelOpt's release read and written again with ``--quantize nvfp4``: the same scales, the same per-tensor
+    scales and the same values; the bytes differ only where ModelOpt stored a negative value that rounds to zero as
+    e2m1's -0 (nibble 0x8), which its own dequantization reads as +0 and so comes back as 0x0."""
+    _, rel = releases["qwen3_moe"]
+    dst = tmp_path / "again"
+    ok(run_cli("reshard", str(rel), str(dst), "--dst-format", "hf", "--quantize", "nvfp4", "--dtype", "fp32",
+               nproc=2))
+    want, got = tensors(rel), tensors(dst)
+    assert set(got) == set(want)
+    quantized = [k for k, t in want.items() if t.dtype == torch.uint8]
+    negative_zeros = 0
+    for k in quantized:
+        for s in ("_scale", "_scale_2"):
+            assert torch.equal(got[k + s].reshape(-1).view(torch.uint8), want[k + s].reshape(-1).view(torch.uint8))
+        nibbles = [torch.stack((t & 0xF, t >> 4)) for t in (want[k], got[k])]
+        assert torch.equal(torch.where(nibbles[0] == 0x8, 0, nibbles[0]), nibbles[1]), k
+        negative_zeros += int((nibbles[0] == 0x8).sum())
+        assert torch.equal(dequantized(got, k, torch.float32), dequantized(want, k, torch.float32)), k
+    assert negative_zeros > 0  # the case the docstring speaks of is there
+    assert json.loads((dst / "config.json").read_text())["quantization_config"] == json.loads(
+        (rel / "config.json").read_text())["quantization_config"]

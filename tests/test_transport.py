@@ -92,6 +92,10 @@ def test_path_decision():
     nothing = decide(pair_bytes(_plan(2, [_t(0, 0, 10), _t(1, 1, 10)])), (0, 0), "gloo")
     assert (nothing.within, nothing.across, nothing.collective, nothing.uses_shm) == ("local", "local", None, False)
     assert "no collective" in nothing.describe()
+    one_rank = decide(pair_bytes(_plan(1, [_t(0, 0, 10)])), (0,), "gloo")  # no peer: its own bytes, a check
+    assert (one_rank.via(0, 0), one_rank.collective, one_rank.cross_rank_bytes) == ("gloo", "gloo", 0)
+    assert "its own bytes through gloo" in one_rank.describe()
+    assert decide(pair_bytes(_plan(1, [_t(0, 0, 10)])), (0,)).via(0, 0) == "local"  # auto: a copy
 
     with pytest.raises(ConvertError, match=r"--exchange nccl needs a CUDA runtime.*use --exchange auto"):
         decide(pairs, nodes, "nccl", cuda=False)
@@ -196,6 +200,14 @@ def test_shm_gloo_and_two_nodes_give_the_same_bytes(gpt_a, tmp_path):
     # world 4: same-node peers over shm and the other node's over gloo, in the same waves
     assert "exchange: shm within node, gloo across 2 nodes;" in results[0][1], results[0][1][-2000:]
     assert _files(two) == outs["shm"]
+
+    # one rank, --exchange gloo: its own bytes through the one-rank collective (the one-device transport check)
+    stats = tmp_path / "one.json"
+    proc = ok(run_cli("reshard", str(gpt_a.torch_dist), str(tmp_path / "one"), *flags, "--exchange", "gloo",
+                      "--stats-json", str(stats), nproc=1))
+    assert "exchange: one rank, its own bytes through gloo" in proc.stderr, proc.stderr[-2000:]
+    (one,) = json.loads(stats.read_text())
+    assert one["sent_bytes"] == one["received_bytes"] > 0 and _files(tmp_path / "one") == outs["shm"]
 
     proc = run_cli("reshard", str(gpt_a.torch_dist), str(tmp_path / "dst"), *flags, "--exchange", "nccl", nproc=2)
     assert_refused(proc, tmp_path, "--exchange nccl needs a CUDA runtime", "--exchange auto")

@@ -23,7 +23,7 @@ from ..formats.nemo2 import CONTEXT, WEIGHTS, check_context, write_target_contex
 from ..layout.topology import Layout
 from ..mlm_args import args_for_target
 from ..plan import DEFAULT_BUDGET
-from ..runtime import Runtime, ensure_process_group, human_bytes, peak_rss_bytes
+from ..runtime import Runtime, ensure_process_group, human_bytes, peak_gpu_bytes, peak_rss_bytes
 from ..staging import refuse_existing, stage
 from ..summary import RankStats, print_summary
 from .base_model import choose_seed
@@ -187,6 +187,7 @@ def _run(opts: SpeculateOptions, rt: Runtime, index: SourceIndex, src_fmt: Forma
     written = sum(f.stat().st_size for f in (opts.dst / sub).glob(f"__{rt.rank}_*.distcp"))
     mine = RankStats(rank=rt.rank, files=1, tensors=counters["tensors"], read_bytes=counters["read"],
                      written_bytes=written, sent_bytes=counters["sent"], received_bytes=counters["received"],
-                     write_s=write_s, wall_s=time.perf_counter() - t0, peak_rss=peak_rss_bytes())
+                     write_s=write_s, wall_s=time.perf_counter() - t0, peak_rss=peak_rss_bytes(),
+                     peak_gpu=peak_gpu_bytes(rt), device=str(rt.device))
     print_summary(rt, rt.all_gather_object(mine), f"wrote {opts.dst} ({dst_format} + modelopt_state {algo}, {layout})")
     return {"algorithm": algo, "config": spec_cfg, "plan": plan}

@@ -27,6 +27,7 @@ from .layout.topology import Layout, pipeline_vpp
 from .lora.merge import Merger, open_adapter
 from .mlm_args import args_for_target
 from .optim.state import optimizer_numel
+from .phases import clock, phase
 from .plan import DEFAULT_BUDGET, Plan, block_bytes, check_coverage, make_plan
 from .runtime import Runtime, human_bytes, local_ranks, overlap_io, peak_gpu_bytes, peak_rss_bytes
 from .staging import Staging, refuse_existing, stage, write_error
@@ -275,8 +276,10 @@ def adapter_target(opts: ReshardOptions, index: SourceIndex, src_format: str) ->
 
 def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     t0 = time.perf_counter()
+    clock.reset()
     refuse_existing(opts.dst, opts.overwrite)
-    p = prepare(opts, rt, rt.world)
+    with phase("index"):
+        p = prepare(opts, rt, rt.world)
     src_fmt, dst_fmt, index, target, files = p.src_fmt, p.dst_fmt, p.index, p.target, p.files
     layout = target.layout
     merger = open_adapter(opts.lora, index, rt, opts.formats) if opts.lora is not None else None
@@ -289,9 +292,11 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
     with staging.guard():
         finished = staging.resumed(files) if opts.resume else {}
         todo = [f for f in files if f.id not in finished]
-        index = sliced(index, todo, opts.memory_budget)
-        work = merger.work_files(todo, source_dtypes(index)) if merger is not None else todo  # uncast until merged
-        plan = make_plan(index.chunks, work, rt.world, opts.memory_budget, logical_numel(index), absent=index.absent)
+        with phase("plan"):
+            index = sliced(index, todo, opts.memory_budget)
+            work = merger.work_files(todo, source_dtypes(index)) if merger is not None else todo  # uncast: merged
+            plan = make_plan(index.chunks, work, rt.world, opts.memory_budget, logical_numel(index),
+                             absent=index.absent)
         rt.log(f"[bold]reshard[/] {index.format} {index.layout} -> {dst_fmt.name} {layout}  "
                f"({len(index.chunks)} source chunks, {human_bytes(index.nbytes)}; {len(files)} target files"
                f"{f', {len(finished)} finished before (--resume)' if opts.resume else ''}; {rt.world} ranks; "
@@ -302,15 +307,18 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         counters, write_s, my_files = _convert_into(staging, target, index, src_fmt, dst_fmt, files, plan, rt,
                                                     opts.memory_budget, exchange=opts.exchange, work=work,
                                                     merge=merger)
-        artifact = on_rank0(rt, lambda: package(dst_fmt, staging.tmp, opts.dst, rt.rank))
-    staging.commit(artifact)
+        with phase("finalize"):
+            artifact = on_rank0(rt, lambda: package(dst_fmt, staging.tmp, opts.dst, rt.rank))
+    with phase("finalize"):
+        staging.commit(artifact)
+    wall = time.perf_counter() - t0
     mine = RankStats(rank=rt.rank, files=len(my_files), tensors=sum(len(f.tensors) for f in my_files),
                      read_bytes=counters["read"] + (merger.reader.read_bytes if merger is not None else 0),
                      written_bytes=sum(f.stored_nbytes for f in my_files),  # as stored (packed, when quantized)
                      sent_bytes=counters["sent"],
-                     received_bytes=counters["received"], write_s=write_s, wall_s=time.perf_counter() - t0,
+                     received_bytes=counters["received"], write_s=write_s, wall_s=wall,
                      peak_rss=peak_rss_bytes(), exchange_s=counters.get("exchange_ns", 0) / 1e9,
-                     peak_gpu=peak_gpu_bytes(rt), device=str(rt.device))
+                     peak_gpu=peak_gpu_bytes(rt), device=str(rt.device), phases=clock.report(wall))
     stats = rt.all_gather_object(mine)
     print_summary(rt, stats, f"wrote {opts.dst} ({dst_fmt.name}, {layout})")
     if opts.stats_json is not None and rt.rank == 0:
@@ -390,8 +398,9 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
         nonlocal write_s
         tw = time.perf_counter()
         try:
-            finished(writer.put(by_id[fid], j, tensor) if first_row is None else
-                     writer.put_rows(by_id[fid], j, first_row, tensor))
+            with phase("write"):
+                finished(writer.put(by_id[fid], j, tensor) if first_row is None else
+                         writer.put_rows(by_id[fid], j, first_row, tensor))
         except Exception as e:  # noqa: BLE001 - a failed write stops every rank at the next wave
             raise write_error(e, tmp_iter / by_id[fid].name) from e
         write_s += time.perf_counter() - tw
@@ -408,13 +417,15 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
             counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out,
                                read_ahead=overlap, exchange=exchange)
             tw = time.perf_counter()
-            out.finish()
+            with phase("write"):
+                out.finish()
         finally:
             background.drain()
         error = out.error or background.error
         if error is None:
             try:
-                finished(writer.close())
+                with phase("write"):
+                    finished(writer.close())
             except Exception as e:  # noqa: BLE001 - as in done()
                 error = write_error(e, tmp_iter)
         stop_on_error(rt, error)
@@ -428,5 +439,6 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
         assert not lost, f"target files never written: {lost[:3]}"
         dst_fmt.finalize(target, tmp_iter, [entries[f.id].written(prefix) for f in files])
 
-    staging.complete(metadata, tracker=index.iteration if dst_fmt.iteration_dirs else None)
+    with phase("finalize"):
+        staging.complete(metadata, tracker=index.iteration if dst_fmt.iteration_dirs else None)
     return counters, write_s, my_files

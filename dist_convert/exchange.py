@@ -19,6 +19,7 @@ from . import faults
 from .datamodel import SourceChunk, TargetFile, TargetTensor, numel
 from .errors import ConvertError
 from .layout.boxes import Box, logical_view, write_logical
+from .phases import phase
 from .plan import (
     Plan,
     Transfer,
@@ -198,18 +199,23 @@ def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadF
         return [chunks[c] for c in plan.waves[i].reads.get(rt.rank, [])] if i < len(plan.waves) else []
 
     mover = Mover(plan, rt, choose_path(plan, rt, exchange)) if rt.distributed else None
+
+    def timed_read(cs: list[SourceChunk]) -> dict[int, torch.Tensor]:
+        with phase("read"):
+            return read(cs)
+
     with rt.progress(plan.moved_bytes, what) as bar, ThreadPoolExecutor(1, thread_name_prefix="read") as pool:
-        ahead: Future | None = pool.submit(read, mine(0)) if read_ahead and plan.waves else None
+        ahead: Future | None = pool.submit(timed_read, mine(0)) if read_ahead and plan.waves else None
         for i, wave in enumerate(plan.waves):
             faults.reached("wave", rt.rank)
             error = out.error
             data = {}
             if error is None:
                 try:
-                    data = ahead.result() if ahead is not None else read(mine(i))
+                    data = ahead.result() if ahead is not None else timed_read(mine(i))
                 except ConvertError as e:
                     error = e
-            ahead = pool.submit(read, mine(i + 1)) if read_ahead and error is None and i + 1 < len(plan.waves) \
+            ahead = pool.submit(timed_read, mine(i + 1)) if read_ahead and error is None and i + 1 < len(plan.waves) \
                 else None
             stop_on_error(rt, error)
             stats["read"] += sum(c.nbytes for c in mine(i))
@@ -470,9 +476,11 @@ def _run_wave(transfers: list[Transfer], data: dict[int, torch.Tensor], rt: Runt
             recv[t.reader].append(t)
     if mover is not None:
         t0, written, settled = time.perf_counter_ns(), out.done_ns, stats.get("settle_ns", 0)
-        mover.wave(i, transfers, send, recv, data, out, stats)
+        with phase("exchange"):
+            mover.wave(i, transfers, send, recv, data, out, stats)
         stats["exchange_ns"] += (time.perf_counter_ns() - t0 - (out.done_ns - written)
                                  - (stats.get("settle_ns", 0) - settled))
-    for t in own:
-        out.put(t, payload(data[t.chunk], t))
-        stats["copied"] += t.nbytes
+    with phase("assemble"):
+        for t in own:
+            out.put(t, payload(data[t.chunk], t))
+            stats["copied"] += t.nbytes

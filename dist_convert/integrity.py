@@ -24,6 +24,7 @@ from typing import IO, Any
 from .datamodel import TargetFile, WrittenFile
 from .durable import write_durable
 from .errors import ConvertError
+from .phases import phase
 from .plan import balance
 from .runtime import Runtime
 
@@ -81,8 +82,10 @@ class Journal:
     def add(self, w: WrittenFile) -> Entry:
         name = f"{self.prefix}/{w.name}" if self.prefix else w.name
         path = self.root / name
-        entry = Entry(file=w.file, name=name, bytes=path.stat().st_size, sha256=w.sha256 or file_sha256(path),
-                      record=w.record)
+        if w.sha256 is None:
+            with phase("hash"):  # read back: the writer did not hash it as it wrote
+                digest = file_sha256(path)
+        entry = Entry(file=w.file, name=name, bytes=path.stat().st_size, sha256=w.sha256 or digest, record=w.record)
         self.fh.write(json.dumps(asdict(entry)) + "\n")
         self.fh.flush()
         os.fsync(self.fh.fileno())

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from rich.table import Table
 
+from .phases import COLUMNS, cell
 from .runtime import Runtime, _console, human_bytes
 
 
@@ -26,6 +27,7 @@ class RankStats:
     exchange_s: float = 0.0  # moving bytes between ranks: packing, transport, unpacking (exchange.execute)
     peak_gpu: int = 0  # the most GPU memory torch allocated on this rank (0 on CPU)
     device: str = "cpu"  # the rank's runtime device (cuda:N under --backend nccl)
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)  # phases.Clock.report: where the time went
 
 
 def node_name() -> str:
@@ -53,4 +55,18 @@ def print_summary(rt: Runtime, stats: list[RankStats], title: str) -> None:
                       human_bytes(s.written_bytes), human_bytes(s.sent_bytes), human_bytes(s.received_bytes),
                       f"{s.write_s:.2f}", f"{s.wall_s:.2f}", f"{throughput(s):.3g}", human_bytes(s.peak_rss),
                       *([s.node] if multi_node else []))
+    _console.print(table)
+    if any(s.phases for s in stats):
+        print_phases(stats)
+
+
+def print_phases(stats: list[RankStats]) -> None:
+    """Where each rank's wall time went (phases.py): serial seconds per phase, with the seconds its read and write
+    threads overlapped in parentheses."""
+    table = Table(title="where the time went: serial s (+ overlapped s)")
+    heads = [p for p in COLUMNS if any(cell(s.phases, p) for s in stats if s.phases)]
+    for col in ("rank", *heads):
+        table.add_column(col, justify="right")
+    for s in stats:
+        table.add_row(str(s.rank), *(cell(s.phases, p) for p in heads))
     _console.print(table)

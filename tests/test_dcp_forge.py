@@ -4,6 +4,7 @@ objects, built by keyword) writes a ``.metadata`` that ``dcp.load`` reads. tests
 file under torch 2.15 too (.venv-newest)."""
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import warnings
@@ -75,3 +76,5 @@ def test_tensor_properties_of_any_release_are_read(strides):
     again = dcp_meta.loads(io.BytesIO(dcp_meta.dumps(md, python=True)))
     props = again.state_dict_metadata["t"].properties
     assert props == md.state_dict_metadata["t"].properties and len(props._state()) == (5 if strides is None else 6)
+    copied = copy.deepcopy(props)  # plain pickle and deepcopy go through the same state
+    assert copied == props == pickle.loads(pickle.dumps(props)) and copied._state() == props._state()

@@ -191,6 +191,9 @@ def parse_dist_convert(stats: Any) -> tuple[float, list[int], dict]:
     if "exchange_s" in stats[0]:  # the slowest rank's time moving bytes between ranks, and the bytes moved
         detail["exchange_s"] = max(s["exchange_s"] for s in stats)
         detail["exchanged_bytes"] = sum(s["sent_bytes"] for s in stats)
+    slowest = max(stats, key=lambda s: s["wall_s"])
+    if slowest.get("phases"):  # where the slowest rank's time went (phases.py)
+        detail["phases"] = slowest["phases"]
     return max(s["wall_s"] for s in stats), [s["peak_rss"] for s in stats], detail
 
 

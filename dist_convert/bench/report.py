@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import ConvertError
+from ..phases import COLUMNS, cell
 from ..runtime import _console, human_bytes
 from .measure import Outcome
 
@@ -127,6 +128,36 @@ def exchange_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def phase_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pure: per dist_convert row, the phases of its median run (by wall time): the slowest rank's serial seconds
+    per phase (``wait`` included) and the seconds its threads overlapped with them (phases.py)."""
+    out = []
+    for r in rows:
+        runs = sorted((x for x in r["runs"] if x["detail"].get("phases")), key=lambda x: x["wall_s"])
+        if r["method"] != "dist_convert" or r["status"] != "ok" or not runs:
+            continue
+        median = runs[len(runs) // 2]
+        out.append({"label": r["label"], "world": r["world"], "wall_s": median["wall_s"],
+                    "inproc_s": median["inproc_s"], **median["detail"]["phases"]})
+    return out
+
+
+def _phase_cells(r: dict[str, Any]) -> list[str]:
+    return [r["label"], _num(r["inproc_s"]), *(cell(r, p) for p in COLUMNS)]
+
+
+def print_phases(rows: list[dict[str, Any]]) -> None:
+    """Where the median run's time went: serial seconds, (+ seconds overlapped in the read and write threads)."""
+    if not rows:
+        return
+    table = Table(title="phases of the median run, slowest rank: serial s (+ overlapped s)")
+    for col in ("method", "in-proc s", *COLUMNS):
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
+    for r in rows:
+        table.add_row(*_phase_cells(r))
+    (_console if _console.is_terminal else Console(stderr=True, highlight=False, width=220)).print(table)
+
+
 def print_exchange(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         _console.print(f"  {r['label']}: {human_bytes(r['bytes'])} across ranks in {r['exchange_s']:.2f} s exchange "
@@ -189,6 +220,12 @@ def markdown(result: dict[str, Any]) -> str:
             out.append("| " + " | ".join([*_cells(r), *(r["checks"][k] or "" for k in CHECKS)]) + " |")
         tl = tally(t["rows"])
         out += ["", f"Targets: {tl['PASS']} PASS, {tl['FAIL']} FAIL.", ""]
+        phases = phase_rows(t["rows"])
+        if phases:
+            head = ("method", "in-proc s", *COLUMNS)
+            out += ["Phases of the median run, slowest rank: serial s (+ overlapped s in the read and write threads)",
+                    "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            out += ["| " + " | ".join(_phase_cells(r)) + " |" for r in phases] + [""]
         if t.get("bridge"):
             out += ["| " + " | ".join(BRIDGE_HEAD) + " |", "|" + "---|" * len(BRIDGE_HEAD)]
             out += ["| " + " | ".join(_bridge_cells(c)) + " |" for c in t["bridge"]]

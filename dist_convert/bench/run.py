@@ -277,6 +277,7 @@ def run_targets(ns: argparse.Namespace, methods: list[str], targets: list[tuple[
         report.print_table(f"{src.format} TP={src.tp} PP={src.pp} -> {name}: {human_bytes(src.nbytes)}, "
                            f"median of {ns.reps} ({time.perf_counter() - t0:.0f} s{noise})", rows)
         out["targets"].append({"name": name, "tp": tp, "pp": pp, "rows": rows})
+        report.print_phases(report.phase_rows(rows))
         exchanges = report.exchange_rows(rows)
         if exchanges:
             out["targets"][-1]["exchange"] = exchanges

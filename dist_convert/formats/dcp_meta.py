@@ -85,6 +85,9 @@ class TensorProperties(_StandIn):
             state = state[:5]  # is older than the source's: its class takes five
         return fn, args, state
 
+    def __getstate__(self) -> tuple:  # the state __setstate__ takes (plain pickle, deepcopy)
+        return self._state()
+
     def __setstate__(self, state: tuple) -> None:
         self.dtype, self.layout, self.requires_grad, encoding, self.pin_memory = state[:5]
         self.strides = state[5] if len(state) > 5 else None
@@ -233,8 +236,10 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save_global can name
 
 
 # torch releases whose DCP reads the forged .metadata as its own: the suite checks every one of them
-# (launch/setup.sh: 2.13; launch/setup_newest.sh: 2.15); any other release is checked at start-up
-VERIFIED_TORCH = ("2.13", "2.15")
+# (launch/setup.sh: 2.13; launch/setup_newest.sh: 2.15; 2.11, the lent GPU machine's: its classes as its source
+# defines them, tests/test_torch_compat.py, and its own dcp.load seen reading what the forge wrote); any other
+# release is checked at start-up
+VERIFIED_TORCH = ("2.11", "2.13", "2.15")
 WRITER_ENV = "DIST_CONVERT_DCP_METADATA"  # "forge" | "dcp" | "auto" (the default): how .metadata is pickled
 _forge_problem: list[str | None] = []  # the start-up check's answer, once per process
 

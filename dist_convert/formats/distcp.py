@@ -34,6 +34,7 @@ import torch
 from ..durable import fsync_dir, write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box
+from ..phases import phase
 from ..safe_load import load_pt
 from . import dcp_meta
 from .dcp_meta import (
@@ -290,22 +291,24 @@ class PositionedFile:
         if at != self.hashed:
             self.early[at] = at + len(view)
             return
-        self.digest.update(view)
-        self.hashed += len(view)
-        while self.hashed in self.early:  # catch up on what was written ahead
-            stop = self.early.pop(self.hashed)
-            while self.hashed < stop:
-                block = os.pread(self.fd, min(READ_BACK, stop - self.hashed), self.hashed)
-                if not block:
-                    raise EOFError("the file ends before what was written to it")
-                self.digest.update(block)
-                self.hashed += len(block)
+        with phase("hash"):
+            self.digest.update(view)
+            self.hashed += len(view)
+            while self.hashed in self.early:  # catch up on what was written ahead
+                stop = self.early.pop(self.hashed)
+                while self.hashed < stop:
+                    block = os.pread(self.fd, min(READ_BACK, stop - self.hashed), self.hashed)
+                    if not block:
+                        raise EOFError("the file ends before what was written to it")
+                    self.digest.update(block)
+                    self.hashed += len(block)
 
     def close(self) -> str:
         """Fsync and close; the file's SHA-256 (every reserved byte must have been written)."""
         try:
             assert self.hashed == self.end and not self.early, f"bytes {self.hashed}-{self.end} never written"
-            os.fsync(self.fd)
+            with phase("fsync"):
+                os.fsync(self.fd)
         finally:
             os.close(self.fd)
         return self.digest.hexdigest()

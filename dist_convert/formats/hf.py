@@ -36,6 +36,7 @@ from ..layout.topology import Layout
 from ..mlm_args import HF_TOKENIZER, model_args
 from ..models import export_family, family_of, hf_from_config, import_config, naming_family
 from ..models.base import TIED_HEAD, Family, HFTensors, hf_dtype, part_pieces
+from ..phases import phase
 from ..runtime import Runtime
 from .base import FileAtATime, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
 from .safetensors_io import read_boxes, read_header, write_file
@@ -259,8 +260,9 @@ class HFFormat:
             if c.quant is None:
                 out[c.id] = raw[(c.id, c.key)]
                 continue
-            out[c.id] = scheme_of(c.quant).dequantize(c.quant, [raw[(c.id, k)] for _, k in c.quant.parts],
-                                                      Box(c.offsets or (0,) * len(c.shape), c.shape), c.dtype)
+            with phase("decode"):
+                out[c.id] = scheme_of(c.quant).dequantize(c.quant, [raw[(c.id, k)] for _, k in c.quant.parts],
+                                                          Box(c.offsets or (0,) * len(c.shape), c.shape), c.dtype)
         return out
 
     def target_files(self, target: Target, dtypes: dict[str, torch.dtype]) -> list[TargetFile]:

@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from ..datamodel import numel
 from ..errors import ConvertError
 from ..layout.boxes import Box
+from ..phases import phase
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -91,4 +92,5 @@ def write_file(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: di
             if t.numel():
                 fh.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
         fh.flush()
-        os.fsync(fh.fileno())
+        with phase("fsync"):
+            os.fsync(fh.fileno())

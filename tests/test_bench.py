@@ -27,6 +27,7 @@ from dist_convert.datamodel import numel
 from dist_convert.layout.boxes import Box
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
+from dist_convert.phases import COLUMNS
 from dist_convert.runtime import Runtime
 
 from conftest import ok, run_cli
@@ -144,8 +145,11 @@ def bench(tmp_path_factory):
                       "--no-predict", timeout=600))  # plan's prediction: test_bench_optimizer_...
     assert "wall/floor" in proc.stderr  # the table
     md = (tmp / "bench.md").read_text().splitlines()
-    rows = [ln for ln in md if ln.startswith("| dist_convert w=")]
+    cut = next(i for i, ln in enumerate(md) if ln.startswith("Phases of the median run"))
+    rows = [ln for ln in md[:cut] if ln.startswith("| dist_convert w=")]
     assert len(rows) == 1 and all(len(r.split("|")) == len(report.HEAD) + 2 for r in rows)  # a cell per column
+    phases = [ln for ln in md[cut:] if ln.startswith("| dist_convert w=")]  # the breakdown of the median run
+    assert len(phases) == 1 and len(phases[0].split("|")) == len(COLUMNS) + 4
     return json.loads(out.read_text())
 
 

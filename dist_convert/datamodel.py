@@ -303,5 +303,5 @@ class WrittenFile:
 
     file: int  # TargetFile id
     name: str  # its path relative to the writer's directory
+    sha256: str  # its checksum, taken as the writer wrote it (durable.DurableFile, distcp.PositionedFile)
     record: dict[str, Any] = field(default_factory=dict)  # what ``finalize`` needs of it (JSON; journaled)
-    sha256: str | None = None  # its checksum when the writer hashed it while writing (else it is read back)

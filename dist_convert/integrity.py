@@ -24,7 +24,6 @@ from typing import IO, Any
 from .datamodel import TargetFile, WrittenFile
 from .durable import write_durable
 from .errors import ConvertError
-from .phases import phase
 from .plan import balance
 from .runtime import Runtime
 
@@ -68,7 +67,8 @@ class Entry:
 
     def written(self, prefix: str) -> WrittenFile:
         """As the writer reported it (``name`` relative to the writer's directory ``prefix``)."""
-        return WrittenFile(file=self.file, name=self.name[len(prefix):].lstrip("/"), record=self.record)
+        return WrittenFile(file=self.file, name=self.name[len(prefix):].lstrip("/"), sha256=self.sha256,
+                           record=self.record)
 
 
 class Journal:
@@ -82,10 +82,7 @@ class Journal:
     def add(self, w: WrittenFile) -> Entry:
         name = f"{self.prefix}/{w.name}" if self.prefix else w.name
         path = self.root / name
-        if w.sha256 is None:
-            with phase("hash"):  # read back: the writer did not hash it as it wrote
-                digest = file_sha256(path)
-        entry = Entry(file=w.file, name=name, bytes=path.stat().st_size, sha256=w.sha256 or digest, record=w.record)
+        entry = Entry(file=w.file, name=name, bytes=path.stat().st_size, sha256=w.sha256, record=w.record)
         self.fh.write(json.dumps(asdict(entry)) + "\n")
         self.fh.flush()
         os.fsync(self.fh.fileno())

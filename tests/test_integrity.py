@@ -45,15 +45,16 @@ def test_journal_records_checksums_and_survives_a_torn_line(tmp_path):
     (tmp_path / "iter" / "f0").write_bytes(b"hello")
     (tmp_path / "iter" / "f1").write_bytes(b"world!")
     j = Journal(tmp_path, 3, "iter")
-    j.add(WrittenFile(file=0, name="f0", record={"items": [1]}))
-    j.add(WrittenFile(file=1, name="f1"))
+    sha = {n: hashlib.sha256(b).hexdigest() for n, b in (("f0", b"hello"), ("f1", b"world!"))}
+    j.add(WrittenFile(file=0, name="f0", sha256=sha["f0"], record={"items": [1]}))
+    j.add(WrittenFile(file=1, name="f1", sha256=sha["f1"]))
     j.close()
     with open(tmp_path / JOURNAL / "rank_00003.jsonl", "a") as fh:
         fh.write('{"file": 2, "name": "iter/f2", "by')  # a crash mid-append
     got = read_journal(tmp_path)
     assert sorted(got) == [0, 1]
-    assert got[0].name == "iter/f0" and got[0].bytes == 5 and got[0].sha256 == hashlib.sha256(b"hello").hexdigest()
-    assert got[0].written("iter") == WrittenFile(file=0, name="f0", record={"items": [1]})
+    assert got[0].name == "iter/f0" and got[0].bytes == 5 and got[0].sha256 == sha["f0"]
+    assert got[0].written("iter") == WrittenFile(file=0, name="f0", sha256=sha["f0"], record={"items": [1]})
     restart_journal(tmp_path, [got[1]])
     assert sorted(read_journal(tmp_path)) == [1]
 

@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import yaml
@@ -86,15 +86,26 @@ class TargetWriter(Protocol):
         """Local, after the last ``put``: finish the rest (e.g. files without tensors)."""
 
 
+class Wrote(NamedTuple):
+    """What a whole-file writer reports of a file it wrote (fsynced): its SHA-256, taken as it was written, and
+    its ``WrittenFile.record`` (what ``finalize`` needs of it)."""
+
+    sha256: str
+    record: dict[str, Any] | None = None
+
+
 class FileAtATime:
     """A ``TargetWriter`` for formats that write a file whole: it holds a file's tensors until the
-    last one arrives, then calls ``write_file(file, tensors)`` (which fsyncs; it may return the file's
-    ``WrittenFile.record``, what ``finalize`` needs of it) and lets them go."""
+    last one arrives, then calls ``write_file(file, tensors)`` (which fsyncs and reports ``Wrote``) and lets
+    them go."""
 
-    def __init__(self, files: list[TargetFile],
-                 write_file: Callable[[TargetFile, list[torch.Tensor]], dict[str, Any] | None]) -> None:
+    def __init__(self, files: list[TargetFile], write_file: Callable[[TargetFile, list[torch.Tensor]], Wrote]) -> None:
         self.write_file = write_file
         self.pending: dict[int, tuple[TargetFile, dict[int, torch.Tensor]]] = {f.id: (f, {}) for f in files}
+
+    def _written(self, file: TargetFile, tensors: list[torch.Tensor]) -> WrittenFile:
+        wrote = self.write_file(file, tensors)
+        return WrittenFile(file=file.id, name=file.name, record=wrote.record or {}, sha256=wrote.sha256)
 
     def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> list[WrittenFile]:
         got = self.pending[file.id][1]
@@ -102,15 +113,13 @@ class FileAtATime:
         if len(got) < len(file.tensors):
             return []
         del self.pending[file.id]
-        record = self.write_file(file, [got[i] for i in range(len(got))])
-        return [WrittenFile(file=file.id, name=file.name, record=record or {})]
+        return [self._written(file, [got[i] for i in range(len(got))])]
 
     def close(self) -> list[WrittenFile]:
         out = []
         for _, (f, got) in sorted(self.pending.items()):
             assert not f.tensors, f"{f.name}: {len(f.tensors) - len(got)} tensors never arrived"
-            record = self.write_file(f, [])
-            out.append(WrittenFile(file=f.id, name=f.name, record=record or {}))
+            out.append(self._written(f, []))
         self.pending.clear()
         return out
 

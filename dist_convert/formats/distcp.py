@@ -18,8 +18,8 @@ Only the fallback read (``dcp_reader``, for items stored with transforms or as v
 """
 from __future__ import annotations
 
-import hashlib
 import io
+import mmap
 import os
 import pickle
 import struct
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..durable import fsync_dir, write_durable
+from ..durable import WRITEBACK_BYTES, Digest, fsync_dir, start_writeback, write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box
 from ..phases import phase
@@ -137,6 +137,9 @@ class StoredTensor:
         first = sum(o * s for o, s in zip(box.offsets, strides, strict=True))
         last = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.sizes, strides, strict=True))
         count = last - first + 1 if box.numel else 0
+        pos, nbytes = self.offset + first * self.dtype.itemsize, count * self.dtype.itemsize
+        if nbytes >= MAP_MIN:
+            return mapped(self.path, pos, nbytes).view(self.dtype).as_strided(box.sizes, strides)
         flat = torch.empty(count, dtype=self.dtype)
         buf = memoryview(flat.view(torch.uint8).numpy())
         with open(self.path, "rb", buffering=0) as fh:
@@ -147,6 +150,24 @@ class StoredTensor:
                     raise EOFError(f"{self.path} ends inside a stored tensor")
                 done += n
         return flat.as_strided(box.sizes, strides)
+
+
+MAP_MIN = 1 << 20  # smaller spans are read with a positioned read
+
+
+def mapped(path: Path, pos: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` at byte ``pos`` of ``path`` as a uint8 tensor over the file's pages (a private mapping: no copy
+    and no fresh memory; the page cache's pages are shared, a write would copy the page it touches), unmapped
+    when the last tensor over it goes. The kernel starts reading the span ahead at once (MADV_WILLNEED). The
+    file's size was checked against its metadata (``check_storage``) before any rank reads. Measured on 2 cores
+    (1 GB, TP=2 -> TP=1 PP=2 at 2 ranks, the median of 4): read 0.24 s -> 0.02 s per rank, 1.37 s -> 1.04 s in
+    all; with the source out of the page cache 1.96 s -> 1.57 s."""
+    base = pos - pos % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb", buffering=0) as fh:
+        mm = mmap.mmap(fh.fileno(), pos - base + nbytes, access=mmap.ACCESS_COPY, offset=base)
+    if hasattr(mmap, "MADV_WILLNEED"):
+        mm.madvise(mmap.MADV_WILLNEED)
+    return torch.frombuffer(mm, dtype=torch.uint8, offset=pos - base, count=nbytes)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -266,12 +287,14 @@ TEMPLATE_MIN = 1 << 16  # smaller tensors are torch.saved whole (plan.BLOCK_MIN:
 class PositionedFile:
     """A file written with positioned writes in any order, hashed (SHA-256) front to back as it is written:
     bytes written ahead of the ones before them (row blocks of a tensor completing out of order) are read
-    back from the page cache when their turn comes; written in order, nothing is read back."""
+    back from the page cache when their turn comes; written in order, nothing is read back. What was written is
+    handed to the disk every WRITEBACK_BYTES (durable.start_writeback)."""
 
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.digest, self.hashed, self.end = hashlib.sha256(), 0, 0
+        self.digest, self.hashed, self.end = Digest(), 0, 0
         self.early: dict[int, int] = {}  # start -> end of spans written ahead of ``hashed``
+        self.dirty: tuple[int, int, int] | None = None  # (first byte, end, bytes) written since the last hand-off
 
     def reserve(self, n: int) -> int:
         """Room for ``n`` bytes at the end of the file; their offset."""
@@ -288,20 +311,30 @@ class PositionedFile:
         done = 0
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], at + done)
+        self._hand(at, at + len(view))
         if at != self.hashed:
             self.early[at] = at + len(view)
             return
-        with phase("hash"):
-            self.digest.update(view)
-            self.hashed += len(view)
-            while self.hashed in self.early:  # catch up on what was written ahead
-                stop = self.early.pop(self.hashed)
-                while self.hashed < stop:
+        self.digest.update(view)  # on the hashing thread: ``view``'s buffer is never changed once written
+        self.hashed += len(view)
+        while self.hashed in self.early:  # catch up on what was written ahead
+            stop = self.early.pop(self.hashed)
+            while self.hashed < stop:
+                with phase("hash"):
                     block = os.pread(self.fd, min(READ_BACK, stop - self.hashed), self.hashed)
-                    if not block:
-                        raise EOFError("the file ends before what was written to it")
-                    self.digest.update(block)
-                    self.hashed += len(block)
+                if not block:
+                    raise EOFError("the file ends before what was written to it")
+                self.digest.update(memoryview(block))
+                self.hashed += len(block)
+
+    def _hand(self, start: int, end: int) -> None:
+        lo, hi, n = self.dirty or (start, end, 0)
+        lo, hi, n = min(lo, start), max(hi, end), n + end - start
+        if n < WRITEBACK_BYTES:
+            self.dirty = (lo, hi, n)
+            return
+        start_writeback(self.fd, lo, hi - lo)
+        self.dirty = None
 
     def close(self) -> str:
         """Fsync and close; the file's SHA-256 (every reserved byte must have been written)."""

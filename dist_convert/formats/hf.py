@@ -13,7 +13,6 @@ import json
 from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -38,7 +37,7 @@ from ..models import export_family, family_of, hf_from_config, import_config, na
 from ..models.base import TIED_HEAD, Family, HFTensors, hf_dtype, part_pieces
 from ..phases import phase
 from ..runtime import Runtime
-from .base import FileAtATime, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
+from .base import FileAtATime, FormatOptions, KeyPolicy, Wrote, copy_tokenizer_files, on_rank0, tokenizer_source
 from .safetensors_io import read_boxes, read_header, write_file
 from .schemes import SCHEMES, WRITERS, scheme_of
 
@@ -283,11 +282,12 @@ class HFFormat:
                 enumerate(zip(names, shards, strict=True))]
 
     def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
-        def write(f: TargetFile, tensors: list[torch.Tensor]) -> dict[str, Any]:
-            write_file(out_dir / f.name, self._stored([(t.key, x) for t, x in zip(f.tensors, tensors, strict=True)]))
+        def write(f: TargetFile, tensors: list[torch.Tensor]) -> Wrote:
+            stored = self._stored([(t.key, x) for t, x in zip(f.tensors, tensors, strict=True)])
+            sha = write_file(out_dir / f.name, stored)
             # what finalize needs of the file (it keeps no state between calls): its stored names and dtypes
-            return {"stored": [[k, n] for t in f.tensors for k, n in self._stored_sizes(t)],
-                    "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in f.tensors})}
+            return Wrote(sha, {"stored": [[k, n] for t in f.tensors for k, n in self._stored_sizes(t)],
+                               "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in f.tensors})})
 
         return FileAtATime(files, write)
 

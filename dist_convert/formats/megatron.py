@@ -49,6 +49,7 @@ from .base import (
     FileAtATime,
     IterDirFormat,
     KeyPolicy,
+    Wrote,
     add_rank_file_chunks,
     dropped_state_note,
     read_origin,
@@ -308,15 +309,15 @@ class MegatronFormat(IterDirFormat):
         chunk_entries = [f"model{v}" for v in range(lay.vpp)] if lay.vpp else ["model"]
         origin = target.origin.record()  # in every rank file, as the args are (Megatron-LM leaves it alone)
 
-        def write_file(f: TargetFile, tensors: list[torch.Tensor]) -> None:
+        def write_file(f: TargetFile, tensors: list[torch.Tensor]) -> Wrote:
             # every model chunk has its entry, an empty one too (a layout string's stage with no layers)
             entries: dict[str, dict[str, Any]] = {e: {} for e in chunk_entries}
             for key, value in [(t.key, x) for t, x in zip(f.tensors, tensors, strict=True)] + list(f.objects.items()):
                 entry, k = split_chunk_key(key)
                 entries.setdefault(entry, {})[k] = value
-            save_durable({**entries, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
-                          "iteration": 0 if target.iteration == "release" else target.iteration,
-                          ORIGIN_KEY: origin}, iter_dir / f.name)
+            return Wrote(save_durable({**entries, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
+                                       "iteration": 0 if target.iteration == "release" else target.iteration,
+                                       ORIGIN_KEY: origin}, iter_dir / f.name))
         return FileAtATime(files, write_file)
 
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:

@@ -32,7 +32,7 @@ from ..integrity import is_run_state
 from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from .base import FileAtATime, FormatOptions, KeyPolicy, add_rank_file_chunks
+from .base import FileAtATime, FormatOptions, KeyPolicy, Wrote, add_rank_file_chunks
 from .mcore_config import FIELDS as MCORE_FIELDS
 from .mcore_config import PASSED, passed_fields
 from .nemo_legacy import nemo_target_files, source_style, target_style
@@ -321,8 +321,8 @@ class NemoFormat:
                                  self.options.nemo_style)
 
     def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
-        return FileAtATime(files, lambda f, tensors: save_durable(
-            {**{t.key: x for t, x in zip(f.tensors, tensors, strict=True)}, **f.objects}, out_dir / f.name))
+        return FileAtATime(files, lambda f, tensors: Wrote(save_durable(
+            {**{t.key: x for t, x in zip(f.tensors, tensors, strict=True)}, **f.objects}, out_dir / f.name)))
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0: model_config.yaml for the target layout, and the source's tokenizer artifacts."""

@@ -29,7 +29,7 @@ from ..lora.adapter import AdapterModule, AdapterSpec, as_fraction, check_base_p
 from ..lora.structure import Slot, compose, lay_out, placements
 from ..models import export_family
 from ..runtime import Runtime
-from .base import FileAtATime, FormatOptions, on_rank0
+from .base import FileAtATime, FormatOptions, Wrote, on_rank0
 from .hf import HFFormat, hf_tensors
 from .safetensors_io import read_boxes, read_header, write_file
 
@@ -241,9 +241,9 @@ class PeftFormat(HFFormat):
         return [TargetFile(id=0, name=WEIGHTS, tensors=tensors)]
 
     def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
-        def write(f: TargetFile, tensors: list[torch.Tensor]) -> dict[str, Any]:
-            write_file(out_dir / f.name, [(t.key, x.contiguous()) for t, x in zip(f.tensors, tensors, strict=True)])
-            return {}
+        def write(f: TargetFile, tensors: list[torch.Tensor]) -> Wrote:
+            return Wrote(write_file(out_dir / f.name, [(t.key, x.contiguous())
+                                                       for t, x in zip(f.tensors, tensors, strict=True)]))
 
         return FileAtATime(files, write)
 

@@ -7,7 +7,6 @@ columns) and written straight from each tensor's memory, one ``write`` per tenso
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..datamodel import numel
+from ..durable import DurableFile
 from ..errors import ConvertError
 from ..layout.boxes import Box
-from ..phases import phase
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -75,8 +74,8 @@ def read_boxes(path: Path, wanted: list[tuple[str, Box]]) -> list[torch.Tensor]:
         raise ConvertError(f"cannot read {path}: {e}", "the shard is corrupt; re-download or re-copy it") from None
 
 
-def write_file(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file: header, then each tensor's bytes straight from memory; fsynced."""
+def write_file(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> str:
+    """Write a safetensors file: header, then each tensor's bytes straight from memory; fsynced. Its SHA-256."""
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     pos = 0
     for name, t in tensors:
@@ -85,12 +84,9 @@ def write_file(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: di
         pos += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)))
-        fh.write(raw)
+    with DurableFile(path) as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
         for _, t in tensors:
             if t.numel():
                 fh.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-        fh.flush()
-        with phase("fsync"):
-            os.fsync(fh.fileno())
+        return fh.close()

@@ -1,12 +1,12 @@
 """Where a rank's time goes: the phases of a job (``PHASES``), timed where they run.
 
-Each rank is one process; ``clock`` is its accumulator. ``with phase("read"): ...`` adds the block's seconds to
-that phase: as **serial** time when it runs on the main thread (the job waits for it) and as **overlapped** time
-on another thread (the read-ahead and writer threads, ``runtime.overlap_io``). Phases nest: a phase inside
-another (hashing or fsync inside a write, dequantizing inside a read) is taken out of the outer one, so the
-serial seconds of a rank add up to its time in phases, and ``wait`` is the rest of its wall time (collectives
-waiting for slower ranks, start-up bookkeeping). ``--stats-json`` and the summary carry them per rank; ``bench``
-reports the median run's.
+Each rank is one process; ``clock`` is its accumulator. ``with phase("read"): ...`` adds the block's seconds to that
+phase: as **serial** time when it runs on the main thread (the job waits for it) and as **overlapped** time on
+another thread (the read-ahead and writer threads, ``runtime.overlap_io``; the hashing thread, ``durable.Digest``).
+Phases nest: a phase inside another (hashing or fsync inside a write, dequantizing inside a read) is taken out of
+the outer one, so the serial seconds of a rank add up to its time in phases, and ``wait`` is the rest of its wall
+time (collectives waiting for slower ranks, start-up bookkeeping). ``--stats-json`` and the summary carry them per
+rank; ``bench`` reports the median run's.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ WHAT = {"index": "open the source, read its metadata, build the target's files",
         "assemble": "copy (and cast) a rank's own pieces into target tensors",
         "write": "write target bytes",
         "hash": "SHA-256 of written files (the manifest)",
-        "fsync": "fsync written files",
+        "fsync": "fsync written files (and waits handing written pages to the disk early)",
         "finalize": "metadata, manifest, rename into place (rank 0) and the last barrier",
         "wait": "the rest of the wall time: waiting for other ranks in collectives"}
 

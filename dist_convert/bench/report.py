@@ -147,7 +147,8 @@ def _phase_cells(r: dict[str, Any]) -> list[str]:
 
 
 def print_phases(rows: list[dict[str, Any]]) -> None:
-    """Where the median run's time went: serial seconds, (+ seconds overlapped in the read and write threads)."""
+    """Where the median run's time went: serial seconds (+ seconds overlapped on the read, write and hashing
+    threads)."""
     if not rows:
         return
     table = Table(title="phases of the median run, slowest rank: serial s (+ overlapped s)")
@@ -223,7 +224,8 @@ def markdown(result: dict[str, Any]) -> str:
         phases = phase_rows(t["rows"])
         if phases:
             head = ("method", "in-proc s", *COLUMNS)
-            out += ["Phases of the median run, slowest rank: serial s (+ overlapped s in the read and write threads)",
+            out += ["Phases of the median run, slowest rank: serial s (+ overlapped s on the read, write and hashing "
+                    "threads)",
                     "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             out += ["| " + " | ".join(_phase_cells(r)) + " |" for r in phases] + [""]
         if t.get("bridge"):

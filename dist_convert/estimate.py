@@ -6,7 +6,10 @@ The memory model: in a wave a rank holds the chunks it reads (and the next wave'
 cores to spare: runtime.overlap_io), the send buffers it packs from them, the receive buffers of what other
 ranks send it, and the target tensors it assembles (kept until each is complete, then written; a DCP target's
 in row blocks, and a block one transfer fills is that transfer's buffer); on top, what the process itself takes
-(the interpreter, torch, dist_convert and the index: measured in this process before planning).
+(the interpreter, torch, dist_convert and the index: measured in this process before planning). Between the
+ranks of one CPU node (``shm``, the path such a job takes) the send and receive buffers are shared-memory
+segments mapped for the whole job (transport.segment_sizes): the rank's own, as large as the most it sends in a
+wave, and its part of each sender's, as large as the most that sender sends it in a wave, held in every wave.
 """
 from __future__ import annotations
 
@@ -18,8 +21,19 @@ from typing import Any
 
 from .convert import ReshardOptions, logical_numel, prepare, sliced
 from .datamodel import SourceChunk, TargetTensor, numel
-from .plan import Plan, block_bytes, block_shape, block_spans, make_plan, row_blocks, staging_bytes, tensor_boxes
+from .plan import (
+    Plan,
+    aligned,
+    block_bytes,
+    block_shape,
+    block_spans,
+    make_plan,
+    row_blocks,
+    staging_bytes,
+    tensor_boxes,
+)
 from .runtime import Runtime, human_bytes, overlap_io, peak_rss_bytes
+from .transport import page_aligned, segment_sizes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,14 +51,16 @@ class RankEstimate:
 
 def rank_estimates(plan: Plan, chunks: dict[int, SourceChunk], tensors: dict[tuple[int, int], TargetTensor],
                    base_rss: int, read_gbps: float, write_gbps: float, net_gbps: float,
-                   read_ahead: bool = False, block_limit: int | None = None) -> list[RankEstimate]:
+                   read_ahead: bool = False, block_limit: int | None = None, shm: bool = False) -> list[RankEstimate]:
     """Pure: per-rank figures of ``plan`` (``chunks``: the source chunks by id; ``tensors``: each target tensor
     by (file id, index); ``read_ahead``: ranks read the next wave while exchanging this one; ``block_limit``:
     larger target tensors are assembled in row blocks of this size, and a block one transfer fills in its dtype
-    is that transfer's own buffer, as exchange.Assembly does)."""
+    is that transfer's own buffer, as exchange.Assembly does; ``shm``: the ranks are on one node and exchange
+    through shared memory, transport.Segment)."""
     world = plan.world
     sent, received = [0] * world, [0] * world
     peak = [0] * world
+    segments = shm_segments(plan) if shm else [0] * world
     boxes = tensor_boxes(plan)
     blocks = {k: row_blocks(t.shape, t.dtype.itemsize, block_limit, boxes.get(k, ())) for k, t in tensors.items()}
 
@@ -67,8 +83,9 @@ def rank_estimates(plan: Plan, chunks: dict[int, SourceChunk], tensors: dict[tup
             if t.reader != t.writer:
                 sent[t.reader] += t.nbytes
                 received[t.writer] += t.nbytes
-                held[t.reader] += t.nbytes  # the packed send buffer
-                held[t.writer] += t.nbytes  # the receive buffer
+                if not shm:
+                    held[t.reader] += t.nbytes  # the packed send buffer
+                    held[t.writer] += t.nbytes  # the receive buffer
             for b, _, _, nbytes in block_spans(t, blocks[(t.file, t.tensor)]):
                 key = (t.file, t.tensor, b)
                 whole = block_limit is not None and key not in open_[t.writer] and nbytes == missing[key] \
@@ -81,7 +98,7 @@ def rank_estimates(plan: Plan, chunks: dict[int, SourceChunk], tensors: dict[tup
             # freed the moment it completes)
             done = [block_nbytes(*k) for k in open_[rank] if missing[k] == 0]
             held[rank] += sum(block_nbytes(*k) for k in open_[rank] if missing[k] > 0) + max(done, default=0)
-            peak[rank] = max(peak[rank], held[rank])
+            peak[rank] = max(peak[rank], held[rank] + segments[rank])
             open_[rank] = {k for k in open_[rank] if missing[k] > 0}
     gb = 2**30
     return [RankEstimate(rank=r, read_bytes=plan.read_bytes[r], written_bytes=plan.write_bytes[r], sent_bytes=sent[r],
@@ -89,6 +106,23 @@ def rank_estimates(plan: Plan, chunks: dict[int, SourceChunk], tensors: dict[tup
                          seconds=plan.read_bytes[r] / (read_gbps * gb) + plan.write_bytes[r] / (write_gbps * gb)
                          + max(sent[r], received[r]) / (net_gbps * gb), staging_bytes=staging_bytes(plan, r).total)
             for r in range(world)]
+
+
+def shm_segments(plan: Plan) -> list[int]:
+    """Pure: per rank, the shared memory it maps for the job when every rank is on one node: its own segment
+    (transport.segment_sizes) and, of each peer that sends to it, the part it reads (the most that peer sends
+    it in one wave, page-aligned)."""
+    world = plan.world
+    own = segment_sizes(plan, [0] * world)
+    most: dict[tuple[int, int], int] = defaultdict(int)
+    for wave in plan.waves:
+        per: dict[tuple[int, int], int] = defaultdict(int)
+        for t in wave.transfers:
+            if t.reader != t.writer:
+                per[(t.reader, t.writer)] += aligned(t.nbytes)
+        for pair, n in per.items():
+            most[pair] = max(most[pair], page_aligned(n))
+    return [own[r] + sum(n for (_, b), n in most.items() if b == r) for r in range(world)]
 
 
 def estimate(opts: ReshardOptions, rt: Runtime, world: int, read_gbps: float, write_gbps: float,
@@ -100,7 +134,8 @@ def estimate(opts: ReshardOptions, rt: Runtime, world: int, read_gbps: float, wr
     tensors = {(f.id, j): t for f in p.files for j, t in enumerate(f.tensors)}
     # the run is assumed on this machine, all ranks on it (the bench's case): it reads ahead with cores to spare
     ranks = rank_estimates(plan, {c.id: c for c in index.chunks}, tensors, base, read_gbps, write_gbps, net_gbps,
-                           overlap_io(world), block_bytes(opts.memory_budget) if p.dst_fmt.row_blocks else None)
+                           overlap_io(world), block_bytes(opts.memory_budget) if p.dst_fmt.row_blocks else None,
+                           shm=rt.device.type != "cuda")
     return {"source": {"format": index.format, "layout": str(index.layout), "bytes": index.nbytes,
                        "stored_bytes": sum(c.stored_nbytes for c in index.chunks), "chunks": len(index.chunks)},
             "target": {"format": p.dst_fmt.name, "layout": str(p.target.layout), "files": len(p.files),

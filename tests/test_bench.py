@@ -94,9 +94,10 @@ def test_target_math():
     slow_help = Outcome(method="help", label="h", world=None, runs=[Run(wall_s=1.2)])
     rows = report.target_rows([floor, dc, base, start, mcore, dc1, slow_help], GB)
     assert rows[0]["wall_s"] == 1.5 and rows[0]["x_floor"] == 1.0
-    # net 1.5 s <= 1.3 x 1.5; 3.9 <= 0.6 x 9.0; 3.9 <= 0.4 x 10; plan 250 MB within 20% of 300 MB
-    assert rows[1]["checks"] == {"floor": "PASS", "whole": "PASS", "mcore": "PASS", "launch": None, "rss": "PASS",
-                                 "plan": "PASS"}
+    # net 1.5 s <= 1.3 x 1.5; in-process 1.0 s <= 1.5 x 1.5; 3.9 <= 0.6 x 9.0; 3.9 <= 0.4 x 10; plan 250 MB within
+    # 20% of 300 MB
+    assert rows[1]["checks"] == {"floor": "PASS", "inproc": "PASS", "whole": "PASS", "mcore": "PASS", "launch": None,
+                                 "rss": "PASS", "plan": "PASS"}
     assert rows[1]["peak_rss_per_rank"] == 300 * MB and rows[1]["gb_per_s"] == pytest.approx(1 / 3.9)
     assert rows[1]["net_s"] == pytest.approx(1.5) and rows[1]["net_x_floor"] == pytest.approx(1.0)
     assert rows[2]["checks"] == dict.fromkeys(report.CHECKS)  # a baseline's own RSS is no target
@@ -105,11 +106,12 @@ def test_target_math():
     # the ratio targets are stated at 2 ranks: one rank is checked for memory only
     assert rows[5]["checks"] == {**dict.fromkeys(report.CHECKS), "rss": "PASS"}
     assert rows[6]["checks"]["launch"] == "FAIL"  # --help over 1 s
-    assert report.tally(rows) == {"PASS": 7, "FAIL": 1}
+    assert report.tally(rows) == {"PASS": 8, "FAIL": 1}
     dc.predicted_rss = 230 * MB  # more than 20% off the measured 300 MB
     dc.runs[0].wall_s = 4.1  # over 0.4x megatron-core's 10 s
+    dc.runs[0].inproc_s = 2.3  # over 1.5x the 1.5 s floor
     checks = report.target_rows([floor, dc, base, start, mcore], GB)[1]["checks"]
-    assert (checks["plan"], checks["mcore"], checks["whole"]) == ("FAIL", "FAIL", "PASS")
+    assert (checks["plan"], checks["mcore"], checks["whole"], checks["inproc"]) == ("FAIL", "FAIL", "PASS", "FAIL")
 
 
 @pytest.mark.parametrize("fmt", ["megatron", "torch_dist"])

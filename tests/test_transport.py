@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from dist_convert.bench.report import exchange_rows
+from dist_convert.datamodel import SourceChunk, TargetTensor
 from dist_convert.errors import ConvertError
+from dist_convert.estimate import rank_estimates, shm_segments
 from dist_convert.layout.boxes import Box
 from dist_convert.plan import Plan, StagingBytes, Transfer, Wave, aligned, staging_bytes
 from dist_convert.transport import (
@@ -118,6 +120,26 @@ def test_staging_buffers_are_sized_by_the_largest_wave():
     assert segment_sizes(_plan(3, [_t(0, 1, 30), _t(0, 1, PAGE), _t(0, 2, 9)]), nodes) == [2 * PAGE, 0, 0]
     assert shm_need(plan, (0, 1, 2)) == 0
     assert segment_offsets({2: PAGE + 1, 1: 10, 3: 0}) == ({1: 0, 2: PAGE}, 3 * PAGE)
+
+
+def test_the_memory_model_holds_shared_memory_for_the_whole_job():
+    """plan's prediction (estimate): between the ranks of one CPU node a rank maps its own segment and its part
+    of each sender's for the whole job, and a wave's send and receive buffers are those segments, not more."""
+    plan = _plan(3, [_t(0, 1, 100), _t(0, 2, 10), _t(1, 1, 4000)], [_t(0, 1, 30), _t(2, 0, 500), _t(1, 0, 6)])
+    # own segment + the part of each sender's: rank 0 sends to two peers in a wave, receives from 1 and 2
+    assert shm_segments(plan) == [2 * PAGE + 2 * PAGE, PAGE + PAGE, PAGE + PAGE]
+    chunks = {0: SourceChunk(id=0, file="f", key="w", shape=(4000,), dtype=torch.bfloat16, pieces=[])}
+    tensors = {(0, 0): TargetTensor(key="w", shape=(4000,), dtype=torch.bfloat16, pieces=[])}
+    base = 1000
+
+    def peaks(shm: bool) -> list[int]:
+        return [r.predicted_peak_rss - base for r in
+                rank_estimates(plan, chunks, tensors, base, 1.0, 1.0, 1.0, shm=shm)]
+
+    # with buffers, the largest wave's: rank 0's second (sends 30, receives 500 + 6, assembles the 8000-byte
+    # tensor), rank 1's first (receives 100), rank 2's second (sends 500)
+    assert peaks(False) == [30 + 506 + 8000, 100 + 8000, 500 + 8000]
+    assert peaks(True) == [8000 + 4 * PAGE, 8000 + 2 * PAGE, 8000 + 2 * PAGE]  # the segments, in every wave
 
 
 def test_a_segment_round_trips_and_is_gone_after_unlink(tmp_path):

@@ -5,6 +5,8 @@ never reaches the file."""
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import sys
 
 import pytest
@@ -34,12 +36,25 @@ def test_digest_in_the_hashing_thread_is_sha256_in_order(monkeypatch):
     assert d.hexdigest() == hashlib.sha256(b"".join(parts)).hexdigest()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
+def test_a_forked_child_hashes_on_a_thread_of_its_own():
+    Digest().update(memoryview(b"parent"))  # the parent's hashing thread is running
+    pid = os.fork()
+    if pid == 0:  # the child: a digest through the thread, within 20 s, else exit 1
+        signal.alarm(20)
+        d = Digest()
+        d.update(memoryview(b"child"))
+        os._exit(0 if d.hexdigest() == hashlib.sha256(b"child").hexdigest() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 @pytest.mark.parametrize("sizes", [(5, 17), (durable.WRITEBACK_BYTES + 3, 100, durable.WRITEBACK_BYTES)])
 def test_durable_file_reports_the_sha256_of_what_is_on_disk(tmp_path, sizes):
     parts = [_bytes(n, i) for i, n in enumerate(sizes)]
     with DurableFile(tmp_path / "f") as fh:
-        for p in parts:
-            assert fh.write(p) == len(p)
+        for i, p in enumerate(parts):  # inline and on the hashing thread, in turn
+            assert (fh.write_kept if i % 2 else fh.write)(p) == len(p)
         assert fh.tell() == sum(sizes)
         sha = fh.close()
     assert (tmp_path / "f").read_bytes() == b"".join(parts)

@@ -88,5 +88,5 @@ def write_file(path: Path, tensors: list[tuple[str, torch.Tensor]], metadata: di
         fh.write(struct.pack("<Q", len(raw)) + raw)
         for _, t in tensors:
             if t.numel():
-                fh.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                fh.write_kept(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
         return fh.close()

@@ -101,3 +101,15 @@ def test_mapped_reads_are_the_stored_bytes_and_private(tmp_path):
     rows = stored.read(Box((10, 0), (1000, 300)))
     (tmp_path / "f").unlink()  # the mapping outlives the file's name
     assert torch.equal(rows, t[10:1010])
+
+
+def test_a_file_system_that_cannot_map_is_read(tmp_path, monkeypatch):
+    t = torch.randn(1100, 300)
+    (tmp_path / "f").write_bytes(t.numpy().tobytes())
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")  # what mmap(2) says where the file system has no mmap
+
+    monkeypatch.setattr(distcp.mmap, "mmap", refuse)
+    stored = StoredTensor(path=tmp_path / "f", offset=0, shape=(1100, 300), dtype=torch.float32)
+    assert torch.equal(stored.read(Box((3, 7), (1000, 200))), t[3:1003, 7:207])

@@ -139,11 +139,14 @@ class StoredTensor:
         count = last - first + 1 if box.numel else 0
         pos, nbytes = self.offset + first * self.dtype.itemsize, count * self.dtype.itemsize
         if nbytes >= MAP_MIN:
-            return mapped(self.path, pos, nbytes).view(self.dtype).as_strided(box.sizes, strides)
+            try:
+                return mapped(self.path, pos, nbytes).view(self.dtype).as_strided(box.sizes, strides)
+            except (OSError, ValueError):  # a file system that cannot map files: read it
+                pass
         flat = torch.empty(count, dtype=self.dtype)
         buf = memoryview(flat.view(torch.uint8).numpy())
         with open(self.path, "rb", buffering=0) as fh:
-            done, pos = 0, self.offset + first * self.dtype.itemsize
+            done = 0
             while done < len(buf):
                 n = os.preadv(fh.fileno(), [buf[done:]], pos + done)
                 if n <= 0:

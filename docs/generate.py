@@ -159,7 +159,8 @@ def settings_table() -> str:
     for record, f in fields:
         key = f.name if record is None else f"{record}.{f.name}"
         kind = f.metadata.get("kind", "")
-        fams = families(key, f.default) if kind == SETTING else "every family that has the feature" if kind == SIZE else "-"
+        fams = (families(key, f.default) if kind == SETTING else
+                "every family that has the feature" if kind == SIZE else "-")
         rows.append(f"| `{key}` | {', '.join(f'`{a}`' for a in f.metadata.get('arg', ())) or '-'} | "
                     f"{', '.join(f'`{a}`' for a in f.metadata.get('config', ())) or '-'} | {kinds.get(kind, kind)} | "
                     f"{_md(f.metadata.get('what', ''))} | {fams} |")

@@ -54,6 +54,22 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
             _SFR(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
+class WriteBack:
+    """Hands a file's written bytes to the disk every WRITEBACK_BYTES (``start_writeback``): the span from the
+    first to the last byte written since the last hand-off, in whatever order the writes came. ``handed``: the
+    bytes handed so far."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.lo, self.hi, self.pending, self.handed = fd, 0, 0, 0, 0
+
+    def wrote(self, start: int, end: int) -> None:
+        self.lo, self.hi = (min(self.lo, start), max(self.hi, end)) if self.pending else (start, end)
+        self.pending += end - start
+        if self.pending >= WRITEBACK_BYTES:
+            start_writeback(self.fd, self.lo, self.hi - self.lo)
+            self.handed, self.pending = self.handed + self.pending, 0
+
+
 HASH_AHEAD = 32 << 20  # bytes a file's writer may run ahead of its checksum
 _hasher: ThreadPoolExecutor | None = None
 _hasher_lock = threading.Lock()
@@ -127,7 +143,7 @@ class DurableFile:
 
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.digest, self.pos, self.handed = Digest(), 0, 0
+        self.digest, self.writeback, self.pos = Digest(), WriteBack(self.fd), 0
 
     def write(self, data: Any) -> int:
         return self._write(memoryview(data).cast("B"), self.digest.update_now)
@@ -140,10 +156,8 @@ class DurableFile:
         while done < len(view):
             done += os.write(self.fd, view[done:])
         hash_it(view)
+        self.writeback.wrote(self.pos, self.pos + len(view))
         self.pos += len(view)
-        if self.pos - self.handed >= WRITEBACK_BYTES:
-            start_writeback(self.fd, self.handed, self.pos - self.handed)
-            self.handed = self.pos
         return len(view)
 
     def tell(self) -> int:

@@ -83,7 +83,7 @@ def test_early_write_back_is_wired_to_the_kernel(tmp_path):
     assert durable._SFR is not None  # else every file would wait for its fsync, silently
     with DurableFile(tmp_path / "f") as fh:
         fh.write(_bytes(durable.WRITEBACK_BYTES + 1, 0))
-        assert fh.handed == durable.WRITEBACK_BYTES + 1  # handed to the disk at once
+        assert fh.writeback.handed == durable.WRITEBACK_BYTES + 1  # handed to the disk at once
         fh.close()
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..durable import WRITEBACK_BYTES, Digest, fsync_dir, start_writeback, write_durable
+from ..durable import Digest, WriteBack, fsync_dir, write_durable
 from ..errors import ConvertError
 from ..layout.boxes import Box
 from ..phases import phase
@@ -291,13 +291,13 @@ class PositionedFile:
     """A file written with positioned writes in any order, hashed (SHA-256) front to back as it is written:
     bytes written ahead of the ones before them (row blocks of a tensor completing out of order) are read
     back from the page cache when their turn comes; written in order, nothing is read back. What was written is
-    handed to the disk every WRITEBACK_BYTES (durable.start_writeback)."""
+    handed to the disk every WRITEBACK_BYTES (durable.WriteBack)."""
 
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.digest, self.hashed, self.end = Digest(), 0, 0
         self.early: dict[int, int] = {}  # start -> end of spans written ahead of ``hashed``
-        self.dirty: tuple[int, int, int] | None = None  # (first byte, end, bytes) written since the last hand-off
+        self.writeback = WriteBack(self.fd)
 
     def reserve(self, n: int) -> int:
         """Room for ``n`` bytes at the end of the file; their offset."""
@@ -314,7 +314,7 @@ class PositionedFile:
         done = 0
         while done < len(view):
             done += os.pwrite(self.fd, view[done:], at + done)
-        self._hand(at, at + len(view))
+        self.writeback.wrote(at, at + len(view))
         if at != self.hashed:
             self.early[at] = at + len(view)
             return
@@ -329,15 +329,6 @@ class PositionedFile:
                     raise EOFError("the file ends before what was written to it")
                 self.digest.update(memoryview(block))
                 self.hashed += len(block)
-
-    def _hand(self, start: int, end: int) -> None:
-        lo, hi, n = self.dirty or (start, end, 0)
-        lo, hi, n = min(lo, start), max(hi, end), n + end - start
-        if n < WRITEBACK_BYTES:
-            self.dirty = (lo, hi, n)
-            return
-        start_writeback(self.fd, lo, hi - lo)
-        self.dirty = None
 
     def close(self) -> str:
         """Fsync and close; the file's SHA-256 (every reserved byte must have been written)."""

@@ -26,7 +26,9 @@ cleanup() {
 trap cleanup EXIT
 bash launch/setup.sh
 bash launch/setup_nemo.sh  # NeMo 2 in .venv, for the NeMo 2 oracle (tests/oracles/nemo2.py)
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# one intra-op thread in every process of the suite, whatever the caller's environment says: a value computed in the
+# pytest process and one computed in a worker are compared bit for bit (tests/conftest.py sets the same)
+export OMP_NUM_THREADS=1 DIST_CONVERT_THREADS=1
 .venv/bin/ruff check dist_convert tests  # lint: the rule set is in pyproject.toml
 set +e
 .venv/bin/python -m pytest tests --durations=15 "$@"  # the 15 slowest tests, every run

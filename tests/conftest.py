@@ -11,15 +11,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from workers import Workers
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 ORACLE = ROOT / "tests" / "oracles" / "mcore.py"
-# one intra-op thread per rank (runtime.job_threads): the suite runs many jobs side by side on few cores
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DIST_CONVERT_THREADS": "1", "PYTHONWARNINGS": "ignore",
-       "TORCHELASTIC_ERROR_FILE": ""}
+# One intra-op thread in every process of the suite: the jobs (runtime.job_threads), the oracles and workers, and
+# this pytest process itself, whose in-process CLI calls would otherwise set torch's thread count to the machine's
+# cores. A reduction split over another number of threads rounds differently on some CPUs, so a value computed here
+# and one computed in a worker are only comparable bit for bit when both ran on one thread.
+SUITE_THREADS = {"OMP_NUM_THREADS": "1", "DIST_CONVERT_THREADS": "1"}
+os.environ.update(SUITE_THREADS)
+torch.set_num_threads(1)
+ENV = {**os.environ, **SUITE_THREADS, "PYTHONWARNINGS": "ignore", "TORCHELASTIC_ERROR_FILE": ""}
 WORKERS = Workers(ENV)
 
 
@@ -72,6 +78,15 @@ def oracle(cmd: str, nproc: int, *args: str, check: bool = True, program: str = 
     under megatron-core 0.19.2 (Python 3.12, the second venv)."""
     proc = WORKERS.run("oracle", nproc, [program, cmd, *args], 600, runtime)
     return ok(proc) if check else proc
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test starts on one thread, and one that changed the count (an in-process job that ignored
+    DIST_CONVERT_THREADS) fails here, so that what the pytest process computes never depends on the machine."""
+    torch.set_num_threads(1)
+    yield
+    assert torch.get_num_threads() == 1, f"the test left torch on {torch.get_num_threads()} threads"
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

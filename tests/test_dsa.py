@@ -222,11 +222,16 @@ def test_back_to_hf_is_bit_exact_indexer_and_mtp_included(converted):
         src, dst = (json.loads((d / "config.json").read_text()) for d in (hf, root / back))
         assert {k: dst.get(k) for k in src if k != "transformers_version"} == \
             {k: v for k, v in src.items() if k != "transformers_version"}, back
-    want = torch.load(root / "logits.pt")
-    for back in ("hf_back", "hf_from_bridge"):
+    ids = torch.load(root / "logits.pt")["ids"]
+
+    def logits(path: Path) -> torch.Tensor:  # computed here for both sides: bit for bit means the same threads
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            root / back, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+            path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
         assert not info["missing_keys"] and not info["mismatched_keys"], info
         assert info["unexpected_keys"] and all(k.startswith("model.layers.4.") for k in info["unexpected_keys"]), info
         with torch.no_grad():
-            assert torch.equal(model.eval()(input_ids=want["ids"], use_cache=False).logits, want["logits"]), back
+            return model.eval()(input_ids=ids, use_cache=False).logits
+
+    want = logits(hf)
+    for back in ("hf_back", "hf_from_bridge"):
+        assert torch.equal(logits(root / back), want), back

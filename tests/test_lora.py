@@ -54,9 +54,11 @@ def test_merge_into_hf_equals_peft_merge_and_unload(lora, tmp_path, variant, dty
     for k in want:
         if dtype == "keep":
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6)
-        else:  # merged in float32, then cast once: peft's float32 merge cast to bf16
+        else:  # merged in float32, then cast once: a bf16 rounding of peft's float32 merge (peft's runs in another
+            # process; within 1e-6 of it, a value next to a rounding boundary may round either way, and no further)
             assert got[k].dtype == torch.bfloat16
-            torch.testing.assert_close(got[k], want[k].bfloat16(), rtol=0, atol=0)
+            lo, hi = (want[k] - 1e-6).bfloat16(), (want[k] + 1e-6).bfloat16()
+            assert bool(((lo <= got[k]) & (got[k] <= hi)).all()), k
 
 
 def test_merge_into_torch_dist_tp2_gives_peft_logits_in_megatron_core(lora, tmp_path):

@@ -19,7 +19,7 @@ from ..errors import ConvertError
 from ..mlm_args import HF_TOKENIZER, model_args
 from . import deepseek, dsa, gemma3, gemma3_vl, glm, gpt_oss, llama, moe, nemotron_h, qwen3_next, qwen3_vl, qwen25_vl
 from .base import EXPORT_FIX, Family, Imported, hf_dtype
-from .hf_keys import unmapped
+from .hf_keys import as_transformers_reads, unmapped
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     *llama.FAMILIES, *moe.FAMILIES, *deepseek.FAMILIES, *dsa.FAMILIES, *gemma3.FAMILIES, *glm.FAMILIES,
@@ -61,6 +61,7 @@ def import_config(hf: dict[str, Any], vocab_divisible_by: int | None) -> Importe
     """The model config and notes of an HF ``config.json``: its family's reading, after refusing every key that
     changes the math and that the family does not map."""
     fam = family_of(hf)
+    hf = as_transformers_reads(hf, fam.model_type)
     left = unmapped(hf, fam.hf_keys)
     if left:
         shown = ", ".join(f"{k}={v!r}" for k, v in left[:4])

@@ -7,9 +7,12 @@ Keys not listed here are sizes every family reads (hidden_size, ...), token ids,
 (dropout, router aux-loss coefficients, router jitter, initialisation)."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Collection
 from typing import Any
 
+from ..errors import ConvertError
+from .hf_defaults import DEFAULTS, DISAGREE
 from .rope import rope_params
 
 Plain = Callable[[Any, dict[str, Any]], bool]
@@ -90,3 +93,28 @@ def unmapped(hf: dict[str, Any], mapped: Collection[str]) -> list[tuple[str, Any
     flat = flat_keys(hf)
     return [(k, flat[k]) for k, plain in HF_MATH_KEYS.items() if k in flat and k not in mapped
             and not plain(flat[k], hf)]
+
+
+def as_transformers_reads(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """config.json with each absent key that matters at the default transformers' config class for ``model_type``
+    gives it (``hf_defaults.DEFAULTS``, generated from the classes themselves), so that a config without a key is
+    the model transformers builds from it; refused in one line where transformers releases disagree."""
+    out = dict(hf)
+    rope_given = any(k in hf for k in ("rope_parameters", "rope_theta", "rope_scaling"))
+    for key, default in DEFAULTS.get(model_type, {}).items():
+        if key == "rope.rope_theta":  # inside a flat rope_parameters that lacks it (no top-level rope_theta either)
+            params = hf.get("rope_parameters")
+            absent = isinstance(params, dict) and "rope_theta" not in params and "rope_theta" not in hf and \
+                not any(isinstance(v, dict) for v in params.values())
+            if absent:
+                out["rope_parameters"] = {**params, "rope_theta": _known(default, "rope_parameters.rope_theta")}
+        elif key not in hf and not (key == "rope_parameters" and rope_given):
+            out[key] = copy.deepcopy(_known(default, key))
+    return out
+
+
+def _known(default: Any, key: str) -> Any:
+    if default == DISAGREE:
+        raise ConvertError(f"config.json has no {key}, and the transformers releases give an absent {key} different "
+                           "defaults", f"add {key} to config.json with the value the model was made with")
+    return default

@@ -1,0 +1,83 @@
+"""A config.json key that is absent is read as transformers reads it: judged by transformers' own config classes.
+
+For every architecture dist_convert reads and every key its config class has (and ``rope_theta`` inside
+``rope_parameters``), a config.json without the key is read either as the same model as that config with the key at
+the value transformers' class gives it when absent, or refused in one line. The defaults table
+(``dist_convert/models/hf_defaults.py``) is the one generated from transformers 5.14.1 (this runtime) and 5.12.1 (the
+megatron-core 0.19.2 runtime) by ``tests/hf_defaults_gen.py``.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import warnings
+
+import hf_defaults_gen as gen
+import pytest
+import transformers
+
+from dist_convert.errors import ConvertError
+from dist_convert.models import FAMILIES, import_config
+from dist_convert.models.hf_defaults import DEFAULTS
+
+from conftest import ENV, ROOT
+from workers import runtime_python
+
+TEXT = [a for a, fam in FAMILIES.items() if not fam.architecture.endswith("ForConditionalGeneration")]
+
+
+def reading(hf: dict):
+    try:
+        return import_config(hf, None).cfg
+    except ConvertError as e:
+        assert "\n" not in str(e).strip(), e
+        return "refused"
+
+
+@pytest.mark.parametrize("arch", TEXT)
+def test_absent_key_reads_as_transformers_reads_it(arch):
+    warnings.filterwarnings("ignore")
+    cls = type(transformers.AutoConfig.for_model(FAMILIES[arch].model_type))
+    full = {k: v for k, v in cls().to_dict().items() if k not in gen.BOOKKEEPING}
+    keys = list(full) + (["rope.rope_theta"] if "rope_theta" in (full.get("rope_parameters") or {}) else [])
+    assert reading({**full, "architectures": [arch]}) != "refused", arch
+    wrong = []
+    for key in keys:
+        try:
+            default = gen._absent(cls, full, key)
+        except Exception:  # noqa: BLE001 - transformers itself refuses a config without it
+            continue
+        minus = {**gen._without(full, key), "architectures": [arch]}
+        got = reading(minus)
+        if got != "refused" and got != reading(gen._with(minus, key, default)):
+            wrong.append(f"{key} (transformers: {default!r})")
+    assert not wrong, f"{arch}: an absent key read otherwise than transformers reads it: {wrong}"
+
+
+def test_defaults_table_is_generated_from_the_runtimes_transformers(tmp_path):
+    """The committed table equals the one generated now from both runtimes' transformers releases."""
+    here = {"release": transformers.__version__, "table": gen.table()}
+    other = tmp_path / "other.json"
+    subprocess.run([str(runtime_python("mcore19")), str(ROOT / "tests" / "hf_defaults_gen.py"), "--json", str(other)],
+                   check=True, env=ENV, capture_output=True, timeout=300)
+    theirs = json.loads(other.read_text())
+    assert theirs["release"] != here["release"], "two transformers releases judge the table"
+    assert gen.merge([here["table"], theirs["table"]]) == DEFAULTS, \
+        "regenerate: python tests/hf_defaults_gen.py --json A.json under each runtime, then --write A.json B.json"
+
+
+def test_releases_that_disagree_refuse_the_absent_key():
+    hf = {**transformers.DeepseekV3Config().to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    del hf["num_nextn_predict_layers"]
+    with pytest.raises(ConvertError, match="num_nextn_predict_layers"):
+        import_config(hf, None)
+    hf["num_nextn_predict_layers"] = 0
+    assert import_config(hf, None).cfg.mtp is None
+
+
+def test_mixtral_without_rope_theta_gets_its_classes_base():
+    """The bug this table fixes: a Mixtral config.json without rope_theta is a 1e6 RoPE base in transformers (its
+    class's default), not 1e4."""
+    hf = {k: v for k, v in transformers.MixtralConfig(num_hidden_layers=2).to_dict().items()
+          if k not in ("rope_parameters", "rope_theta")}
+    assert import_config({**hf, "architectures": ["MixtralForCausalLM"]}, None).cfg.position.base == 1e6

@@ -1,0 +1,86 @@
+"""Who builds a model from what a target says about it, and where one of them builds another model.
+
+Every format's writers refuse a model their own description cannot hold (the HF families, NeMo's and Megatron-Bridge's
+config writers: ``features.expressed``). A Megatron checkpoint's description is its Megatron-LM ``args``, and the
+program that builds from them is Megatron-LM's own builder (``core_transformer_config_from_args`` and
+``gpt_config_from_args`` / ``GPTModelBuilder``, ``hybrid_config_from_args`` for a hybrid pattern; core_v0.16 to
+core_v0.19), which Megatron-Bridge's Megatron-LM-compat loader follows. It passes every args field named like a
+``TransformerConfig`` field, chooses the activation from ``--swiglu`` / ``--quick-geglu`` / ``--squared-relu``, and
+builds RoPE from ``use_rope_scaling`` alone: ``rope_scaling_factor`` never reaches ``GPTModel`` (it runs 8).
+
+``MEGATRON_LM`` declares, positively, what that builder makes of a model's settings; ``reader_warnings`` names, in one
+line per reader, what a target's readers would build otherwise (the args still record the true value, which
+dist_convert, Megatron-Bridge's providers and NeMo read). ``tests/test_readers.py`` runs Megatron-LM's builder
+itself on the args dist_convert writes for every family, and checks this table against what it builds.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .features.expressed import ANY, Allowed, describe_all, unexpressed
+from .formats.mcore_config import MLA_PROVIDER_EXPRESSES, PROVIDER_EXPRESSES
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+
+def _activation(value: Any, cfg: ModelConfig) -> bool:
+    """--swiglu (SiLU) or --quick-geglu gated, GELU (the default) or --squared-relu plain: nothing else."""
+    return value in (("silu", "quick_gelu") if cfg.mlp.gated else ("gelu", "squared_relu"))
+
+
+@dataclass(frozen=True)
+class Misread:
+    """A setting a reader takes from the target and builds otherwise: ``when`` the model's value is misread, what
+    the reader builds, and what to use instead."""
+
+    key: str
+    when: Callable[[ModelConfig], bool]
+    builds: str
+    instead: str
+
+
+@dataclass(frozen=True)
+class Reader:
+    name: str
+    formats: tuple[str, ...]  # the target formats it builds from
+    expresses: Mapping[str, Allowed]  # setting key -> the values it builds as the model has them
+    instead: str  # what to use instead when a setting is outside ``expresses``
+    misreads: tuple[Misread, ...] = ()
+
+
+MEGATRON_LM = Reader(
+    name="Megatron-LM's model builder (checkpoint args)",
+    formats=("torch_dist", "megatron", "fsdp_dtensor"),
+    expresses={
+        **PROVIDER_EXPRESSES, **MLA_PROVIDER_EXPRESSES, "mlp.activation": _activation,
+        "position.kind": {"rope", "yarn", "learned_absolute", "none"},  # YaRN also without MLA (its yarn_* args)
+        "gdn": ANY, "mamba": ANY,  # the layer variants and the hybrid builder take their TransformerConfig fields
+        "t5": ANY,  # pretrain_t5 builds from the same core_transformer_config_from_args (not judged here)
+    },
+    instead="load it with Megatron-Bridge (its provider for the family) or convert with --dst-format hf",
+    misreads=(Misread("position.scaling_factor", lambda cfg: cfg.position.scaling == "llama3" and
+                      float(cfg.position.scaling_factor or 8.0) != 8.0, "factor 8",
+                      "pass rope_scaling_factor to GPTModel in gpt_builders.py, or load with Megatron-Bridge, "
+                      "which reads it"),),
+)
+READERS: tuple[Reader, ...] = (MEGATRON_LM,)
+
+
+def reader_warnings(cfg: ModelConfig, fmt: str) -> list[str]:
+    """One line per reader of ``fmt`` that builds another model than ``cfg`` from the target's description."""
+    out = []
+    for reader in READERS:
+        if fmt not in reader.formats:
+            continue
+        dropped = unexpressed(cfg, reader.expresses)
+        if dropped:
+            out.append(f"{reader.name} does not build this model: it drops {describe_all(dropped)}; {reader.instead}")
+        settings = {s.key: s for s in cfg.settings()}
+        for m in reader.misreads:
+            if m.key in settings and m.when(cfg):
+                s = settings[m.key]
+                out.append(f"{reader.name} ignores {s.arg}={s.value} (builds {m.builds}); {m.instead}")
+    return out

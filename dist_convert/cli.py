@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -341,6 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(ns: argparse.Namespace, rt: Runtime) -> int:
+    if ns.cmd in ("reshard", "speculate"):
+        from .staging import refuse_overlap
+        for path, flag in ((ns.dst, "DST"), (getattr(ns, "export_draft", None), "--export-draft")):
+            if path is not None:
+                refuse_overlap(ns.src, path, flag)
     if ns.cmd in ("reshard", "plan"):
         from .convert import ReshardOptions, reshard
         formats = format_options(ns)
@@ -420,6 +426,30 @@ def main(argv: list[str] | None = None, runtime: Runtime | None = None) -> int:
     if getattr(ns, "nproc", None) is not None and runtime is None and "LOCAL_RANK" not in os.environ:
         from .launch import self_launch
         return self_launch(ns.nproc, list(sys.argv[1:] if argv is None else argv))
+    from . import interrupts
+
+    if runtime is None:  # a real launch: SIGINT / SIGTERM end this rank with one line (rank 0's) and exit 130
+        interrupts.install(_say if os.environ.get("RANK", "0") == "0" else lambda _text: None)
+    try:
+        return _main(ns, runtime)
+    except interrupts.Interrupted:
+        interrupts.announce()
+        return interrupts.EXIT_CODE
+    finally:
+        interrupts.finished()
+
+
+def _say(text: str) -> None:
+    """One error line, in one write: other ranks' lines never land inside it."""
+    sys.stderr.write(f"dist_convert: error: {text}\n")
+    sys.stderr.flush()
+
+
+PEER_SIGNAL_S = 0.3  # a rank that lost its peers waits this long for the signal that stops the job, if one comes
+
+
+def _main(ns: argparse.Namespace, runtime: Runtime | None) -> int:
+    from . import interrupts
     from .runtime import collective_failure, init_runtime, say_together
 
     rt = runtime
@@ -434,19 +464,29 @@ def main(argv: list[str] | None = None, runtime: Runtime | None = None) -> int:
                 say_together(e, timeout)
             return 2
         except (RuntimeError, ValueError) as e:
+            if interrupts.received():
+                raise interrupts.Interrupted(interrupts.received()) from None
             print(f"dist_convert: error: cannot start the process group ({e}); launch with torchrun", file=sys.stderr)
             return 2
     broken = False
     try:
         return run(ns, rt)
+    except interrupts.Interrupted:
+        broken = True  # the others are leaving too, or will learn of it from a failed collective
+        raise
     except Exception as e:  # noqa: BLE001 - only our errors and failed collectives are reported as one line
         err = e if isinstance(e, ConvertError) else collective_failure(e, rt)
+        if err is not None and err.group_broken and runtime is None:
+            time.sleep(PEER_SIGNAL_S)  # a peer was interrupted: the launcher's SIGTERM is on its way
+        if interrupts.received():  # a signal came while this rank stopped (e.g. its peers left on it first)
+            broken = True
+            raise interrupts.Interrupted(interrupts.received()) from None
         if err is None:  # a bug: the traceback; torchrun stops the other ranks (a barrier could wait forever)
             broken = True
             raise
         broken = err.group_broken
-        if rt.rank == 0 or err.local:
-            print(f"dist_convert: error: {err}", file=sys.stderr)
+        if not err.quiet and (rt.rank == 0 or err.local):
+            _say(str(err))
         return 2
     finally:
         if not broken and runtime is None:  # a failed collective leaves nothing to tear down together

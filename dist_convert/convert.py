@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .cuts import split_chunks, split_files
 from .datamodel import SourceIndex, Target, TargetFile, WrittenFile, numel, omit_absent
 from .errors import ConvertError
-from .exchange import Assembly, execute, stop_on_error
+from .exchange import Assembly, execute, nonfinite_note, stop_on_error
 from .formats import detect_format, get_format
 from .formats.base import Format, FormatOptions, data_dir, on_rank0
 from .formats.dcp_meta import writer_note
@@ -304,9 +304,12 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         for note in index.notes + ([dcp_note] if getattr(dst_fmt, "writes_dcp", False) and (dcp_note := writer_note())
                                    else []):
             rt.log(f"note: {note}")
+        nonfinite: dict[str, tuple[int, int]] = {}
         counters, write_s, my_files = _convert_into(staging, target, index, src_fmt, dst_fmt, files, plan, rt,
                                                     opts.memory_budget, exchange=opts.exchange, work=work,
-                                                    merge=merger)
+                                                    merge=merger, nonfinite=nonfinite)
+        if note := nonfinite_note(rt.all_gather_object(nonfinite)):
+            rt.log(f"note: {note}")
         with phase("finalize"):
             artifact = on_rank0(rt, lambda: package(dst_fmt, staging.tmp, opts.dst, rt.rank))
     with phase("finalize"):
@@ -330,7 +333,10 @@ def package(fmt: Format, tmp: Path, dst: Path, rank: int) -> Path:
     """Rank 0, after every rank wrote: what to rename into ``dst`` (e.g. a ``.nemo`` archive streamed from
     ``tmp``); the other ranks wait for it on the patient group, however long it takes."""
     faults.reached("package", rank)
-    return fmt.package(tmp, dst)
+    try:
+        return fmt.package(tmp, dst)
+    except OSError as e:
+        raise write_error(e, dst, tmp) from None
 
 
 class BackgroundWrites:
@@ -372,7 +378,8 @@ class BackgroundWrites:
 def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt: Format, dst_fmt: Format,
                   files: list[TargetFile], plan: Plan, rt: Runtime,
                   budget: int, *, exchange: str = "auto", work: list[TargetFile] | None = None,
-                  merge: Merger | None = None) -> tuple[dict[str, int], float, list[TargetFile]]:
+                  merge: Merger | None = None, nonfinite: dict[str, tuple[int, int]] | None = None
+                  ) -> tuple[dict[str, int], float, list[TargetFile]]:
     """Collective: exchange this rank's tensors and write each as soon as it is complete (the writer
     streams tensors or whole files; each finished file is journaled with its checksum), then rank 0
     writes metadata, tracker and checksum manifest last. ``work``: the files as the plan moves them (``merge``'s
@@ -380,13 +387,27 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
     tmp = staging.tmp
     prefix = data_dir(dst_fmt, index.iteration)
     tmp_iter = tmp / prefix if prefix else tmp
-    if rt.rank == 0:
-        tmp_iter.mkdir(exist_ok=True)
-    rt.barrier()
+    error: ConvertError | None = None
+    try:
+        if rt.rank == 0:
+            tmp_iter.mkdir(exist_ok=True)
+    except OSError as e:
+        error = write_error(e, tmp_iter, tmp)
+    stop_on_error(rt, error)  # every rank learns of a failure here: none goes on writing alone
     by_id = {f.id: f for f in files}
     my_files = [by_id[i] for i in plan.files_of(rt.rank)]
-    writer = dst_fmt.open_writer(target, tmp_iter, my_files, rt)
-    journal = Journal(tmp, rt.rank, prefix)
+    journal: Journal | None = None
+    try:
+        journal = Journal(tmp, rt.rank, prefix)
+        writer = dst_fmt.open_writer(target, tmp_iter, my_files, rt)
+    except ConvertError as e:
+        error = e
+    except (OSError, RuntimeError) as e:
+        error = write_error(e, tmp_iter, tmp)
+    if error is not None and journal is not None:
+        journal.close()
+    stop_on_error(rt, error)
+    assert journal is not None
     write_s = 0.0
 
     def finished(written: list[WrittenFile]) -> None:
@@ -401,8 +422,10 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
             with phase("write"):
                 finished(writer.put(by_id[fid], j, tensor) if first_row is None else
                          writer.put_rows(by_id[fid], j, first_row, tensor))
+        except ConvertError:  # a refusal of the writer's (e.g. --quantize of non-finite values): as it is
+            raise
         except Exception as e:  # noqa: BLE001 - a failed write stops every rank at the next wave
-            raise write_error(e, tmp_iter / by_id[fid].name) from e
+            raise write_error(e, tmp_iter / by_id[fid].name, tmp) from e
         write_s += time.perf_counter() - tw
 
     overlap = overlap_io(local_ranks(rt))
@@ -415,7 +438,7 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
     try:
         try:
             counters = execute(plan, rt, {c.id: c for c in index.chunks}, lambda cs: src_fmt.read(index, cs), out,
-                               read_ahead=overlap, exchange=exchange)
+                               read_ahead=overlap, exchange=exchange, nonfinite=nonfinite)
             tw = time.perf_counter()
             with phase("write"):
                 out.finish()
@@ -426,13 +449,20 @@ def _convert_into(staging: Staging, target: Target, index: SourceIndex, src_fmt:
             try:
                 with phase("write"):
                     finished(writer.close())
+            except ConvertError as e:
+                error = e
             except Exception as e:  # noqa: BLE001 - as in done()
-                error = write_error(e, tmp_iter)
+                error = write_error(e, tmp_iter, tmp)
         stop_on_error(rt, error)
         write_s += time.perf_counter() - tw
     finally:
-        journal.close()
-    rt.barrier()
+        try:
+            journal.close()
+        except OSError as e:  # the journal's last flush: as any write (every rank meets below, or has failed)
+            close_error = write_error(e, tmp / ".dist_convert_journal", tmp)
+        else:
+            close_error = None
+    stop_on_error(rt, close_error)
 
     def metadata(entries: dict[int, Entry]) -> None:
         lost = [f.name for f in files if f.id not in entries]

@@ -10,6 +10,7 @@ class ConvertError(Exception):
         self.fix = fix
         self.local = False  # True when only this rank hit it: that rank prints it, whatever its rank
         self.group_broken = False  # a collective failed: the process group cannot be used any more
+        self.quiet = False  # another rank says the cause: this one stops without a line of its own
         super().__init__(f"{cause}; {fix}" if fix else cause)
 
     def add_fix(self, more: str) -> None:

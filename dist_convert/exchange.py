@@ -18,6 +18,7 @@ import torch.distributed as dist
 from . import faults
 from .datamodel import SourceChunk, TargetFile, TargetTensor, numel
 from .errors import ConvertError
+from .formats.quant import nonfinite_counts
 from .layout.boxes import Box, logical_view, write_logical
 from .phases import phase
 from .plan import (
@@ -187,12 +188,40 @@ def _order(t: Transfer) -> tuple:
     return (t.file, t.tensor, t.dst_box.offsets, t.chunk)
 
 
+def count_nonfinite(chunks: list[SourceChunk], data: dict[int, torch.Tensor],
+                    into: dict[str, tuple[int, int]]) -> None:
+    """Add the NaN and infinite values of each chunk read to ``into`` (by stored tensor: ``file: key``)."""
+    for c in chunks:
+        nan, inf = nonfinite_counts(data[c.id])
+        if nan or inf:
+            name = f"{c.file}: {c.key}" if c.file else c.key
+            before = into.get(name, (0, 0))
+            into[name] = (before[0] + nan, before[1] + inf)
+
+
+def nonfinite_note(found: list[dict[str, tuple[int, int]]], limit: int = 4, what: str = "source tensors",
+                   then: str = ", carried as they are") -> str | None:
+    """Pure: the one note line on every rank's ``count_nonfinite`` (None when all values were finite)."""
+    total: dict[str, tuple[int, int]] = {}
+    for part in found:
+        for name, (nan, inf) in part.items():
+            before = total.get(name, (0, 0))
+            total[name] = (before[0] + nan, before[1] + inf)
+    if not total:
+        return None
+    shown = ", ".join(f"{name} ({nan} NaN, {inf} inf)" for name, (nan, inf) in sorted(total.items())[:limit])
+    more = f" and {len(total) - limit} more" if len(total) > limit else ""
+    return f"{len(total)} {what} hold non-finite values{then}: {shown}{more}"
+
+
 def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadFn, out: Assembly,
-            what: str = "converting", read_ahead: bool = False, *, exchange: str = "auto") -> dict[str, int]:
+            what: str = "converting", read_ahead: bool = False, *, exchange: str = "auto",
+            nonfinite: dict[str, tuple[int, int]] | None = None) -> dict[str, int]:
     """Collective. Fills this rank's target tensors in ``out``. Returns byte counters and ``exchange_ns``, the
     time spent moving bytes between ranks (packing, transport, unpacking). ``read_ahead``: the next wave's
     chunks are read in a thread while this wave is exchanged and written. ``exchange``: the ``--exchange``
-    path (auto, shm, gloo, nccl; transport.decide)."""
+    path (auto, shm, gloo, nccl; transport.decide). ``nonfinite``: NaN and infinite values of the chunks this rank
+    reads are counted into it as they are read (``count_nonfinite``)."""
     stats = {"read": 0, "sent": 0, "received": 0, "copied": 0, "exchange_ns": 0}
 
     def mine(i: int) -> list[SourceChunk]:
@@ -202,7 +231,10 @@ def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadF
 
     def timed_read(cs: list[SourceChunk]) -> dict[int, torch.Tensor]:
         with phase("read"):
-            return read(cs)
+            data = read(cs)
+            if nonfinite is not None:
+                count_nonfinite(cs, data, nonfinite)
+            return data
 
     with rt.progress(plan.moved_bytes, what) as bar, ThreadPoolExecutor(1, thread_name_prefix="read") as pool:
         ahead: Future | None = pool.submit(timed_read, mine(0)) if read_ahead and plan.waves else None
@@ -246,13 +278,17 @@ def choose_path(plan: Plan, rt: Runtime, requested: str) -> ExchangePath:
 
 
 def stop_on_error(rt: Runtime, error: ConvertError | None) -> None:
-    """Collective: every rank stops when any rank has an error (that rank raises its own)."""
-    if rt.all_ok(error is None):
+    """Collective: every rank stops when any rank has an error. The lowest rank that has one says it (one line,
+    whichever rank that is); the others stop quietly."""
+    first = rt.first_failed(error is not None)
+    if first is None:
         return
-    if error is not None:
+    if error is not None and first == rt.rank:
         error.local = True
         raise error
-    raise ConvertError("another rank failed (see its error above)", "fix that cause and rerun")
+    quiet = ConvertError(f"rank {first} failed (see its error above)", "fix that cause and rerun")
+    quiet.quiet = True
+    raise quiet
 
 
 def payload(src: torch.Tensor, t: Transfer) -> torch.Tensor:

@@ -79,6 +79,15 @@ class Runtime:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
+    def first_failed(self, failed: bool) -> int | None:
+        """Collective: the lowest rank that failed (None when none did), so that one rank says a failure that
+        several ranks met (a full disk under every rank)."""
+        if not self.distributed:
+            return 0 if failed else None
+        first = torch.tensor([self.rank if failed else self.world], dtype=torch.int64)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.group)
+        return None if int(first.item()) == self.world else int(first.item())
+
     def progress(self, total_bytes: int, what: str) -> ProgressBar:
         return ProgressBar(total_bytes, what, enabled=self.rank == 0 and total_bytes > 0)
 
@@ -235,6 +244,17 @@ def collective_failure(e: BaseException, rt: Runtime) -> ConvertError | None:
         return None
     err.local, err.group_broken = True, True
     return err
+
+
+def job_store(rt: Runtime) -> Any:
+    """The job's key-value store (torchrun's, or rank 0's with ``--nproc``): a channel beside the collectives that
+    a rank can use whatever collective the others are in (None in one process)."""
+    if not rt.distributed or not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):
+        return None
 
 
 def ensure_process_group(rt: Runtime) -> None:

@@ -9,8 +9,9 @@ import torch
 from .convert import load_index, logical_numel, sliced, source_dtypes
 from .datamodel import SourceIndex, TargetFile, TargetTensor, numel
 from .errors import ConvertError
-from .exchange import Assembly, execute
+from .exchange import Assembly, execute, nonfinite_note
 from .formats.base import FormatOptions
+from .formats.quant import nonfinite_counts
 from .layout.boxes import Box, Piece
 from .layout.rules import logical_tensors
 from .plan import DEFAULT_BUDGET, balance, make_plan
@@ -64,6 +65,9 @@ def compare(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> str |
             return f"dtype {a.dtype} vs {b.dtype} (pass --atol/--rtol to compare across a cast)"
         if torch.equal(a, b):
             return None
+        if a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(
+                torch.where(a.isnan(), 0, a), torch.where(b.isnan(), 0, b)):
+            return None  # NaN where the other has NaN: carried unchanged
     else:
         fa, fb = a.float(), b.float()
         if torch.allclose(fa, fb, atol=atol, rtol=rtol, equal_nan=True):
@@ -94,11 +98,19 @@ def verify(path_a: Path, path_b: Path, rt: Runtime, fmt_a: str = "auto", fmt_b: 
         raise ConvertError("the two checkpoints share no logical tensors", "compare checkpoints of the same model")
     sizes = {i: numel(ta[n].shape) for i, n in enumerate(names)}
     writer_of = balance(sizes, rt.world)
+    found: tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]] = ({}, {})
     ga = _gather_logical(ia, fa, names, writer_of, rt, budget, exchange)
     gb = _gather_logical(ib, fb, names, writer_of, rt, budget, exchange)
     local = [Mismatch(name=n, detail=d) for n in ga if (d := compare(ga[n], gb[n], atol, rtol))]
-    for part in rt.all_gather_object(local):
+    bad = ({n: c for n, t in ga.items() if any(c := nonfinite_counts(t))},
+           {n: c for n, t in gb.items() if any(c := nonfinite_counts(t))})
+    for part, (bad_a, bad_b) in rt.all_gather_object((local, bad)):
         mismatches += part
+        found[0].update(bad_a)
+        found[1].update(bad_b)
+    for side, counts in zip("AB", found, strict=True):
+        if note := nonfinite_note([counts], what="logical tensors", then=""):
+            rt.log(f"note: {side}: {note}")
     rt.log(f"compared {len(names)} logical tensors: {ia.format} {ia.layout} vs {ib.format} {ib.layout}")
     return mismatches
 

@@ -13,7 +13,7 @@ import torch
 from ..errors import ConvertError
 from ..layout.boxes import Box
 from . import compressed
-from .quant import Found, Quantized, Writer
+from .quant import Found, Quantized, Writer, finite_scale, refuse_nonfinite
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"
@@ -112,12 +112,14 @@ class Fp8Block(Writer):
         return box, scale_box(box, q.params)
 
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
+        finite_scale(q, 1, parts[1])
         return dequantize(parts[0], parts[1], box, q.params, dtype)
 
     def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
         return quantizable(name, shape)
 
     def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        refuse_nonfinite(self.name, name, x)
         q, scale = quantize(x)
         return [(name, q), (name + SCALE_SUFFIX, scale)]
 
@@ -151,6 +153,7 @@ class FloatQuantized(Writer):
         return quantizable(name, shape)
 
     def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        refuse_nonfinite(self.name, name, x)
         scale = x.abs().amax(dim=-1, keepdim=True) / torch.tensor(448.0, dtype=x.dtype)
         scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
         q = torch.clamp(x / scale + 0.0, -448.0, 448.0).to(torch.float8_e4m3fn)
@@ -188,6 +191,7 @@ class FloatQuantized(Writer):
 
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
         w, scale = parts
+        finite_scale(q, 1, scale)
         return (w.to(scale.dtype) * scale).to(dtype)
 
 

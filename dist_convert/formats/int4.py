@@ -23,7 +23,7 @@ import torch
 from ..errors import ConvertError
 from ..layout.boxes import Box
 from . import compressed
-from .quant import Found, Quantized, Writer
+from .quant import Found, Quantized, Writer, finite_scale, refuse_nonfinite
 
 PER_WORD = 8  # 4-bit values per int32
 OFFSET = 8  # stored as q + 8 (unsigned nibbles)
@@ -124,12 +124,14 @@ class PackQuantized(Writer):
         return word_box(box), group_box(box, q.params[0])
 
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
+        finite_scale(q, 1, parts[1])
         return dequantize(parts[0], parts[1], box, q.params[0], dtype)
 
     def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
         return bool(EXPERT_LINEAR.search(name)) and len(shape) == 2 and shape[1] % GROUP == 0
 
     def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        refuse_nonfinite(self.name, name, x)
         packed, scale = quantize(x)
         base = name.removesuffix("weight")
         return [(base + "weight_packed", packed), (base + "weight_scale", scale),
@@ -149,15 +151,38 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int32 words, scales) of a 2-D weight in groups of 32, as compressed-tensors 0.20 quantizes it: per group,
     scale = amax / 7.5 in the weight's dtype (0 -> the dtype's eps); q = round-half-even of clamp(w / scale, -8, 7)
     (the division in the weight's dtype, signed zeros made +0); packed eight a word, element 8w + k in bits 4k..4k+3
-    as q + 8."""
+    as q + 8. A group that already lies on a 4-bit grid (a release's weights, dequantized and not changed since)
+    keeps that grid's scale (``on_grid``), so a round trip gives the release back byte for byte."""
     rows, cols = w.shape
     g = w.reshape(rows, cols // GROUP, GROUP)
-    scale = g.abs().amax(dim=-1, keepdim=True) / torch.tensor(7.5, dtype=w.dtype)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    scale = amax / torch.tensor(7.5, dtype=w.dtype)
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype), scale)
+    grid, found = on_grid(g, amax)
+    scale = torch.where(found, grid, scale)
     q = torch.round(torch.clamp(g / scale + 0.0, -8.0, 7.0)).to(torch.int16).reshape(rows, cols) + OFFSET
     nibbles = q.to(torch.uint8).reshape(rows, cols // 2, 2)
     packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).contiguous().view(torch.int32)
     return packed, scale.squeeze(-1)
+
+
+def on_grid(g: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of ``g`` [..., GROUP] (``amax``: its largest magnitude): a scale s in g's dtype whose grid holds
+    every value exactly as ``dequantize`` computes it (q * s in that dtype, q in [-8, 7]), and whether one was found.
+    A quantizer's largest value is 7 s or -8 s: the candidates are amax / 8 and the values next to amax / 7."""
+    dtype = g.dtype
+    seventh = (amax / torch.tensor(7.0, dtype=dtype)).contiguous()
+    bits = seventh.view(torch.int16 if dtype.itemsize == 2 else torch.int32)
+    candidates = [amax / torch.tensor(8.0, dtype=dtype)] + [(bits + d).view(dtype) for d in (0, -1, 1, -2, 2)]
+    best = torch.zeros_like(amax)
+    found = torch.zeros_like(amax, dtype=torch.bool)
+    for s in candidates:
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round(torch.clamp(g / s + 0.0, -8.0, 7.0))
+        fits = ((q * s).to(dtype) == g).all(dim=-1, keepdim=True) & (amax > 0) & ~found
+        best = torch.where(fits, s, best)
+        found |= fits
+    return best, found
 
 
 SCHEME = PackQuantized()

@@ -23,11 +23,12 @@ import torch
 
 from ..errors import ConvertError
 from ..layout.boxes import Box
-from .quant import Found, Quantized, Writer
+from .quant import Found, Quantized, Writer, check_scale, refuse_nonfinite
 
 BLOCK = 32  # elements per scale
 BYTES = BLOCK // 2  # bytes per block
 SCALE_BIAS = 127
+NAN_SCALE = 255  # e8m0: the one code that is no power of two (NaN); refused on read
 E2M1_EMAX = 2  # exponent of e2m1's largest binade (4, 6)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of nibble codes 0..7; bit 3 (0x8) is the sign
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
@@ -100,7 +101,8 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype
     Each value is ``ldexp(e2m1, scale - 127)`` evaluated in ``dtype``: exact (one e2m1 value times a power of
     two) unless it leaves ``dtype``'s range, where it is rounded as ``torch.ldexp`` rounds (to 0 / inf). Bit
     for bit what transformers' dequantizer computes (before its transpose). -0 nibbles (0x8) give -0.0;
-    scale 255 (e8m0 NaN) is taken as 2**128, as transformers does (0 stays 0, the rest become inf)."""
+    scale 255 (e8m0 NaN) is taken as 2**128, as transformers does (0 stays 0, the rest become inf); the hf reader
+    refuses a release that holds one (``Mxfp4.dequantize``)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales are uint8, not {blocks.dtype} and {scales.dtype}")
     if blocks.shape[-1:] != (BYTES,) or blocks.shape[:-1] != scales.shape:
@@ -251,12 +253,14 @@ class Mxfp4(Writer):
         return read_boxes_of(box)[:2]
 
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
+        check_scale(q, 1, parts[1] == NAN_SCALE, "NaN (e8m0 255)")
         return dequantize_to(parts[0], parts[1], box, dtype)
 
     def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
         return quantizable(name, shape)
 
     def quantize(self, name: str, x: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        refuse_nonfinite(self.name, name, x)
         return stored(name, x)
 
     def stored_sizes(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, int]]:

@@ -30,7 +30,7 @@ import torch
 from ..errors import ConvertError
 from ..layout.boxes import Box
 from .mxfp4 import e2m1_codes
-from .quant import Found, Quantized, Writer
+from .quant import Found, Quantized, Writer, finite_scale, refuse_nonfinite
 
 # nibble -> value; 0x8 (e2m1's -0) gives +0.0, as ModelOpt's ``e2m1_values`` table does
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -161,6 +161,8 @@ class NVFP4(Writer):
                 Box((r0, c0 // group), (m, (c0 + n - 1) // group + 1 - c0 // group)), Box((), ()))
 
     def dequantize(self, q: Quantized, parts: list[torch.Tensor], box: Box, dtype: torch.dtype) -> torch.Tensor:
+        finite_scale(q, 1, parts[1])
+        finite_scale(q, 2, parts[2], nonzero=True)
         return dequantize(parts[0], parts[1], parts[2], box, q.params[0], dtype)
 
     def quantizable(self, name: str, shape: tuple[int, ...]) -> bool:
@@ -174,6 +176,8 @@ class NVFP4(Writer):
         return self.quantize_together([(name, x)])
 
     def quantize_together(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        for name, x in items:
+            refuse_nonfinite(self.name, name, x)
         return [kv for (name, _), (packed, scale, scale_2) in zip(items, quantize([x for _, x in items]), strict=True)
                 for kv in ((name, packed), (name + "_scale", scale), (name + "_scale_2", scale_2))]
 

@@ -91,3 +91,41 @@ class Writer(Scheme):
         if not any(self.quantizable(n, s) for n, s in shapes.items()):
             raise ConvertError(f"--quantize {self.name} stores none of this {architecture}'s tensors",
                                f"drop --quantize {self.name} for this model")
+
+
+DAMAGED_FIX = "the release is damaged or was not quantized correctly: re-download it, or convert its bf16 release"
+
+
+def check_scale(q: Quantized, part: int, bad: torch.Tensor, why: str) -> None:
+    """Refuse (one line naming the stored tensor and its file) a scale slice where ``bad`` (a mask over it) holds:
+    a non-finite scale, or a zero one where the format forbids it, would make every value it scales NaN or 0."""
+    if bool(bad.any()):
+        f, key = q.parts[part]
+        raise ConvertError(f"quantization scale {key} in {f} is {why} ({int(bad.sum())} of {bad.numel()} values "
+                           "read)", DAMAGED_FIX)
+
+
+def finite_scale(q: Quantized, part: int, scale: torch.Tensor, *, nonzero: bool = False) -> None:
+    """``check_scale`` for a floating-point scale: NaN / Inf refused, and 0 too when ``nonzero``."""
+    s = scale.to(torch.float32)
+    check_scale(q, part, ~torch.isfinite(s), "NaN or infinite")
+    if nonzero:
+        check_scale(q, part, s == 0, "zero (the format's per-tensor scale is never 0)")
+
+
+def nonfinite_counts(x: torch.Tensor) -> tuple[int, int]:
+    """(NaN, infinite) values of ``x`` (0, 0 for an integer tensor): one pass when all are finite."""
+    if not x.is_floating_point() or bool(torch.isfinite(x).all()):
+        return 0, 0
+    nan = int(torch.isnan(x).sum())
+    return nan, int((~torch.isfinite(x)).sum()) - nan
+
+
+def refuse_nonfinite(scheme: str, name: str, x: torch.Tensor) -> None:
+    """``--quantize``: a tensor with NaN or infinite values has no quantized form (its block's or row's scale would
+    become NaN and take every value it scales with it): refused in one line naming it."""
+    nan, inf = nonfinite_counts(x)
+    if nan or inf:
+        raise ConvertError(f"--quantize {scheme}: {name} holds {nan} NaN and {inf} infinite values, which have no "
+                           f"quantized form", "repair the source's weights (verify and inspect --tensors count them), "
+                           "or drop --quantize")

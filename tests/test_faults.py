@@ -1,0 +1,242 @@
+"""Faults and bad values (issue 56): non-finite quantization scales refused on read, non-finite weights noted (and
+refused by ``--quantize``), a target inside its source refused, full and read-only file systems under 2 ranks
+(one line, nothing left that looks complete, repeated to catch a cleanup race), and SIGINT / SIGTERM to the
+``--nproc`` launcher, its process group or one worker (exit 130, one line, the staging directory removed or kept
+for ``--resume``)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dist_convert.errors import ConvertError
+from dist_convert.staging import refuse_overlap, write_error
+
+from conftest import ENV, PY, ROOT, assert_refused, ok, run_cli
+from hf_models import make_hf_model
+
+TMP = ".dist_convert_tmp"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A tiny bf16 Llama (transformers' save_pretrained)."""
+    return make_hf_model(tmp_path_factory.mktemp("faults"), "llama", dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def nvfp4(llama, tmp_path_factory) -> Path:
+    """Its NVFP4 export (``--quantize nvfp4``: ModelOpt's W4A16_NVFP4 layout, tests/test_nvfp4.py)."""
+    out = tmp_path_factory.mktemp("nvfp4") / "release"
+    ok(run_cli("reshard", str(llama), str(out), "--dst-format", "hf", "--quantize", "nvfp4"))
+    return out
+
+
+def edited(src: Path, dst: Path, key: str, edit) -> Path:
+    """A copy of the one-file checkpoint ``src`` with tensor ``key`` changed by ``edit`` (in place)."""
+    shutil.copytree(src, dst)
+    sd = load_file(dst / "model.safetensors")
+    edit(sd[key])
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+GATE = "model.layers.0.mlp.gate_proj.weight"
+PROJ = "model.layers.1.self_attn.o_proj.weight"
+
+
+def _first(value: float):
+    return lambda t: t.view(-1)[0].fill_(value)
+
+
+# case -> (source: "llama" or "nvfp4", tensor, edit, extra flags, what the one error line names)
+BAD_VALUES = {
+    "NVFP4 weight_scale_2 NaN": ("nvfp4", GATE + "_scale_2", _first(float("nan")), [],
+                                 [f"{GATE}_scale_2 in model.safetensors is NaN or infinite", "re-download"]),
+    "NVFP4 weight_scale_2 zero": ("nvfp4", GATE + "_scale_2", _first(0.0), [],
+                                  [f"{GATE}_scale_2 in model.safetensors is zero", "re-download"]),
+    "NVFP4 weight_scale NaN": ("nvfp4", GATE + "_scale", lambda t: t.view(torch.uint8).view(-1)[5:7].fill_(0x7F), [],
+                               [f"{GATE}_scale in model.safetensors is NaN or infinite (2 of"]),
+    "NaN weight, --quantize fp8-channel": ("llama", PROJ, _first(float("nan")), ["--quantize", "fp8-channel"],
+                                           [f"--quantize fp8-channel: {PROJ} holds 1 NaN and 0 infinite values",
+                                            "drop --quantize"]),
+    "Inf weight, --quantize nvfp4": ("llama", GATE, lambda t: t[3, :2].fill_(float("-inf")), ["--quantize", "nvfp4"],
+                                     [f"--quantize nvfp4: {GATE} holds 0 NaN and 2 infinite values"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_bad_values_are_refused_in_one_line(llama, nvfp4, tmp_path, case):
+    which, key, edit, flags, needles = BAD_VALUES[case]
+    src = edited({"llama": llama, "nvfp4": nvfp4}[which], tmp_path / "src", key, edit)
+    assert_refused(run_cli("reshard", str(src), str(tmp_path / "dst"), "--dst-format", "hf", *flags, nproc=2),
+                   tmp_path, *needles)
+
+
+def test_nonfinite_weights_are_carried_with_a_note(llama, tmp_path):
+    """No quantization: the values pass as they are (bit for bit, NaN included), said in one note line counted as
+    they were read; verify says it of both sides and finds them equal."""
+    def edit(t: torch.Tensor) -> None:
+        t[0, :3] = float("nan")
+        t[1, 0] = float("inf")
+
+    src = edited(llama, tmp_path / "src", PROJ, edit)
+    dst = tmp_path / "dst"
+    proc = ok(run_cli("reshard", str(src), str(dst), "--dst-format", "torch_dist", "--target-tp", "2", nproc=2))
+    notes = [line for line in proc.stderr.splitlines() if "non-finite" in line]
+    assert notes == [f"note: 1 source tensors hold non-finite values, carried as they are: model.safetensors: {PROJ} "
+                     "(3 NaN, 1 inf)"], proc.stderr[-2000:]
+    proc = ok(run_cli("verify", str(src), str(dst), nproc=2))
+    name = "decoder.layers.1.self_attention.linear_proj.weight"
+    for side in "AB":
+        assert f"note: {side}: 1 logical tensors hold non-finite values: {name} (3 NaN, 1 inf)" in proc.stderr
+    assert "verify OK" in proc.stderr
+    clean = ok(run_cli("reshard", str(llama), str(tmp_path / "clean"), "--dst-format", "torch_dist"))
+    assert "non-finite" not in clean.stderr
+
+
+@pytest.mark.parametrize("where", ["dst = src", "dst inside src", "src inside dst"])
+def test_target_overlapping_its_source_is_refused(llama, tmp_path, where):
+    src = tmp_path / "outer" / "src" if where == "src inside dst" else tmp_path / "src"
+    shutil.copytree(llama, src)
+    dst = {"dst = src": src, "dst inside src": src / "dst", "src inside dst": tmp_path / "outer"}[where]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for flags in ([], ["--overwrite"]):
+        proc = run_cli("reshard", str(src), str(dst), "--dst-format", "torch_dist", *flags)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("dist_convert: error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+        assert "--overwrite never allows this" in errors[0] and str(src) in errors[0], errors[0]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written or removed
+
+
+def test_refuse_overlap_and_write_errors_are_pure():
+    refuse_overlap(Path("/a/b"), Path("/a/bc"))  # a sibling whose name starts alike is fine
+    with pytest.raises(ConvertError, match="lies inside the source"):
+        refuse_overlap(Path("/a/b"), Path("/a/b/../b/c"))
+    for code, needle in ((30, "writable file system"), (13, "may not write"), (28, "df -h")):
+        err = write_error(OSError(code, os.strerror(code), "/x/f"), Path("/x"))
+        assert str(err).startswith(f"writing /x/f failed: {os.strerror(code)}; ") and needle in str(err), str(err)
+
+
+# -- file-system faults: a real small tmpfs and a real read-only bind mount (root only) --------------------------
+def _mount(*args: str) -> bool:
+    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def mounts(tmp_path):
+    """(a 200 KB tmpfs, a read-only bind mount) under tmp_path; skipped where this user may not mount."""
+    full, ro = tmp_path / "full", tmp_path / "ro"
+    full.mkdir()
+    ro.mkdir()
+    if os.geteuid() != 0 or not _mount("-t", "tmpfs", "-o", "size=200k", "tmpfs", str(full)):
+        pytest.skip("mounting a tmpfs needs root")
+    made = [full]
+    if _mount("--bind", str(ro), str(ro)):
+        made.append(ro)
+        if not _mount("-o", "remount,ro,bind", str(ro)):
+            pytest.skip("no read-only bind mount here")
+    yield full, ro
+    for m in reversed(made):
+        subprocess.run(["umount", "-l", str(m)], capture_output=True)
+
+
+REPEATS = 4  # rank 0's clean-up once raced rank 1's journal: every run must give one line and leave nothing
+
+
+def test_full_and_read_only_file_systems_fail_cleanly_every_time(llama, mounts):
+    full, ro = mounts
+    cases = [(full / "dst", "No space left on device", "df -h")] * REPEATS + \
+            [(ro / "dst", "Read-only file system", "writable file system")] * 2
+    for dst, cause, fix in cases:
+        proc = run_cli("reshard", str(llama), str(dst), "--dst-format", "torch_dist", "--target-tp", "2", nproc=2)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("dist_convert: error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert f"{dst}{TMP}" in errors[0] and cause in errors[0] and fix in errors[0], errors[0]
+        assert not list(dst.parent.iterdir()), list(dst.parent.iterdir())  # no DST, no staging directory
+
+
+# -- interrupts: a launch of its own per case, a signal mid-run -------------------------------------------------
+def _launch(args: list[str], fault: str) -> subprocess.Popen:
+    env = {**ENV, "DIST_CONVERT_FAULT": fault}
+    return subprocess.Popen([PY, "-m", "dist_convert", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _workers(launcher: subprocess.Popen, n: int, timeout: float = 60) -> list[int]:
+    """The launcher's worker pids, rank order (their RANK variable), once they are running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+        if len(kids) == n:
+            ranks = {}
+            for pid in kids:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                ranks[int(next(e for e in env if e.startswith(b"RANK="))[5:])] = int(pid)
+            return [ranks[r] for r in range(n)]
+        time.sleep(0.1)
+    raise AssertionError("the workers did not start")
+
+
+def _reached(path: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+# case -> (fault that holds the run, what appears when the run is held there, who gets the signal, signal, kept)
+INTERRUPTS = {
+    "Ctrl-C to the process group before any file": ("hang:rank=1:wave=1", "converting", "group", signal.SIGINT,
+                                                    False),
+    "SIGTERM to the launcher after every file": ("sleep60:rank=0:package=1", "checksums", "launcher",
+                                                 signal.SIGTERM, True),
+    "SIGINT to worker 1 alone": ("hang:rank=0:wave=1", "converting", "worker1", signal.SIGINT, False),
+}
+
+
+@pytest.mark.parametrize("case", list(INTERRUPTS))
+def test_interrupt_stops_every_process_with_one_line(llama, tmp_path, case):
+    fault, held, who, sig, kept = INTERRUPTS[case]
+    dst, tmp = tmp_path / "dst", tmp_path / f"dst{TMP}"
+    launcher = _launch(["reshard", str(llama), str(dst), "--dst-format", "torch_dist", "--target-tp", "2",
+                        "--nproc", "2"], fault)
+    try:
+        workers = _workers(launcher, 2)
+        _reached(tmp / ("dist_convert_checksums.json" if held == "checksums" else ".dist_convert_journal"))
+        time.sleep(1.0)  # inside the held step
+        t0 = time.monotonic()
+        if who == "group":
+            os.killpg(launcher.pid, sig)
+        elif who == "launcher":
+            launcher.send_signal(sig)
+        else:
+            os.kill(workers[1], sig)
+        _, err = launcher.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    errors = [line for line in err.splitlines() if line.startswith("dist_convert: error:")]
+    assert launcher.returncode == 130 and len(errors) == 1, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "memory" not in err, err[-3000:]
+    assert errors[0].startswith("dist_convert: error: interrupted (SIG"), errors[0]
+    assert took < 20, took  # seconds, not --timeout
+    assert all(not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+               for pid in workers)
+    assert not dst.exists()
+    if kept:
+        assert f"{tmp} kept with 2 finished target files" in errors[0] and "--resume" in errors[0], errors[0]
+        ok(run_cli("reshard", str(llama), str(dst), "--dst-format", "torch_dist", "--target-tp", "2", "--resume",
+                   nproc=2))
+        ok(run_cli("verify", str(llama), str(dst)))
+    else:
+        assert f"nothing written, {tmp} removed" in errors[0], errors[0]
+        assert not tmp.exists()

@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,8 +38,10 @@ from ..models import export_family, family_of, hf_from_config, import_config, na
 from ..models.base import TIED_HEAD, Family, HFTensors, hf_dtype, part_pieces
 from ..phases import phase
 from ..runtime import Runtime
-from .base import FileAtATime, FormatOptions, KeyPolicy, Wrote, copy_tokenizer_files, on_rank0, tokenizer_source
-from .safetensors_io import read_boxes, read_header, write_file
+from .base import FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
+from .hf_shards import ShardWriter, unit_key
+from .quant import Writer
+from .safetensors_io import read_boxes, read_header
 from .schemes import SCHEMES, WRITERS, scheme_of
 
 CONFIG = "config.json"
@@ -141,7 +144,7 @@ class HFFormat:
     iteration_dirs = False
     sharded = False
     any_writer = False
-    row_blocks = False
+    row_blocks = True  # hf_shards.ShardWriter.put_rows: a shard is written as its tensors' rows arrive
     components = True
 
     def __init__(self, options: FormatOptions | None = None) -> None:
@@ -275,43 +278,28 @@ class HFFormat:
             WRITERS[self.options.quantize].check_target({n: t.shape for n, t in tensors.items()}, fam.architecture)
             tensors = {n: replace(t, stored_bytes=sum(b for _, b in self._stored_sizes(t))) for n, t in tensors.items()}
         shards = pack_shards([(n, t.stored_nbytes) for n, t in tensors.items()], self.options.max_shard_size,
-                             lambda n: self._shares(n, tensors[n].shape))
+                             lambda n: unit_key(self._scheme(), tensors[n]))
         names = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                    for i in range(len(shards))]
         return [TargetFile(id=i, name=name, tensors=[tensors[n] for n in shard]) for i, (name, shard) in
                 enumerate(zip(names, shards, strict=True))]
 
-    def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
-        def write(f: TargetFile, tensors: list[torch.Tensor]) -> Wrote:
-            stored = self._stored([(t.key, x) for t, x in zip(f.tensors, tensors, strict=True)])
-            sha = write_file(out_dir / f.name, stored)
+    def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> ShardWriter:
+        def record(f: TargetFile) -> dict[str, Any]:
             # what finalize needs of the file (it keeps no state between calls): its stored names and dtypes
-            return Wrote(sha, {"stored": [[k, n] for t in f.tensors for k, n in self._stored_sizes(t)],
-                               "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in f.tensors})})
+            return {"stored": [[k, n] for t in f.tensors for k, n in self._stored_sizes(t)],
+                    "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in f.tensors})}
 
-        return FileAtATime(files, write)
+        return ShardWriter(out_dir, files, self._scheme(), record)
+
+    def _scheme(self) -> Writer | None:
+        return WRITERS[self.options.quantize] if self.options.quantize else None
 
     def _stored_sizes(self, t: TargetTensor) -> list[tuple[str, int]]:
-        """(name, bytes) of what ``_stored`` writes for target tensor ``t``."""
-        sc = WRITERS[self.options.quantize] if self.options.quantize else None
+        """(name, bytes) of what the file holds for target tensor ``t``."""
+        sc = self._scheme()
         return sc.stored_sizes(t.key, t.shape, t.dtype) if sc and sc.quantizable(t.key, t.shape) else \
             [(t.key, t.nbytes)]
-
-    def _shares(self, key: str, shape: tuple[int, ...]) -> str:
-        """The key of the tensors ``key`` is quantized together with (its own name when none)."""
-        sc = WRITERS[self.options.quantize] if self.options.quantize else None
-        return "\0" + sc.shares(key) if sc and sc.quantizable(key, shape) else key
-
-    def _stored(self, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """What a file holds for its tensors: themselves, or with ``--quantize`` what its scheme stores for them."""
-        sc = WRITERS[self.options.quantize] if self.options.quantize else None
-        if sc is None:
-            return tensors
-        units: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        for key, x in tensors:
-            units.setdefault(self._shares(key, tuple(x.shape)), []).append((key, x))
-        return [kv for unit, items in units.items() for kv in (sc.quantize_together(items) if unit.startswith("\0")
-                                                                else items)]
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0: the shard index, config.json and tokenizer files (from what the writers recorded of each file)."""

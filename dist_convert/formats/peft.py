@@ -29,9 +29,10 @@ from ..lora.adapter import AdapterModule, AdapterSpec, as_fraction, check_base_p
 from ..lora.structure import Slot, compose, lay_out, placements
 from ..models import export_family
 from ..runtime import Runtime
-from .base import FileAtATime, FormatOptions, Wrote, on_rank0
+from .base import FormatOptions, on_rank0
 from .hf import HFFormat, hf_tensors
-from .safetensors_io import read_boxes, read_header, write_file
+from .hf_shards import ShardWriter
+from .safetensors_io import read_boxes, read_header
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -240,12 +241,8 @@ class PeftFormat(HFFormat):
                 tensors.append(TargetTensor(key=PREFIX + logical, shape=shape, dtype=dtype, pieces=pieces))
         return [TargetFile(id=0, name=WEIGHTS, tensors=tensors)]
 
-    def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
-        def write(f: TargetFile, tensors: list[torch.Tensor]) -> Wrote:
-            return Wrote(write_file(out_dir / f.name, [(t.key, x.contiguous())
-                                                       for t, x in zip(f.tensors, tensors, strict=True)]))
-
-        return FileAtATime(files, write)
+    def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> ShardWriter:
+        return ShardWriter(out_dir, files, None, lambda f: {})  # as hf's: written as the tensors arrive
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         spec, laid = target.adapter, self.laid(target)

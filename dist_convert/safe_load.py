@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import IO, Any
@@ -56,7 +57,10 @@ def load_pt(path: Path, trust_pickle: bool, mmap: bool = True, stream: IO[bytes]
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "weights_only" in str(e) or "Unsupported global" in str(e):
-            raise ConvertError(f"{path} holds objects outside the safe allow-list ({first[:160]})",
+            named = re.search(r"(?:GLOBAL|global) ([\w.]+)", str(e))  # torch names the refused object this way
+            what = f"references {named.group(1)}, outside the safe allow-list" if named else \
+                f"holds objects outside the safe allow-list ({first[:160]})"
+            raise ConvertError(f"{path} {what} (not executed)",
                                "pass --trust-pickle only if you trust this file") from None
         raise ConvertError(f"{path} is not a readable torch file ({first[:160]})",
                            "the file is corrupt or truncated; re-copy it from the original checkpoint") from None

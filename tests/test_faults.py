@@ -240,3 +240,39 @@ def test_interrupt_stops_every_process_with_one_line(llama, tmp_path, case):
     else:
         assert f"nothing written, {tmp} removed" in errors[0], errors[0]
         assert not tmp.exists()
+
+
+@pytest.mark.parametrize("field,value", [("dsa_indexer_topk", 0), ("dsa_indexer_topk_freq", 0),
+                                         ("dsa_indexer_n_heads", -1)])
+def test_settings_outside_their_declared_range_are_refused_where_read(field, value):
+    """Generated from the records' declared ranges (features.base.setting's ``low``): read from Megatron-LM args."""
+    import argparse
+
+    from dist_convert.features.blocks import DSA
+
+    args = argparse.Namespace(experimental_attention_variant="dsa", **{field: value})
+    with pytest.raises(ConvertError, match=f"{field} = {value} has no meaning: .* must be at least 1"):
+        DSA.from_args(args)
+    assert DSA.from_args(argparse.Namespace(experimental_attention_variant="dsa", **{field: 4})) is not None
+
+
+class _Payload:
+    """Unpickled by plain pickle, this would create ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_code_in_a_legacy_pt_is_named_and_not_run(tmp_path):
+    from dist_convert.safe_load import load_pt
+
+    f, marker = tmp_path / "model_optim_rng.pt", tmp_path / "pwned"
+    torch.save({"model": {}, "x": _Payload(marker)}, f)
+    with pytest.raises(ConvertError) as e:
+        load_pt(f, trust_pickle=False)
+    assert str(e.value) == (f"{f} references posix.system, outside the safe allow-list (not executed); pass "
+                            "--trust-pickle only if you trust this file")
+    assert not marker.exists()

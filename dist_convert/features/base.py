@@ -39,13 +39,14 @@ class Setting(NamedTuple):
 
 
 def setting(default: Any, *, arg: str | tuple[str, ...] = (), what: str = "", kind: str = SETTING,
-            config: str | tuple[str, ...] | None = None) -> Any:
+            config: str | tuple[str, ...] | None = None, low: int | None = None) -> Any:
     """A feature record's field: its default and what it is (module docstring). ``config``: the megatron-core
-    ``TransformerConfig`` / ``GPTModel`` names it stands for, when they are not ``arg``'s."""
+    ``TransformerConfig`` / ``GPTModel`` names it stands for, when they are not ``arg``'s. ``low``: the least value
+    that means something (a record holding less is refused as it is made, i.e. where the setting is read)."""
     args = (arg,) if isinstance(arg, str) else tuple(arg)
     configs = args if config is None else (config,) if isinstance(config, str) else tuple(config)
     return dataclasses.field(default=default, metadata={"kind": kind, "arg": args, "what": what,
-                                                        "config": configs})
+                                                        "config": configs, "low": low})
 
 
 def get(args: argparse.Namespace | dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -72,6 +73,18 @@ class Feature(ABC):
     presence: ClassVar[tuple[str, ...]] = ()  # megatron-core names that say an optional feature is there
     what: ClassVar[str] = ""  # an optional feature, in a refusal's words
     essential: ClassVar[tuple[str, ...] | None] = None  # what inspect always shows (None: every field)
+
+    def __post_init__(self) -> None:
+        """Every setting within its declared range (``setting(low=...)``), else one line naming it."""
+        from ..errors import ConvertError
+
+        for name, value, f in self.fields():
+            low = f.metadata.get("low")
+            if low is not None and isinstance(value, int) and value < low:
+                names = " / ".join(f.metadata.get("arg") or (name,))
+                raise ConvertError(f"{type(self).__name__} setting {names} = {value} has no meaning: "
+                                   f"{f.metadata.get('what') or name} must be at least {low}",
+                                   "correct it in the source's config (config.json, or the checkpoint's args)")
 
     @classmethod
     @abstractmethod

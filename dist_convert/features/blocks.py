@@ -73,10 +73,12 @@ class DSA(Feature):
     attr: ClassVar[str] = "dsa"
     what: ClassVar[str] = "DeepSeek sparse attention (a top-k indexer)"
 
-    n_heads: int = setting(64, kind=SIZE, arg="dsa_indexer_n_heads", what="indexer heads")
-    head_dim: int = setting(128, kind=SIZE, arg="dsa_indexer_head_dim", what="indexer head size")
-    topk: int = setting(2048, arg="dsa_indexer_topk", what="the keys each query attends to (the indexer's top-k)")
-    topk_freq: int = setting(1, arg="dsa_indexer_topk_freq", what="layers per indexer (1: every layer its own top-k)")
+    n_heads: int = setting(64, kind=SIZE, arg="dsa_indexer_n_heads", what="indexer heads", low=1)
+    head_dim: int = setting(128, kind=SIZE, arg="dsa_indexer_head_dim", what="indexer head size", low=1)
+    topk: int = setting(2048, arg="dsa_indexer_topk", what="the keys each query attends to (the indexer's top-k)",
+                        low=1)
+    topk_freq: int = setting(1, arg="dsa_indexer_topk_freq", what="layers per indexer (1: every layer its own top-k)",
+                             low=1)
     skip_topk_offset: int = setting(0, arg="dsa_indexer_skip_topk_offset",
                                     what="where top-k sharing starts (with topk_freq > 1; 0 and 1 alike)")
     rope_interleaved: bool = setting(False, arg="dsa_indexer_rope_interleaved",

@@ -127,5 +127,5 @@ def refuse_nonfinite(scheme: str, name: str, x: torch.Tensor) -> None:
     nan, inf = nonfinite_counts(x)
     if nan or inf:
         raise ConvertError(f"--quantize {scheme}: {name} holds {nan} NaN and {inf} infinite values, which have no "
-                           f"quantized form", "repair the source's weights (verify and inspect --tensors count them), "
+                           f"quantized form", "repair the source's weights (verify SRC SRC counts them per tensor), "
                            "or drop --quantize")

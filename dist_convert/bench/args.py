@@ -14,6 +14,7 @@ METHODS = ("floor", "startup", "dist_convert", "whole_model", "mcore", "bridge",
 DEFAULT_METHODS = METHODS[:5]
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_TARGETS = "1x2,4x1"
+RELEASE_SHAPES = ("llama3-8b",)  # bench.release.RELEASES (named here: the parser imports no torch)
 
 
 def _ints(text: str) -> list[int]:
@@ -49,6 +50,13 @@ def add_bench_parser(sub: Any, parse_size: Callable[[str], int], default_budget:
     b.add_argument("--plan-scale", action="store_true",
                    help="plan DeepSeek-V3 (671B, 256 experts, MTP) from its HF release and from one Megatron layout "
                         "to another over 128 ranks, without tensors: plan time, per-rank bytes, memory bound")
+    b.add_argument("--release", choices=RELEASE_SHAPES, default=None,
+                   help="a release-sized case instead: a Hugging Face release of this shape (llama3-8b: 16.1 GB bf16), "
+                        "made once under --workdir, imported to torch_dist (--target-tp/--target-pp, default 2x2) and "
+                        "exported back, each against the floor of its own bytes, at --ranks (default 2); use with "
+                        "--drop-caches")
+    b.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9,
+                   help="--release: the release's shard size and the export's (default 5GB)")
     b.add_argument("--dtype", choices=tuple(ITEMSIZE), default="bf16",
                    help="dtype of the synthetic checkpoint's tensors (default bf16)")
     b.add_argument("--format", choices=("torch_dist", "megatron", "hf"), default="torch_dist",

@@ -42,7 +42,13 @@ def _bench(ns: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="dc_bench.", dir=ns.workdir)).resolve()  # jobs may run elsewhere
     result: dict[str, Any] = {"machine": machine(), "workdir": str(work), "memory_budget": ns.memory_budget}
     try:
-        if ns.plan_scale:
+        if ns.release:
+            from .release import failed as release_failed
+            from .release import print_release, run_release
+            result["release"] = run_release(ns, work)
+            print_release(result["release"])
+            failed = release_failed(result["release"])
+        elif ns.plan_scale:
             from .plan_scale import run_plan_scale
             result["plan_scale"] = run_plan_scale()
             failed = False
@@ -65,6 +71,9 @@ def _bench(ns: argparse.Namespace) -> int:
         ns.json.write_text(json.dumps(result, indent=1, default=str))
     if ns.markdown and "targets" in result:
         ns.markdown.write_text(report.markdown(result))
+    if ns.markdown and "release" in result:
+        from .release import markdown
+        ns.markdown.write_text(markdown(result["release"]))
     if ns.plot:
         if "targets" in result:
             report.plot(str(ns.plot), result["targets"])

@@ -49,6 +49,11 @@ def check_options(ns: argparse.Namespace) -> tuple[list[str], list[tuple[int, in
     if ns.optimizer and (ns.src or ns.format != "torch_dist" or ns.sizes):
         raise ConvertError("bench --optimizer writes a synthetic torch_dist checkpoint with optimizer state",
                            "drop --src/--sizes and use --format torch_dist, or drop --optimizer")
+    if ns.release and (ns.src or ns.sizes or ns.plan_scale or ns.optimizer or ns.lora or ns.targets
+                       or len(ns.ranks or [2]) > 1):
+        raise ConvertError(f"--release {ns.release} makes its own release and times one import and one export",
+                           "drop --src/--sizes/--plan-scale/--optimizer/--lora/--targets, and give --ranks one "
+                           "world size (or none: 2)")
     if ns.sizes and ns.src:
         raise ConvertError("--sizes makes synthetic checkpoints; --src names an existing one", "drop one of them")
     if ns.plot:

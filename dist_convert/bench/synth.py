@@ -29,7 +29,7 @@ import torch
 from ..config import config_from_args
 from ..datamodel import OptimizerState, Target, TargetTensor
 from ..formats import get_format
-from ..formats.base import write_tracker
+from ..formats.base import FormatOptions, write_tracker
 from ..layout.boxes import Box
 from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
@@ -93,9 +93,10 @@ def synthetic_target(shape: LlamaShape, dtype: torch.dtype, layout: Layout, opti
 
 
 def write_synthetic(out: Path, shape: LlamaShape, dtype: torch.dtype, fmt_name: str, layout: Layout, seed: int,
-                    rt: Runtime, optimizer: bool = False) -> None:
-    """Collective: every rank writes its share of the rank files (rank i: files i, i + world, ...)."""
-    fmt = get_format(fmt_name)
+                    rt: Runtime, optimizer: bool = False, max_shard_size: int | None = None) -> None:
+    """Collective: every rank writes its share of the rank files (rank i: files i, i + world, ...);
+    ``max_shard_size``: hf's bytes per shard (None: the format's default)."""
+    fmt = get_format(fmt_name, FormatOptions(max_shard_size=max_shard_size) if max_shard_size else None)
     target = synthetic_target(shape, dtype, layout, optimizer)
     tensors = logical_tensors(target.cfg)
     files = fmt.target_files(target, {name: dtype for name in tensors})
@@ -147,11 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", action="store_true",
                    help="torch_dist: add a distributed Adam's state in model space (fully_reshardable)")
+    p.add_argument("--max-shard-size", type=int, default=None, help="hf: bytes per safetensors shard")
     a = p.parse_args(argv)
     shape = LlamaShape(**json.loads(a.shape))
     rt = init_runtime("gloo")
     try:
-        write_synthetic(a.out, shape, DTYPES[a.dtype], a.format, Layout(tp=a.tp, pp=a.pp), a.seed, rt, a.optimizer)
+        write_synthetic(a.out, shape, DTYPES[a.dtype], a.format, Layout(tp=a.tp, pp=a.pp), a.seed, rt, a.optimizer,
+                        a.max_shard_size)
     finally:
         rt.close()
     return 0

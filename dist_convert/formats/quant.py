@@ -114,8 +114,10 @@ def finite_scale(q: Quantized, part: int, scale: torch.Tensor, *, nonzero: bool 
 
 
 def nonfinite_counts(x: torch.Tensor) -> tuple[int, int]:
-    """(NaN, infinite) values of ``x`` (0, 0 for an integer tensor): one pass when all are finite."""
-    if not x.is_floating_point() or bool(torch.isfinite(x).all()):
+    """(NaN, infinite) values of ``x`` (0, 0 for an integer tensor). When all are finite it costs one sum (a NaN or
+    an infinity makes the sum non-finite; a sum that overflows falls through to the exact count, which finds none):
+    about 20 GB/s on one core, where ``isfinite().all()`` takes 0.4 GB/s for bf16 (measured, 256 MB)."""
+    if not x.is_floating_point() or x.numel() == 0 or bool(torch.isfinite(x.sum())):
         return 0, 0
     nan = int(torch.isnan(x).sum())
     return nan, int((~torch.isfinite(x)).sum()) - nan

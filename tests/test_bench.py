@@ -313,3 +313,43 @@ def test_bench_bridge_method_against_dist_convert(tmp_path):
     assert pair["agree"] and pair["wall_ratio"] == pytest.approx(br["wall_s"] / dc["wall_s"])
     assert pair["rss_ratio"] == pytest.approx(br["peak_rss_per_rank"] / dc["peak_rss_per_rank"])
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # every output removed (no --keep)
+
+
+def test_release_case_round_trips_and_judges_its_targets(tmp_path, monkeypatch, capsys):
+    """``bench --release``'s plumbing on a 3 MB release of 4 shards at one rank (the 8B case is run by hand,
+    docs/performance.md): made once and reused, imported and exported for real, the export's shards the release's
+    byte for byte; the verdicts are the targets' (import <= 1.1x, export <= 1.2x its floor, RSS <= 1 GB)."""
+    import argparse
+
+    from dist_convert.bench import release
+    from dist_convert.bench.measure import Run
+
+    monkeypatch.setitem(release.RELEASES, "tiny", LlamaShape(num_layers=2, hidden_size=256, ffn_hidden_size=512,
+                                                             num_attention_heads=8, num_query_groups=4,
+                                                             vocab_size=1024))
+    ns = argparse.Namespace(release="tiny", workdir=tmp_path, dtype="bf16", max_shard_size=MB, seed=0, timeout=600,
+                            reps=1, ranks=[1], target_tp=None, target_pp=None, memory_budget=MB, drop_caches=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    result = release.run_release(ns, work)
+    src = release.release_dir(ns)
+    assert len(json.loads((src / release.MARKER).read_text())["shards"]) == 4
+    assert [r["step"] for r in result["rows"]] == ["import", "export"]
+    assert result["rows"][1]["checks"]["release back byte for byte"] is True
+    assert all(r["wall_s"] > 0 and len(r["peak_rss_per_rank"]) == 1 for r in result["rows"])
+    assert {p.name for p in work.iterdir()} == {"import.json", "export.json"}  # every output removed, stats kept
+    assert release.make_release(ns) == (src, json.loads((src / release.MARKER).read_text()))  # reused, not remade
+    err = capsys.readouterr().err
+    assert err.count("writing a tiny-shaped hf release") == 1 and err.count("reusing the tiny release") == 1
+    # the verdicts, on given runs: at the factors PASS, above them or over 1 GB FAIL; a different release FAIL
+    record = json.loads((src / release.MARKER).read_text())
+    runs = {"import floor": [Run(wall_s=10.0)], "import": [Run(wall_s=11.0, inproc_s=9.0, peak_rss_per_rank=[GB, GB])],
+            "export floor": [Run(wall_s=10.0)], "export": [Run(wall_s=12.5, inproc_s=9.0, peak_rss_per_rank=[GB, 1])]}
+    rows = release.release_rows(runs, record, ns, True)["rows"]
+    assert [list(r["checks"].values()) for r in rows] == [[True, True], [False, True, True]]
+    runs["import"][0].peak_rss_per_rank[1] += 1
+    assert release.failed(release.release_rows(runs, record, ns, True))
+    (tmp_path / "dist_convert_checksums.json").write_text(json.dumps({"files": {
+        "config.json": {"sha256": "c"}, "model-00001-of-00001.safetensors": {"sha256": "a"}}}))
+    assert release.check_round_trip(tmp_path, {"shards": {"model-00001-of-00001.safetensors": "a"}})
+    assert not release.check_round_trip(tmp_path, {"shards": {"model-00001-of-00001.safetensors": "b"}})

@@ -3,6 +3,7 @@
 # own load + save, on a synthetic Llama-shaped checkpoint (set up first if needed). Arguments go to
 # `dist_convert bench`; e.g. bash launch/bench.sh --size 1GB --json bench.json
 #                            bash launch/bench.sh --sizes 256MB,512MB,1GB --memory-budget 256MB
+#                            bash launch/bench.sh --release llama3-8b --drop-caches --workdir /scratch  # 16 GB, kept
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup.sh

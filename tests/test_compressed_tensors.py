@@ -130,7 +130,8 @@ def test_inspect_reports_stored_and_dequantized_bytes(release, capsys):
 
 
 def test_int4_release_imports_to_megatron_core_and_back(release, tmp_path):
-    """HF INT4 -> torch_dist TP2 EP2 (each rank decoding only its experts) -> HF: the decompressed tensors; and
+    """HF INT4 -> torch_dist TP2 EP2 (each rank decoding only its experts) -> HF: the decompressed tensors, or with
+    ``--quantize int4`` the release's own bytes; and
     imported in fp32 at TP2 (megatron-core 0.16.1's local spec): megatron-core loads it strictly and gives, within
     1e-4, the logits transformers computes in fp32 on the release's weights as compressed-tensors decompresses them
     (the fp32 HF export, whose bf16 values the test above holds to the library's ``decompress``)."""
@@ -142,6 +143,11 @@ def test_int4_release_imports_to_megatron_core_and_back(release, tmp_path):
     ok(run_cli("reshard", str(rel), str(direct), "--dst-format", "hf", nproc=1))
     a, b = load_file(direct / "model.safetensors"), load_file(back / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # and quantized again: the weights lie on the release's grid, so its packed words and scales come back as they
+    # were (not re-derived as amax / 7.5 of the dequantized values)
+    ok(run_cli("reshard", str(td), str(tmp_path / "requant"), "--dst-format", "hf", "--quantize", "int4", nproc=2))
+    a, b = load_file(rel / "model.safetensors"), load_file(tmp_path / "requant" / "model.safetensors")
+    assert set(a) == set(b) and [k for k in a if not torch.equal(a[k], b[k])] == []
     ok(run_cli("reshard", str(rel), str(mc), "--dst-format", "torch_dist", "--target-tp", "2", "--target-spec",
                "local", "--dtype", "fp32", nproc=2))
     config = tmp_path / "oracle.json"

@@ -228,7 +228,7 @@ def test_back_to_hf_is_bit_exact_indexer_and_mtp_included(converted):
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
         assert not info["missing_keys"] and not info["mismatched_keys"], info
-        assert info["unexpected_keys"] and all(k.startswith("model.layers.4.") for k in info["unexpected_keys"]), info
+        assert all(k.startswith("model.layers.4.") for k in info["unexpected_keys"]), info  # the MTP layer
         with torch.no_grad():
             return model.eval()(input_ids=ids, use_cache=False).logits
 

@@ -61,14 +61,13 @@ def import_config(hf: dict[str, Any], vocab_divisible_by: int | None) -> Importe
     """The model config and notes of an HF ``config.json``: its family's reading, after refusing every key that
     changes the math and that the family does not map."""
     fam = family_of(hf)
-    hf = as_transformers_reads(hf, fam.model_type)
     left = unmapped(hf, fam.hf_keys)
     if left:
         shown = ", ".join(f"{k}={v!r}" for k, v in left[:4])
         raise ConvertError(f"config.json sets {shown}, which changes what {fam.architecture} computes and which "
                            "megatron-core's model here does not express",
                            "convert a config without it (dist_convert never drops a setting that changes the math)")
-    return fam.from_hf(hf, vocab_divisible_by)
+    return fam.from_hf(as_transformers_reads(hf, fam.model_type), vocab_divisible_by)
 
 
 def config_from_hf(hf: dict[str, Any], vocab_divisible_by: int | None) -> tuple[ModelConfig, argparse.Namespace,

@@ -95,6 +95,11 @@ def unmapped(hf: dict[str, Any], mapped: Collection[str]) -> list[tuple[str, Any
             and not plain(flat[k], hf)]
 
 
+# keys a config class also takes under another name (its attribute_map, or an older key it converts): present, they
+# give the key's value, so its default does not apply
+ALIASES: dict[str, tuple[str, ...]] = {"layers_block_type": ("layer_types", "hybrid_override_pattern")}
+
+
 def as_transformers_reads(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     """config.json with each absent key that matters at the default transformers' config class for ``model_type``
     gives it (``hf_defaults.DEFAULTS``, generated from the classes themselves), so that a config without a key is
@@ -108,7 +113,8 @@ def as_transformers_reads(hf: dict[str, Any], model_type: str) -> dict[str, Any]
                 not any(isinstance(v, dict) for v in params.values())
             if absent:
                 out["rope_parameters"] = {**params, "rope_theta": _known(default, "rope_parameters.rope_theta")}
-        elif key not in hf and not (key == "rope_parameters" and rope_given):
+        elif key not in hf and not (key == "rope_parameters" and rope_given) and \
+                not any(a in hf for a in ALIASES.get(key, ())):
             out[key] = copy.deepcopy(_known(default, key))
     return out
 

@@ -29,6 +29,7 @@ from .mlm_args import args_for_target
 from .optim.state import optimizer_numel
 from .phases import clock, phase
 from .plan import DEFAULT_BUDGET, Plan, block_bytes, check_coverage, make_plan
+from .readers import reader_warnings
 from .runtime import Runtime, human_bytes, local_ranks, overlap_io, peak_gpu_bytes, peak_rss_bytes
 from .staging import Staging, refuse_existing, stage, write_error
 from .summary import RankStats, print_summary
@@ -232,6 +233,7 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
                            optimizer_saved=index.optimizer is not None, tokenizer=index.origin.tokenizer)
     args.vocab_size = true_vocab
     index.notes.extend(index.origin.missing())
+    index.notes.extend(reader_warnings(cfg, dst_fmt.name))  # a reader of the target that builds another model
     target = Target(cfg=cfg, layout=layout, dtype=dtype, args=args, iteration=index.iteration,
                     style=index.style if index.format == dst_fmt.name else None,
                     optimizer=index.optimizer and index.optimizer.for_layout(cfg, layout), origin=index.origin,

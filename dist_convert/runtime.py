@@ -71,14 +71,6 @@ class Runtime:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def all_ok(self, ok: bool) -> bool:
-        """Collective: True when every rank is ok (used to stop all ranks on one rank's failure)."""
-        if not self.distributed:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)  # control traffic stays on CPU (gloo)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
-
     def first_failed(self, failed: bool) -> int | None:
         """Collective: the lowest rank that failed (None when none did), so that one rank says a failure that
         several ranks met (a full disk under every rank)."""

@@ -44,7 +44,7 @@ def quantized_entries(scheme: Writer, tensors: list[TargetTensor]) -> list[Entry
     try:
         with torch.device("meta"):
             out = scheme.quantize_together([(t.key, torch.empty(t.shape, dtype=t.dtype)) for t in tensors])
-    except (RuntimeError, NotImplementedError):  # e.g. Tensor.item() cannot be called on meta tensors
+    except (RuntimeError, NotImplementedError):  # the scheme read a value (MXFP4's isfinite check: .item() on meta)
         out = scheme.quantize_together([(t.key, torch.zeros(t.shape, dtype=t.dtype)) for t in tensors])
     return [(name, x.dtype, tuple(x.shape)) for name, x in out]
 

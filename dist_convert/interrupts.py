@@ -77,12 +77,14 @@ def line() -> str:
 
 
 def announce() -> None:
-    """Say ``line()`` once (the main thread or the watchdog, whichever gets there first)."""
+    """Say ``line()`` once (the main thread or the watchdog, whichever gets there first). The line is written
+    under the lock: the watchdog, which ends the process right after, never returns from here while the main
+    thread is still writing it (that race once lost the line, the exit code alone reaching the user)."""
     with _state.lock:
         if _state.said or _state.say is None:
             return
         _state.said = True
-    _state.say(line())
+        _state.say(line())
 
 
 @contextlib.contextmanager

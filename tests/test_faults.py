@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -123,6 +124,29 @@ def test_refuse_overlap_and_write_errors_are_pure():
     for code, needle in ((30, "writable file system"), (13, "may not write"), (28, "df -h")):
         err = write_error(OSError(code, os.strerror(code), "/x/f"), Path("/x"))
         assert str(err).startswith(f"writing /x/f failed: {os.strerror(code)}; ") and needle in str(err), str(err)
+
+
+def test_the_watchdog_never_ends_the_process_while_the_line_is_being_written(monkeypatch):
+    """The main thread says the interrupted line while the watchdog, about to ``os._exit``, calls ``announce`` too:
+    the watchdog's call returns only once the line is out (a CI run once ended with exit 130 and no line)."""
+    from dist_convert import interrupts
+
+    said: list[str] = []
+    writing = threading.Event()
+
+    def slow_say(text: str) -> None:
+        writing.set()
+        time.sleep(0.3)  # a write into a full pipe
+        said.append(text)
+
+    monkeypatch.setattr(interrupts, "_state", interrupts._State(say=slow_say, signum=signal.SIGTERM))
+    main = threading.Thread(target=interrupts.announce)
+    main.start()
+    assert writing.wait(10)
+    interrupts.announce()  # the watchdog: what it would exit right after
+    assert said == ["interrupted (SIGTERM); nothing written"]
+    main.join()
+    assert said == ["interrupted (SIGTERM); nothing written"]  # once
 
 
 # -- file-system faults: a real small tmpfs and a real read-only bind mount (root only) --------------------------

@@ -233,7 +233,7 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
                            optimizer_saved=index.optimizer is not None, tokenizer=index.origin.tokenizer)
     args.vocab_size = true_vocab
     index.notes.extend(index.origin.missing())
-    index.notes.extend(reader_warnings(cfg, dst_fmt.name))  # a reader of the target that builds another model
+    index.warnings.extend(reader_warnings(cfg, dst_fmt.name))  # said at the start and again under the summary
     target = Target(cfg=cfg, layout=layout, dtype=dtype, args=args, iteration=index.iteration,
                     style=index.style if index.format == dst_fmt.name else None,
                     optimizer=index.optimizer and index.optimizer.for_layout(cfg, layout), origin=index.origin,
@@ -306,6 +306,8 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
         for note in index.notes + ([dcp_note] if getattr(dst_fmt, "writes_dcp", False) and (dcp_note := writer_note())
                                    else []):
             rt.log(f"note: {note}")
+        for warning in index.warnings:
+            rt.log(f"[yellow]warning[/]: {warning}")
         nonfinite: dict[str, tuple[int, int]] = {}
         counters, write_s, my_files = _convert_into(staging, target, index, src_fmt, dst_fmt, files, plan, rt,
                                                     opts.memory_budget, exchange=opts.exchange, work=work,
@@ -325,7 +327,7 @@ def reshard(opts: ReshardOptions, rt: Runtime) -> dict:
                      peak_rss=peak_rss_bytes(), exchange_s=counters.get("exchange_ns", 0) / 1e9,
                      peak_gpu=peak_gpu_bytes(rt), device=str(rt.device), phases=clock.report(wall))
     stats = rt.all_gather_object(mine)
-    print_summary(rt, stats, f"wrote {opts.dst} ({dst_fmt.name}, {layout})")
+    print_summary(rt, stats, f"wrote {opts.dst} ({dst_fmt.name}, {layout})", warnings=index.warnings)
     if opts.stats_json is not None and rt.rank == 0:
         opts.stats_json.write_text(json.dumps([dataclasses.asdict(s) for s in stats]))
     return {"plan": plan, "stats": stats}

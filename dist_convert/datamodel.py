@@ -205,6 +205,7 @@ class SourceIndex:
     chunks: list[SourceChunk]
     origin: Origin  # where the model came from (the documents a later export writes back)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # a target's reader that builds another model (readers.py)
     absent: frozenset[str] = frozenset()  # logical tensors the source lacks, left out (--allow-missing)
     style: str | None = None  # on-disk style where a format has several (torch_dist: "0.16" | "0.19")
     optimizer: OptimizerState | None = None  # of a source read with --optimizer (None: the model only)

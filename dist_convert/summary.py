@@ -40,7 +40,9 @@ def throughput(s: RankStats) -> float:
     return (s.read_bytes + s.written_bytes) / s.wall_s / 2**30 if s.wall_s > 0 else 0.0
 
 
-def print_summary(rt: Runtime, stats: list[RankStats], title: str) -> None:
+def print_summary(rt: Runtime, stats: list[RankStats], title: str, *, warnings: list[str] | None = None) -> None:
+    """Rank 0: the table, where the time went, and the run's warnings again (said at its start, which a long run's
+    output has scrolled away)."""
     if rt.rank != 0:
         return
     table = Table(title=title)
@@ -58,6 +60,8 @@ def print_summary(rt: Runtime, stats: list[RankStats], title: str) -> None:
     _console.print(table)
     if any(s.phases for s in stats):
         print_phases(stats)
+    for warning in warnings or []:
+        rt.log(f"[yellow]warning[/]: {warning}")
 
 
 def print_phases(stats: list[RankStats]) -> None:

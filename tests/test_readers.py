@@ -111,3 +111,19 @@ def test_rope_factor_32_is_named_with_what_megatron_lm_builds(built):
         "Megatron-LM's model builder (checkpoint args) ignores rope_scaling_factor=32.0 (builds factor 8); pass "
         "rope_scaling_factor to GPTModel in gpt_builders.py, or load with Megatron-Bridge, which reads it"]
     assert reader_warnings(cfgs["llama32_factor32"], "hf") == []
+
+
+def test_a_run_says_the_warning_at_its_start_and_under_its_summary(tmp_path):
+    """The line reaches the user in the run's output twice: before the conversion and under the summary table (which
+    a long run's progress has scrolled the first one away from); an HF target, read by transformers, gets none."""
+    from conftest import ok, run_cli
+
+    src = hm.make_hf_model(tmp_path, "llama32")  # Llama-3 RoPE scaling, factor 32
+    proc = ok(run_cli("reshard", str(src), str(tmp_path / "dst"), "--dst-format", "torch_dist"))
+    lines = proc.stderr.splitlines()
+    said = [i for i, line in enumerate(lines) if line.startswith("warning: Megatron-LM's model builder")]
+    table = next(i for i, line in enumerate(lines) if f"wrote {tmp_path / 'dst'}" in line)
+    assert len(said) == 2 and said[0] < table < said[1], proc.stderr[-3000:]
+    assert "ignores rope_scaling_factor=32.0" in lines[said[1]] and lines[said[0]] == lines[said[1]]
+    back = ok(run_cli("reshard", str(tmp_path / "dst"), str(tmp_path / "hf"), "--dst-format", "hf"))
+    assert "warning:" not in back.stderr, back.stderr[-2000:]

@@ -5,6 +5,7 @@ refused by ``--quantize``), a target inside its source refused, full and read-on
 for ``--resume``)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -21,7 +22,7 @@ from dist_convert.errors import ConvertError
 from dist_convert.staging import refuse_overlap, write_error
 
 from conftest import ENV, PY, ROOT, assert_refused, ok, run_cli
-from hf_models import make_hf_model
+from hf_models import hf_logits, make_hf_model
 
 TMP = ".dist_convert_tmp"
 
@@ -101,6 +102,46 @@ def test_nonfinite_weights_are_carried_with_a_note(llama, tmp_path):
     assert "verify OK" in proc.stderr
     clean = ok(run_cli("reshard", str(llama), str(tmp_path / "clean"), "--dst-format", "torch_dist"))
     assert "non-finite" not in clean.stderr
+
+
+HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> Path:
+    """A tiny bf16 Llama with tied embeddings (save_pretrained stores no lm_head.weight for it)."""
+    return make_hf_model(tmp_path_factory.mktemp("tied"), "llama", dtype=torch.bfloat16,
+                         family=("LlamaConfig", {"tie_word_embeddings": True}))
+
+
+def with_head(src: Path, dst: Path, head) -> Path:
+    """A copy of the tied ``src`` that also stores lm_head.weight, made from the embedding by ``head``."""
+    shutil.copytree(src, dst)
+    sd = load_file(dst / "model.safetensors")
+    sd[HEAD] = head(sd[EMBED])
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_a_tied_head_stored_with_other_values_is_kept_as_transformers_keeps_it(tied, tmp_path):
+    """transformers ties only copies it finds equal: a stored head that differs stays the model's output layer. The
+    conversion reads it so (untied), says so in one note on rank 0, and the model comes back as transformers ran it;
+    a stored head equal to the embedding is the tied model, without a word."""
+    src = with_head(tied, tmp_path / "src", lambda e: e * 2)
+    proc = ok(run_cli("reshard", str(src), str(tmp_path / "td"), "--dst-format", "torch_dist", "--target-tp", "2",
+                      nproc=2))
+    said = " ".join(proc.stderr.split())  # as one line, whatever width the console wraps at
+    assert said.count("note: config.json ties") == 1, proc.stderr[-3000:]
+    assert (f"note: config.json ties the output layer to the embedding (tie_word_embeddings), but model.safetensors "
+            f"stores {HEAD} with values that differ from {EMBED}: both are kept and the model is read untied") in said
+    ok(run_cli("reshard", str(tmp_path / "td"), str(tmp_path / "hf"), "--dst-format", "hf"))
+    tokens = torch.tensor([[1, 7, 42, 99, 3]])
+    assert torch.equal(hf_logits(tmp_path / "hf", tokens), hf_logits(src, tokens))
+    same = with_head(tied, tmp_path / "same", torch.clone)
+    proc = ok(run_cli("reshard", str(same), str(tmp_path / "td_same"), "--dst-format", "torch_dist"))
+    assert "tie_word_embeddings" not in proc.stderr, proc.stderr[-3000:]
+    info = json.loads(ok(run_cli("inspect", str(tmp_path / "td_same"), "--json")).stdout)
+    assert info["config"]["untie_embeddings_and_output_weights"] is False  # still the tied model
 
 
 @pytest.mark.parametrize("where", ["dst = src", "dst inside src", "src inside dst"])

@@ -96,6 +96,50 @@ def source_tensors(cfg, fam: Family, found: Collection[str]) -> tuple[HFTensors,
     return expected, sets
 
 
+COMPARE_BYTES = 64 << 20  # rows of a stored head and its embedding compared at a time, per rank
+
+
+def differing_tied_heads(index: SourceIndex, rt: Runtime, read: Callable[[SourceIndex, list[SourceChunk]],
+                                                                          dict[int, torch.Tensor]]) -> list[str]:
+    """Collective: a note for each output head a tied model's checkpoint stores (``TIED_HEAD``) with values that
+    differ from the embedding's (empty when none does). Both are read in row blocks of ``COMPARE_BYTES``, the blocks
+    spread over the ranks (no rank holds either whole), and compared bit for bit. transformers (5.x,
+    ``PreTrainedModel.tie_weights``) ties only copies it finds equal: a head that differs stays the model's own
+    output layer, so the index is then read untied, keeping both."""
+    if not (index.origin.hf_stored or {}).get(TIED_HEAD):
+        return []
+    heads = set(family_of(index.origin.hf_config).optional_sets(index.cfg)[TIED_HEAD][0])
+    first: dict[tuple, SourceChunk] = {}
+    pairs: list[tuple[SourceChunk, SourceChunk]] = []
+    for c in index.chunks:  # the head: a chunk holding the very pieces the embedding's chunk holds
+        same = first.setdefault(tuple((p.logical, p.lbox) for p in c.pieces), c)
+        if same is not c and c.key in heads:
+            pairs.append((same, c))
+    blocks = []
+    for emb, head in pairs:
+        rows = max(1, COMPARE_BYTES // max(1, emb.nbytes // max(1, emb.shape[0])))
+        blocks += [(emb, head, r, min(rows, emb.shape[0] - r)) for r in range(0, emb.shape[0], rows)]
+    differ = set()
+    for emb, head, r, n in blocks[rt.rank::rt.world]:
+        parts = [replace(c, offsets=(r, *[0] * (len(c.shape) - 1)), shape=(n, *c.shape[1:]), twins=())
+                 for c in (emb, head)]
+        got = read(index, parts)
+        a, b = got[emb.id], got[head.id]
+        same = torch.equal(_bits(a), _bits(b)) if a.dtype == b.dtype else torch.equal(a.float(), b.float())
+        if not same:
+            differ.add((emb.file, emb.key, head.file, head.key))
+    found = sorted(set().union(*rt.all_gather_object(differ)))
+    return [f"{CONFIG} ties the output layer to the embedding (tie_word_embeddings), but {head_file} stores "
+            f"{head_key} with values that differ from {emb_key}{'' if emb_file == head_file else f' ({emb_file})'}: "
+            "both are kept and the model is read untied (an output layer of its own), as transformers loads it (it "
+            "ties only copies stored equal); set tie_word_embeddings to false in config.json to say so"
+            for emb_file, emb_key, head_file, head_key in found]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(-1).view(torch.uint8)
+
+
 def _looks_like(path: Path) -> bool:
     return path.is_dir() and (path / CONFIG).is_file() and (
         (path / INDEX).is_file() or any(path.glob("*.safetensors")))
@@ -154,9 +198,13 @@ class HFFormat:
         return _looks_like(path)
 
     def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:
-        return on_rank0(rt, lambda: self._index(path, vocab_size))
+        index = on_rank0(rt, lambda: self._index(path, vocab_size))
+        untied = differing_tied_heads(index, rt, self.read)
+        return on_rank0(rt, lambda: self._index(path, vocab_size, untied)) if untied else index
 
-    def _index(self, path: Path, vocab_size: int | None) -> SourceIndex:
+    def _index(self, path: Path, vocab_size: int | None, untied: list[str] | None = None) -> SourceIndex:
+        """Rank 0: the index of the checkpoint at ``path``; ``untied``: the notes of a tied output head stored with
+        values of its own (``differing_tied_heads``), read as transformers builds that model: untied."""
         if not (path / CONFIG).is_file():
             raise ConvertError(f"{path} has no {CONFIG}", "point SRC at a Hugging Face model directory")
         try:
@@ -164,8 +212,8 @@ class HFFormat:
         except json.JSONDecodeError as e:
             raise ConvertError(f"{path / CONFIG} is not valid JSON ({e})", "restore the model's config.json") from None
         fam = family_of(hf)
-        imported = import_config(hf, None)
-        cfg, notes = imported.cfg, list(imported.notes)
+        imported = import_config({**hf, "tie_word_embeddings": False} if untied else hf, None)
+        cfg, notes = imported.cfg, [*(untied or ()), *imported.notes]
         if vocab_size is not None and vocab_size != cfg.vocab_size:
             raise ConvertError(f"--vocab-size {vocab_size} disagrees with vocab_size={cfg.vocab_size} in {CONFIG}",
                                "drop --vocab-size: Hugging Face checkpoints state their vocabulary size")

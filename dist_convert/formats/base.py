@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 import yaml
@@ -84,44 +84,6 @@ class TargetWriter(Protocol):
 
     def close(self) -> list[WrittenFile]:
         """Local, after the last ``put``: finish the rest (e.g. files without tensors)."""
-
-
-class Wrote(NamedTuple):
-    """What a whole-file writer reports of a file it wrote (fsynced): its SHA-256, taken as it was written, and
-    its ``WrittenFile.record`` (what ``finalize`` needs of it)."""
-
-    sha256: str
-    record: dict[str, Any] | None = None
-
-
-class FileAtATime:
-    """A ``TargetWriter`` for formats that write a file whole: it holds a file's tensors until the
-    last one arrives, then calls ``write_file(file, tensors)`` (which fsyncs and reports ``Wrote``) and lets
-    them go."""
-
-    def __init__(self, files: list[TargetFile], write_file: Callable[[TargetFile, list[torch.Tensor]], Wrote]) -> None:
-        self.write_file = write_file
-        self.pending: dict[int, tuple[TargetFile, dict[int, torch.Tensor]]] = {f.id: (f, {}) for f in files}
-
-    def _written(self, file: TargetFile, tensors: list[torch.Tensor]) -> WrittenFile:
-        wrote = self.write_file(file, tensors)
-        return WrittenFile(file=file.id, name=file.name, record=wrote.record or {}, sha256=wrote.sha256)
-
-    def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> list[WrittenFile]:
-        got = self.pending[file.id][1]
-        got[j] = tensor
-        if len(got) < len(file.tensors):
-            return []
-        del self.pending[file.id]
-        return [self._written(file, [got[i] for i in range(len(got))])]
-
-    def close(self) -> list[WrittenFile]:
-        out = []
-        for _, (f, got) in sorted(self.pending.items()):
-            assert not f.tensors, f"{f.name}: {len(f.tensors) - len(got)} tensors never arrived"
-            out.append(self._written(f, []))
-        self.pending.clear()
-        return out
 
 
 def iter_dir_name(iteration: int | str) -> str:

@@ -24,7 +24,6 @@ from ..datamodel import (
     WrittenFile,
     target_dtype,
 )
-from ..durable import save_durable
 from ..errors import ConvertError
 from ..layout.rank_files import chunk_key, rank_entries, split_chunk_key
 from ..layout.rules import (
@@ -46,14 +45,13 @@ from ..runtime import Runtime
 from ..safe_load import load_pt
 from .base import (
     COMMON_TRAINING_STATE,
-    FileAtATime,
     IterDirFormat,
     KeyPolicy,
-    Wrote,
     add_rank_file_chunks,
     dropped_state_note,
     read_origin,
 )
+from .torch_zip import SavedFiles
 
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model_optim_rng.pt"
@@ -304,21 +302,20 @@ class MegatronFormat(IterDirFormat):
         style = self.options.torch_dist_style or target.style or "0.16"
         return [replace(f, tensors=[replace(t, key=key_in_style(t.key, style)) for t in f.tensors]) for f in files]
 
-    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
+    def open_writer(self, target: Target, iter_dir: Path, files: list[TargetFile], rt: Runtime) -> SavedFiles:
         lay = target.layout
         chunk_entries = [f"model{v}" for v in range(lay.vpp)] if lay.vpp else ["model"]
         origin = target.origin.record()  # in every rank file, as the args are (Megatron-LM leaves it alone)
 
-        def write_file(f: TargetFile, tensors: list[torch.Tensor]) -> Wrote:
+        def rank_file(f: TargetFile, tensors: list[torch.Tensor]) -> dict[str, Any]:
             # every model chunk has its entry, an empty one too (a layout string's stage with no layers)
             entries: dict[str, dict[str, Any]] = {e: {} for e in chunk_entries}
             for key, value in [(t.key, x) for t, x in zip(f.tensors, tensors, strict=True)] + list(f.objects.items()):
                 entry, k = split_chunk_key(key)
                 entries.setdefault(entry, {})[k] = value
-            return Wrote(save_durable({**entries, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
-                                       "iteration": 0 if target.iteration == "release" else target.iteration,
-                                       ORIGIN_KEY: origin}, iter_dir / f.name))
-        return FileAtATime(files, write_file)
+            return {**entries, "args": target.args, "checkpoint_version": CHECKPOINT_VERSION,
+                    "iteration": 0 if target.iteration == "release" else target.iteration, ORIGIN_KEY: origin}
+        return SavedFiles(iter_dir, files, rank_file)
 
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
         return None

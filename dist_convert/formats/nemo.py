@@ -23,7 +23,7 @@ import yaml
 
 from ..config import ModelConfig, classify
 from ..datamodel import Origin, SourceChunk, SourceIndex, Target, TargetFile, WrittenFile
-from ..durable import copy_durable, fsync_file, save_durable, write_durable
+from ..durable import copy_durable, fsync_file, write_durable
 from ..errors import ConvertError
 from ..features.base import as_tuple
 from ..features.expressed import ANY, refuse_unexpressed
@@ -32,10 +32,11 @@ from ..integrity import is_run_state
 from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from .base import FileAtATime, FormatOptions, KeyPolicy, Wrote, add_rank_file_chunks
+from .base import FormatOptions, KeyPolicy, add_rank_file_chunks
 from .mcore_config import FIELDS as MCORE_FIELDS
 from .mcore_config import PASSED, passed_fields
 from .nemo_legacy import nemo_target_files, source_style, target_style
+from .torch_zip import SavedFiles
 
 CONFIG = "model_config.yaml"
 WEIGHTS = "model_weights.ckpt"
@@ -320,9 +321,9 @@ class NemoFormat:
         return nemo_target_files(target, dtypes, lambda t, p, e: rank_file(t, p, target.layout),
                                  self.options.nemo_style)
 
-    def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> FileAtATime:
-        return FileAtATime(files, lambda f, tensors: Wrote(save_durable(
-            {**{t.key: x for t, x in zip(f.tensors, tensors, strict=True)}, **f.objects}, out_dir / f.name)))
+    def open_writer(self, target: Target, out_dir: Path, files: list[TargetFile], rt: Runtime) -> SavedFiles:
+        return SavedFiles(out_dir, files, lambda f, tensors: {
+            **{t.key: x for t, x in zip(f.tensors, tensors, strict=True)}, **f.objects})
 
     def finalize(self, target: Target, out_dir: Path, written: list[WrittenFile]) -> None:
         """Rank 0: model_config.yaml for the target layout, and the source's tokenizer artifacts."""

@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import yaml
@@ -26,6 +26,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 COMMON_TRAINING_STATE = ("optimizer", "opt_param_scheduler", "rng_state", "rerun_state_machine",
                          "num_floating_point_operations_so_far", "num_tokens_so_far")
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
+S = TypeVar("S")  # a streamed file's writer state (StreamedFiles)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +85,43 @@ class TargetWriter(Protocol):
 
     def close(self) -> list[WrittenFile]:
         """Local, after the last ``put``: finish the rest (e.g. files without tensors)."""
+
+
+class StreamedFiles(Generic[S]):
+    """What the writers of files written as their tensors arrive share (hf_shards.ShardWriter, torch_zip.SavedFiles):
+    a file is opened at its first tensor (``_start``: its writer's state, kept in ``open``) and closed with its last
+    (``_close``; ``_finish``: fsynced, its ``WrittenFile``); ``close`` writes the files without tensors."""
+
+    def __init__(self, files: list[TargetFile]) -> None:
+        self.files = files
+        self.open: dict[int, S] = {}
+        self.closed: set[int] = set()
+
+    def _start(self, f: TargetFile) -> S:
+        raise NotImplementedError
+
+    def _finish(self, f: TargetFile, state: S) -> WrittenFile:
+        raise NotImplementedError
+
+    def _file(self, f: TargetFile) -> S:
+        if f.id not in self.open:
+            assert f.id not in self.closed, f"{f.name} was already written"
+            self.open[f.id] = self._start(f)
+        return self.open[f.id]
+
+    def _close(self, f: TargetFile) -> WrittenFile:
+        self.closed.add(f.id)
+        return self._finish(f, self.open.pop(f.id))
+
+    def close(self) -> list[WrittenFile]:
+        """Local, after the last ``put``: the files without tensors."""
+        out = []
+        for f in self.files:
+            assert f.id in self.closed or not f.tensors, f"{f.name}: tensors never arrived"
+            if f.id not in self.closed:
+                self._file(f)
+                out.append(self._close(f))
+        return out
 
 
 def iter_dir_name(iteration: int | str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..datamodel import TargetFile, TargetTensor, WrittenFile, row_axis
+from .base import StreamedFiles
 from .quant import Writer
 from .safetensors_io import FileLayout, StreamedFile, file_layout
 
@@ -73,28 +74,24 @@ class _Shard:
     filling: dict[int, torch.Tensor] = field(default_factory=dict)  # quantized tensors arriving in row blocks
 
 
-class ShardWriter:
+class ShardWriter(StreamedFiles[_Shard]):
     """The hf ``TargetWriter``: ``put`` (a whole tensor) and ``put_rows`` (a block of its rows, in any order) write
     at once; a shard is closed (fsynced, hashed as written) with its last tensor. ``record(file)``: what
     ``finalize`` needs of it (``WrittenFile.record``)."""
 
     def __init__(self, out_dir: Path, files: list[TargetFile], scheme: Writer | None,
                  record: Callable[[TargetFile], dict[str, Any]]) -> None:
-        self.out_dir, self.files, self.scheme, self.record = out_dir, files, scheme, record
-        self.open: dict[int, _Shard] = {}
+        super().__init__(files)
+        self.out_dir, self.scheme, self.record = out_dir, scheme, record
         self.rows_due: dict[tuple[int, int], int] = {}
-        self.closed: set[int] = set()
 
     def layout(self, f: TargetFile) -> FileLayout:
         return file_layout(shard_entries(f.tensors, self.scheme))
 
-    def _shard(self, f: TargetFile) -> _Shard:
-        if f.id not in self.open:
-            assert f.id not in self.closed, f"{f.name} was already written"
-            quantized = {k: js for k, js in units(f.tensors, self.scheme).items() if k.startswith("\0")}
-            self.open[f.id] = _Shard(file=StreamedFile(self.out_dir / f.name, self.layout(f)), left=len(f.tensors),
-                                     unit_of={j: k for k, js in quantized.items() for j in js}, members=quantized)
-        return self.open[f.id]
+    def _start(self, f: TargetFile) -> _Shard:
+        quantized = {k: js for k, js in units(f.tensors, self.scheme).items() if k.startswith("\0")}
+        return _Shard(file=StreamedFile(self.out_dir / f.name, self.layout(f)), left=len(f.tensors),
+                      unit_of={j: k for k, js in quantized.items() for j in js}, members=quantized)
 
     def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> list[WrittenFile]:
         return self.put_rows(file, j, 0, tensor)
@@ -102,7 +99,7 @@ class ShardWriter:
     def put_rows(self, file: TargetFile, j: int, first_row: int, block: torch.Tensor) -> list[WrittenFile]:
         """Rows ``first_row ...`` of tensor ``j`` along its row axis (datamodel.row_axis), or the whole tensor; the
         tensor is complete with its last row."""
-        t, s = file.tensors[j], self._shard(file)
+        t, s = file.tensors[j], self._file(file)
         d = row_axis(t.shape)
         rows, due = (1, 1) if d is None else (block.shape[d], t.shape[d])
         if j not in s.unit_of:
@@ -131,17 +128,5 @@ class ShardWriter:
         for name, x in self.scheme.quantize_together([(f.tensors[j].key, s.gathered.pop(j)) for j in js]):
             s.file.write(name, x)
 
-    def _close(self, f: TargetFile) -> WrittenFile:
-        s = self.open.pop(f.id)
-        self.closed.add(f.id)
+    def _finish(self, f: TargetFile, s: _Shard) -> WrittenFile:
         return WrittenFile(file=f.id, name=f.name, record=self.record(f), sha256=s.file.close())
-
-    def close(self) -> list[WrittenFile]:
-        """The files without tensors (none in a model's shards; kept for the protocol)."""
-        out = []
-        for f in self.files:
-            assert f.id in self.closed or not f.tensors, f"{f.name}: tensors never arrived"
-            if f.id not in self.closed:
-                self._shard(f)
-                out.append(self._close(f))
-        return out

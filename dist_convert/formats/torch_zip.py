@@ -31,6 +31,7 @@ import torch
 from torch.utils.serialization import config as serialization_config
 
 from ..datamodel import TargetFile, WrittenFile
+from .base import StreamedFiles
 from .distcp import PositionedFile
 
 _STORAGE = re.compile(r"^[^/]+/data/(\d+)$")  # a storage's record: archive/data/K
@@ -274,31 +275,28 @@ class StreamedSave:
         return self.fh.close()
 
 
-class SavedFiles:
+class SavedFiles(StreamedFiles[tuple[StreamedSave, dict[int, int]]]):
     """The ``TargetWriter`` of formats whose files are ``torch.save``d objects (legacy Megatron, NeMo 1 rank files):
     ``build(file, tensors)`` is the object a file holds given its tensors (``file.tensors`` order). A file is laid
     out at its first tensor (``build`` of stand-ins), each tensor written as it arrives, the file closed (fsynced,
     hashed as written) with its last; a tensor ``build`` adds (a buffer) is written with the skeleton."""
 
     def __init__(self, out_dir: Path, files: list[TargetFile], build: Callable[[TargetFile, list[torch.Tensor]], Any]):
-        self.out_dir, self.files, self.build = out_dir, files, build
-        self.open: dict[int, tuple[StreamedSave, dict[int, int]]] = {}  # file -> its writer, tensor j -> storage K
-        self.closed: set[int] = set()
+        super().__init__(files)
+        self.out_dir, self.build = out_dir, build
 
-    def _file(self, f: TargetFile) -> tuple[StreamedSave, dict[int, int]]:
-        if f.id not in self.open:
-            assert f.id not in self.closed, f"{f.name} was already written"
-            stand_ins = [torch.empty(t.shape, dtype=t.dtype) for t in f.tensors]
-            layout, seen = save_layout(self.build(f, stand_ins))
-            j_of = {id(x): j for j, x in enumerate(stand_ins)}
-            path = self.out_dir / f.name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            out = StreamedSave(path, layout)
-            for k, x in enumerate(seen):
-                if id(x) not in j_of:
-                    out.write(k, x)
-            self.open[f.id] = (out, {j_of[id(x)]: k for k, x in enumerate(seen) if id(x) in j_of})
-        return self.open[f.id]
+    def _start(self, f: TargetFile) -> tuple[StreamedSave, dict[int, int]]:
+        """The file's writer, and which storage each tensor j is."""
+        stand_ins = [torch.empty(t.shape, dtype=t.dtype) for t in f.tensors]
+        layout, seen = save_layout(self.build(f, stand_ins))
+        j_of = {id(x): j for j, x in enumerate(stand_ins)}
+        path = self.out_dir / f.name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out = StreamedSave(path, layout)
+        for k, x in enumerate(seen):
+            if id(x) not in j_of:
+                out.write(k, x)
+        return out, {j_of[id(x)]: k for k, x in enumerate(seen) if id(x) in j_of}
 
     def put(self, file: TargetFile, j: int, tensor: torch.Tensor) -> list[WrittenFile]:
         t = file.tensors[j]
@@ -308,17 +306,5 @@ class SavedFiles:
         out.write(k_of.pop(j), tensor)
         return [] if k_of else [self._close(file)]
 
-    def _close(self, f: TargetFile) -> WrittenFile:
-        out, _ = self.open.pop(f.id)
-        self.closed.add(f.id)
-        return WrittenFile(file=f.id, name=f.name, sha256=out.close())
-
-    def close(self) -> list[WrittenFile]:
-        """The files without tensors."""
-        out = []
-        for f in self.files:
-            assert f.id in self.closed or not f.tensors, f"{f.name}: tensors never arrived"
-            if f.id not in self.closed:
-                self._file(f)
-                out.append(self._close(f))
-        return out
+    def _finish(self, f: TargetFile, state: tuple[StreamedSave, dict[int, int]]) -> WrittenFile:
+        return WrittenFile(file=f.id, name=f.name, sha256=state[0].close())

@@ -399,6 +399,9 @@ def config_from_args(args: argparse.Namespace, vocab_size: int | None, spec: str
     refuse_unconverted(args)
     a = vars(args)
     heads = int(args.num_attention_heads)
+    if heads < 1:
+        raise ConvertError(f"num_attention_heads = {heads} in the checkpoint args has no meaning: attention has at "
+                           "least one head", "the checkpoint args are damaged; fix num_attention_heads")
     hidden = int(args.hidden_size)
     if "group_query_attention" in a:  # Megatron-LM: num_query_groups counts only with GQA on
         groups = int(get(a, "num_query_groups", default=heads)) if args.group_query_attention else heads

@@ -5,6 +5,7 @@ refused by ``--quantize``), a target inside its source refused, full and read-on
 for ``--resume``)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -17,8 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_gemma3 import GEMMA3
 
+from dist_convert.config import config_from_args
 from dist_convert.errors import ConvertError
+from dist_convert.features import DSA, MoE, Position
 from dist_convert.staging import refuse_overlap, write_error
 
 from conftest import ENV, PY, ROOT, assert_refused, ok, run_cli
@@ -307,18 +311,95 @@ def test_interrupt_stops_every_process_with_one_line(llama, tmp_path, case):
         assert not tmp.exists()
 
 
-@pytest.mark.parametrize("field,value", [("dsa_indexer_topk", 0), ("dsa_indexer_topk_freq", 0),
-                                         ("dsa_indexer_n_heads", -1)])
-def test_settings_outside_their_declared_range_are_refused_where_read(field, value):
-    """Generated from the records' declared ranges (features.base.setting's ``low``): read from Megatron-LM args."""
-    import argparse
+def with_config(src: Path, dst: Path, change) -> Path:
+    """A copy of ``src`` whose config.json is ``change(config)`` (the weights as they are)."""
+    shutil.copytree(src, dst)
+    (dst / "config.json").write_text(json.dumps(change(json.loads((src / "config.json").read_text()))))
+    return dst
 
-    from dist_convert.features.blocks import DSA
 
-    args = argparse.Namespace(experimental_attention_variant="dsa", **{field: value})
-    with pytest.raises(ConvertError, match=f"{field} = {value} has no meaning: .* must be at least 1"):
-        DSA.from_args(args)
-    assert DSA.from_args(argparse.Namespace(experimental_attention_variant="dsa", **{field: 4})) is not None
+def _sliding(cfg: dict, window) -> dict:
+    return {**cfg, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": window}
+
+
+def _experts(cfg: dict, experts: int, topk: int) -> dict:
+    return {**cfg, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": experts,
+            "num_experts_per_tok": topk}
+
+
+# case -> (config.json made from the llama's, what the one error line names): values no reader gives a meaning,
+# refused where config.json is read, before anything is written (the weights are the llama's: never reached)
+BAD_CONFIGS = {
+    "Mistral sliding_window 0": (lambda c: _sliding(c, 0),
+                                 ["sliding_window = 0 in config.json has no meaning", "window the model was trained"]),
+    "Gemma 3 sliding_window 0": (lambda c: {**GEMMA3, "sliding_window": 0},
+                                 ["sliding_window = 0 in config.json has no meaning"]),
+    "no attention heads": (lambda c: {**c, "num_attention_heads": 0},
+                           ["num_attention_heads = 0 in config.json has no meaning"]),
+    "no key/value heads": (lambda c: {**c, "num_key_value_heads": 0},
+                           ["num_key_value_heads = 0 in config.json has no meaning"]),
+    "RoPE theta 0": (lambda c: {**c, "rope_parameters": {"rope_type": "default", "rope_theta": 0.0}},
+                     ["rotary_base = 0.0 has no meaning: the RoPE base (theta) must be above 0", "config.json"]),
+    "MoE top-k above the experts": (lambda c: _experts(c, 4, 5),
+                                    ["moe_router_topk = 5 has no meaning: experts per token must be at most "
+                                     "num_experts (4)"]),
+    "MoE without experts": (lambda c: _experts(c, 0, 2), ["num_experts = 0 has no meaning"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_config_values_without_meaning_are_refused_where_read(llama, tmp_path, case):
+    change, needles = BAD_CONFIGS[case]
+    src = with_config(llama, tmp_path / "src", change)
+    assert_refused(run_cli("reshard", str(src), str(tmp_path / "dst"), "--dst-format", "torch_dist"), tmp_path,
+                   *needles)
+
+
+def _moe(**kw) -> dict:
+    return {"num_layers": 2, "hidden_size": 64, "num_experts": 4, **kw}
+
+
+# case -> (reader of Megatron-LM args, args, args that make them mean something, what the error says): generated from
+# the records' declared ranges (features.base.setting's low / above / high), checked as the record is read
+BAD_ARGS = {
+    "DSA top-k 0": (DSA.from_args, {"experimental_attention_variant": "dsa", "dsa_indexer_topk": 0},
+                    {"dsa_indexer_topk": 4}, "dsa_indexer_topk = 0 has no meaning: .* must be at least 1"),
+    "DSA top-k frequency 0": (DSA.from_args, {"experimental_attention_variant": "dsa", "dsa_indexer_topk_freq": 0},
+                              {"dsa_indexer_topk_freq": 4}, "dsa_indexer_topk_freq = 0 has no meaning: .* at least 1"),
+    "DSA indexer heads -1": (DSA.from_args, {"experimental_attention_variant": "dsa", "dsa_indexer_n_heads": -1},
+                             {"dsa_indexer_n_heads": 4}, "dsa_indexer_n_heads = -1 has no meaning: .* at least 1"),
+    "MoE top-k above the experts": (MoE.from_args, _moe(moe_router_topk=5), {"moe_router_topk": 4},
+                                    r"moe_router_topk = 5 has no meaning: experts per token must be at most "
+                                    r"num_experts \(4\)"),
+    "MoE top-k 0": (MoE.from_args, _moe(moe_router_topk=0), {"moe_router_topk": 1},
+                    "moe_router_topk = 0 .* at least 1"),
+    "group top-k above the groups": (MoE.from_args, _moe(moe_router_num_groups=2, moe_router_group_topk=3),
+                                     {"moe_router_group_topk": 2}, r"moe_router_group_topk = 3 .* at most "
+                                                                   r"moe_router_num_groups \(2\)"),
+    "RoPE base below 0": (Position.from_args, {"position_embedding_type": "rope", "rotary_base": -1.0},
+                          {"rotary_base": 500000.0}, "rotary_base = -1.0 has no meaning: .* must be above 0"),
+    "no attention heads": (lambda a: config_from_args(a, None, None, 1),
+                           {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 0, "vocab_size": 100},
+                           {"num_attention_heads": 4}, "num_attention_heads = 0 in the checkpoint args has no meaning"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGS))
+def test_args_values_without_meaning_are_refused_where_read(case):
+    read, args, fixed, pattern = BAD_ARGS[case]
+    with pytest.raises(ConvertError, match=pattern):
+        read(argparse.Namespace(**args))
+    assert read(argparse.Namespace(**{**args, **fixed})) is not None
+
+
+def test_a_window_of_zero_tokens_before_the_query_is_kept():
+    """megatron-core's window_size (0, 0) has a meaning (each query sees itself alone: utils.is_layer_window_attention
+    takes any tuple): carried as it is, and written to config.json as transformers' sliding_window 1, which means the
+    same; config.json's sliding_window 0 has none (refused above)."""
+    from dist_convert.features import Attention
+    from dist_convert.models.base import hf_window
+
+    assert Attention.from_args(argparse.Namespace(window_size=(0, 0))).window == (0, 0) == hf_window(1)
 
 
 class _Payload:

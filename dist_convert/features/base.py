@@ -39,14 +39,16 @@ class Setting(NamedTuple):
 
 
 def setting(default: Any, *, arg: str | tuple[str, ...] = (), what: str = "", kind: str = SETTING,
-            config: str | tuple[str, ...] | None = None, low: int | None = None) -> Any:
+            config: str | tuple[str, ...] | None = None, low: int | None = None, above: float | None = None,
+            high: str | None = None) -> Any:
     """A feature record's field: its default and what it is (module docstring). ``config``: the megatron-core
-    ``TransformerConfig`` / ``GPTModel`` names it stands for, when they are not ``arg``'s. ``low``: the least value
-    that means something (a record holding less is refused as it is made, i.e. where the setting is read)."""
+    ``TransformerConfig`` / ``GPTModel`` names it stands for, when they are not ``arg``'s. The values that mean
+    something, where not all do (a record holding another is refused as it is made, i.e. where the setting is read):
+    ``low``, the least; ``above``, a bound they exceed; ``high``, the record's field they do not exceed."""
     args = (arg,) if isinstance(arg, str) else tuple(arg)
     configs = args if config is None else (config,) if isinstance(config, str) else tuple(config)
     return dataclasses.field(default=default, metadata={"kind": kind, "arg": args, "what": what,
-                                                        "config": configs, "low": low})
+                                                        "config": configs, "low": low, "above": above, "high": high})
 
 
 def get(args: argparse.Namespace | dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -75,15 +77,22 @@ class Feature(ABC):
     essential: ClassVar[tuple[str, ...] | None] = None  # what inspect always shows (None: every field)
 
     def __post_init__(self) -> None:
-        """Every setting within its declared range (``setting(low=...)``), else one line naming it."""
+        """Every setting within its declared range (``setting(low=..., above=..., high=...)``), else one line
+        naming it."""
         from ..errors import ConvertError
 
         for name, value, f in self.fields():
-            low = f.metadata.get("low")
-            if low is not None and isinstance(value, int) and value < low:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            low, above, high = (f.metadata.get(k) for k in ("low", "above", "high"))
+            bound = getattr(self, high) if high is not None else None
+            wrong = ("at least", low) if low is not None and value < low else \
+                ("above", above) if above is not None and not value > above else \
+                ("at most", f"{_arg_of(self, high)} ({bound})") if bound is not None and value > bound else None
+            if wrong is not None:
                 names = " / ".join(f.metadata.get("arg") or (name,))
                 raise ConvertError(f"{type(self).__name__} setting {names} = {value} has no meaning: "
-                                   f"{f.metadata.get('what') or name} must be at least {low}",
+                                   f"{f.metadata.get('what') or name} must be {wrong[0]} {wrong[1]}",
                                    "correct it in the source's config (config.json, or the checkpoint's args)")
 
     @classmethod
@@ -112,6 +121,10 @@ class Feature(ABC):
             return [name for name, _, _ in self.fields()]
         plain = type(self)()
         return [name for name, value, _ in self.fields() if name in self.essential or value != getattr(plain, name)]
+
+
+def _arg_of(record: Feature, name: str) -> str:
+    return arg_name(next(f for f in dataclasses.fields(record) if f.name == name))  # type: ignore[arg-type]
 
 
 def arg_name(f: dataclasses.Field) -> str:

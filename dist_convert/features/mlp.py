@@ -53,7 +53,9 @@ class MoE(Feature):
     attr: ClassVar[str] = "moe"
     what: ClassVar[str] = "Mixture-of-Experts layers"
 
-    num_experts: int = setting(0, kind=SIZE, arg="num_experts", config="num_moe_experts", what="routed experts")
+    # (the plain record, never a model's, holds as many experts as it routes each token to)
+    num_experts: int = setting(2, kind=SIZE, arg="num_experts", config="num_moe_experts", what="routed experts",
+                               low=1)
     ffn: int = setting(0, kind=SIZE, arg="moe_ffn_hidden_size", what="each routed expert's FFN size")
     layer_pattern: tuple[int, ...] | None = setting(None, arg="moe_layer_freq",
                                                     what="dense layers between the MoE layers (1: MoE, 0: dense)")
@@ -62,14 +64,15 @@ class MoE(Feature):
     shared_gate: bool = setting(False, arg="moe_shared_expert_gate", what="sigmoid gate on the shared experts")
     expert_bias: bool = setting(False, arg="moe_router_enable_expert_bias",
                                 what="router expert bias for the choice (DeepSeek's e_score_correction_bias)")
-    topk: int = setting(2, kind=SIZE, arg="moe_router_topk", what="experts per token")
+    topk: int = setting(2, kind=SIZE, arg="moe_router_topk", what="experts per token", low=1, high="num_experts")
     score_function: str = setting("softmax", arg="moe_router_score_function", what="router scores: softmax or sigmoid")
     pre_softmax: bool = setting(False, arg="moe_router_pre_softmax",
                                 what="softmax before top-k, a router that never renormalises the top-k")
     topk_scaling_factor: float | None = setting(None, arg="moe_router_topk_scaling_factor",
                                                 what="the routed weights' scale")
     num_groups: int | None = setting(None, arg="moe_router_num_groups", what="expert groups of group-limited routing")
-    group_topk: int | None = setting(None, arg="moe_router_group_topk", what="groups chosen per token")
+    group_topk: int | None = setting(None, arg="moe_router_group_topk", what="groups chosen per token", low=1,
+                                     high="num_groups")
     capacity_factor: float | None = setting(None, arg="moe_expert_capacity_factor",
                                             what="an expert capacity (tokens over it are dropped)")
     apply_probs_on_input: bool = setting(False, arg="moe_apply_probs_on_input",

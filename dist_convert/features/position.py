@@ -28,7 +28,7 @@ class Position(Feature):
 
     kind: str = setting("rope", arg="position_embedding_type",
                         what="position embeddings: rope, yarn, learned_absolute, relative or none")
-    base: float = setting(10000.0, arg="rotary_base", what="the RoPE base (theta)")
+    base: float = setting(10000.0, arg="rotary_base", what="the RoPE base (theta)", above=0)
     percent: float = setting(1.0, arg="rotary_percent", what="the share of each head RoPE rotates (partial RoPE)")
     interleaved: bool = setting(False, arg="rotary_interleaved", what="interleaved (GPT-J style) RoPE pairs")
     seq_len_interpolation: float | None = setting(None, arg="rotary_seq_len_interpolation_factor",
@@ -47,7 +47,7 @@ class Position(Feature):
     yarn_mscale_all_dim: float | None = setting(None, arg="mscale_all_dim", what="YaRN's mscale_all_dim")
     yarn_round_to_int: bool | None = setting(None, arg="yarn_correction_range_round_to_int",
                                              what="YaRN's correction range rounded to whole dimensions")
-    local_base: float | None = setting(None, arg="rotary_base_local",
+    local_base: float | None = setting(None, arg="rotary_base_local", above=0,
                                        what="the RoPE base of sliding-window layers (Megatron-Bridge's Gemma 3)")
     mrope_section: tuple[int, ...] | None = setting(None, arg="mrope_section", what="multimodal RoPE sections")
     # megatron-core's MRoPE takes the sections one after the other; Megatron-Bridge's Qwen3-VL model interleaves them

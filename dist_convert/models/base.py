@@ -256,8 +256,23 @@ def dims_of(hf: dict[str, Any]) -> Dims:
         layers, ffn, vocab = int(hf["num_hidden_layers"]), int(hf["intermediate_size"]), int(hf["vocab_size"])
     except KeyError as e:
         raise ConvertError(f"config.json lacks {e.args[0]}", "use the config.json saved with the model") from None
+    for key, n in (("num_attention_heads", heads), ("num_key_value_heads", hf.get("num_key_value_heads", 1))):
+        if n is not None and int(n) < 1:  # transformers divides by both: it builds no model
+            raise ConvertError(f"{key} = {n} in config.json has no meaning: attention has at least one head",
+                               "use the config.json saved with the model")
     return Dims(heads=heads, hidden=hidden, layers=layers, ffn=ffn, vocab=vocab,
                 groups=int(hf.get("num_key_value_heads") or heads), head_dim=int(hf.get("head_dim") or hidden // heads))
+
+
+def hf_window(size: Any) -> tuple[int, int]:
+    """megatron-core's ``window_size`` (W - 1, 0) for config.json's ``sliding_window`` W on layers that slide (each
+    query sees itself and the W - 1 tokens before it). W below 1 is refused: transformers' mask of W tokens then
+    holds none and its forward fails (megatron-core's own (0, 0), the token itself alone, is W = 1)."""
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or size < 1:
+        raise ConvertError(f"sliding_window = {size!r} in config.json has no meaning: a sliding window holds at "
+                           "least the token itself (1)", "set sliding_window in config.json to the window the "
+                                                         "model was trained with")
+    return int(size) - 1, 0
 
 
 def divisible(vocab_divisible_by: int | None) -> int:

@@ -36,6 +36,7 @@ from .base import (
     base_config,
     dims_of,
     get,
+    hf_window,
     in_layer,
     layer_prefix,
 )
@@ -121,8 +122,8 @@ class Gemma3(Family):
                        max_position_embeddings=int(get(hf, "max_position_embeddings", 131072))),
             position=gemma_position(hf),
             attention=Attention(qk_norm=True, softmax_scale=1.0 / math.sqrt(scalar),
-                                window=(int(window) - 1, 0) if window else None,
-                                window_pattern=attention_pattern(hf, d.layers) if window else None),
+                                window=hf_window(window) if window is not None else None,
+                                window_pattern=attention_pattern(hf, d.layers) if window is not None else None),
             norm=Norms(kind="RMSNorm", eps=float(get(hf, "rms_norm_eps", 1e-6)), zero_centered_gamma=True,
                        post_norms=True),
             mlp=MLP(gated=True, activation="gelu_tanh"), embedding=Embedding(multiplier=math.sqrt(d.hidden)))

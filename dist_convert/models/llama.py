@@ -30,6 +30,7 @@ from .base import (
     dims_of,
     divisible,
     get,
+    hf_window,
     in_layer,
     layer_prefix,
 )
@@ -67,7 +68,7 @@ def gqa_import(hf: dict[str, Any], vocab_divisible_by: int | None, name: str, *,
             raise ConvertError(f"{flag}=true (biases on o_proj or the MLP) has no megatron-core equivalent",
                                "convert models without those biases")
     size = hf.get("sliding_window")
-    slides = bool(size) and bool(hf.get("use_sliding_window", window))
+    slides = (size is not None if window else bool(size)) and bool(hf.get("use_sliding_window", window))
     types = hf.get("layer_types")
     if types and "sliding_attention" in types and not window:
         raise ConvertError(f"layer_types {types}: {name} here converts full attention on every layer",
@@ -76,7 +77,7 @@ def gqa_import(hf: dict[str, Any], vocab_divisible_by: int | None, name: str, *,
         raise ConvertError(f"sliding_window={size} with use_sliding_window=true: {name}'s per-layer sliding "
                            "window (max_window_layers) is not converted", "convert a config with use_sliding_window "
                                                                          "false (as the releases have)")
-    attention = Attention(qk_norm=qk_norm, window=(int(size) - 1, 0) if slides else None)
+    attention = Attention(qk_norm=qk_norm, window=hf_window(size) if slides else None)
     return ModelConfig(**gqa_core(d, hf, vocab_divisible_by, add_qkv_bias=qkv_bias), attention=attention,
                        position=position_from_hf(hf, name, kinds=ROPE_KINDS, partial_default=partial_default),
                        mlp=MLP(gated=True, activation="silu"),

@@ -328,7 +328,8 @@ def test_release_case_round_trips_and_judges_its_targets(tmp_path, monkeypatch, 
                                                              num_attention_heads=8, num_query_groups=4,
                                                              vocab_size=1024))
     ns = argparse.Namespace(release="tiny", workdir=tmp_path, dtype="bf16", max_shard_size=MB, seed=0, timeout=600,
-                            reps=1, ranks=[1], target_tp=None, target_pp=None, memory_budget=MB, drop_caches=False)
+                            reps=1, ranks=[1], target_tp=None, target_pp=None, memory_budget=MB, drop_caches=False,
+                            export_format="hf")
     work = tmp_path / "work"
     work.mkdir()
     result = release.run_release(ns, work)
@@ -353,3 +354,7 @@ def test_release_case_round_trips_and_judges_its_targets(tmp_path, monkeypatch, 
         "config.json": {"sha256": "c"}, "model-00001-of-00001.safetensors": {"sha256": "a"}}}))
     assert release.check_round_trip(tmp_path, {"shards": {"model-00001-of-00001.safetensors": "a"}})
     assert not release.check_round_trip(tmp_path, {"shards": {"model-00001-of-00001.safetensors": "b"}})
+    # --export-format megatron: legacy rank files at TP=1 PP=1, judged by time and memory alone
+    ns.export_format = "megatron"
+    result = release.run_release(ns, work)
+    assert result["export_format"] == "megatron" and list(result["rows"][1]["checks"]) == ["≤1.2x floor", "RSS≤1 GB"]

@@ -57,6 +57,9 @@ def add_bench_parser(sub: Any, parse_size: Callable[[str], int], default_budget:
                         "--drop-caches")
     b.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9,
                    help="--release: the release's shard size and the export's (default 5GB)")
+    b.add_argument("--export-format", choices=("hf", "megatron"), default="hf",
+                   help="--release: what the export writes: hf (the release back, checked byte for byte; default) or "
+                        "megatron (legacy rank files at TP=1 PP=1: the whole model in one torch.save file, streamed)")
     b.add_argument("--dtype", choices=tuple(ITEMSIZE), default="bf16",
                    help="dtype of the synthetic checkpoint's tensors (default bf16)")
     b.add_argument("--format", choices=("torch_dist", "megatron", "hf"), default="torch_dist",

@@ -8,7 +8,9 @@ it). Each rep, interleaved: the floor of the release's bytes (a plain copy, fsyn
 torch_dist at ``--target-tp``/``--target-pp``, default TP=2 PP=2), the floor of that checkpoint's bytes, and the
 export back to hf (``--dst-format hf`` in the release's shard size), every step after ``sync`` and, with
 ``--drop-caches``, with the page cache emptied, so each reads its source from disk. The export must give the
-release back byte for byte: its manifest's SHA-256 of every shard equals the release's.
+release back byte for byte: its manifest's SHA-256 of every shard equals the release's. ``--export-format megatron``
+exports to legacy Megatron rank files at TP=1 PP=1 instead (the whole model in one ``torch.save`` file, the largest
+file any writer makes), judged by time and memory alone.
 
 Targets (issue 60), at 2 ranks, ratios of one run: import <= 1.1x its floor, export <= 1.2x its floor, and every
 rank's peak RSS <= 1 GB in both directions."""
@@ -133,12 +135,20 @@ def run_release(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
         _step("export floor", runs, ns, lambda: measure.time_floor(measure.source_files(mid), work / "floor"))
         measure.remove(work / "floor")
         measure.remove(back)
-        _step("export", runs, ns, lambda: _reshard(mid, back, work / "export.json", ns, "--dst-format", "hf",
-                                                     "--max-shard-size", str(ns.max_shard_size)))
-        agree.append(check_round_trip(back, record))
+        _step("export", runs, ns, lambda: _reshard(mid, back, work / "export.json", ns, *export_flags(ns)))
+        if ns.export_format == "hf":
+            agree.append(check_round_trip(back, record))
         measure.remove(back)
     measure.remove(mid)
-    return release_rows(runs, record, ns, all(agree))
+    return release_rows(runs, record, ns, all(agree) if ns.export_format == "hf" else None)
+
+
+def export_flags(ns: argparse.Namespace) -> tuple[str, ...]:
+    """The export's: back to hf in the release's shard size, or legacy Megatron rank files at TP=1 PP=1 (one file
+    of the whole model, written as its tensors arrive: formats/torch_zip.py)."""
+    if ns.export_format == "megatron":
+        return "--dst-format", "megatron", "--target-tp", "1", "--target-pp", "1"
+    return "--dst-format", "hf", "--max-shard-size", str(ns.max_shard_size)
 
 
 def _median(runs: list[Run], key: str) -> float | None:
@@ -147,9 +157,10 @@ def _median(runs: list[Run], key: str) -> float | None:
 
 
 def release_rows(runs: dict[str, list[Run]], record: dict[str, Any], ns: argparse.Namespace,
-                 agree: bool) -> dict[str, Any]:
+                 agree: bool | None) -> dict[str, Any]:
     """Pure: per direction, the median wall, its floor's, the ratio, in-process time and every rank's peak RSS (the
-    largest over reps), with the targets' verdicts."""
+    largest over reps), with the targets' verdicts (``agree``: whether an hf export gave the release back; None for
+    a megatron export)."""
     rows = []
     for step, factor in (("import", IMPORT_FACTOR), ("export", EXPORT_FACTOR)):
         wall, floor = _median(runs[step], "wall_s"), _median(runs[f"{step} floor"], "wall_s")
@@ -161,8 +172,10 @@ def release_rows(runs: dict[str, list[Run]], record: dict[str, Any], ns: argpars
                      "walls": [r.wall_s for r in runs[step]],
                      "checks": {f"≤{factor}x floor": ratio is not None and ratio <= factor,
                                 "RSS≤1 GB": max(rss) <= RSS_MAX}})
-    rows[1]["checks"]["release back byte for byte"] = agree
-    return {"release": ns.release, "bytes": record["bytes"], "shape": record["shape"], "reps": ns.reps,
+    if agree is not None:
+        rows[1]["checks"]["release back byte for byte"] = agree
+    return {"release": ns.release, "export_format": ns.export_format, "bytes": record["bytes"],
+            "shape": record["shape"], "reps": ns.reps,
             "ranks": ranks(ns), "cold": bool(ns.drop_caches), "memory_budget": ns.memory_budget,
             "max_shard_size": ns.max_shard_size, "rows": rows}
 
@@ -178,8 +191,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def print_release(result: dict[str, Any]) -> None:
-    table = Table(title=f"{result['release']} ({human_bytes(result['bytes'])}), {result['ranks']} ranks, median of "
-                        f"{result['reps']}, {'cold' if result['cold'] else 'warm'} page cache")
+    table = Table(title=f"{result['release']} ({human_bytes(result['bytes'])}), export to {result['export_format']}, "
+                        f"{result['ranks']} ranks, median of {result['reps']}, "
+                        f"{'cold' if result['cold'] else 'warm'} page cache")
     for col in ("step", "floor s", "wall s", "wall/floor", "in-proc s", "peak RSS per rank", "checks"):
         table.add_column(col, justify="left" if col in ("step", "checks") else "right")
     for r in result["rows"]:

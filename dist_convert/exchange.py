@@ -199,14 +199,20 @@ def count_nonfinite(chunks: list[SourceChunk], data: dict[int, torch.Tensor],
             into[name] = (before[0] + nan, before[1] + inf)
 
 
-def nonfinite_note(found: list[dict[str, tuple[int, int]]], limit: int = 4, what: str = "source tensors",
-                   then: str = ", carried as they are") -> str | None:
-    """Pure: the one note line on every rank's ``count_nonfinite`` (None when all values were finite)."""
+def nonfinite_total(found: list[dict[str, tuple[int, int]]]) -> dict[str, tuple[int, int]]:
+    """Pure: every rank's ``count_nonfinite`` summed, by name."""
     total: dict[str, tuple[int, int]] = {}
     for part in found:
         for name, (nan, inf) in part.items():
             before = total.get(name, (0, 0))
             total[name] = (before[0] + nan, before[1] + inf)
+    return total
+
+
+def nonfinite_note(found: list[dict[str, tuple[int, int]]], limit: int = 4, what: str = "source tensors",
+                   then: str = ", carried as they are") -> str | None:
+    """Pure: the one note line on every rank's ``count_nonfinite`` (None when all values were finite)."""
+    total = nonfinite_total(found)
     if not total:
         return None
     shown = ", ".join(f"{name} ({nan} NaN, {inf} inf)" for name, (nan, inf) in sorted(total.items())[:limit])

@@ -1,6 +1,8 @@
 """``inspect``: what a checkpoint holds (format, iteration, layout, the config fields its model uses, bytes,
-dtypes; with ``--tensors`` every logical tensor). It refuses neither missing nor unexpected tensors: the
-reader's notes name them."""
+dtypes; with ``--tensors`` every logical tensor, and the NaN and infinite values of each, read over the ranks). It
+refuses neither missing nor unexpected tensors: the reader's notes name them. The warnings of a reader that builds
+another model from the checkpoint (``readers.reader_warnings``: Megatron-LM's builder from a Megatron checkpoint's
+args) are said as a conversion to that format says them."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,14 +16,21 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import RECORDS, ModelConfig
-from .convert import load_index
-from .datamodel import SourceChunk
+from .convert import load_index, logical_numel, sliced
+from .datamodel import SourceChunk, SourceIndex
+from .errors import ConvertError
+from .exchange import nonfinite_note, nonfinite_total, stop_on_error
 from .features import LAYOUT
-from .formats.base import FormatOptions
+from .formats.base import Format, FormatOptions
+from .formats.quant import nonfinite_counts
+from .layout.boxes import logical_view
 from .layout.rules import logical_tensors
 from .layout.topology import Layout
 from .layout.vision import vision_tensors
+from .plan import DEFAULT_BUDGET, balance, select_source
+from .readers import reader_warnings
 from .runtime import Runtime, human_bytes
+from .verify import logical_files
 
 
 def shown_name(record: str | None, f: dataclasses.Field) -> str:
@@ -72,11 +81,13 @@ def _stored_dtype(c: SourceChunk) -> str:
     return f"{c.quant.scheme}->{dtype}" if c.quant is not None else dtype
 
 
-def tensor_rows(cfg: ModelConfig, chunks: Iterable[SourceChunk], layout: Layout | None = None) -> list[dict[str, Any]]:
+def tensor_rows(cfg: ModelConfig, chunks: Iterable[SourceChunk], layout: Layout | None = None,
+                nonfinite: dict[str, tuple[int, int]] | None = None) -> list[dict[str, Any]]:
     """Pure: one row per logical tensor of the model, in model order, then the stored logical tensors the model
     does not name (an adapter's, the optimizer state's; their shape is the extent of their stored boxes):
     name, global shape, stored dtypes, how TP splits it (``kind``; None when unknown), the routed expert and, with
-    ``layout``, its EP rank, and how many stored pieces hold it (0: the source lacks it)."""
+    ``layout``, its EP rank, how many stored pieces hold it (0: the source lacks it) and, with ``nonfinite``
+    (``nonfinite_by_tensor``), its NaN and infinite values."""
     pieces: Counter[str] = Counter()
     dtypes: dict[str, set[str]] = defaultdict(set)
     extent: dict[str, list[int]] = {}
@@ -95,7 +106,46 @@ def tensor_rows(cfg: ModelConfig, chunks: Iterable[SourceChunk], layout: Layout 
     for name in sorted(set(pieces) - set(model)):
         rows.append({"name": name, "shape": extent[name], "dtypes": sorted(dtypes[name]), "kind": None,
                      "expert": None, "ep_rank": None, "pieces": pieces[name]})
+    if nonfinite is not None:
+        for r in rows:
+            r["nan"], r["inf"] = nonfinite.get(r["name"], (0, 0))
     return rows
+
+
+def nonfinite_by_tensor(index: SourceIndex, fmt: Format, rt: Runtime,
+                        budget: int = DEFAULT_BUDGET) -> dict[str, tuple[int, int]]:
+    """Collective: the NaN and infinite values of each logical tensor that holds any (``nonfinite_counts``), every
+    stored box read once: the chunks (cut to a quarter of ``budget``) spread over the ranks, each rank reading half a
+    budget at a time and counting each piece of a logical tensor it holds."""
+    if index.adapter is None:
+        index = sliced(index, logical_files(index, [n for n in logical_tensors(index.cfg) if n not in index.absent]),
+                       budget)
+    kept = select_source(index.chunks, logical_numel(index), index.absent)
+    chunks = {c.id: c for c in index.chunks if c.id in kept}
+    owner = balance({i: c.nbytes for i, c in chunks.items()}, rt.world)
+    mine = [c for i, c in chunks.items() if owner[i] == rt.rank]
+    counts: dict[str, tuple[int, int]] = {}
+    error: ConvertError | None = None
+    with rt.progress(sum(c.nbytes for c in mine), "reading values") as bar:
+        while mine and error is None:
+            batch = [mine.pop(0)]
+            while mine and sum(c.nbytes for c in batch) + mine[0].nbytes <= budget // 2:
+                batch.append(mine.pop(0))
+            try:
+                data = fmt.read(index, batch)
+            except ConvertError as e:
+                error = e
+                break
+            for c in batch:
+                for p in kept[c.id]:
+                    block = data[c.id][p.sbox.slices()]
+                    nan, inf = nonfinite_counts(block if p.view is None else logical_view(block, p.view))
+                    if nan or inf:
+                        before = counts.get(p.logical, (0, 0))
+                        counts[p.logical] = (before[0] + nan, before[1] + inf)
+                bar.advance(c.nbytes)
+    stop_on_error(rt, error)
+    return nonfinite_total(rt.all_gather_object(counts))
 
 
 def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options: FormatOptions,
@@ -103,7 +153,7 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
     """Collective: what ``path`` holds (``tensors``: also every logical tensor, under "tensors"). Missing and
     unexpected tensors are not refused, whatever ``options`` say: the index's notes name them."""
     options = dataclasses.replace(options, allow_missing=("*",), ignore_unexpected=("*",))
-    _, index = load_index(path, fmt, rt, vocab_size, options)
+    reader, index = load_index(path, fmt, rt, vocab_size, options)
     dtypes = Counter(str(c.dtype).replace("torch.", "") for c in index.chunks)
     chunks = index.layout.stack_chunks(index.cfg.stacks)
     info = {
@@ -126,10 +176,16 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
         "stored_bytes": sum(c.stored_nbytes for c in index.chunks),  # a quantized source: its packed parts
         "dtypes": dict(dtypes),
         "notes": index.notes,
+        "warnings": reader_warnings(index.cfg, index.format),  # a reader of this format that builds another model
         "adapter": None if index.adapter is None else adapter_info(index.adapter),
     }
+    for warning in info["warnings"]:  # the lines a conversion to this format says
+        rt.log(f"[yellow]warning[/]: {warning}")
     if tensors:
-        rows = tensor_rows(index.cfg, index.chunks, index.layout)
+        nonfinite = nonfinite_by_tensor(index, reader, rt)
+        if note := nonfinite_note([nonfinite], what="logical tensors", then=""):
+            info["notes"] = [*index.notes, note]
+        rows = tensor_rows(index.cfg, index.chunks, index.layout, nonfinite)
         # an adapter source stores the adapter's tensors only: the base model's are not in it
         info["tensors"] = rows if index.adapter is None else [r for r in rows if r["pieces"]]
     return info
@@ -153,14 +209,18 @@ def adapter_info(spec) -> dict:
 def tensor_table(rows: list[dict[str, Any]], title: str = "logical tensors") -> Table:
     """The ``--tensors`` rows as a rich table (the expert column only for a model with routed experts)."""
     experts = any(r["expert"] is not None for r in rows)
+    bad = any(r.get("nan") or r.get("inf") for r in rows)  # the column only where a value is not finite
     table = Table(title=title)
-    for col in ("name", "shape", "dtype", "TP split") + (("expert (EP rank)",) if experts else ()) + ("pieces",):
+    for col in ("name", "shape", "dtype", "TP split") + (("expert (EP rank)",) if experts else ()) + ("pieces",) + \
+            (("non-finite",) if bad else ()):
         table.add_column(col, justify="right" if col in ("pieces", "expert (EP rank)") else "left")
     for r in rows:
         expert = "" if r["expert"] is None else str(r["expert"]) + (
             "" if r["ep_rank"] is None else f" ({r['ep_rank']})")
+        nonfinite = f"{r['nan']} NaN, {r['inf']} inf" if r.get("nan") or r.get("inf") else ""
         table.add_row(r["name"], "x".join(map(str, r["shape"])), ", ".join(r["dtypes"]) or "-", r["kind"] or "?",
-                      *((expert,) if experts else ()), str(r["pieces"]) if r["pieces"] else "absent")
+                      *((expert,) if experts else ()), str(r["pieces"]) if r["pieces"] else "absent",
+                      *((nonfinite,) if bad else ()))
     return table
 
 

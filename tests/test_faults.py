@@ -86,14 +86,15 @@ def test_bad_values_are_refused_in_one_line(llama, nvfp4, tmp_path, case):
                    tmp_path, *needles)
 
 
+def _nan_inf(t: torch.Tensor) -> None:
+    t[0, :3] = float("nan")
+    t[1, 0] = float("inf")
+
+
 def test_nonfinite_weights_are_carried_with_a_note(llama, tmp_path):
     """No quantization: the values pass as they are (bit for bit, NaN included), said in one note line counted as
     they were read; verify says it of both sides and finds them equal."""
-    def edit(t: torch.Tensor) -> None:
-        t[0, :3] = float("nan")
-        t[1, 0] = float("inf")
-
-    src = edited(llama, tmp_path / "src", PROJ, edit)
+    src = edited(llama, tmp_path / "src", PROJ, _nan_inf)
     dst = tmp_path / "dst"
     proc = ok(run_cli("reshard", str(src), str(dst), "--dst-format", "torch_dist", "--target-tp", "2", nproc=2))
     notes = [line for line in proc.stderr.splitlines() if "non-finite" in line]
@@ -106,6 +107,28 @@ def test_nonfinite_weights_are_carried_with_a_note(llama, tmp_path):
     assert "verify OK" in proc.stderr
     clean = ok(run_cli("reshard", str(llama), str(tmp_path / "clean"), "--dst-format", "torch_dist"))
     assert "non-finite" not in clean.stderr
+
+
+def test_inspect_tensors_counts_nonfinite_values_per_tensor(llama, tmp_path):
+    """``inspect --tensors`` reads every value once over the ranks and counts, per logical tensor, its NaN and
+    infinite values (summed over its stored pieces: TP halves, an HF tensor that is part of a fused one), with
+    verify's note; a checkpoint whose values are all finite gets no word of it."""
+    src = edited(llama, tmp_path / "src", PROJ, _nan_inf)
+    sd = load_file(src / "model.safetensors")
+    sd["model.layers.0.self_attn.k_proj.weight"][2, 5] = float("-inf")  # k rows of the fused linear_qkv
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    ok(run_cli("reshard", str(src), str(tmp_path / "tp2"), "--dst-format", "torch_dist", "--target-tp", "2", nproc=2))
+    want = {"decoder.layers.1.self_attention.linear_proj.weight": (3, 1),
+            "decoder.layers.0.self_attention.linear_qkv.weight": (0, 1)}
+    for path in (src, tmp_path / "tp2"):
+        info = json.loads(ok(run_cli("inspect", str(path), "--tensors", "--json", nproc=2)).stdout)
+        assert {r["name"]: (r["nan"], r["inf"]) for r in info["tensors"] if r["nan"] or r["inf"]} == want, path
+        assert "2 logical tensors hold non-finite values: decoder.layers.0.self_attention.linear_qkv.weight (0 NaN, " \
+               "1 inf), decoder.layers.1.self_attention.linear_proj.weight (3 NaN, 1 inf)" in info["notes"]
+    table = ok(run_cli("inspect", str(tmp_path / "tp2"), "--tensors")).stdout
+    assert "non-finite" in table and "3 NaN, 1 inf" in table, table[-3000:]
+    clean = ok(run_cli("inspect", str(llama), "--tensors")).stdout
+    assert "non-finite" not in clean and "NaN" not in clean, clean[-3000:]
 
 
 HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"

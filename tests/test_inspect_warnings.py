@@ -1,0 +1,31 @@
+"""``inspect`` of a Megatron checkpoint says the warnings a conversion to its format says (``readers.reader_warnings``:
+a reader of that format, Megatron-LM's model builder from the args, that builds another model), in the same lines;
+an HF checkpoint, read by transformers, gets none."""
+from __future__ import annotations
+
+import json
+
+import hf_models as hm
+from conftest import ok, run_cli
+
+WARNING = ("warning: Megatron-LM's model builder (checkpoint args) ignores rope_scaling_factor=32.0 (builds factor 8); "
+           "pass rope_scaling_factor to GPTModel in gpt_builders.py, or load with Megatron-Bridge, which reads it")
+
+
+def said(stderr: str) -> str:
+    return " ".join(stderr.split())  # as one line, whatever width the console wraps at
+
+
+def test_inspect_of_a_megatron_checkpoint_says_the_reader_warnings(tmp_path):
+    src = hm.make_hf_model(tmp_path, "llama32")  # Llama-3 RoPE scaling, factor 32: Megatron-LM's builder runs 8
+    for fmt in ("torch_dist", "megatron"):
+        dst = tmp_path / fmt
+        convert = said(ok(run_cli("reshard", str(src), str(dst), "--dst-format", fmt)).stderr)
+        assert WARNING in convert  # what the conversion said
+        text = ok(run_cli("inspect", str(dst)))
+        assert said(text.stderr).count("warning:") == 1 and WARNING in said(text.stderr), text.stderr[-3000:]
+        data = ok(run_cli("inspect", str(dst), "--json"))
+        assert [f"warning: {w}" for w in json.loads(data.stdout)["warnings"]] == [WARNING]
+    proc = ok(run_cli("inspect", str(src)))
+    assert "warning:" not in proc.stderr and json.loads(ok(run_cli("inspect", str(src), "--json")).stdout)[
+        "warnings"] == [], proc.stderr[-3000:]

@@ -86,13 +86,13 @@ class Feature(ABC):
                 continue
             low, above, high = (f.metadata.get(k) for k in ("low", "above", "high"))
             bound = getattr(self, high) if high is not None else None
-            wrong = ("at least", low) if low is not None and value < low else \
-                ("above", above) if above is not None and not value > above else \
-                ("at most", f"{_arg_of(self, high)} ({bound})") if bound is not None and value > bound else None
-            if wrong is not None:
+            rule = f"at least {low}" if low is not None and value < low else \
+                f"above {above}" if above is not None and not value > above else \
+                f"at most {_arg_of(self, high)} ({bound})" if bound is not None and value > bound else None
+            if rule is not None:
                 names = " / ".join(f.metadata.get("arg") or (name,))
                 raise ConvertError(f"{type(self).__name__} setting {names} = {value} has no meaning: "
-                                   f"{f.metadata.get('what') or name} must be {wrong[0]} {wrong[1]}",
+                                   f"{f.metadata.get('what') or name} must be {rule}",
                                    "correct it in the source's config (config.json, or the checkpoint's args)")
 
     @classmethod

@@ -49,7 +49,7 @@ class _Sparse(io.RawIOBase):
 
     def __init__(self) -> None:
         self.starts: list[int] = []
-        self.parts: list[bytes] = []
+        self.parts: list[bytearray] = []  # adjacent writes joined: what lies between the holes
         self.pos = self.end = 0
 
     def writable(self) -> bool:
@@ -62,10 +62,14 @@ class _Sparse(io.RawIOBase):
         return True
 
     def write(self, b: Any) -> int:
-        data = bytes(memoryview(b).cast("B"))
-        assert not self.starts or self.pos >= self.starts[-1] + len(self.parts[-1]), "torch.save wrote backwards"
-        self.starts.append(self.pos)
-        self.parts.append(data)
+        data = memoryview(b).cast("B")
+        last = self.starts[-1] + len(self.parts[-1]) if self.starts else 0
+        assert self.pos >= last, "torch.save wrote backwards"
+        if self.starts and self.pos == last:
+            self.parts[-1] += data
+        else:
+            self.starts.append(self.pos)
+            self.parts.append(bytearray(data))
         self.pos += len(data)
         self.end = max(self.end, self.pos)
         return len(data)
@@ -89,16 +93,6 @@ class _Sparse(io.RawIOBase):
             i += 1
         self.pos += n
         return n
-
-    def merged(self) -> list[tuple[int, bytes]]:
-        """The written parts, adjacent ones joined: what lies between the holes."""
-        out: list[tuple[int, bytearray]] = []
-        for at, data in zip(self.starts, self.parts, strict=True):
-            if out and out[-1][0] + len(out[-1][1]) == at:
-                out[-1][1].extend(data)
-            else:
-                out.append((at, bytearray(data)))
-        return [(at, bytes(data)) for at, data in out]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,8 +156,9 @@ def save_layout(obj: Any) -> tuple[SaveLayout, list[torch.Tensor]]:
         for (_, i), t in zip(storages, seen, strict=True)), "every tensor must be its own contiguous storage"
     sid = next(i for i, r in enumerate(records) if r.name.endswith(_SERIALIZATION_ID))
     sparse.seek(records[sid].at)
-    return SaveLayout(parts=tuple(sparse.merged()), records=tuple(records), storages=tuple(i for _, i in storages),
-                      serialization_id=sid, name_hash=sparse.read(20), size=sparse.end), seen
+    parts = tuple((at, bytes(data)) for at, data in zip(sparse.starts, sparse.parts, strict=True))
+    return SaveLayout(parts=parts, records=tuple(records), storages=tuple(i for _, i in storages), serialization_id=sid,
+                      name_hash=sparse.read(20), size=sparse.end), seen
 
 
 def _records(sparse: _Sparse) -> list[Record]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -123,14 +123,14 @@ def nonfinite_by_tensor(index: SourceIndex, fmt: Format, rt: Runtime,
     kept = select_source(index.chunks, logical_numel(index), index.absent)
     chunks = {c.id: c for c in index.chunks if c.id in kept}
     owner = balance({i: c.nbytes for i, c in chunks.items()}, rt.world)
-    mine = [c for i, c in chunks.items() if owner[i] == rt.rank]
+    mine = deque(c for i, c in chunks.items() if owner[i] == rt.rank)
     counts: dict[str, tuple[int, int]] = {}
     error: ConvertError | None = None
     with rt.progress(sum(c.nbytes for c in mine), "reading values") as bar:
-        while mine and error is None:
-            batch = [mine.pop(0)]
-            while mine and sum(c.nbytes for c in batch) + mine[0].nbytes <= budget // 2:
-                batch.append(mine.pop(0))
+        while mine:
+            batch, held = [mine.popleft()], 0
+            while mine and (held := held + batch[-1].nbytes) + mine[0].nbytes <= budget // 2:
+                batch.append(mine.popleft())
             try:
                 data = fmt.read(index, batch)
             except ConvertError as e:

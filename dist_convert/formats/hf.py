@@ -30,6 +30,7 @@ from ..datamodel import (
 )
 from ..durable import write_durable
 from ..errors import ConvertError
+from ..exchange import stop_on_error
 from ..layout.boxes import Box
 from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
@@ -119,15 +120,20 @@ def differing_tied_heads(index: SourceIndex, rt: Runtime, read: Callable[[Source
     for emb, head in pairs:
         rows = max(1, COMPARE_BYTES // max(1, emb.nbytes // max(1, emb.shape[0])))
         blocks += [(emb, head, r, min(rows, emb.shape[0] - r)) for r in range(0, emb.shape[0], rows)]
-    differ = set()
+    differ, error = set(), None
     for emb, head, r, n in blocks[rt.rank::rt.world]:
         parts = [replace(c, offsets=(r, *[0] * (len(c.shape) - 1)), shape=(n, *c.shape[1:]), twins=())
                  for c in (emb, head)]
-        got = read(index, parts)
+        try:
+            got = read(index, parts)
+        except ConvertError as e:  # a damaged shard: every rank stops, the lowest that met it says why
+            error = e
+            break
         a, b = got[emb.id], got[head.id]
         same = torch.equal(_bits(a), _bits(b)) if a.dtype == b.dtype else torch.equal(a.float(), b.float())
         if not same:
             differ.add((emb.file, emb.key, head.file, head.key))
+    stop_on_error(rt, error)
     found = sorted(set().union(*rt.all_gather_object(differ)))
     return [f"{CONFIG} ties the output layer to the embedding (tie_word_embeddings), but {head_file} stores "
             f"{head_key} with values that differ from {emb_key}{'' if emb_file == head_file else f' ({emb_file})'}: "

@@ -113,9 +113,9 @@ def differing_tied_heads(index: SourceIndex, rt: Runtime, read: Callable[[Source
     first: dict[tuple, SourceChunk] = {}
     pairs: list[tuple[SourceChunk, SourceChunk]] = []
     for c in index.chunks:  # the head: a chunk holding the very pieces the embedding's chunk holds
-        same = first.setdefault(tuple((p.logical, p.lbox) for p in c.pieces), c)
-        if same is not c and c.key in heads:
-            pairs.append((same, c))
+        emb = first.setdefault(tuple((p.logical, p.lbox) for p in c.pieces), c)
+        if emb is not c and c.key in heads:
+            pairs.append((emb, c))
     blocks = []
     for emb, head in pairs:
         rows = max(1, COMPARE_BYTES // max(1, emb.nbytes // max(1, emb.shape[0])))

@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print JSON instead of a table (config: the used fields; config_all: every field)")
     i.add_argument("--tensors", action="store_true",
                    help="also list every logical tensor: name, global shape, stored dtypes, how TP splits it, its "
-                        "expert (EP rank) and how many stored pieces hold it (JSON: under tensors)")
+                        "expert (EP rank), how many stored pieces hold it and, reading every value once, its NaN and "
+                        "infinite values (a column only where any; JSON: under tensors)")
     i.add_argument("--base", type=Path, default=None,
                    help="an adapter: the model it adapts, when its config names no local one")
     _process_flags(i)

@@ -41,7 +41,7 @@ class Runtime:
     def log(self, msg: str) -> None:
         """The one logging helper: rank 0 prints."""
         if self.rank == 0:
-            _console.print(msg)
+            _console.print(msg, soft_wrap=True)  # a note or warning stays one line in a log (tables still fit 150)
 
     def barrier(self) -> None:
         if self.distributed:

@@ -18,7 +18,8 @@ from .cuts import split_chunks, split_files
 from .datamodel import SourceIndex, Target, TargetFile, WrittenFile, numel, omit_absent
 from .errors import ConvertError
 from .exchange import Assembly, execute, nonfinite_note, stop_on_error
-from .formats import detect_format, get_format
+from .features.expressed import refuse_features
+from .formats import ADAPTER_FORMATS, detect_format, formats_holding, get_format
 from .formats.base import Format, FormatOptions, data_dir, on_rank0
 from .formats.dcp_meta import writer_note
 from .integrity import Entry, Journal, fingerprint, refuse_incomplete
@@ -206,10 +207,8 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
     if f.torch_dist_style and dst_fmt.name not in ("torch_dist", "megatron"):
         raise ConvertError(f"--mcore-style applies to torch_dist and megatron targets, not {dst_fmt.name}",
                            "drop --mcore-style or pass --dst-format torch_dist / megatron")
-    if index.cfg.vision is not None and not dst_fmt.components:
-        raise ConvertError(f"a {dst_fmt.name} target cannot hold the model's vision tower ({index.cfg.vision.tower}); "
-                           "converting the language model alone would drop it",
-                           "pass --dst-format torch_dist (Megatron-Bridge's layout) or hf")
+    refuse_features(index.cfg, dst_fmt.holds, f"a {dst_fmt.name} target", "converting without it would drop it; "
+                    f"pass --dst-format {' or '.join(formats_holding(index.cfg))}")
     layout = target_layout(opts, index, dst_fmt)
     spec = opts.target_spec or index.cfg.spec
     # MLA's down-projections: split over TP in the local spec, replicated in today's TE spec (the source's
@@ -261,7 +260,7 @@ def adapter_target(opts: ReshardOptions, index: SourceIndex, src_format: str) ->
             "the optimizer state (--optimizer) is of the model without it"),
             "pass the base model as SRC" if index.adapter is not None else "drop --optimizer (or --lora)")
     if index.adapter is None:
-        if name in ("peft", "bridge_lora"):
+        if name in ADAPTER_FORMATS:
             raise ConvertError(f"--dst-format {name} writes LoRA adapters, and {opts.src} is a whole model",
                                "convert an adapter (SRC = a peft directory or a Megatron-Bridge LoRA checkpoint), or "
                                "merge one into the model with --lora")

@@ -3,7 +3,10 @@
 A target (a Hugging Face family, a NeMo or Megatron-Bridge config writer) declares, for each setting it writes
 (``ModelConfig.settings`` keys), the values it can write: a collection, ``ANY``, or a test of the value in the whole
 model. A setting it does not name must hold its plain value (the field's default). ``unexpressed`` is the whole
-comparison: a setting nobody thought of is refused by construction, never dropped."""
+comparison: a setting nobody thought of is refused by construction, never dropped.
+
+A format or a converter that holds only some structural features (``config.OPTIONAL``: MoE, MLA, Mamba, ...)
+declares those it holds (``refuse_features``): a feature added later is refused there until it is declared."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
@@ -60,3 +63,19 @@ def refuse_unexpressed(cfg: ModelConfig, declared: Mapping[str, Allowed], target
     problems = unexpressed(cfg, declared)
     if problems:
         raise ConvertError(f"the model has {describe_all(problems)}, which {target} does not express", fix)
+
+
+def unheld(cfg: ModelConfig, holds: Collection[str]) -> list[Setting]:
+    """The structural features (``config.OPTIONAL`` records) the model has and ``holds`` does not name."""
+    from ..config import OPTIONAL
+
+    return [s for s in cfg.settings() if s.key in OPTIONAL and s.value and s.key not in holds]
+
+
+def refuse_features(cfg: ModelConfig, holds: Collection[str], what: str, fix: str) -> None:
+    """Refuse, in one line, a model with a structural feature that ``what`` (e.g. "an fsdp_dtensor target") does not
+    hold: ``holds`` names, positively, the ``config.OPTIONAL`` features it does."""
+    lacking = unheld(cfg, holds)
+    if lacking:
+        features = " and ".join(s.what.removeprefix("a ").removeprefix("an ") for s in lacking)
+        raise ConvertError(f"{what} cannot hold the model's {features}", fix)

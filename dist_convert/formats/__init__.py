@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ..errors import ConvertError
 
 if TYPE_CHECKING:
+    from ..config import ModelConfig
     from .base import Format, FormatOptions
 
 # name -> (module, class), in detection order: hf first (config.json + safetensors: nothing else has them);
@@ -33,6 +34,16 @@ def get_format(name: str, options: FormatOptions | None = None) -> Format:
     if name not in FORMATS:
         raise ConvertError(f"unknown format {name!r}", f"use one of: {', '.join(FORMATS)}")
     return format_class(name)(options)
+
+
+ADAPTER_FORMATS = ("peft", "bridge_lora")  # a LoRA adapter alone, not a model
+
+
+def formats_holding(cfg: ModelConfig) -> list[str]:
+    """The model formats whose targets hold every structural feature of ``cfg`` (their ``holds``)."""
+    from ..features.expressed import unheld
+
+    return [name for name in FORMATS if name not in ADAPTER_FORMATS and not unheld(cfg, format_class(name).holds)]
 
 
 def detect_format(path: Path, options: FormatOptions | None = None) -> Format:

@@ -48,13 +48,19 @@ class FormatOptions:
     base: Path | None = None  # --base: the model an adapter-only source adapts (its config, names and shapes)
 
 
+# What a format's targets hold of a model's structural features (``config.OPTIONAL``), declared positively: a
+# feature added later is refused (``features.expressed.refuse_features``) until a format says it holds it
+HOLDS_LANGUAGE_MODEL = ("moe", "mla", "dsa", "mtp", "mamba", "gdn", "t5")  # a language model's, whatever its stack
+HOLDS_ALL = (*HOLDS_LANGUAGE_MODEL, "vision")  # and its components beside (a vision tower: layout/vision.py)
+
+
 class Format(Protocol):
     name: str
     iteration_dirs: bool  # Megatron-LM layout: files under iter_NNNNNNN/ plus a tracker file
     sharded: bool  # stores TP/PP shards (False: whole tensors, e.g. hf)
     any_writer: bool  # a target file is only a group of chunks: any rank may write any part of it (DCP)
     row_blocks: bool  # its writer takes a large tensor in row blocks, in any order (``put_rows``)
-    components: bool  # holds a model's components beside its language model (a vision tower: layout/vision.py)
+    holds: tuple[str, ...]  # the structural features (config.OPTIONAL) its targets hold, positively (HOLDS_*)
 
     def detect(self, path: Path) -> bool: ...
 
@@ -159,7 +165,7 @@ class IterDirFormat:
     sharded = True
     any_writer = False
     row_blocks = False
-    components = False
+    holds: tuple[str, ...] = HOLDS_LANGUAGE_MODEL
     looks_like: Callable[[Path], bool]  # is ``path`` an iteration directory of this format?
 
     def __init__(self, options: FormatOptions | None = None) -> None:

@@ -28,7 +28,7 @@ from ..features.expressed import refuse_unexpressed
 from ..mlm_args import HF_TOKENIZER
 from ..models import config_from_hf
 from ..runtime import Runtime
-from .base import copy_tokenizer_files, on_rank0, read_origin, tokenizer_source
+from .base import HOLDS_ALL, copy_tokenizer_files, on_rank0, read_origin, tokenizer_source
 from .mcore_config import args_from_fields, fields_for_target, provider_expresses, transformer_fields
 from .torch_dist import TorchDistFormat, _looks_like, open_weights
 
@@ -137,7 +137,7 @@ def bridge_model_section(cfg: ModelConfig, args: argparse.Namespace) -> dict[str
 
 class BridgeFormat(TorchDistFormat):
     name = "bridge"
-    components = True  # a vision-language model's own run_config.yaml carried from a Bridge source (target_files)
+    holds = HOLDS_ALL  # a vision-language model's own run_config.yaml carried from a Bridge source (target_files)
     looks_like = staticmethod(_looks_like_bridge)
 
     def index(self, path: Path, rt: Runtime, vocab_size: int | None) -> SourceIndex:

@@ -38,6 +38,7 @@ from ..datamodel import (
     target_dtype,
 )
 from ..errors import ConvertError
+from ..features.expressed import refuse_features
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
 from ..layout.rules import LogicalTensor, expert_key, is_grouped_expert_key, logical_tensors, model_family, spec_suffix
 from ..layout.topology import Layout
@@ -125,16 +126,12 @@ def spec_evidence(keys: list[str]) -> str | None:
     return None
 
 
+# The structural features an fsdp_dtensor checkpoint holds (a GPTModel's layers, keyed by module path)
+HOLDS = ("moe", "mla", "mtp")
+
+
 def _refuse_layout(layout: Layout, cfg: ModelConfig, what: str) -> None:
-    if cfg.t5 is not None:
-        raise ConvertError(f"an fsdp_dtensor {what} holds a GPT model, not {cfg.family}",
-                           "choose another --dst-format (torch_dist or megatron)")
-    if cfg.mamba is not None or cfg.gdn is not None:
-        raise ConvertError(f"an fsdp_dtensor {what} of a hybrid model (Mamba2 or Gated DeltaNet layers) is not "
-                           "supported", "choose another --dst-format (torch_dist or megatron)")
-    if cfg.dsa is not None:
-        raise ConvertError(f"an fsdp_dtensor {what} of a DeepSeek-sparse-attention model is not supported",
-                           "choose another --dst-format (torch_dist or megatron)")
+    refuse_features(cfg, HOLDS, f"an fsdp_dtensor {what}", "choose another --dst-format (torch_dist or megatron)")
     if layout.pp != 1 or layout.vpp:
         raise ConvertError(f"fsdp_dtensor {what} at {layout}: Megatron-FSDP checkpoints key layers by module path "
                            "and have no pipeline stages", "pass --target-pp 1" if what == "target" else
@@ -143,6 +140,7 @@ def _refuse_layout(layout: Layout, cfg: ModelConfig, what: str) -> None:
 
 class FsdpDtensorFormat(IterDirFormat):
     name = "fsdp_dtensor"
+    holds = HOLDS
     looks_like = staticmethod(_looks_like)
     any_writer = True
     row_blocks = True  # StreamWriter

@@ -39,7 +39,7 @@ from ..models import export_family, family_of, hf_from_config, import_config, na
 from ..models.base import TIED_HEAD, Family, HFTensors, hf_dtype, part_pieces
 from ..phases import phase
 from ..runtime import Runtime
-from .base import FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
+from .base import HOLDS_ALL, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
 from .hf_shards import ShardWriter, unit_key
 from .quant import Writer
 from .safetensors_io import read_boxes, read_header
@@ -195,7 +195,7 @@ class HFFormat:
     sharded = False
     any_writer = False
     row_blocks = True  # hf_shards.ShardWriter.put_rows: a shard is written as its tensors' rows arrive
-    components = True
+    holds = HOLDS_ALL
 
     def __init__(self, options: FormatOptions | None = None) -> None:
         self.options = options or FormatOptions()

@@ -32,7 +32,7 @@ from ..integrity import is_run_state
 from ..layout.topology import Layout
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from .base import FormatOptions, KeyPolicy, add_rank_file_chunks
+from .base import HOLDS_LANGUAGE_MODEL, FormatOptions, KeyPolicy, add_rank_file_chunks
 from .mcore_config import FIELDS as MCORE_FIELDS
 from .mcore_config import PASSED, passed_fields
 from .nemo_legacy import nemo_target_files, source_style, target_style
@@ -225,7 +225,7 @@ class NemoFormat:
     sharded = True
     any_writer = False
     row_blocks = False
-    components = False
+    holds = tuple(f for f in HOLDS_LANGUAGE_MODEL if f != "moe")  # NeMo 1 GPT / T5 (MoE: not yet)
 
     def __init__(self, options: FormatOptions | None = None) -> None:
         self.options = options or FormatOptions()
@@ -310,9 +310,6 @@ class NemoFormat:
                                "replaces a source's layout string; drop --target-pipeline-layout)")
         if target.layout.vpp:
             raise ConvertError("virtual pipeline .nemo targets are not supported yet", "drop --target-vpp")
-        if target.cfg.num_experts:
-            raise ConvertError("Mixture-of-Experts .nemo targets are not supported yet",
-                               "write --dst-format torch_dist (megatron-core) or megatron instead")
         legacy = target_style(self.options.nemo_style, target, target.cfg.family).legacy
         declared = NEMO_EXPRESSES if legacy else {**NEMO_EXPRESSES, **dict.fromkeys(PASSED, ANY)}
         refuse_unexpressed(target.cfg, declared,

@@ -26,7 +26,7 @@ from ..durable import write_durable
 from ..errors import ConvertError
 from ..mlm_args import HF_TOKENIZER
 from ..runtime import Runtime
-from .base import on_rank0, tokenizer_source
+from .base import HOLDS_LANGUAGE_MODEL, on_rank0, tokenizer_source
 from .bridge import bridge_model_section
 from .mcore_config import PARALLEL, args_from_fields, fields_for_target
 from .nemo2_context import gpt_config, write_fresh_context
@@ -194,7 +194,7 @@ def nemo2_origin(ckpt: Path) -> Origin:
 
 
 class Nemo2Format(TorchDistFormat):
-    components = False
+    holds = HOLDS_LANGUAGE_MODEL
     name = "nemo2"
     iteration_dirs = False
     subdir = WEIGHTS  # the directory the weights are written to

@@ -50,7 +50,15 @@ from ..optim import sources as optim_sources
 from ..optim.state import COUNTERS, optimizer_tensors, renamed
 from ..runtime import Runtime
 from ..safe_load import load_pt
-from .base import COMMON_TRAINING_STATE, IterDirFormat, KeyPolicy, dropped_state_note, on_rank0, read_origin
+from .base import (
+    COMMON_TRAINING_STATE,
+    HOLDS_ALL,
+    IterDirFormat,
+    KeyPolicy,
+    dropped_state_note,
+    on_rank0,
+    read_origin,
+)
 from .dcp_meta import MetadataIndex, TensorStorageMetadata
 from .dist_keys import (
     POST_NORM_KEYS,
@@ -224,7 +232,7 @@ class TorchDistFormat(IterDirFormat):
     looks_like = staticmethod(_looks_like)
     any_writer = True
     row_blocks = True  # StreamWriter.put_rows
-    components = True  # a vision tower under vision_model., the language model under language_model. (Bridge's)
+    holds = HOLDS_ALL  # a vision tower under vision_model., the language model under language_model. (Bridge's)
     writes_dcp = True  # a .metadata: dcp_meta.writer_note at start-up
     prefix = ""  # of every model key (NeMo 2: "module.")
 

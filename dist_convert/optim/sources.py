@@ -18,6 +18,7 @@ import torch
 from ..config import ModelConfig
 from ..datamodel import OptimizerState, SourceChunk, SourceIndex, numel
 from ..errors import ConvertError
+from ..features.expressed import refuse_features
 from ..layout.rank_files import rank_entries
 from ..layout.topology import Layout
 from .read import (
@@ -33,19 +34,16 @@ from .read import (
 from .state import COUNTERS, STATES, dist_optimizer_groups, is_parameter, opt_name
 
 NO_STATE = "drop --optimizer to convert the model alone"
+# The structural features whose optimizer state --optimizer converts: per parameter, as the model's tensors (judged
+# dense and MoE by megatron-core's own optimizer load, tests/test_optimizer.py); T5's two stacks, the hybrid stacks
+# and DeepSeek sparse attention's indexer not yet
+HOLDS = ("moe", "mla", "mtp", "vision")
 
 
 def check_supported(cfg: ModelConfig, where: str, states: set[str]) -> None:
-    """Refuse what --optimizer does not convert yet: T5, hybrid stacks, and optimizers other than Adam (``states``:
-    the per-parameter states the source stores)."""
-    if cfg.t5 is not None:
-        raise ConvertError(f"{where}: converting a T5 model's optimizer state is not supported yet", NO_STATE)
-    if cfg.mamba is not None or cfg.gdn is not None:
-        raise ConvertError(f"{where}: converting the optimizer state of a hybrid model (Mamba2 or Gated DeltaNet "
-                           "layers) is not supported yet", NO_STATE)
-    if cfg.dsa is not None:
-        raise ConvertError(f"{where}: converting the optimizer state of a DeepSeek-sparse-attention model is not "
-                           "supported yet", NO_STATE)
+    """Refuse what --optimizer does not convert: a structural feature outside ``HOLDS``, and optimizers other than
+    Adam (``states``: the per-parameter states the source stores)."""
+    refuse_features(cfg, HOLDS, f"{where}: --optimizer", NO_STATE)
     if states and not {"exp_avg", "exp_avg_sq"} <= states:
         raise ConvertError(f"{where}: the optimizer stores {sorted(states)} per parameter; --optimizer converts "
                            "Adam's (param, exp_avg, exp_avg_sq)", NO_STATE)

@@ -54,8 +54,8 @@ class SpeculateOptions:
 
 
 SPECULATE_FORMATS = ("torch_dist", "nemo2")
-# what the dense GPTModel speculate builds expresses (MoE is refused before, in its own words; multi-token
-# prediction by this declaration)
+# what the dense GPTModel speculate builds expresses: no Mixture of Experts, no multi-token prediction, and
+# (unnamed: their plain value) no T5, MLA or hybrid stack
 SPECULATE_EXPRESSES = {**PROVIDER_EXPRESSES, "moe": {False}, "mtp": {False}}
 
 
@@ -99,12 +99,6 @@ def speculate(opts: SpeculateOptions, rt: Runtime) -> dict:
                                   overwrite=opts.overwrite, vocab_divisible_by=opts.vocab_divisible_by,
                                   formats=opts.formats)
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
-    if index.cfg.t5 is not None:
-        raise ConvertError(f"{opts.src} is an encoder-decoder (T5) model; EAGLE and Medusa "
-                           "drafts attach to decoder-only GPT models", "pass a GPT checkpoint to speculate")
-    if index.cfg.num_experts:
-        raise ConvertError(f"{opts.src} is a Mixture-of-Experts model; speculate builds dense GPT bases only",
-                           "add the draft in Megatron-LM with ModelOpt; dist_convert reshard converts the result")
     refuse_unexpressed(index.cfg, SPECULATE_EXPRESSES, "the GPTModel speculate builds (megatron-core's "
                        "TransformerConfig with ModelOpt's layer spec)", "add the draft in Megatron-LM with ModelOpt; "
                        "dist_convert reshard converts the result")

@@ -37,6 +37,7 @@ from ..layout.topology import Layout
 from ..mlm_args import HF_TOKENIZER, model_args
 from ..models import export_family, family_of, hf_from_config, import_config, naming_family
 from ..models.base import TIED_HEAD, Family, HFTensors, hf_dtype, part_pieces
+from ..models.rows import names
 from ..phases import phase
 from ..runtime import Runtime
 from .base import HOLDS_ALL, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
@@ -63,12 +64,12 @@ def hf_tensors(cfg, fam: Family | None = None, stored: dict[str, bool] | None = 
     for stack, count in cfg.stacks:
         for layer in range(count):
             hf = f"{fam.hf_layers}{fam.hf_layer(cfg, stack, layer)}."
-            for hf_suffix, name, part in fam.layer_names(cfg, stack, layer):
+            for hf_suffix, name, part in names(fam.layer_names(cfg, stack, layer)):
                 if name in logical:
                     shape, pieces = part_pieces(name, logical[name].shape, part, cfg)
                     shift = fam.shifts.get(hf_suffix, 0.0)
                     out[hf + hf_suffix] = shape, [replace(p, shift=shift) for p in pieces] if shift else pieces
-    for hf, name, part in fam.component_names(cfg):  # a vision tower and its projectors
+    for hf, name, part in names(fam.component_names(cfg)):  # a vision tower and its projectors
         out[hf] = part_pieces(name, logical[name].shape, part, cfg)
     out.update(fam.alternatives(cfg, out.keys(), out))  # the layouts a family stores without a name-table row
     for hf_name in rest:

@@ -11,9 +11,9 @@ the engine to use:
 - ``to_hf``: ``ModelConfig`` -> ``config.json``; ``expresses``: the value of every setting it writes, positively
   (``ModelConfig.settings``; a setting it does not name must hold its plain value). Export compares the model with
   that declaration field by field (``unexpressed``): a value no family expresses is refused in one line;
-- ``layer_names`` / ``top_names`` / ``component_names`` (a vision tower's): its HF name table, each HF tensor given
-  as (HF name, logical name, fused part), the parts being ``layout.fused``'s (``q``/``k``/``v`` of a QKV,
-  ``gate``/``up`` of a GLU);
+- ``layer_names`` / ``top_names`` / ``component_names`` (a vision tower's): its HF name table, typed rows
+  (``models/rows.py``: ``Plain``, ``QKV(q=, k=, v=)``, ``GLU(gate=, up=)``, ``Transposed``, ...), one per logical
+  tensor, each naming the HF tensors that hold it and expanding into (HF name, logical name, fused part) triples;
 - optional special cases: stored copies checked on read (``stored_copies``), alternative stored layouts
   (``alternatives``), optional stored tensor sets a release may or may not carry (``optional_sets``: a round trip
   gives them back as the source had them).
@@ -38,10 +38,8 @@ from ..features.expressed import ANY, Allowed, describe_all, unexpressed
 from ..layout.boxes import Box, Piece, View
 from ..layout.fused import fused_for, part_in
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT
+from .rows import GLU, QKV, TRANSPOSED, Name, Plain, Row, each, names
 
-# (HF name, logical name, fused part or None). In the per-layer tables the HF name is the suffix after
-# ``model.layers.N.`` and the logical name the suffix after ``decoder.layers.N.``.
-Name = tuple[str, str, str | None]
 # HF name -> (stored shape, pieces of logical tensors)
 HFTensors = dict[str, tuple[tuple[int, ...], list[Piece]]]
 
@@ -53,7 +51,6 @@ TOP_NAMES: tuple[tuple[str, str], ...] = (
     ("lm_head.weight", OUTPUT),
 )
 TIED_HEAD = "tied lm_head"  # the optional set of a tied model's output head stored as a copy of the embedding
-TRANSPOSED = "transposed"  # a name-table part: the whole logical tensor, stored transposed
 EXPORT_FIX = ("--dst-format hf takes only models a supported family expresses; export it with --dst-format "
               "torch_dist or megatron instead of hf")
 
@@ -115,16 +112,16 @@ class Family(ABC):
 
     # -- names --------------------------------------------------------------------------------------------
     @abstractmethod
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
-        """(HF suffix after ``model.layers.N.``, full logical name, part) of every tensor of one layer of
-        ``stack``, in HF order (HF numbers the layers of every stack on, from decoder layer 0)."""
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
+        """The rows of every tensor of one layer of ``stack`` (HF names: the suffixes after ``model.layers.N.``;
+        logical names: full), in HF order (HF numbers the layers of every stack on, from decoder layer 0)."""
 
     def top_names(self, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
         return TOP_NAMES
 
-    def component_names(self, cfg: ModelConfig) -> list[Name]:
-        """(full HF name, full logical name, part) of every tensor of the model's components beside the language
-        model (a vision tower and its projectors: ``layout/vision.py``), in HF order; none for a text model."""
+    def component_names(self, cfg: ModelConfig) -> list[Row]:
+        """The rows (full names) of every tensor of the model's components beside the language model (a vision
+        tower and its projectors: ``layout/vision.py``), in HF order; none for a text model."""
         return []
 
     def stored_copies(self, cfg: ModelConfig, found: Collection[str]) -> dict[str, list[str]]:
@@ -154,25 +151,25 @@ class Family(ABC):
 
 
 # -- shared by the Llama-shaped families (GQA attention, gated MLP, RMSNorm, RoPE) ----------------------
-ATTENTION_NAMES: tuple[Name, ...] = (
-    ("input_layernorm.weight", "input_layernorm.weight", None),
-    ("self_attn.q_proj.weight", "self_attention.linear_qkv.weight", "q"),
-    ("self_attn.k_proj.weight", "self_attention.linear_qkv.weight", "k"),
-    ("self_attn.v_proj.weight", "self_attention.linear_qkv.weight", "v"),
-    ("self_attn.q_proj.bias", "self_attention.linear_qkv.bias", "q"),
-    ("self_attn.k_proj.bias", "self_attention.linear_qkv.bias", "k"),
-    ("self_attn.v_proj.bias", "self_attention.linear_qkv.bias", "v"),
-    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", None),
-    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", None),
-    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", None),
-)
+INPUT_NORM = Plain(hf="input_layernorm.weight", logical="input_layernorm.weight")
+QKV_WEIGHT = QKV(logical="self_attention.linear_qkv.weight", q="self_attn.q_proj.weight", k="self_attn.k_proj.weight",
+                 v="self_attn.v_proj.weight")
+QKV_BIAS = QKV(logical="self_attention.linear_qkv.bias", q="self_attn.q_proj.bias", k="self_attn.k_proj.bias",
+               v="self_attn.v_proj.bias")
+QK_NORMS = (Plain(hf="self_attn.q_norm.weight", logical="self_attention.q_layernorm.weight"),
+            Plain(hf="self_attn.k_norm.weight", logical="self_attention.k_layernorm.weight"))
+O_PROJ = Plain(hf="self_attn.o_proj.weight", logical="self_attention.linear_proj.weight")
+ATTENTION: tuple[Row, ...] = (INPUT_NORM, QKV_WEIGHT, QKV_BIAS, *QK_NORMS, O_PROJ)
 # Llama's meaning of post_attention_layernorm: the norm before the MLP
-MLP_NORM: tuple[Name, ...] = (("post_attention_layernorm.weight", "pre_mlp_layernorm.weight", None),)
-DENSE_MLP: tuple[Name, ...] = (
-    ("mlp.gate_proj.weight", "mlp.linear_fc1.weight", "gate"),
-    ("mlp.up_proj.weight", "mlp.linear_fc1.weight", "up"),
-    ("mlp.down_proj.weight", "mlp.linear_fc2.weight", None),
+PRE_MLP_NORM: tuple[Row, ...] = (Plain(hf="post_attention_layernorm.weight", logical="pre_mlp_layernorm.weight"),)
+GATED_MLP: tuple[Row, ...] = (
+    GLU(logical="mlp.linear_fc1.weight", gate="mlp.gate_proj.weight", up="mlp.up_proj.weight"),
+    Plain(hf="mlp.down_proj.weight", logical="mlp.linear_fc2.weight"),
 )
+# the same as triples, for the speculative draft export (``speculative/draft_export.py``), which reads them so
+ATTENTION_NAMES: tuple[Name, ...] = tuple(names(ATTENTION))
+MLP_NORM: tuple[Name, ...] = tuple(names(PRE_MLP_NORM))
+DENSE_MLP: tuple[Name, ...] = tuple(names(GATED_MLP))
 EXPERT_FC1 = "mlp.experts.local_experts.{e}.linear_fc1.weight"
 EXPERT_FC2 = "mlp.experts.local_experts.{e}.linear_fc2.weight"
 
@@ -191,21 +188,16 @@ def part_pieces(logical: str, lshape: tuple[int, ...], part: str | None,
     return fused_for(part, cfg, lshape[0]).pieces(logical, lshape, part_in(part))
 
 
-def in_layer(names: tuple[Name, ...] | list[Name], prefix: str) -> list[Name]:
-    """Per-layer names with the logical suffixes made full names under ``prefix``."""
-    return [(hf, prefix + lg, part) for hf, lg, part in names]
+def in_layer(rows: tuple[Row, ...] | list[Row], prefix: str) -> list[Row]:
+    """Per-layer rows with the logical suffixes made full names under ``prefix``."""
+    return [row.under(prefix) for row in rows]
 
 
 def expert_names(block: str, num_experts: int, proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                 ) -> list[Name]:
+                 ) -> list[Row]:
     """Per-expert gate/up/down of routed experts stored as ``{block}.experts.{e}.{proj}.weight``."""
-    gate, up, down = proj
-    out: list[Name] = []
-    for e in range(num_experts):
-        out += [(f"{block}.experts.{e}.{gate}.weight", EXPERT_FC1.format(e=e), "gate"),
-                (f"{block}.experts.{e}.{up}.weight", EXPERT_FC1.format(e=e), "up"),
-                (f"{block}.experts.{e}.{down}.weight", EXPERT_FC2.format(e=e), None)]
-    return out
+    gate, up, down = (f"{block}.experts.{{e}}.{p}.weight" for p in proj)
+    return each((GLU(logical=EXPERT_FC1, gate=gate, up=up), Plain(hf=down, logical=EXPERT_FC2)), e=range(num_experts))
 
 
 def layer_prefix(stack: str, layer: int) -> str:

@@ -26,44 +26,45 @@ from .base import (
     ANY,
     COMMON,
     COMMON_HF_KEYS,
-    DENSE_MLP,
     DTYPE_NAMES,
-    MLP_NORM,
+    GATED_MLP,
+    PRE_MLP_NORM,
     Allowed,
     Family,
     Imported,
-    Name,
     check_silu,
     divisible,
     expert_names,
     get,
+    in_layer,
 )
 from .rope import position_from_hf, rope_params, rope_to_hf, yarn_mscale
+from .rows import GLU, Plain, Row
 
-# (HF suffix after model.layers.N., logical suffix, part) of an MLA layer's attention
-MLA_NAMES: tuple[tuple[str, str, str | None], ...] = (
-    ("input_layernorm.weight", "input_layernorm.weight", None),
-    ("self_attn.q_proj.weight", "self_attention.linear_q_proj.weight", None),
-    ("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight", None),
-    ("self_attn.q_a_layernorm.weight", "self_attention.q_layernorm.weight", None),
-    ("self_attn.q_b_proj.weight", "self_attention.linear_q_up_proj.weight", None),
-    ("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight", None),
-    ("self_attn.kv_a_layernorm.weight", "self_attention.kv_layernorm.weight", None),
-    ("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight", None),
-    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight", None),
-)
-SHARED_NAMES: tuple[tuple[str, str, str | None], ...] = (
-    ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.linear_fc1.weight", "gate"),
-    ("mlp.shared_experts.up_proj.weight", "mlp.shared_experts.linear_fc1.weight", "up"),
-    ("mlp.shared_experts.down_proj.weight", "mlp.shared_experts.linear_fc2.weight", None),
+# an MLA layer's attention (HF suffix after model.layers.N. -> logical suffix): every projection stored whole
+MLA_NAMES: tuple[Row, ...] = tuple(Plain(hf=hf, logical=lg) for hf, lg in (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("self_attn.q_proj.weight", "self_attention.linear_q_proj.weight"),
+    ("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight"),
+    ("self_attn.q_a_layernorm.weight", "self_attention.q_layernorm.weight"),
+    ("self_attn.q_b_proj.weight", "self_attention.linear_q_up_proj.weight"),
+    ("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight"),
+    ("self_attn.kv_a_layernorm.weight", "self_attention.kv_layernorm.weight"),
+    ("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight"),
+    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+))
+SHARED_NAMES: tuple[Row, ...] = (
+    GLU(logical="mlp.shared_experts.linear_fc1.weight", gate="mlp.shared_experts.gate_proj.weight",
+        up="mlp.shared_experts.up_proj.weight"),
+    Plain(hf="mlp.shared_experts.down_proj.weight", logical="mlp.shared_experts.linear_fc2.weight"),
 )
 # an MTP layer's own modules (logical suffix after mtp.layers.K.); its decoder layer is under MTP_LAYER
-MTP_NAMES: tuple[tuple[str, str, str | None], ...] = (
-    ("enorm.weight", "enorm.weight", None),
-    ("hnorm.weight", "hnorm.weight", None),
-    ("eh_proj.weight", "eh_proj.weight", None),
-    ("shared_head.norm.weight", "final_layernorm.weight", None),
-)
+MTP_NAMES: tuple[Row, ...] = tuple(Plain(hf=hf, logical=lg) for hf, lg in (
+    ("enorm.weight", "enorm.weight"),
+    ("hnorm.weight", "hnorm.weight"),
+    ("eh_proj.weight", "eh_proj.weight"),
+    ("shared_head.norm.weight", "final_layernorm.weight"),
+))
 MTP_COPIES = (("embed_tokens.weight", EMBEDDING), ("shared_head.head.weight", OUTPUT))
 V3, V2 = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
 A_NORM_EPS = 1e-6  # transformers' DeepSeek builds q_a_layernorm / kv_a_layernorm with this epsilon, always
@@ -72,26 +73,26 @@ MOE_HF_KEYS = frozenset({"norm_topk_prob", "scoring_func", "topk_method", "n_gro
                          "num_nextn_predict_layers"})
 
 
-def moe_names(num_experts: int) -> tuple[Name, ...]:
-    return (("mlp.gate.weight", "mlp.router.weight", None),
-            ("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias", None),
+def moe_names(num_experts: int) -> tuple[Row, ...]:
+    return (Plain(hf="mlp.gate.weight", logical="mlp.router.weight"),
+            Plain(hf="mlp.gate.e_score_correction_bias", logical="mlp.router.expert_bias"),
             *expert_names("mlp", num_experts), *SHARED_NAMES)
 
 
-def stack_names(cfg: ModelConfig, stack: str, layer: int, attention: tuple[Name, ...]) -> list[Name]:
-    """(HF suffix, logical name, part) of every tensor of one decoder or MTP layer with ``attention``'s names
-    and DeepSeek's MoE; HF numbers MTP layer k as decoder layer ``num_layers + k`` and stores copies of the
-    embedding and the output head with it."""
+def stack_names(cfg: ModelConfig, stack: str, layer: int, attention: tuple[Row, ...]) -> list[Row]:
+    """The rows of every tensor of one decoder or MTP layer with ``attention``'s rows and DeepSeek's MoE; HF
+    numbers MTP layer k as decoder layer ``num_layers + k`` and stores copies of the embedding and the output head
+    with it."""
     moe = cfg.layer_is_moe(stack, layer)
-    names = attention + MLP_NORM + (moe_names(cfg.num_experts) if moe else DENSE_MLP)
+    rows = attention + PRE_MLP_NORM + (moe_names(cfg.num_experts) if moe else GATED_MLP)
     if stack == "decoder":
-        return [(hf, f"decoder.layers.{layer}.{lg}", part) for hf, lg, part in names]
-    copies = [(hf, OUTPUT if name == OUTPUT and not cfg.tied else EMBEDDING, None) for hf, name in MTP_COPIES]
-    return ([(hf, f"mtp.layers.{layer}.{lg}", part) for hf, lg, part in MTP_NAMES]
-            + [(hf, f"mtp.layers.{layer}.{MTP_LAYER}{lg}", part) for hf, lg, part in names] + copies)
+        return in_layer(rows, f"decoder.layers.{layer}.")
+    copies = [Plain(hf=hf, logical=OUTPUT if name == OUTPUT and not cfg.tied else EMBEDDING)
+              for hf, name in MTP_COPIES]
+    return in_layer(MTP_NAMES, f"mtp.layers.{layer}.") + in_layer(rows, f"mtp.layers.{layer}.{MTP_LAYER}") + copies
 
 
-def layer_names(cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
+def layer_names(cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
     return stack_names(cfg, stack, layer, MLA_NAMES)
 
 
@@ -340,7 +341,7 @@ class DeepSeek(Family):
         return {**mla_expresses(), "moe": {True, False} if v3 else {True}, "mtp": {True, False} if v3 else {False},
                 **moe_expresses(v3)}
 
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
         return layer_names(cfg, stack, layer)
 
     def as_stored(self, cfg: ModelConfig, found: Collection[str], notes: list[str]) -> ModelConfig:

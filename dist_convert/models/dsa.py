@@ -31,7 +31,7 @@ from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features import DSA
 from ..layout.rules import INDEXER
-from .base import ANY, COMMON_HF_KEYS, DTYPE_NAMES, Allowed, Family, Imported, Name, get
+from .base import ANY, COMMON_HF_KEYS, DTYPE_NAMES, Allowed, Family, Imported, get
 from .deepseek import (
     A_NORM_EPS,
     MLA_NAMES,
@@ -46,10 +46,11 @@ from .deepseek import (
     mtp_optional_sets,
     stack_names,
 )
+from .rows import Plain, Row
 
 GLM47_FLASH, GLM5, V32 = "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM"
 K_NORM_EPS = 1e-6  # transformers' DSA indexer: nn.LayerNorm(index_head_dim, eps=1e-6), whatever config.json says
-INDEXER_NAMES: tuple[Name, ...] = tuple((f"self_attn.indexer.{hf}", INDEXER + lg, None) for hf, lg in (
+INDEXER_NAMES: tuple[Row, ...] = tuple(Plain(hf=hf, logical=lg).under(INDEXER, "self_attn.indexer.") for hf, lg in (
     ("wq_b.weight", "linear_wq_b.weight"), ("wk.weight", "linear_wk.weight"), ("k_norm.weight", "k_norm.weight"),
     ("k_norm.bias", "k_norm.bias"), ("weights_proj.weight", "linear_weights_proj.weight")))
 DSA_HF_KEYS = frozenset({"layer_types", "index_n_heads", "index_head_dim", "index_topk", "index_topk_freq",
@@ -203,7 +204,7 @@ class MlaMoe(Family):
         return out
 
     # -- names --------------------------------------------------------------------------------------------
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
         indexer = INDEXER_NAMES if cfg.has_indexer(stack, layer) else ()
         return stack_names(cfg, stack, layer, MLA_NAMES + indexer)
 
@@ -218,11 +219,11 @@ class MlaMoe(Family):
         return {**super().optional_sets(cfg), **mtp_optional_sets(cfg, written=not self.glm)}
 
 
-FAMILIES = (
+FAMILIES = (  # in the order of preference (models/__init__.py)
     MlaMoe(architecture=GLM47_FLASH, model_type="glm4_moe_lite", glm=True, dense_default=1, eps_default=1e-5),
-    MlaMoe(architecture=GLM5, model_type="glm_moe_dsa", glm=True, dense_default=3, eps_default=1e-5,
-           indexer_heads=32, interleaved=True),
     MlaMoe(architecture=V32, model_type="deepseek_v32", glm=False, dense_default=3, eps_default=1e-6,
            indexer_heads=64, rotate=True),
+    MlaMoe(architecture=GLM5, model_type="glm_moe_dsa", glm=True, dense_default=3, eps_default=1e-5,
+           indexer_heads=32, interleaved=True),
 )
 assert V3 not in {f.architecture for f in FAMILIES}

@@ -24,15 +24,14 @@ from ..errors import ConvertError
 from ..features import MLP, Attention, Embedding, Norms, Position
 from .base import (
     ANY,
-    ATTENTION_NAMES,
+    ATTENTION,
     COMMON,
     COMMON_HF_KEYS,
-    DENSE_MLP,
     DTYPE_NAMES,
+    GATED_MLP,
     Allowed,
     Family,
     Imported,
-    Name,
     base_config,
     dims_of,
     get,
@@ -41,15 +40,16 @@ from .base import (
     layer_prefix,
 )
 from .llama import gqa_core
+from .rows import Plain, Row
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 UNPADDED = 1  # Bridge's Gemma 3 keeps the vocabulary unpadded (should_pad_vocab False): pad only where TP needs it
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")  # transformers' names of tanh-GELU
-NORMS: tuple[Name, ...] = (
-    ("post_attention_layernorm.weight", "self_attention.linear_proj.post_layernorm.weight", None),
-    ("pre_feedforward_layernorm.weight", "pre_mlp_layernorm.weight", None),
-    ("post_feedforward_layernorm.weight", "mlp.linear_fc2.post_layernorm.weight", None),
-)
+NORMS: tuple[Row, ...] = tuple(Plain(hf=hf, logical=lg) for hf, lg in (
+    ("post_attention_layernorm.weight", "self_attention.linear_proj.post_layernorm.weight"),
+    ("pre_feedforward_layernorm.weight", "pre_mlp_layernorm.weight"),
+    ("post_feedforward_layernorm.weight", "mlp.linear_fc2.post_layernorm.weight"),
+))
 
 
 def attention_pattern(hf: dict[str, Any], layers: int) -> tuple[int, int]:
@@ -172,8 +172,8 @@ class Gemma3(Family):
                 "norm.zero_centered_gamma": {True}, "norm.post_norms": {True}, "mlp.activation": {"gelu_tanh"},
                 "embedding.multiplier": lambda m, cfg: m == math.sqrt(cfg.hidden_size)}
 
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
-        return in_layer(ATTENTION_NAMES + NORMS + DENSE_MLP, layer_prefix(stack, layer))
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
+        return in_layer(ATTENTION + NORMS + GATED_MLP, layer_prefix(stack, layer))
 
 
 FAMILIES = (Gemma3(),)

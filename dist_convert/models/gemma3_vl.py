@@ -18,9 +18,10 @@ from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features.expressed import ANY, Allowed
 from ..layout.vision import HF_TOWERS, PROJECTOR
-from .base import TRANSPOSED, HFTensors, Name, part_pieces, require_int
+from .base import HFTensors, part_pieces, require_int
 from .gemma3 import FAMILIES as GEMMA3_FAMILIES
 from .gemma3 import GELU_TANH
+from .rows import Plain, Row, Transposed
 from .vlm import VisionLanguage, text_of, token_expresses, token_ids, vision_config, vision_record
 
 # transformers' Gemma3TextConfig defaults (4.5x and 5.14 agree), which the releases' sparse text_config relies on
@@ -35,9 +36,9 @@ TOKENS = {"image_token_index": "image_token_id", "boi_token_index": "vision_star
           "eoi_token_index": "vision_end_token_id"}
 TOWER = "siglip"
 NESTED = "vision_tower.vision_model."  # the older releases' spelling of the tower's prefix
-PROJECTOR_NAMES: tuple[Name, ...] = (
-    (PROJECTOR + "mm_input_projection_weight", PROJECTOR + "proj.weight", TRANSPOSED),
-    (PROJECTOR + "mm_soft_emb_norm.weight", PROJECTOR + "mm_soft_embed_norm.weight", None))
+PROJECTOR_NAMES: tuple[Row, ...] = (
+    Transposed(hf=PROJECTOR + "mm_input_projection_weight", logical=PROJECTOR + "proj.weight"),
+    Plain(hf=PROJECTOR + "mm_soft_emb_norm.weight", logical=PROJECTOR + "mm_soft_embed_norm.weight"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,9 +91,9 @@ class Gemma3VL(VisionLanguage):
         return {"vision.tower": {TOWER}, "vision.activation": {"gelu_tanh"}, "vision.eps": ANY,
                 "vision.mm_tokens": ANY, **token_expresses(TOKENS.values())}
 
-    def component_names(self, cfg: ModelConfig) -> list[Name]:
+    def component_names(self, cfg: ModelConfig) -> list[Row]:
         prefix, table = HF_TOWERS[TOWER]
-        return [(prefix + suffix, prefix + suffix, None) for suffix, _ in table(cfg)] + list(PROJECTOR_NAMES)
+        return [Plain(hf=prefix + suffix, logical=prefix + suffix) for suffix, _ in table(cfg)] + list(PROJECTOR_NAMES)
 
     def alternatives(self, cfg: ModelConfig, found: Collection[str], expected: HFTensors) -> HFTensors:
         """The tower under ``vision_tower.vision_model.`` where the checkpoint nests it so."""

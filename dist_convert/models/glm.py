@@ -21,7 +21,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features import MTP
-from .base import ANY, ATTENTION_NAMES, Allowed, Family, Imported, Name, get, require_int
+from .base import ANY, ATTENTION, Allowed, Family, Imported, get, require_int
 from .deepseek import (
     MOE_HF_KEYS,
     drop_absent_mtp,
@@ -33,6 +33,7 @@ from .deepseek import (
     stack_names,
 )
 from .llama import GQA_HF_KEYS, gqa_expresses, gqa_import, gqa_to_hf
+from .rows import Row
 
 NAME = "GLM-4.5"
 PARTIAL_ROTARY_DEFAULT = 0.5  # transformers' Glm4MoeConfig default when config.json states none
@@ -101,8 +102,8 @@ class Glm4Moe(Family):
                 **moe_expresses(True), "moe.shared_size": lambda v, cfg: bool(v) and v % cfg.expert_ffn == 0}
 
     # -- names --------------------------------------------------------------------------------------------
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
-        return stack_names(cfg, stack, layer, ATTENTION_NAMES)
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
+        return stack_names(cfg, stack, layer, ATTENTION)
 
     def as_stored(self, cfg: ModelConfig, found: Collection[str], notes: list[str]) -> ModelConfig:
         return drop_absent_mtp(cfg, found, notes)

@@ -32,16 +32,18 @@ from ..layout.boxes import Box, Piece, View
 from ..layout.rules import LAYER_PREFIX, logical_tensors
 from .base import (
     ANY,
-    ATTENTION_NAMES,
     COMMON,
     COMMON_HF_KEYS,
     DTYPE_NAMES,
-    MLP_NORM,
+    INPUT_NORM,
+    O_PROJ,
+    PRE_MLP_NORM,
+    QKV_BIAS,
+    QKV_WEIGHT,
     Allowed,
     Family,
     HFTensors,
     Imported,
-    Name,
     base_config,
     dims_of,
     get,
@@ -51,17 +53,18 @@ from .base import (
 )
 from .llama import GQA_ROPE, gqa_core
 from .rope import position_from_hf, rope_to_hf
+from .rows import Plain, Row
 
 ARCHITECTURE = "GptOssForCausalLM"
 ALPHA, LIMIT, OFFSET = 1.702, 7.0, 1.0  # transformers' GptOssExperts: alpha, limit and the + 1 of (up + 1)
 SLIDING, FULL = "sliding_attention", "full_attention"
-LAYER_NAMES: tuple[Name, ...] = (
-    *(n for n in ATTENTION_NAMES if "_norm." not in n[0]),  # q/k/v weights and biases, o_proj weight
-    ("self_attn.o_proj.bias", "self_attention.linear_proj.bias", None),
-    ("self_attn.sinks", "self_attention.core_attention.softmax_offset", None),
-    *MLP_NORM,
-    ("mlp.router.weight", "mlp.router.weight", None),
-    ("mlp.router.bias", "mlp.router.bias", None),
+LAYER_NAMES: tuple[Row, ...] = (
+    INPUT_NORM, QKV_WEIGHT, QKV_BIAS, O_PROJ,  # no q/k norms
+    Plain(hf="self_attn.o_proj.bias", logical="self_attention.linear_proj.bias"),
+    Plain(hf="self_attn.sinks", logical="self_attention.core_attention.softmax_offset"),
+    *PRE_MLP_NORM,
+    Plain(hf="mlp.router.weight", logical="mlp.router.weight"),
+    Plain(hf="mlp.router.bias", logical="mlp.router.bias"),
 )
 GATE_UP, GATE_UP_BIAS = "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias"
 DOWN, DOWN_BIAS = "mlp.experts.down_proj", "mlp.experts.down_proj_bias"
@@ -204,7 +207,7 @@ class GptOss(Family):
                 "mlp.glu_linear_offset": {OFFSET}, "mlp.clamp": {LIMIT}, "moe": {True},
                 "moe.score_function": {"softmax"}, "moe.pre_softmax": {False}}
 
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
         """The per-layer rows; the four fused expert tensors are ``alternatives`` (they need views)."""
         return in_layer(LAYER_NAMES, layer_prefix(stack, layer))
 

@@ -14,17 +14,16 @@ from ..errors import ConvertError
 from ..features import MLP, Attention, Norms, Position
 from .base import (
     ANY,
-    ATTENTION_NAMES,
+    ATTENTION,
     COMMON,
     COMMON_HF_KEYS,
-    DENSE_MLP,
     DTYPE_NAMES,
-    MLP_NORM,
+    GATED_MLP,
+    PRE_MLP_NORM,
     Allowed,
     Dims,
     Family,
     Imported,
-    Name,
     base_config,
     check_silu,
     dims_of,
@@ -35,6 +34,7 @@ from .base import (
     layer_prefix,
 )
 from .rope import position_from_hf, rope_params, rope_to_hf
+from .rows import Row
 
 # what the GQA families write of RoPE: plain RoPE (any base), Llama-3 scaling, YaRN
 GQA_ROPE: dict[str, Allowed] = {
@@ -164,13 +164,13 @@ class Llama(Family):
             out["attention.window"] = lambda w, cfg: w is None or (w[1] == 0 and w[0] >= 0)
         return out
 
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
-        return in_layer(ATTENTION_NAMES + MLP_NORM + DENSE_MLP, layer_prefix(stack, layer))
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
+        return in_layer(ATTENTION + PRE_MLP_NORM + GATED_MLP, layer_prefix(stack, layer))
 
 
-FAMILIES = (
+FAMILIES = (  # in the order of preference (models/__init__.py)
     Llama(architecture="LlamaForCausalLM", model_type="llama"),
-    Llama(architecture="MistralForCausalLM", model_type="mistral", window=True),
     Llama(architecture="Qwen2ForCausalLM", model_type="qwen2", qkv_bias=True),
     Llama(architecture="Qwen3ForCausalLM", model_type="qwen3", qk_norm=True),
+    Llama(architecture="MistralForCausalLM", model_type="mistral", window=True),
 )

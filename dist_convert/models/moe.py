@@ -17,28 +17,28 @@ from ..layout.boxes import Box, Piece
 from ..layout.rules import LAYER_PREFIX, logical_tensors
 from .base import (
     ANY,
-    ATTENTION_NAMES,
-    DENSE_MLP,
+    ATTENTION,
     EXPERT_FC1,
     EXPERT_FC2,
-    MLP_NORM,
+    GATED_MLP,
+    PRE_MLP_NORM,
     Allowed,
     Family,
     HFTensors,
     Imported,
-    Name,
     expert_names,
     in_layer,
     layer_prefix,
     require_int,
 )
 from .llama import GQA_HF_KEYS, gqa_expresses, gqa_import, gqa_to_hf
+from .rows import GLU, Plain, Row
 
-SHARED_NAMES: tuple[Name, ...] = (
-    ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.linear_fc1.weight", "gate"),
-    ("mlp.shared_expert.up_proj.weight", "mlp.shared_experts.linear_fc1.weight", "up"),
-    ("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.linear_fc2.weight", None),
-    ("mlp.shared_expert_gate.weight", "mlp.shared_experts.gate_weight", None),
+SHARED_NAMES: tuple[Row, ...] = (
+    GLU(logical="mlp.shared_experts.linear_fc1.weight", gate="mlp.shared_expert.gate_proj.weight",
+        up="mlp.shared_expert.up_proj.weight"),
+    Plain(hf="mlp.shared_expert.down_proj.weight", logical="mlp.shared_experts.linear_fc2.weight"),
+    Plain(hf="mlp.shared_expert_gate.weight", logical="mlp.shared_experts.gate_weight"),
 )
 # transformers >= 5 with save_original_format=False: all experts of a layer in one tensor, leading axis = expert
 FUSED_FC1, FUSED_FC2, FUSED_ROUTER = "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"
@@ -146,15 +146,15 @@ class MoE(Family):
                 "moe.shared_gate": {self.shared_expert}}
 
     # -- names --------------------------------------------------------------------------------------------
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
-        names: list[Name] = list(ATTENTION_NAMES + MLP_NORM)
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
+        rows: list[Row] = list(ATTENTION + PRE_MLP_NORM)
         if cfg.is_moe_layer(layer):
-            names += [(f"{self.block}.gate.weight", "mlp.router.weight", None)]
-            names += expert_names(self.block, cfg.num_experts, self.expert_proj)
-            names += SHARED_NAMES if self.shared_expert else ()
+            rows.append(Plain(hf=f"{self.block}.gate.weight", logical="mlp.router.weight"))
+            rows += expert_names(self.block, cfg.num_experts, self.expert_proj)
+            rows += SHARED_NAMES if self.shared_expert else ()
         else:
-            names += DENSE_MLP
-        return in_layer(names, layer_prefix(stack, layer))
+            rows += GATED_MLP
+        return in_layer(rows, layer_prefix(stack, layer))
 
     def alternatives(self, cfg: ModelConfig, found: Collection[str], expected: HFTensors) -> HFTensors:
         """The fused expert tensors transformers >= 5 writes with ``save_original_format=False``
@@ -180,7 +180,7 @@ class MoE(Family):
         return out
 
 
-FAMILIES = (
+FAMILIES = (  # in the order of preference (models/__init__.py)
     MoE(architecture="MixtralForCausalLM", model_type="mixtral", block="block_sparse_moe",
         expert_proj=("w1", "w3", "w2"), dense_layers=False),
     MoE(architecture="Qwen2MoeForCausalLM", model_type="qwen2_moe", qkv_bias=True, shared_expert=True,

@@ -36,7 +36,6 @@ from .base import (
     Family,
     HFTensors,
     Imported,
-    Name,
     base_config,
     divisible,
     get,
@@ -45,6 +44,7 @@ from .base import (
     require_int,
 )
 from .deepseek import MoE, router_from_hf, two_per_group
+from .rows import QKV, Plain, Row, each
 
 ARCHITECTURE = "NemotronHForCausalLM"
 # transformers' layer types (and the older names it still reads) <-> megatron-core's pattern symbols
@@ -53,22 +53,24 @@ SYMBOL_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E":
 # what transformers' save_pretrained writes, then the spelling Megatron-Bridge and some releases use
 EMBEDDING_NAMES = ("backbone.embedding.weight", "backbone.embeddings.weight")
 GATED_NORM_EPS = 1e-5  # megatron-core's MambaMixer builds its gated norm with this epsilon, whatever the config says
-NORM: Name = ("norm.weight", "input_layernorm.weight", None)
-MLP_NORM: Name = ("norm.weight", "pre_mlp_layernorm.weight", None)
-NAMES: dict[str, tuple[Name, ...]] = {
-    "M": (NORM, *((f"mixer.{n}", f"mixer.{n}", None) for n in (
+NORM = Plain(hf="norm.weight", logical="input_layernorm.weight")
+MLP_NORM = Plain(hf="norm.weight", logical="pre_mlp_layernorm.weight")
+# pattern symbol -> the rows of its layer (every MLP ungated: fc1 stored whole)
+NAMES: dict[str, tuple[Row, ...]] = {
+    "M": (NORM, *(Plain(hf=f"mixer.{n}", logical=f"mixer.{n}") for n in (
         "in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias", "norm.weight", "out_proj.weight"))),
-    "*": (NORM, ("mixer.q_proj.weight", "self_attention.linear_qkv.weight", "q"),
-          ("mixer.k_proj.weight", "self_attention.linear_qkv.weight", "k"),
-          ("mixer.v_proj.weight", "self_attention.linear_qkv.weight", "v"),
-          ("mixer.o_proj.weight", "self_attention.linear_proj.weight", None)),
-    "-": (MLP_NORM, ("mixer.up_proj.weight", "mlp.linear_fc1.weight", None),
-          ("mixer.down_proj.weight", "mlp.linear_fc2.weight", None)),
-    "E": (MLP_NORM, ("mixer.gate.weight", "mlp.router.weight", None),
-          ("mixer.gate.e_score_correction_bias", "mlp.router.expert_bias", None),
-          ("mixer.shared_experts.up_proj.weight", "mlp.shared_experts.linear_fc1.weight", None),
-          ("mixer.shared_experts.down_proj.weight", "mlp.shared_experts.linear_fc2.weight", None)),
+    "*": (NORM, QKV(logical="self_attention.linear_qkv.weight", q="mixer.q_proj.weight", k="mixer.k_proj.weight",
+                    v="mixer.v_proj.weight"),
+          Plain(hf="mixer.o_proj.weight", logical="self_attention.linear_proj.weight")),
+    "-": (MLP_NORM, Plain(hf="mixer.up_proj.weight", logical="mlp.linear_fc1.weight"),
+          Plain(hf="mixer.down_proj.weight", logical="mlp.linear_fc2.weight")),
+    "E": (MLP_NORM, Plain(hf="mixer.gate.weight", logical="mlp.router.weight"),
+          Plain(hf="mixer.gate.e_score_correction_bias", logical="mlp.router.expert_bias"),
+          Plain(hf="mixer.shared_experts.up_proj.weight", logical="mlp.shared_experts.linear_fc1.weight"),
+          Plain(hf="mixer.shared_experts.down_proj.weight", logical="mlp.shared_experts.linear_fc2.weight")),
 }
+EXPERT = (Plain(hf="mixer.experts.{e}.up_proj.weight", logical=EXPERT_FC1),
+          Plain(hf="mixer.experts.{e}.down_proj.weight", logical=EXPERT_FC2))
 
 
 def pattern_of(hf: dict[str, Any]) -> str:
@@ -194,16 +196,12 @@ class NemotronH(Family):
                 "moe.shared_size": lambda v, cfg: v is not None, "moe.topk_scaling_factor": ANY,
                 "moe.num_groups": ANY, "moe.group_topk": two_per_group}
 
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
         assert cfg.mamba is not None
         symbol = cfg.mamba.pattern[layer]
-        names = list(NAMES[symbol])
-        if symbol == "E":
-            for e in range(cfg.num_experts):
-                names += [(f"mixer.experts.{e}.up_proj.weight", EXPERT_FC1.format(e=e), None),
-                          (f"mixer.experts.{e}.down_proj.weight", EXPERT_FC2.format(e=e), None)]
+        rows = list(NAMES[symbol]) + (each(EXPERT, e=range(cfg.num_experts)) if symbol == "E" else [])
         assert symbol in HYBRID_SYMBOLS
-        return in_layer(names, layer_prefix(stack, layer))
+        return in_layer(rows, layer_prefix(stack, layer))
 
     def top_names(self, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
         return ((EMBEDDING_NAMES[0], EMBEDDING), ("backbone.norm_f.weight", "decoder.final_norm.weight"),

@@ -16,8 +16,9 @@ from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features.expressed import ANY, Allowed
 from ..layout.vision import HF_TOWERS
-from .base import Name, require_int
+from .base import require_int
 from .llama import FAMILIES as LLAMA_FAMILIES
+from .rows import Plain, Row
 from .vlm import (
     VisionLanguage,
     mrope_position,
@@ -91,9 +92,9 @@ class Qwen25VL(VisionLanguage):
                 "vision.activation": {"silu"}, "vision.eps": {1e-6}, "vision.window": ANY, "vision.full_layers": ANY,
                 "vision.tokens_per_second": ANY, **token_expresses(TOKENS.values())}
 
-    def component_names(self, cfg: ModelConfig) -> list[Name]:
+    def component_names(self, cfg: ModelConfig) -> list[Row]:
         prefix, table = HF_TOWERS[TOWER]
-        return [(prefix + suffix, prefix + suffix, None) for suffix, _ in table(cfg)]
+        return [Plain(hf=prefix + suffix, logical=prefix + suffix) for suffix, _ in table(cfg)]
 
 
 FAMILIES = (Qwen25VL(),)

@@ -25,12 +25,13 @@ from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features import GDN
 from .base import (
-    ATTENTION_NAMES,
-    DENSE_MLP,
-    MLP_NORM,
+    GATED_MLP,
+    INPUT_NORM,
+    O_PROJ,
+    PRE_MLP_NORM,
+    QK_NORMS,
     Allowed,
     Imported,
-    Name,
     expert_names,
     in_layer,
     layer_prefix,
@@ -39,27 +40,24 @@ from .base import (
 from .gpt_oss import FULL
 from .llama import gqa_expresses, gqa_import, gqa_to_hf
 from .moe import SHARED_NAMES, MoE
+from .rows import GatedQKV, GDNFused, GDNSplit, Plain, Row
 
 LINEAR = "linear_attention"
-GDN_COMMON: tuple[Name, ...] = (
-    ("input_layernorm.weight", "input_layernorm.weight", None),
-    ("linear_attn.conv1d.weight", "self_attention.conv1d.weight", None),
-    ("linear_attn.A_log", "self_attention.A_log", None),
-    ("linear_attn.dt_bias", "self_attention.dt_bias", None),
-    ("linear_attn.norm.weight", "self_attention.out_norm.weight", None),
-    ("linear_attn.out_proj.weight", "self_attention.out_proj.weight", None),
-)
+GDN_COMMON: tuple[Row, ...] = (INPUT_NORM, *(Plain(hf=hf, logical=lg) for hf, lg in (
+    ("linear_attn.conv1d.weight", "self_attention.conv1d.weight"),
+    ("linear_attn.A_log", "self_attention.A_log"),
+    ("linear_attn.dt_bias", "self_attention.dt_bias"),
+    ("linear_attn.norm.weight", "self_attention.out_norm.weight"),
+    ("linear_attn.out_proj.weight", "self_attention.out_proj.weight"),
+)))
 IN_PROJ = "self_attention.in_proj.weight"
-GDN_FUSED: tuple[Name, ...] = (("linear_attn.in_proj_qkvz.weight", IN_PROJ, "gdn_qkvz"),
-                               ("linear_attn.in_proj_ba.weight", IN_PROJ, "gdn_ba"))
-GDN_FLAT: tuple[Name, ...] = (("linear_attn.in_proj_qkv.weight", IN_PROJ, "gdn_qkv"),
-                              ("linear_attn.in_proj_z.weight", IN_PROJ, "gdn_z"),
-                              ("linear_attn.in_proj_b.weight", IN_PROJ, "gdn_b"),
-                              ("linear_attn.in_proj_a.weight", IN_PROJ, "gdn_a"))
-# the gated attention: q_proj holds each head's query and output gate
-GATED_ATTENTION: tuple[Name, ...] = tuple(
-    (hf, lg, "q_gate" if hf == "self_attn.q_proj.weight" else part) for hf, lg, part in ATTENTION_NAMES
-    if ".bias" not in hf)
+GDN_FUSED = GDNFused(logical=IN_PROJ, qkvz="linear_attn.in_proj_qkvz.weight", ba="linear_attn.in_proj_ba.weight")
+GDN_FLAT = GDNSplit(logical=IN_PROJ, qkv="linear_attn.in_proj_qkv.weight", z="linear_attn.in_proj_z.weight",
+                    b="linear_attn.in_proj_b.weight", a="linear_attn.in_proj_a.weight")
+# the gated attention: q_proj holds each head's query and output gate; no q/k/v biases
+GATED_ATTENTION: tuple[Row, ...] = (
+    INPUT_NORM, GatedQKV(logical="self_attention.linear_qkv.weight", q="self_attn.q_proj.weight",
+                         k="self_attn.k_proj.weight", v="self_attn.v_proj.weight"), *QK_NORMS, O_PROJ)
 PARTIAL_ROTARY_DEFAULT = 0.25  # Qwen3NextConfig's and Qwen3_5TextConfig's default
 # GDN record field -> config.json key
 GDN_SIZES = {"num_key_heads": "linear_num_key_heads", "num_value_heads": "linear_num_value_heads",
@@ -160,20 +158,20 @@ class GatedDeltaNet(MoE):
                 out.update({"moe.layer_pattern": {None}, "moe.pre_softmax": {False}})
         return out
 
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
         gdn = stack == "decoder" and cfg.gdn is not None and cfg.gdn.pattern[layer]
-        names: list[Name] = list(GDN_COMMON + (GDN_FUSED if self.fused_in_proj else GDN_FLAT)) if gdn else \
+        rows: list[Row] = [*GDN_COMMON, GDN_FUSED if self.fused_in_proj else GDN_FLAT] if gdn else \
             list(GATED_ATTENTION)
-        names += MLP_NORM
+        rows += PRE_MLP_NORM
         if cfg.layer_is_moe(stack, layer):
-            names += [("mlp.gate.weight", "mlp.router.weight", None)]
-            names += expert_names("mlp", cfg.num_experts) + list(SHARED_NAMES)
+            rows.append(Plain(hf="mlp.gate.weight", logical="mlp.router.weight"))
+            rows += expert_names("mlp", cfg.num_experts) + list(SHARED_NAMES)
         else:
-            names += DENSE_MLP
-        return in_layer(names, layer_prefix(stack, layer))
+            rows += GATED_MLP
+        return in_layer(rows, layer_prefix(stack, layer))
 
 
-FAMILIES = (
+FAMILIES = (  # in the order of preference (models/__init__.py)
     GatedDeltaNet(architecture="Qwen3NextForCausalLM", model_type="qwen3_next", fused_in_proj=True),
     GatedDeltaNet(architecture="Qwen3_5ForCausalLM", model_type="qwen3_5_text", experts=False),
     GatedDeltaNet(architecture="Qwen3_5MoeForCausalLM", model_type="qwen3_5_moe_text", router_keys=False),

@@ -24,10 +24,11 @@ from ..features.vision import Vision
 from ..layout.boxes import Box, Piece, View
 from ..layout.rules import LAYER_PREFIX, logical_tensors
 from ..layout.vision import DEEPSTACK, LAYER_RULES, MERGER, VISION_STACK
-from .base import EXPERT_FC1, EXPERT_FC2, Family, HFTensors, Name, part_pieces, require_int
+from .base import EXPERT_FC1, EXPERT_FC2, Family, HFTensors, part_pieces, require_int
 from .llama import FAMILIES as LLAMA_FAMILIES
 from .moe import FAMILIES as MOE_FAMILIES
 from .moe import FUSED_FC1, FUSED_FC2, MoE
+from .rows import Plain, Row, StackedQKV, each, names, under
 from .vlm import (
     VisionLanguage,
     mrope_position,
@@ -45,24 +46,28 @@ DEEPSTACK_DEFAULT = (8, 16, 24)  # transformers' default deepstack_visual_indexe
 # the vision activations transformers names and Megatron-Bridge's tower builds (tanh-approximated GELU only)
 VISION_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
 TOKENS = {k: k for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
-# HF block suffix (after ``model.visual.blocks.N.``) -> the tower layer's suffix (after ``...layers.N.``), fused part
-BLOCK_NAMES: tuple[Name, ...] = (
-    ("norm1.weight", "self_attention.linear_qkv.layer_norm_weight", None),
-    ("norm1.bias", "self_attention.linear_qkv.layer_norm_bias", None),
-    ("attn.qkv.weight", "self_attention.linear_qkv.weight", "vision_qkv"),
-    ("attn.qkv.bias", "self_attention.linear_qkv.bias", "vision_qkv"),
-    ("attn.proj.weight", "self_attention.linear_proj.weight", None),
-    ("attn.proj.bias", "self_attention.linear_proj.bias", None),
-    ("norm2.weight", "mlp.linear_fc1.layer_norm_weight", None),
-    ("norm2.bias", "mlp.linear_fc1.layer_norm_bias", None),
-    ("mlp.linear_fc1.weight", "mlp.linear_fc1.weight", None),
-    ("mlp.linear_fc1.bias", "mlp.linear_fc1.bias", None),
-    ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight", None),
-    ("mlp.linear_fc2.bias", "mlp.linear_fc2.bias", None),
+# a tower block: HF suffix after ``model.visual.blocks.{i}.``, the tower layer's suffix after ``...layers.{i}.``
+BLOCK_NAMES: tuple[Row, ...] = (
+    Plain(hf="norm1.weight", logical="self_attention.linear_qkv.layer_norm_weight"),
+    Plain(hf="norm1.bias", logical="self_attention.linear_qkv.layer_norm_bias"),
+    StackedQKV(hf="attn.qkv.weight", logical="self_attention.linear_qkv.weight"),
+    StackedQKV(hf="attn.qkv.bias", logical="self_attention.linear_qkv.bias"),
+    *(Plain(hf=hf, logical=lg) for hf, lg in (
+        ("attn.proj.weight", "self_attention.linear_proj.weight"),
+        ("attn.proj.bias", "self_attention.linear_proj.bias"),
+        ("norm2.weight", "mlp.linear_fc1.layer_norm_weight"),
+        ("norm2.bias", "mlp.linear_fc1.layer_norm_bias"),
+        ("mlp.linear_fc1.weight", "mlp.linear_fc1.weight"),
+        ("mlp.linear_fc1.bias", "mlp.linear_fc1.bias"),
+        ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight"),
+        ("mlp.linear_fc2.bias", "mlp.linear_fc2.bias"))),
 )
-MERGER_NAMES = (("norm.weight", "patch_norm.weight"), ("norm.bias", "patch_norm.bias"),
-                *((f"linear_fc{i}.{p}",) * 2 for i in (1, 2) for p in ("weight", "bias")))
-assert {lg for _, lg, _ in BLOCK_NAMES} == {r.name for r in LAYER_RULES}, "one HF name per tower tensor"
+# the merger's (after ``model.visual.merger.``; a deepstack merger's after ``deepstack_merger_list.{j}.``)
+MERGER_NAMES: tuple[Row, ...] = (Plain(hf="norm.weight", logical="patch_norm.weight"),
+                                 Plain(hf="norm.bias", logical="patch_norm.bias"),
+                                 *(Plain(hf=f"linear_fc{i}.{p}", logical=f"linear_fc{i}.{p}")
+                                   for i in (1, 2) for p in ("weight", "bias")))
+assert {r.logical for r in BLOCK_NAMES} == {r.name for r in LAYER_RULES}, "one HF name per tower tensor"
 
 
 def vision_from_hf(hf: dict[str, Any], arch: str) -> Vision:
@@ -160,10 +165,10 @@ class Qwen3VL(VisionLanguage):
                 "vision.activation": set(VISION_ACTIVATIONS.values()), "vision.eps": {1e-6},
                 **({"moe.pre_softmax": {False}} if self.experts else {}), **token_expresses(TOKENS.values())}
 
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
-        """The text family's names; a MoE layer's experts are stored fused (``alternatives``)."""
-        names = self.text.layer_names(cfg, stack, layer)
-        return [n for n in names if ".experts." not in n[0]]
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
+        """The text family's rows; a MoE layer's experts are stored fused (``alternatives``)."""
+        rows = self.text.layer_names(cfg, stack, layer)
+        return [r for r in rows if not any(".experts." in h for h in r.hf_names())]
 
     def alternatives(self, cfg: ModelConfig, found: Collection[str], expected: HFTensors) -> HFTensors:
         """A MoE layer's experts: per expert where ``found`` holds them so, else fused (the releases' layout)."""
@@ -173,7 +178,7 @@ class Qwen3VL(VisionLanguage):
             if not cfg.is_moe_layer(layer):
                 continue
             hf = f"{self.hf_layers}{layer}."
-            per_expert = [(hf + h, lg, part) for h, lg, part in self.text.layer_names(cfg, "decoder", layer)
+            per_expert = [(h, lg, part) for h, lg, part in names(self.text.layer_names(cfg, "decoder", layer), hf=hf)
                           if ".experts." in h]
             if any(h in found for h, _, _ in per_expert):
                 out.update({h: part_pieces(lg, logical[lg].shape, part, cfg) for h, lg, part in per_expert})
@@ -181,19 +186,15 @@ class Qwen3VL(VisionLanguage):
                 out.update(fused_experts(cfg, layer, hf, release_layout(cfg, found, hf)))
         return out
 
-    def component_names(self, cfg: ModelConfig) -> list[Name]:
+    def component_names(self, cfg: ModelConfig) -> list[Row]:
         v = cfg.vision
-        out: list[Name] = [(f"{VISUAL}patch_embed.proj.{p}", f"vision_model.patch_embed.proj.{p}", None)
-                           for p in ("weight", "bias")]
-        out.append((f"{VISUAL}pos_embed.weight", "vision_model.pos_embed.weight", None))
-        for i in range(v.depth):
-            out += [(f"{VISUAL}blocks.{i}.{hf}", f"{VISION_STACK}.layers.{i}.{lg}", part)
-                    for hf, lg, part in BLOCK_NAMES]
-        out += [(f"{VISUAL}merger.{hf}", MERGER + lg, None) for hf, lg in MERGER_NAMES]
-        for j in range(len(v.deepstack)):
-            out += [(f"{VISUAL}deepstack_merger_list.{j}.{hf}", DEEPSTACK.format(j=j) + lg, None)
-                    for hf, lg in MERGER_NAMES]
-        return out
+        return [*(Plain(hf=f"{VISUAL}patch_embed.proj.{p}", logical=f"vision_model.patch_embed.proj.{p}")
+                  for p in ("weight", "bias")),
+                Plain(hf=f"{VISUAL}pos_embed.weight", logical="vision_model.pos_embed.weight"),
+                *each(under(BLOCK_NAMES, f"{VISION_STACK}.layers.{{i}}.", f"{VISUAL}blocks.{{i}}."), i=range(v.depth)),
+                *under(MERGER_NAMES, MERGER, f"{VISUAL}merger."),
+                *each(under(MERGER_NAMES, DEEPSTACK, f"{VISUAL}deepstack_merger_list.{{j}}."),
+                      j=range(len(v.deepstack)))]
 
 
 def _family(families: tuple[Family, ...], arch: str) -> Family:

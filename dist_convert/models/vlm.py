@@ -21,8 +21,9 @@ from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features.expressed import ANY, Allowed
 from ..features.vision import Vision
-from .base import DTYPE_NAMES, Family, Imported, Name, base_config, get
+from .base import DTYPE_NAMES, Family, Imported, base_config, get
 from .hf_keys import unmapped
+from .rows import Row
 
 UNPADDED = 1
 MROPE_KEYS = frozenset({"rope.mrope_section", "rope.mrope_interleaved"})
@@ -158,7 +159,7 @@ class VisionLanguage(Family):
     def expresses(self) -> Mapping[str, Allowed]:
         return {**self.text.expresses(), "vision": {True}, **self.vision_expresses()}
 
-    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Name]:
+    def layer_names(self, cfg: ModelConfig, stack: str, layer: int) -> list[Row]:
         return self.text.layer_names(cfg, stack, layer)
 
     def top_names(self, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:

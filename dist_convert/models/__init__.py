@@ -1,4 +1,5 @@
-"""Model families: one module each, registered here in one table, with one explicit order of preference.
+"""Model families: one module each, every family registered here once, in one sequence that is the order of
+preference (``REGISTERED``; ``FAMILIES`` and ``PREFERENCE`` are derived from it).
 
 A model is imported as the family its ``config.json`` names (``architectures``); config.json keys that change the
 math and that the family does not map are refused (``hf_keys.unmapped``). A model is exported as the family it
@@ -21,21 +22,26 @@ from . import deepseek, dsa, gemma3, gemma3_vl, glm, gpt_oss, llama, moe, nemotr
 from .base import EXPORT_FIX, Family, Imported, hf_dtype
 from .hf_keys import as_transformers_reads, unmapped
 
-FAMILIES: dict[str, Family] = {f.architecture: f for f in (
-    *llama.FAMILIES, *moe.FAMILIES, *deepseek.FAMILIES, *dsa.FAMILIES, *gemma3.FAMILIES, *glm.FAMILIES,
-    *gpt_oss.FAMILIES, *nemotron_h.FAMILIES, *qwen3_next.FAMILIES, *qwen3_vl.FAMILIES, *qwen25_vl.FAMILIES,
-    *gemma3_vl.FAMILIES)}
-# The order a model without an origin of its own tries the families in; the first that expresses it exports it.
-# Families rarely overlap (each expresses what its config.json can say): the order decides only between those that
-# both can, e.g. Llama before Mistral for a model without a window, Mixtral before the Qwen MoE families.
-PREFERENCE: tuple[str, ...] = (
-    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM",
-    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
-    "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM",
-    "GlmMoeDsaForCausalLM", "GptOssForCausalLM", "NemotronHForCausalLM",
-    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3VLForConditionalGeneration",
-    "Qwen3VLMoeForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration")
-assert sorted(PREFERENCE) == sorted(FAMILIES), "every family has its place in PREFERENCE"
+# Every family, registered once, in the order of preference: the order a model without an origin of its own tries
+# them in; the first that expresses it exports it. Families rarely overlap (each expresses what its config.json can
+# say): the order decides only between those that both can, e.g. Llama before Mistral for a model without a window,
+# Mixtral before the Qwen MoE families. A module's FAMILIES are in its own order of preference.
+REGISTERED: tuple[Family, ...] = (
+    *llama.FAMILIES,  # Llama, Qwen2, Qwen3, Mistral
+    *gemma3.FAMILIES,
+    *moe.FAMILIES,  # Mixtral, Qwen2-MoE, Qwen3-MoE
+    *glm.FAMILIES,
+    *deepseek.FAMILIES,  # DeepSeek-V3, V2
+    *dsa.FAMILIES,  # GLM-4.7-Flash, DeepSeek-V3.2, GLM-5
+    *gpt_oss.FAMILIES,
+    *nemotron_h.FAMILIES,
+    *qwen3_next.FAMILIES,  # Qwen3-Next, Qwen3.5, Qwen3.5-MoE
+    *qwen3_vl.FAMILIES,
+    *qwen25_vl.FAMILIES,
+    *gemma3_vl.FAMILIES,
+)
+FAMILIES: dict[str, Family] = {f.architecture: f for f in REGISTERED}  # architecture -> family, in PREFERENCE order
+PREFERENCE: tuple[str, ...] = tuple(FAMILIES)
 
 
 def family_of(hf: dict[str, Any]) -> Family:

@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .cuts import split_chunks, split_files
 from .datamodel import SourceIndex, Target, TargetFile, WrittenFile, numel, omit_absent
 from .errors import ConvertError
-from .exchange import Assembly, execute, nonfinite_note, stop_on_error
+from .exchange import Assembly, execute
 from .features.expressed import refuse_features
 from .formats import ADAPTER_FORMATS, detect_format, formats_holding, get_format
 from .formats.base import Format, FormatOptions, data_dir, on_rank0
@@ -27,11 +27,12 @@ from .layout.rules import logical_tensors
 from .layout.topology import Layout, pipeline_vpp
 from .lora.merge import Merger, open_adapter
 from .mlm_args import args_for_target
+from .nonfinite import nonfinite_note
 from .optim.state import optimizer_numel
 from .phases import clock, phase
 from .plan import DEFAULT_BUDGET, Plan, block_bytes, check_coverage, make_plan
 from .readers import reader_warnings
-from .runtime import Runtime, human_bytes, local_ranks, overlap_io, peak_gpu_bytes, peak_rss_bytes
+from .runtime import Runtime, human_bytes, local_ranks, overlap_io, peak_gpu_bytes, peak_rss_bytes, stop_on_error
 from .staging import Staging, refuse_existing, stage, write_error
 from .summary import RankStats, print_summary
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from . import faults
 from .datamodel import SourceChunk, TargetFile, TargetTensor, numel
 from .errors import ConvertError
-from .formats.quant import nonfinite_counts
 from .layout.boxes import Box, logical_view, write_logical
+from .nonfinite import count_nonfinite
 from .phases import phase
 from .plan import (
     Plan,
@@ -33,7 +33,7 @@ from .plan import (
     tensor_boxes,
     transfer_rows,
 )
-from .runtime import Runtime
+from .runtime import Runtime, stop_on_error
 from .transport import (
     COLLECTIVES,
     ExchangePath,
@@ -188,38 +188,6 @@ def _order(t: Transfer) -> tuple:
     return (t.file, t.tensor, t.dst_box.offsets, t.chunk)
 
 
-def count_nonfinite(chunks: list[SourceChunk], data: dict[int, torch.Tensor],
-                    into: dict[str, tuple[int, int]]) -> None:
-    """Add the NaN and infinite values of each chunk read to ``into`` (by stored tensor: ``file: key``)."""
-    for c in chunks:
-        nan, inf = nonfinite_counts(data[c.id])
-        if nan or inf:
-            name = f"{c.file}: {c.key}" if c.file else c.key
-            before = into.get(name, (0, 0))
-            into[name] = (before[0] + nan, before[1] + inf)
-
-
-def nonfinite_total(found: list[dict[str, tuple[int, int]]]) -> dict[str, tuple[int, int]]:
-    """Pure: every rank's ``count_nonfinite`` summed, by name."""
-    total: dict[str, tuple[int, int]] = {}
-    for part in found:
-        for name, (nan, inf) in part.items():
-            before = total.get(name, (0, 0))
-            total[name] = (before[0] + nan, before[1] + inf)
-    return total
-
-
-def nonfinite_note(found: list[dict[str, tuple[int, int]]], limit: int = 4, what: str = "source tensors",
-                   then: str = ", carried as they are") -> str | None:
-    """Pure: the one note line on every rank's ``count_nonfinite`` (None when all values were finite)."""
-    total = nonfinite_total(found)
-    if not total:
-        return None
-    shown = ", ".join(f"{name} ({nan} NaN, {inf} inf)" for name, (nan, inf) in sorted(total.items())[:limit])
-    more = f" and {len(total) - limit} more" if len(total) > limit else ""
-    return f"{len(total)} {what} hold non-finite values{then}: {shown}{more}"
-
-
 def execute(plan: Plan, rt: Runtime, chunks: dict[int, SourceChunk], read: ReadFn, out: Assembly,
             what: str = "converting", read_ahead: bool = False, *, exchange: str = "auto",
             nonfinite: dict[str, tuple[int, int]] | None = None) -> dict[str, int]:
@@ -281,20 +249,6 @@ def choose_path(plan: Plan, rt: Runtime, requested: str) -> ExchangePath:
             path = decide(pairs, nodes, requested, cuda, shm_ok=False, shm_why=why)
     rt.log(path.describe())
     return path
-
-
-def stop_on_error(rt: Runtime, error: ConvertError | None) -> None:
-    """Collective: every rank stops when any rank has an error. The lowest rank that has one says it (one line,
-    whichever rank that is); the others stop quietly."""
-    first = rt.first_failed(error is not None)
-    if first is None:
-        return
-    if error is not None and first == rt.rank:
-        error.local = True
-        raise error
-    quiet = ConvertError(f"rank {first} failed (see its error above)", "fix that cause and rerun")
-    quiet.quiet = True
-    raise quiet
 
 
 def payload(src: torch.Tensor, t: Transfer) -> torch.Tensor:

@@ -19,17 +19,16 @@ from .config import RECORDS, ModelConfig
 from .convert import load_index, logical_numel, sliced
 from .datamodel import SourceChunk, SourceIndex
 from .errors import ConvertError
-from .exchange import nonfinite_note, nonfinite_total, stop_on_error
 from .features import LAYOUT
 from .formats.base import Format, FormatOptions
-from .formats.quant import nonfinite_counts
 from .layout.boxes import logical_view
 from .layout.rules import logical_tensors
 from .layout.topology import Layout
 from .layout.vision import vision_tensors
+from .nonfinite import nonfinite_counts, nonfinite_note, nonfinite_total
 from .plan import DEFAULT_BUDGET, balance, select_source
 from .readers import reader_warnings
-from .runtime import Runtime, human_bytes
+from .runtime import Runtime, human_bytes, stop_on_error
 from .verify import logical_files
 
 

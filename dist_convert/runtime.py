@@ -326,3 +326,16 @@ def human_bytes(n: float) -> str:
         n /= 1024
     return f"{n:.1f} TB"
 
+
+def stop_on_error(rt: Runtime, error: ConvertError | None) -> None:
+    """Collective: every rank stops when any rank has an error. The lowest rank that has one says it (one line,
+    whichever rank that is); the others stop quietly."""
+    first = rt.first_failed(error is not None)
+    if first is None:
+        return
+    if error is not None and first == rt.rank:
+        error.local = True
+        raise error
+    quiet = ConvertError(f"rank {first} failed (see its error above)", "fix that cause and rerun")
+    quiet.quiet = True
+    raise quiet

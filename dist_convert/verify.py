@@ -9,11 +9,11 @@ import torch
 from .convert import load_index, logical_numel, sliced, source_dtypes
 from .datamodel import SourceIndex, TargetFile, TargetTensor, numel
 from .errors import ConvertError
-from .exchange import Assembly, execute, nonfinite_note
+from .exchange import Assembly, execute
 from .formats.base import FormatOptions
-from .formats.quant import nonfinite_counts
 from .layout.boxes import Box, Piece
 from .layout.rules import logical_tensors
+from .nonfinite import nonfinite_counts, nonfinite_note
 from .plan import DEFAULT_BUDGET, balance, make_plan
 from .runtime import Runtime
 

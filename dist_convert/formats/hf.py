@@ -30,7 +30,6 @@ from ..datamodel import (
 )
 from ..durable import write_durable
 from ..errors import ConvertError
-from ..exchange import stop_on_error
 from ..layout.boxes import Box
 from ..layout.rules import logical_tensors
 from ..layout.topology import Layout
@@ -39,7 +38,7 @@ from ..models import export_family, family_of, hf_from_config, import_config, na
 from ..models.base import TIED_HEAD, Family, HFTensors, hf_dtype, part_pieces
 from ..models.rows import names
 from ..phases import phase
-from ..runtime import Runtime
+from ..runtime import Runtime, stop_on_error
 from .base import HOLDS_ALL, FormatOptions, KeyPolicy, copy_tokenizer_files, on_rank0, tokenizer_source
 from .hf_shards import ShardWriter, unit_key
 from .quant import Writer

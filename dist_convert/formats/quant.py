@@ -20,6 +20,7 @@ import torch
 from ..datamodel import Quantized
 from ..errors import ConvertError
 from ..layout.boxes import Box
+from ..nonfinite import nonfinite_counts
 
 Found = Mapping[str, tuple[str, torch.dtype, tuple[int, ...]]]  # stored name -> (file, dtype, shape)
 
@@ -111,16 +112,6 @@ def finite_scale(q: Quantized, part: int, scale: torch.Tensor, *, nonzero: bool 
     check_scale(q, part, ~torch.isfinite(s), "NaN or infinite")
     if nonzero:
         check_scale(q, part, s == 0, "zero (the format's per-tensor scale is never 0)")
-
-
-def nonfinite_counts(x: torch.Tensor) -> tuple[int, int]:
-    """(NaN, infinite) values of ``x`` (0, 0 for an integer tensor). When all are finite it costs one sum (a NaN or
-    an infinity makes the sum non-finite; a sum that overflows falls through to the exact count, which finds none):
-    about 20 GB/s on one core, where ``isfinite().all()`` takes 0.4 GB/s for bf16 (measured, 256 MB)."""
-    if not x.is_floating_point() or x.numel() == 0 or bool(torch.isfinite(x.sum())):
-        return 0, 0
-    nan = int(torch.isnan(x).sum())
-    return nan, int((~torch.isfinite(x)).sum()) - nan
 
 
 def refuse_nonfinite(scheme: str, name: str, x: torch.Tensor) -> None:

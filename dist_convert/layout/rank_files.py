@@ -3,11 +3,15 @@ over the rules table, shared by the legacy and NeMo readers and writers, the opt
 speculative base model. Keys are those of our flat view of a rank file (``chunk_key``)."""
 from __future__ import annotations
 
-from ..config import ModelConfig
+from typing import TYPE_CHECKING
+
 from ..errors import ConvertError
 from .boxes import Piece, local_pieces, mcore_global_shape
 from .rules import EMBEDDING, TIED_COPIES, expert_key, holders, logical_tensors, spec_suffix
 from .topology import Layout
+
+if TYPE_CHECKING:  # the layout reads a model config's attributes; it never imports the config's module
+    from ..config import ModelConfig
 
 
 def chunk_key(key: str, vp: int, layout: Layout) -> str:

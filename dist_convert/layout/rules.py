@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from ..config import ModelConfig
 from .boxes import Kind
 from .tensors import Cond, LogicalTensor, Rule, Shape
 from .topology import Layout
 from .vision import vision_tensors
+
+if TYPE_CHECKING:  # the layout reads a model config's attributes; it never imports the config's module
+    from ..config import ModelConfig
 
 _norm_bias: Cond = lambda c: c.norm.bias  # noqa: E731
 _bias: Cond = lambda c: c.add_bias_linear  # noqa: E731
@@ -127,7 +130,7 @@ MTP_RULES: tuple[Rule, ...] = (
 )
 MTP_LAYER = "transformer_layer."
 
-Sections = Callable[[ModelConfig], tuple[tuple[str, int], ...]]
+Sections = Callable[["ModelConfig"], tuple[tuple[str, int], ...]]
 _mamba_in: Sections = lambda c: c.mamba.sections  # noqa: E731  [z | x | B | C | dt]
 _mamba_conv: Sections = lambda c: c.mamba.sections[1:4]  # noqa: E731  [x | B | C]
 _gdn_in: Sections = lambda c: c.gdn.sections  # noqa: E731  [query | key | value | z | beta | alpha]

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..config import ModelConfig
 from .boxes import Kind
 
-Cond = Callable[[ModelConfig], bool]
-Shape = Callable[[ModelConfig], tuple[int, ...]]
+if TYPE_CHECKING:  # the layout reads a model config's attributes; it never imports the config's module
+    from ..config import ModelConfig
+
+Cond = Callable[["ModelConfig"], bool]
+Shape = Callable[["ModelConfig"], tuple[int, ...]]
 _always: Cond = lambda c: True  # noqa: E731
 
 

@@ -19,9 +19,13 @@ a layer axis in torch_dist as megatron-core's TransformerBlock does.
 """
 from __future__ import annotations
 
-from ..config import ModelConfig
+from typing import TYPE_CHECKING
+
 from .boxes import Kind
 from .tensors import LogicalTensor, Rule, Shape
+
+if TYPE_CHECKING:  # the layout reads a model config's attributes; it never imports the config's module
+    from ..config import ModelConfig
 
 VISION = "vision_model."
 PROJECTOR = "multi_modal_projector."

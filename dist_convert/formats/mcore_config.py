@@ -1,43 +1,49 @@
 """Model configs stored as megatron-core ``TransformerConfig`` fields (NeMo 2's ``model.yaml``/``io.json``
 ``config``, Megatron-Bridge's ``run_config.yaml`` ``model:``), read into Megatron-LM ``args`` (the names
-the rest of dist_convert speaks) and written back. One table: TransformerConfig name -> args name.
+the rest of dist_convert speaks) and written back. A setting is read under the names it declares
+(``config.read_names``); ``FIELDS`` maps the rest: TransformerConfig name -> args name.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Collection
 from typing import Any
 
 import torch
 
-from ..config import ModelConfig, read_names
+from ..config import RECORDS, ModelConfig, read_names
 from ..errors import ConvertError
 from ..features.audit import UNCONVERTED
 from ..features.expressed import ANY
 from ..layout.topology import Layout
 
-# TransformerConfig / GPTConfig field -> Megatron-LM args name (same name unless given)
+# megatron-core names read by hand in args_from_fields (no args name holds the value as it stands)
+BY_HAND = ("activation_func",)
+
+
+def renamed_fields() -> dict[str, str]:
+    """Each feature record's megatron-core names that are not its Megatron-LM args names -> the args name they are
+    read under (the first ``arg`` of the setting declaring them), but ``BY_HAND``."""
+    return {c: f.metadata["arg"][0] for cls in RECORDS.values()
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            for c in f.metadata.get("config", ()) if c not in f.metadata["arg"] and c not in BY_HAND}
+
+
+# TransformerConfig / GPTConfig field -> Megatron-LM args name where a setting's own names do not say it: the fields
+# no model setting declares (parallel sizes, precision, the training knobs a carried config keeps), the norm epsilon's
+# older args name, the MoE layer list (kept a list, as Megatron-LM's args hold it) and the records' renamed settings.
+# Every other setting is read under its megatron-core name (``config.read_names``, in ``args_from_fields``).
 FIELDS: dict[str, str] = {
     **{k: k for k in (
-        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-        "normalization", "add_bias_linear", "add_qkv_bias", "position_embedding_type", "rotary_base",
-        "rotary_percent", "rotary_interleaved", "qk_layernorm", "make_vocab_size_divisible_by", "vocab_size",
-        "seq_length", "hidden_dropout", "attention_dropout", "rope_scaling_factor", "moe_ffn_hidden_size",
-        "moe_router_topk", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
-        "moe_router_enable_expert_bias", "moe_router_pre_softmax", "moe_router_score_function",
-        "moe_router_topk_scaling_factor", "moe_grouped_gemm", "moe_router_load_balancing_type",
+        "seq_length", "hidden_dropout", "attention_dropout", "moe_grouped_gemm", "moe_router_load_balancing_type",
         "moe_aux_loss_coeff", "moe_token_dispatcher_type", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-        "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout", "multi_latent_attention",
-        "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
-        "bf16", "fp16")},
-    "num_moe_experts": "num_experts",
+        "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout", "bf16", "fp16", "moe_layer_freq")},
     "layernorm_epsilon": "norm_epsilon",
-    "gated_linear_unit": "swiglu",
-    "rope_scaling": "use_rope_scaling",
-    "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
     "num_layers_in_first_pipeline_stage": "decoder_first_pipeline_num_layers",
     "num_layers_in_last_pipeline_stage": "decoder_last_pipeline_num_layers",
+    **renamed_fields(),
 }
 # the parallel fields a carried config gets from the target layout
 PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
@@ -59,6 +65,7 @@ ACTIVATION_TARGETS = {"silu": "torch.nn.functional.silu", "gelu": "torch.nn.func
 PASSED = ("position.interleaved", "position.seq_len_interpolation", "attention.qk_l2_norm", "attention.softmax_scale",
           "attention.softmax_type", "attention.window", "attention.window_skip_freq", "attention.output_gate",
           "mlp.glu_linear_offset", "mlp.clamp")
+
 # What a megatron-core TransformerConfig subclass written from the model config alone (Megatron-Bridge's
 # GPTModelProvider, NeMo 2's GPTConfig) expresses: every attention, norm, MLP, RoPE and MoE setting megatron-core's
 # GPTModel has, and multi-token prediction; not what only other model classes build (MLA, Mamba, Gated DeltaNet,

@@ -1,0 +1,46 @@
+"""Names are declared once, on the setting (``features.base.setting``): the tables that restate them are derived,
+and these tests pin what the derivation gives (pure)."""
+from __future__ import annotations
+
+import dataclasses
+
+from dist_convert.config import RECORDS, read_names
+from dist_convert.formats.mcore_config import BY_HAND, FIELDS, args_from_fields
+
+SIZES = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4}
+# read by hand in args_from_fields: the value is converted or set from others there
+CONVERTED = {"normalization", "position_embedding_type", "rotary_base", "layernorm_epsilon", "norm_epsilon",
+             "gated_linear_unit", "layernorm_zero_centered_gamma"}
+
+
+def record_names():
+    """(record.field, megatron-core name, its Megatron-LM args names) of every record setting with one."""
+    for name, cls in RECORDS.items():
+        for f in dataclasses.fields(cls):
+            for c in f.metadata.get("config", ()):
+                yield f"{name}.{f.name}", c, f.metadata["arg"]
+
+
+def test_every_record_setting_is_read_from_its_megatron_core_name():
+    """A TransformerConfig naming a record setting reaches the args name the record reads (the renamed ones through
+    FIELDS, the others as they are named)."""
+    for key, name, args_names in record_names():
+        if name in BY_HAND or name in CONVERTED or name in SIZES:
+            continue
+        args = args_from_fields({**SIZES, name: "sentinel"}, "the test config", "")
+        reached = FIELDS.get(name, name)
+        assert reached in args_names and vars(args).get(reached) == "sentinel", (key, name, reached)
+        assert name in read_names(), (key, name)
+
+
+def test_fields_restate_no_setting_name():
+    """FIELDS holds each record setting's megatron-core name that is not one of its args names (mapped to its first
+    one), and otherwise only names no setting declares, the norm epsilon's older args name and the MoE layer list
+    (kept a list): no row repeats what a setting says."""
+    renamed = {c: f.metadata["arg"][0] for cls in RECORDS.values() for f in dataclasses.fields(cls)
+               for c in f.metadata.get("config", ()) if c not in f.metadata["arg"]}
+    assert {c: FIELDS.get(c) for c in renamed if c not in BY_HAND} == {c: a for c, a in renamed.items()
+                                                                       if c not in BY_HAND}
+    assert {"gated_linear_unit", "num_moe_experts", "rope_scaling", "seq_len_interpolation_factor"} <= set(renamed)
+    restated = {k for k, v in FIELDS.items() if k in read_names() and k not in renamed}
+    assert restated == {"layernorm_epsilon", "moe_layer_freq"}, restated

@@ -5,7 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 from dist_convert.config import RECORDS, read_names
-from dist_convert.formats.mcore_config import BY_HAND, FIELDS, args_from_fields
+from dist_convert.features.base import SETTING
+from dist_convert.features.expressed import ANY
+from dist_convert.formats.mcore_config import (
+    BY_HAND,
+    FIELDS,
+    MLA_PROVIDER_EXPRESSES,
+    PROVIDER_EXPRESSES,
+    args_from_fields,
+)
 
 SIZES = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4}
 # read by hand in args_from_fields: the value is converted or set from others there
@@ -44,3 +52,15 @@ def test_fields_restate_no_setting_name():
     assert {"gated_linear_unit", "num_moe_experts", "rope_scaling", "seq_len_interpolation_factor"} <= set(renamed)
     restated = {k for k, v in FIELDS.items() if k in read_names() and k not in renamed}
     assert restated == {"layernorm_epsilon", "moe_layer_freq"}, restated
+
+
+def test_the_provider_expresses_every_moe_and_dsa_setting_and_every_norm_but_sandwich_norms():
+    """PROVIDER_EXPRESSES's MoE and norm rows (and MLA_PROVIDER_EXPRESSES's DSA rows) are the records' settings, so a
+    setting added to one is expressed (or named an exception) without restating it."""
+    for record, table, but in (("moe", PROVIDER_EXPRESSES, set()), ("norm", PROVIDER_EXPRESSES, {"post_norms"}),
+                               ("dsa", MLA_PROVIDER_EXPRESSES, set())):
+        settings = {f.name for f in dataclasses.fields(RECORDS[record]) if f.metadata["kind"] == SETTING}
+        assert {k.split(".", 1)[1] for k in table if k.startswith(f"{record}.")} == settings - but, record
+        assert all(table[f"{record}.{name}"] is ANY for name in settings - but)
+    assert {"moe.layer_pattern", "moe.rank_capacity_factor", "norm.residual_post_norm", "dsa.k_norm_eps"} <= set(
+        MLA_PROVIDER_EXPRESSES)

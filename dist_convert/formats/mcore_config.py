@@ -15,6 +15,7 @@ import torch
 from ..config import RECORDS, ModelConfig, read_names
 from ..errors import ConvertError
 from ..features.audit import UNCONVERTED
+from ..features.base import SETTING
 from ..features.expressed import ANY
 from ..layout.topology import Layout
 
@@ -66,6 +67,14 @@ PASSED = ("position.interleaved", "position.seq_len_interpolation", "attention.q
           "attention.softmax_type", "attention.window", "attention.window_skip_freq", "attention.output_gate",
           "mlp.glu_linear_offset", "mlp.clamp")
 
+
+def every_setting(record: str, but: dict[str, str] | None = None) -> dict[str, Any]:
+    """``record.field``: ANY for each of a record's settings (kind ``SETTING``), but those named in ``but`` (each with
+    why a provider cannot write it)."""
+    return {f"{record}.{f.name}": ANY for f in dataclasses.fields(RECORDS[record])  # type: ignore[arg-type]
+            if f.metadata.get("kind") == SETTING and f.name not in (but or {})}
+
+
 # What a megatron-core TransformerConfig subclass written from the model config alone (Megatron-Bridge's
 # GPTModelProvider, NeMo 2's GPTConfig) expresses: every attention, norm, MLP, RoPE and MoE setting megatron-core's
 # GPTModel has, and multi-token prediction; not what only other model classes build (MLA, Mamba, Gated DeltaNet,
@@ -73,13 +82,9 @@ PASSED = ("position.interleaved", "position.seq_len_interpolation", "attention.q
 PROVIDER_EXPRESSES: dict[str, Any] = {
     **dict.fromkeys(PASSED, ANY), **{f"position.{f}": ANY for f in ("base", "percent", "scaling_factor")},
     "position.kind": {"rope", "learned_absolute", "none"}, "position.scaling": {None, "llama3"},
-    **{f"norm.{f}": ANY for f in ("kind", "eps", "zero_centered_gamma", "residual_post_norm")},
+    **every_setting("norm", but={"post_norms": "Gemma 3's sandwich norms: its own provider's layer spec"}),
     "attention.qk_norm": ANY, "mlp.gated": ANY, "mlp.activation": ANY,
-    "add_bias_linear": ANY, "add_qkv_bias": ANY, "moe": ANY, "mtp": ANY,
-    **{f"moe.{f}": ANY for f in ("layer_pattern", "shared_size", "shared_gate", "expert_bias", "score_function",
-                                 "pre_softmax", "topk_scaling_factor", "num_groups", "group_topk", "capacity_factor",
-                                 "apply_probs_on_input", "topk_limited_devices", "force_load_balancing",
-                                 "force_biased", "rank_capacity_factor")},
+    "add_bias_linear": ANY, "add_qkv_bias": ANY, "moe": ANY, "mtp": ANY, **every_setting("moe"),
 }
 
 
@@ -91,8 +96,7 @@ MLA_PROVIDER_EXPRESSES: dict[str, Any] = {
     **PROVIDER_EXPRESSES, "mla": ANY, "dsa": ANY, "position.kind": {"rope", "yarn"},
     **{f"position.yarn_{f}": ANY for f in ("factor", "original_max", "beta_fast", "beta_slow", "mscale",
                                            "mscale_all_dim", "round_to_int")},
-    **{f"dsa.{f}": ANY for f in ("topk", "topk_freq", "skip_topk_offset", "rope_interleaved", "scoring_relu",
-                                 "k_norm_eps")}}
+    **every_setting("dsa")}
 
 
 def provider_expresses(cfg: ModelConfig) -> dict[str, Any]:

@@ -68,17 +68,40 @@ def _resized(cls, full: dict) -> dict:
     return {k: v for k, v in built.to_dict().items() if k not in BOOKKEEPING}
 
 
-def table() -> dict[str, dict[str, dict[str, Any]]]:
-    """This runtime's transformers: {"defaults": model_type -> {key: constant default}, "matters": model_type ->
-    {key: True} for the keys whose absence changes the family's reading}."""
+def config_classes() -> list[tuple[str, Any, Any]]:
+    """(model_type, config class, reading of a config.json of that class) for every config class dist_convert reads:
+    each family's, and a vision-language family's text config class (its ``text_config``, read by its text family
+    as the vision-language family hands it over)."""
     import transformers
 
     from dist_convert.models import FAMILIES
 
-    defaults: dict[str, dict[str, Any]] = {}
-    matters: dict[str, dict[str, Any]] = {}
+    out = []
     for arch, fam in FAMILIES.items():
         cls = type(transformers.AutoConfig.for_model(fam.model_type))
+        text_cls = getattr(cls, "sub_configs", {}).get("text_config")
+        if text_cls is None:
+            out.append((fam.model_type, cls, lambda hf, fam=fam, arch=arch: _reading(fam, {**hf, "architectures": [
+                arch]})))
+            continue
+
+        def text_reading(hf: dict, fam=fam) -> Any:
+            try:
+                return fam.text.from_hf(fam.text_config({"architectures": [fam.architecture], "text_config": hf}),
+                                        None).cfg
+            except Exception as e:  # noqa: BLE001 - a failure is a reading too
+                return f"{type(e).__name__}"
+
+        out.append((text_cls().model_type, text_cls, text_reading))
+    return out
+
+
+def table() -> dict[str, dict[str, dict[str, Any]]]:
+    """This runtime's transformers: {"defaults": model_type -> {key: constant default}, "matters": model_type ->
+    {key: True} for the keys whose absence changes the family's reading}."""
+    defaults: dict[str, dict[str, Any]] = {}
+    matters: dict[str, dict[str, Any]] = {}
+    for model_type, cls, reading in config_classes():
         full = {k: v for k, v in cls().to_dict().items() if k not in BOOKKEEPING}
         resized = _resized(cls, full)
         keys = list(full)
@@ -91,10 +114,10 @@ def table() -> dict[str, dict[str, dict[str, Any]]]:
                     continue  # derived from other keys: the family derives it (checked by the test)
             except Exception:  # noqa: BLE001 - the class itself requires the key: nothing to default
                 continue
-            defaults.setdefault(fam.model_type, {})[key] = default
-            minus = {**_without(full, key), "architectures": [arch]}
-            if _reading(fam, minus) != _reading(fam, _with(minus, key, default)):
-                matters.setdefault(fam.model_type, {})[key] = True
+            defaults.setdefault(model_type, {})[key] = default
+            minus = _without(full, key)
+            if reading(minus) != reading(_with(minus, key, default)):
+                matters.setdefault(model_type, {})[key] = True
     return {"defaults": defaults, "matters": matters}
 
 

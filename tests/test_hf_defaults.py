@@ -54,6 +54,46 @@ def test_absent_key_reads_as_transformers_reads_it(arch):
     assert not wrong, f"{arch}: an absent key read otherwise than transformers reads it: {wrong}"
 
 
+VISION_LANGUAGE = [a for a in FAMILIES if a not in TEXT]
+
+
+def vision_language(arch: str) -> dict:
+    """transformers' default config of ``arch``, made readable: multimodal RoPE sections covering half the head
+    (the classes' defaults have none) and, for Gemma 3, a tower whose patches pool into its 256 tokens."""
+    hf = {**type(transformers.AutoConfig.for_model(FAMILIES[arch].model_type))().to_dict(), "architectures": [arch]}
+    text = hf["text_config"]
+    if FAMILIES[arch].model_type == "gemma3":
+        hf["vision_config"].update(image_size=896, patch_size=14)
+    else:
+        half = (text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]) // 2
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [half - 2 * (half * 5 // 16),
+                                                                                half * 5 // 16, half * 5 // 16]}
+    return hf
+
+
+@pytest.mark.parametrize("arch", VISION_LANGUAGE)
+def test_absent_text_config_key_reads_as_the_text_config_class_gives_it(arch):
+    """A vision-language config.json's text_config without a key is the model its text config class builds (Qwen3-VL's
+    text RoPE base is 5e5 where Qwen3's is 1e4), judged through the whole import of the vision-language model."""
+    warnings.filterwarnings("ignore")
+    hf = vision_language(arch)
+    cls = type(transformers.AutoConfig.for_model(FAMILIES[arch].model_type)).sub_configs["text_config"]
+    full = {k: v for k, v in hf["text_config"].items() if k not in gen.BOOKKEEPING}
+    keys = list(full) + (["rope.rope_theta"] if "rope_theta" in (full.get("rope_parameters") or {}) else [])
+    assert reading(hf) != "refused", arch
+    wrong = []
+    for key in keys:
+        try:
+            default = gen._absent(cls, full, key)
+        except Exception:  # noqa: BLE001 - transformers itself refuses a config without it
+            continue
+        minus = gen._without(full, key)
+        got = reading({**hf, "text_config": minus})
+        if got != "refused" and got != reading({**hf, "text_config": gen._with(minus, key, default)}):
+            wrong.append(f"text_config.{key} (transformers: {default!r})")
+    assert not wrong, f"{arch}: an absent key read otherwise than transformers reads it: {wrong}"
+
+
 def test_defaults_table_is_generated_from_the_runtimes_transformers(tmp_path):
     """The committed table equals the one generated now from both runtimes' transformers releases."""
     here = {"release": transformers.__version__, "table": gen.table()}

@@ -81,6 +81,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         'hidden_size': 4096, 'intermediate_size': 22016, 'max_position_embeddings': 32768, 'num_attention_heads': 32,
         'vocab_size': 151936,
     },
+    'qwen2_5_vl_text': {
+        'hidden_size': 8192, 'intermediate_size': 29568, 'max_position_embeddings': 32768, 'num_attention_heads': 64,
+        'num_key_value_heads': 8, 'rms_norm_eps': 1e-05, 'rope.rope_theta': 1000000.0,
+        'rope_parameters': {'rope_theta': 1000000.0, 'rope_type': 'default'}, 'vocab_size': 152064,
+    },
     'qwen2_moe': {
         'hidden_size': 2048, 'intermediate_size': 5632, 'max_position_embeddings': 32768,
         'moe_intermediate_size': 1408, 'num_attention_heads': 16, 'num_experts': 60, 'num_experts_per_tok': 4,
@@ -113,5 +118,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         'linear_value_head_dim': 128, 'max_position_embeddings': 32768, 'moe_intermediate_size': 512,
         'norm_topk_prob': True, 'num_attention_heads': 16, 'num_experts': 512, 'num_experts_per_tok': 10,
         'num_key_value_heads': 2, 'shared_expert_intermediate_size': 512, 'vocab_size': 151936,
+    },
+    'qwen3_vl_moe_text': {
+        'hidden_size': 2048, 'intermediate_size': 5632, 'max_position_embeddings': 128000,
+        'moe_intermediate_size': 1408, 'num_attention_heads': 16, 'num_experts_per_tok': 4, 'num_hidden_layers': 24,
+        'num_local_experts': 60, 'rope.rope_theta': 500000.0,
+        'rope_parameters': {'rope_theta': 500000.0, 'rope_type': 'default'}, 'vocab_size': 151936,
+    },
+    'qwen3_vl_text': {
+        'hidden_size': 4096, 'intermediate_size': 22016, 'max_position_embeddings': 128000, 'num_attention_heads': 32,
+        'num_hidden_layers': 32, 'rope.rope_theta': 500000.0,
+        'rope_parameters': {'rope_theta': 500000.0, 'rope_type': 'default'}, 'vocab_size': 151936,
     },
 }

@@ -22,7 +22,7 @@ from ..errors import ConvertError
 from ..features.expressed import ANY, Allowed
 from ..features.vision import Vision
 from .base import DTYPE_NAMES, Family, Imported, base_config, get
-from .hf_keys import unmapped
+from .hf_keys import as_transformers_reads, unmapped
 from .rows import Row
 
 UNPADDED = 1
@@ -119,6 +119,11 @@ class VisionLanguage(Family):
         """The text family's (applied to ``text_config``, where transformers reads them), and MRoPE's."""
         return self.text.hf_keys | MROPE_KEYS
 
+    def text_model_type(self, hf: dict[str, Any]) -> str:
+        """The ``model_type`` of the text config class transformers reads ``text_config`` with."""
+        text = hf.get("text_config")
+        return str((text or {}).get("model_type") or f"{self.model_type}_text")
+
     def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
         text = self.text_config(hf)
         left = unmapped(text, self.hf_keys)
@@ -128,6 +133,9 @@ class VisionLanguage(Family):
                                "which megatron-core's model here does not express",
                                "convert a config without it (dist_convert never drops a setting that changes the math)")
         # Megatron-Bridge keeps these models' vocabulary unpadded (should_pad_vocab False): pad only where TP needs it
+        # an absent key as the text config class gives it (hf_keys.as_transformers_reads: Qwen3-VL's text RoPE base
+        # is 5e5 where Qwen3's is 1e4)
+        text = as_transformers_reads(text, self.text_model_type(hf))
         imported = self.text.from_hf(text, vocab_divisible_by or UNPADDED)
         return Imported(cfg=self.with_vision(imported.cfg, hf, text), notes=imported.notes)
 

@@ -35,7 +35,7 @@ from .features import (
     moe_layer_pattern,
 )
 from .features.audit import COVERED, NOT_MATH, UNCONVERTED, refuse_unconverted
-from .features.base import LAYOUT, SETTING, SIZE, Setting, arg_name, get, setting
+from .features.base import LAYOUT, MODEL, SETTING, SIZE, MegatronArg, Setting, arg_name, get, setting
 from .features.vision import Vision
 from .layout.topology import Layout
 
@@ -51,23 +51,31 @@ OPTIONAL = ("moe", "mla", "dsa", "mtp", "mamba", "gdn", "t5", "vision")
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    num_layers: int = setting(0, kind=SIZE, arg="num_layers", what="layers (T5: the decoder's)")
-    hidden_size: int = setting(0, kind=SIZE, arg="hidden_size", what="hidden size")
-    ffn_hidden_size: int = setting(0, kind=SIZE, arg="ffn_hidden_size", what="the dense MLP's FFN size")
-    num_attention_heads: int = setting(0, kind=SIZE, arg="num_attention_heads", what="attention heads")
-    num_query_groups: int = setting(0, kind=SIZE, arg="num_query_groups", what="key/value heads")
-    kv_channels: int = setting(0, kind=SIZE, arg="kv_channels", what="head size")
-    vocab_size: int = setting(0, kind=SIZE, arg="vocab_size", what="the true (unpadded) vocabulary size")
+    num_layers: int = setting(0, kind=SIZE, arg="num_layers", what="layers (T5: the decoder's)",
+                              mlm=MegatronArg("LCRB", MODEL, None))
+    hidden_size: int = setting(0, kind=SIZE, arg="hidden_size", what="hidden size", mlm=MegatronArg("LCB", MODEL, None))
+    ffn_hidden_size: int = setting(0, kind=SIZE, arg="ffn_hidden_size", what="the dense MLP's FFN size",
+                                   mlm=MegatronArg("LB", MODEL, None))
+    num_attention_heads: int = setting(0, kind=SIZE, arg="num_attention_heads", what="attention heads",
+                                       mlm=MegatronArg("LCB", MODEL, None))
+    num_query_groups: int = setting(0, kind=SIZE, arg="num_query_groups", what="key/value heads",
+                                    mlm=MegatronArg("LB", MODEL, 1))
+    kv_channels: int = setting(0, kind=SIZE, arg="kv_channels", what="head size", mlm=MegatronArg("LB", MODEL, None))
+    vocab_size: int = setting(0, kind=SIZE, arg="vocab_size", what="the true (unpadded) vocabulary size",
+                              mlm=MegatronArg("B", MODEL, None))
     make_vocab_size_divisible_by: int = setting(DEFAULT_DIVISIBLE_BY, kind=LAYOUT, arg="make_vocab_size_divisible_by",
-                                                what="the vocabulary padding multiple")
+                                                what="the vocabulary padding multiple", mlm=MegatronArg("CB", MODEL))
     untie_embeddings_and_output_weights: bool = setting(False, kind=SIZE, arg="untie_embeddings_and_output_weights",
                                                         config="share_embeddings_and_output_weights",
-                                                        what="an output layer of its own")
+                                                        what="an output layer of its own", mlm=MegatronArg("LB", MODEL))
     max_position_embeddings: int | None = setting(None, kind=SIZE, arg="max_position_embeddings",
-                                                  config="max_sequence_length", what="the context length")
-    add_bias_linear: bool = setting(False, arg="add_bias_linear", what="linear-layer biases")
-    add_qkv_bias: bool = setting(False, arg="add_qkv_bias", what="qkv biases")
-    spec: str = setting("te", kind=LAYOUT, arg="transformer_impl", what="layer-spec naming: local or te")
+                                                  config="max_sequence_length", what="the context length",
+                                                  mlm=MegatronArg("LCB", MODEL))
+    add_bias_linear: bool = setting(False, arg="add_bias_linear", what="linear-layer biases",
+                                    mlm=MegatronArg("LB", MODEL, True))
+    add_qkv_bias: bool = setting(False, arg="add_qkv_bias", what="qkv biases", mlm=MegatronArg("LB", MODEL))
+    spec: str = setting("te", kind=LAYOUT, arg="transformer_impl", what="layer-spec naming: local or te",
+                        mlm=MegatronArg("B", MODEL, "transformer_engine"))
     family: str = setting("gpt", kind=SIZE, arg=(), what="the model: gpt (decoder only) or t5 (encoder-decoder; "
                                                           "its t5 record)")
     position: Position = Position()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import types
 from dataclasses import dataclass
@@ -35,9 +36,10 @@ import torch
 
 from .config import ALWAYS, RECORDS, ModelConfig
 from .errors import ConvertError
+from .features.base import DERIVED, MODEL
 from .layout.topology import Layout
 
-CFG, LAYOUT, DERIVED = "cfg", "layout", "derived"  # where complete_args takes a value from ("": the default)
+CFG, LAYOUT = MODEL, "layout"  # where complete_args takes a value from (and DERIVED; "": the default)
 
 
 @dataclass(frozen=True)
@@ -48,50 +50,28 @@ class Arg:
     source: str = ""  # "": keep the source's value, else fill the default; CFG / LAYOUT / DERIVED: computed
 
 
+def setting_rows() -> tuple[Arg, ...]:
+    """The rows of the args names the model's settings declare (``features.base.MegatronArg``): the core's and every
+    record's."""
+    fields = [*dataclasses.fields(ModelConfig), *(f for cls in RECORDS.values() for f in dataclasses.fields(cls))]
+    return tuple(Arg(name, known.default, known.readers, known.source) for f in fields
+                 for name, known in zip(f.metadata.get("arg", ()), f.metadata.get("mlm", ()), strict=False)
+                 if known is not None)
+
+
 ARGS: tuple[Arg, ...] = (
-    # model shape: from the ModelConfig
-    Arg("num_layers", None, "LCRB", CFG),
-    Arg("hidden_size", None, "LCB", CFG),
-    Arg("ffn_hidden_size", None, "LB", CFG),
-    Arg("num_attention_heads", None, "LCB", CFG),
+    # the settings' names (their Megatron-LM defaults and readers are declared on them)
+    *setting_rows(),
+    # model shape no setting names: from the ModelConfig
     Arg("group_query_attention", False, "LB", CFG),
-    Arg("num_query_groups", 1, "LB", CFG),
-    Arg("kv_channels", None, "LB", CFG),
-    Arg("swiglu", False, "LB", CFG),
-    Arg("normalization", "LayerNorm", "LB", CFG),
-    Arg("add_bias_linear", True, "LB", CFG),
-    Arg("add_qkv_bias", False, "LB", CFG),
-    Arg("qk_layernorm", False, "B", CFG),
-    Arg("untie_embeddings_and_output_weights", False, "LB", CFG),
-    Arg("vocab_size", None, "B", CFG),
     Arg("padded_vocab_size", None, "LCB", CFG),
-    Arg("make_vocab_size_divisible_by", 128, "CB", CFG),
-    Arg("position_embedding_type", "learned_absolute", "LB", CFG),
     Arg("use_rotary_position_embeddings", False, "L", CFG),
-    Arg("max_position_embeddings", None, "LCB", CFG),
-    Arg("transformer_impl", "transformer_engine", "B", CFG),
-    Arg("num_experts", None, "LB", CFG),
-    Arg("moe_ffn_hidden_size", None, "LB", CFG),
-    Arg("moe_layer_freq", 1, "LB", CFG),
-    Arg("moe_shared_expert_intermediate_size", None, "LB", CFG),
-    Arg("moe_shared_expert_gate", False, "B", CFG),
-    Arg("moe_router_enable_expert_bias", False, "LB", CFG),
     Arg("multi_latent_attention", False, "LB", CFG),
-    Arg("q_lora_rank", None, "LB", CFG),
-    Arg("kv_lora_rank", 32, "LB", CFG),
-    Arg("qk_head_dim", 128, "LB", CFG),
-    Arg("qk_pos_emb_head_dim", 64, "LB", CFG),
-    Arg("v_head_dim", 128, "LB", CFG),
-    Arg("mtp_num_layers", None, "LB", CFG),
     # precision: --dtype, else the source's, kept consistent with each other
     Arg("params_dtype", torch.float32, "B", DERIVED),
     Arg("bf16", False, "B", DERIVED),
     Arg("fp16", False, "B", DERIVED),
-    # norms: Megatron-LM 0.19 names them after TransformerConfig, earlier releases did not
-    Arg("layernorm_epsilon", 1e-5, "B", DERIVED),
-    Arg("norm_epsilon", 1e-5, "B", DERIVED),
-    Arg("layernorm_zero_centered_gamma", False, "B", DERIVED),
-    Arg("apply_layernorm_1p", False, "LB", DERIVED),
+    # the source's sequence length, else the context length
     Arg("seq_length", None, "L", DERIVED),
     # layout: from the target Layout
     Arg("tensor_model_parallel_size", 1, "LCRB", LAYOUT),
@@ -113,44 +93,19 @@ ARGS: tuple[Arg, ...] = (
     Arg("no_save_rng", None, "R", LAYOUT),
     # the rest: the source's value, else Megatron-LM's default
     Arg("add_position_embedding", True, "LC"),
-    Arg("rotary_base", 10000, "LB"),
-    Arg("rotary_percent", 1.0, "LB"),
-    Arg("rotary_interleaved", False, "LB"),
-    Arg("rotary_seq_len_interpolation_factor", None, "B"),
-    Arg("use_rope_scaling", False, "B"),
-    Arg("rope_scaling_factor", 8.0, "B"),
-    Arg("squared_relu", False, "LB"),
     Arg("apply_query_key_layer_scaling", False, "LB"),
     Arg("attention_dropout", 0.1, "LB"),
     Arg("hidden_dropout", 0.1, "LB"),
     Arg("init_method_std", 0.02, "B"),
     Arg("init_method_xavier_uniform", False, "B"),
-    Arg("qk_l2_norm", False, "B"),
     Arg("heterogeneous_layers_config_path", None, "LB"),
     Arg("heterogeneous_layers_config_encoded_json", None, "L"),
     Arg("experimental_attention_variant", None, "B"),
     Arg("is_hybrid_model", False, "B"),
-    Arg("hybrid_layer_pattern", None, "LR"),
-    Arg("hybrid_override_pattern", None, "LRB"),
     Arg("spec", None, "L"),
     Arg("mtp_hybrid_override_pattern", None, "L"),
     Arg("mtp_use_repeated_layer", False, "L"),
-    Arg("mamba_state_dim", 128, "L"),
-    Arg("mamba_head_dim", 64, "L"),
-    Arg("mamba_num_groups", 8, "L"),
-    Arg("mamba_num_heads", None, "L"),
-    Arg("moe_router_topk", 2, "LB"),
-    Arg("moe_router_pre_softmax", False, "LB"),
-    Arg("moe_router_score_function", "softmax", "LB"),
-    Arg("moe_router_topk_scaling_factor", None, "LB"),
-    Arg("moe_router_num_groups", None, "LB"),
-    Arg("moe_router_group_topk", None, "LB"),
-    Arg("moe_router_dtype", None, "LB"),
     Arg("moe_router_load_balancing_type", "aux_loss", "LB"),
-    Arg("rope_type", None, "LB"),
-    Arg("rotary_scaling_factor", 1.0, "LB"),
-    Arg("mscale", 1.0, "LB"),
-    Arg("mscale_all_dim", 0.0, "LB"),
     Arg("moe_token_dispatcher_type", "allgather", "LB"),
     Arg("moe_grouped_gemm", False, "LB"),
     Arg("moe_single_grouped_weight", False, "L"),

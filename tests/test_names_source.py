@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dist_convert.config import RECORDS, read_names
+from dist_convert.config import RECORDS, ModelConfig, read_names
 from dist_convert.features.base import SETTING
 from dist_convert.features.expressed import ANY
 from dist_convert.formats.mcore_config import (
@@ -14,6 +14,7 @@ from dist_convert.formats.mcore_config import (
     PROVIDER_EXPRESSES,
     args_from_fields,
 )
+from dist_convert.mlm_args import ARGS, setting_rows
 
 SIZES = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4}
 # read by hand in args_from_fields: the value is converted or set from others there
@@ -64,3 +65,16 @@ def test_the_provider_expresses_every_moe_and_dsa_setting_and_every_norm_but_san
         assert all(table[f"{record}.{name}"] is ANY for name in settings - but)
     assert {"moe.layer_pattern", "moe.rank_capacity_factor", "norm.residual_post_norm", "dsa.k_norm_eps"} <= set(
         MLA_PROVIDER_EXPRESSES)
+
+
+def test_the_args_table_restates_no_setting_name():
+    """mlm_args.ARGS's rows for the settings' args names come from the settings (``setting(mlm=...)``); no hand row
+    names one of them again."""
+    declared = {name for f in [*dataclasses.fields(ModelConfig), *(f for cls in RECORDS.values()
+                                                                   for f in dataclasses.fields(cls))]
+                for name in f.metadata.get("arg", ())}
+    derived = setting_rows()
+    assert {a.name for a in derived} <= declared and all(a in ARGS for a in derived)
+    assert not {a.name for a in ARGS if a not in derived} & declared
+    assert {"num_layers", "swiglu", "rotary_base", "hybrid_override_pattern", "moe_router_dtype"} <= {
+        a.name for a in derived}

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .base import Feature, as_tuple, get, setting
+from .base import DERIVED, MODEL, Feature, MegatronArg, as_tuple, get, setting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -14,8 +14,9 @@ class Attention(Feature):
     attr: ClassVar[str] = "attention"
     essential: ClassVar[tuple[str, ...] | None] = ("qk_norm",)
 
-    qk_norm: bool = setting(False, arg="qk_layernorm", what="q/k layernorms (MLA: the q/kv down-projection norms)")
-    qk_l2_norm: bool = setting(False, arg="qk_l2_norm", what="L2-normalised queries and keys")
+    qk_norm: bool = setting(False, arg="qk_layernorm", what="q/k layernorms (MLA: the q/kv down-projection norms)",
+                            mlm=MegatronArg("B", MODEL))
+    qk_l2_norm: bool = setting(False, arg="qk_l2_norm", what="L2-normalised queries and keys", mlm=MegatronArg("B"))
     softmax_scale: float | None = setting(None, arg="softmax_scale",
                                           what="the attention softmax scale (None: 1/sqrt(head dim))")
     softmax_type: str = setting("vanilla", arg="softmax_type",
@@ -61,10 +62,13 @@ class Norms(Feature):
     attr: ClassVar[str] = "norm"
     essential: ClassVar[tuple[str, ...] | None] = ("kind",)
 
-    kind: str = setting("RMSNorm", arg="normalization", what="the norm: RMSNorm or LayerNorm")
-    eps: float = setting(1e-5, arg=("layernorm_epsilon", "norm_epsilon"), what="the norm epsilon")
+    kind: str = setting("RMSNorm", arg="normalization", what="the norm: RMSNorm or LayerNorm",
+                        mlm=MegatronArg("LB", MODEL, "LayerNorm"))
+    eps: float = setting(1e-5, arg=("layernorm_epsilon", "norm_epsilon"), what="the norm epsilon",
+                         mlm=(MegatronArg("B", DERIVED), MegatronArg("B", DERIVED)))
     zero_centered_gamma: bool = setting(False, arg=("layernorm_zero_centered_gamma", "apply_layernorm_1p"),
-                                        what="norms computing x * (1 + w) (zero-centred gamma)")
+                                        what="norms computing x * (1 + w) (zero-centred gamma)",
+                                        mlm=(MegatronArg("B", DERIVED), MegatronArg("LB", DERIVED)))
     post_norms: bool = setting(False, arg="post_norms",
                                what="sandwich norms on the attention and MLP outputs (Gemma 2/3)")
     residual_post_norm: bool = setting(False, arg="apply_residual_connection_post_layernorm",

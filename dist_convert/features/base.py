@@ -10,7 +10,9 @@ attention, norms, the MLP, Mixture of Experts, multi-latent attention, ...). Eac
   (the precision a computation runs in: carried between Megatron formats, not a different function);
 - ``arg``: the Megatron-LM ``args`` names it is read from (the first is written; megatron-core's
   ``TransformerConfig`` field of the same name unless ``config`` says otherwise);
-- ``what``: a few words for refusals and ``inspect``.
+- ``what``: a few words for refusals and ``inspect``;
+- ``mlm``: how Megatron-LM knows its ``arg`` names (:class:`MegatronArg`, one per name): the rows of
+  ``mlm_args.ARGS`` that are a setting's.
 
 The record reads and writes its own ``args`` (``from_args`` / ``to_args``); nothing else in dist_convert
 interprets those fields.
@@ -24,6 +26,19 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, NamedTuple
 
 SETTING, SIZE, LAYOUT, NUMERICS = "setting", "size", "layout", "numerics"
+MODEL, DERIVED = "cfg", "derived"  # where mlm_args.complete_args takes an args value from (mlm_args.CFG / DERIVED)
+FIELD_DEFAULT: Any = type("FieldDefault", (), {"__repr__": lambda self: "FIELD_DEFAULT"})()
+
+
+class MegatronArg(NamedTuple):
+    """One of a setting's args names as Megatron-LM 0.19 knows it (its row of ``mlm_args.ARGS``): the loaders that
+    read it (``mlm_args``' letters), where ``complete_args`` takes its value from (``MODEL``: the model config, and
+    Megatron-LM's default where the feature is absent; ``DERIVED``: always written; "": the source's, else the
+    default) and Megatron-LM's argparse default (``FIELD_DEFAULT``: the field's own)."""
+
+    readers: str
+    source: str = ""
+    default: Any = FIELD_DEFAULT
 
 
 class Setting(NamedTuple):
@@ -40,15 +55,19 @@ class Setting(NamedTuple):
 
 def setting(default: Any, *, arg: str | tuple[str, ...] = (), what: str = "", kind: str = SETTING,
             config: str | tuple[str, ...] | None = None, low: int | None = None, above: float | None = None,
-            high: str | None = None) -> Any:
+            high: str | None = None, mlm: MegatronArg | tuple[MegatronArg | None, ...] | None = None) -> Any:
     """A feature record's field: its default and what it is (module docstring). ``config``: the megatron-core
     ``TransformerConfig`` / ``GPTModel`` names it stands for, when they are not ``arg``'s. The values that mean
     something, where not all do (a record holding another is refused as it is made, i.e. where the setting is read):
-    ``low``, the least; ``above``, a bound they exceed; ``high``, the record's field they do not exceed."""
+    ``low``, the least; ``above``, a bound they exceed; ``high``, the record's field they do not exceed. ``mlm``: how
+    Megatron-LM knows ``arg``'s names, one per name (None: not a row of ``mlm_args.ARGS``), or the first name's."""
     args = (arg,) if isinstance(arg, str) else tuple(arg)
     configs = args if config is None else (config,) if isinstance(config, str) else tuple(config)
-    return dataclasses.field(default=default, metadata={"kind": kind, "arg": args, "what": what,
-                                                        "config": configs, "low": low, "above": above, "high": high})
+    known = (mlm,) if isinstance(mlm, MegatronArg) else tuple(mlm or ())
+    known = tuple(None if k is None else k._replace(default=default) if k.default is FIELD_DEFAULT else k
+                  for k in known) + (None,) * (len(args) - len(known))
+    return dataclasses.field(default=default, metadata={"kind": kind, "arg": args, "what": what, "config": configs,
+                                                        "low": low, "above": above, "high": high, "mlm": known})
 
 
 def get(args: argparse.Namespace | dict[str, Any], *names: str, default: Any = None) -> Any:

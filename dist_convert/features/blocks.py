@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import ConvertError
-from .base import LAYOUT, NUMERICS, SIZE, Feature, get, setting
+from .base import LAYOUT, MODEL, NUMERICS, SIZE, Feature, MegatronArg, get, setting
 
 # MambaModel's layer symbols -> (mixer, MLP) of the layer (megatron-core's hybrid layer allocation)
 HYBRID_SYMBOLS: dict[str, tuple[str | None, str | None]] = {
@@ -24,11 +24,16 @@ class MLA(Feature):
     presence: ClassVar[tuple[str, ...]] = ("multi_latent_attention",)
 
     q_lora_rank: int | None = setting(None, kind=SIZE, arg="q_lora_rank",
-                                      what="the query down-projection rank (None: one linear_q_proj)")
-    kv_lora_rank: int = setting(32, kind=SIZE, arg="kv_lora_rank", what="the compressed key/value rank")
-    qk_head_dim: int = setting(128, kind=SIZE, arg="qk_head_dim", what="per-head query/key size without RoPE")
-    qk_pos_emb_head_dim: int = setting(64, kind=SIZE, arg="qk_pos_emb_head_dim", what="per-head RoPE size")
-    v_head_dim: int = setting(128, kind=SIZE, arg="v_head_dim", what="per-head value size")
+                                      what="the query down-projection rank (None: one linear_q_proj)",
+                                      mlm=MegatronArg("LB", MODEL))
+    kv_lora_rank: int = setting(32, kind=SIZE, arg="kv_lora_rank", what="the compressed key/value rank",
+                                mlm=MegatronArg("LB", MODEL))
+    qk_head_dim: int = setting(128, kind=SIZE, arg="qk_head_dim", what="per-head query/key size without RoPE",
+                               mlm=MegatronArg("LB", MODEL))
+    qk_pos_emb_head_dim: int = setting(64, kind=SIZE, arg="qk_pos_emb_head_dim", what="per-head RoPE size",
+                                       mlm=MegatronArg("LB", MODEL))
+    v_head_dim: int = setting(128, kind=SIZE, arg="v_head_dim", what="per-head value size",
+                              mlm=MegatronArg("LB", MODEL))
     # the local spec (and Transformer Engine specs before the ``duplicated`` TELinear) split the down-projections
     # over TP instead of replicating them
     down_split: bool = setting(False, kind=LAYOUT, arg=(), what="down-projections split over TP")
@@ -130,7 +135,8 @@ class MTP(Feature):
     attr: ClassVar[str] = "mtp"
     what: ClassVar[str] = "multi-token-prediction layers"
 
-    num_layers: int = setting(1, kind=SIZE, arg="mtp_num_layers", what="multi-token-prediction layers")
+    num_layers: int = setting(1, kind=SIZE, arg="mtp_num_layers", what="multi-token-prediction layers",
+                              mlm=MegatronArg("LB", MODEL, None))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MTP | None:
@@ -155,11 +161,12 @@ class Mamba(Feature):
     presence: ClassVar[tuple[str, ...]] = ("is_hybrid_model",)
 
     pattern: str = setting("", kind=SIZE, arg=("hybrid_override_pattern", "hybrid_layer_pattern"),
-                           what="the hybrid layer pattern")
-    num_heads: int = setting(0, kind=SIZE, arg="mamba_num_heads", what="Mamba2 heads")
-    head_dim: int = setting(64, kind=SIZE, arg="mamba_head_dim", what="Mamba2 head size")
-    num_groups: int = setting(8, kind=SIZE, arg="mamba_num_groups", what="Mamba2 B/C groups")
-    state_dim: int = setting(128, kind=SIZE, arg="mamba_state_dim", what="Mamba2 state size")
+                           what="the hybrid layer pattern",
+                           mlm=(MegatronArg("LRB", "", None), MegatronArg("LR", "", None)))
+    num_heads: int = setting(0, kind=SIZE, arg="mamba_num_heads", what="Mamba2 heads", mlm=MegatronArg("L", "", None))
+    head_dim: int = setting(64, kind=SIZE, arg="mamba_head_dim", what="Mamba2 head size", mlm=MegatronArg("L"))
+    num_groups: int = setting(8, kind=SIZE, arg="mamba_num_groups", what="Mamba2 B/C groups", mlm=MegatronArg("L"))
+    state_dim: int = setting(128, kind=SIZE, arg="mamba_state_dim", what="Mamba2 state size", mlm=MegatronArg("L"))
     layer_pattern_name: bool = setting(False, kind=LAYOUT, arg=(),
                                        what="the pattern written as megatron-core 0.19's hybrid_layer_pattern too")
 

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .base import LAYOUT, NUMERICS, SIZE, Feature, as_tuple, get, setting
+from .base import LAYOUT, MODEL, NUMERICS, SIZE, Feature, MegatronArg, as_tuple, get, setting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,10 +15,11 @@ class MLP(Feature):
     essential: ClassVar[tuple[str, ...] | None] = ("gated",)
 
     gated: bool = setting(True, arg=("swiglu", "quick_geglu"), config="gated_linear_unit",
-                          what="gated MLP (GLU: act(gate) * up)")
+                          what="gated MLP (GLU: act(gate) * up)", mlm=MegatronArg("LB", MODEL, False))
     activation: str = setting("silu", arg=("glu_activation", "squared_relu", "openai_gelu"),
                               config="activation_func",
-                              what="the MLP activation: silu, gelu, gelu_tanh, quick_gelu or squared_relu")
+                              what="the MLP activation: silu, gelu, gelu_tanh, quick_gelu or squared_relu",
+                              mlm=(None, MegatronArg("LB", "", False)))
     glu_linear_offset: float = setting(0.0, arg="glu_linear_offset", what="the offset added to the GLU's up part")
     clamp: float | None = setting(None, arg="activation_func_clamp_value", what="the clamp of the GLU's inputs")
 
@@ -55,24 +56,32 @@ class MoE(Feature):
 
     # (the plain record, never a model's, holds as many experts as it routes each token to)
     num_experts: int = setting(2, kind=SIZE, arg="num_experts", config="num_moe_experts", what="routed experts",
-                               low=1)
-    ffn: int = setting(0, kind=SIZE, arg="moe_ffn_hidden_size", what="each routed expert's FFN size")
+                               low=1, mlm=MegatronArg("LB", MODEL, None))
+    ffn: int = setting(0, kind=SIZE, arg="moe_ffn_hidden_size", what="each routed expert's FFN size",
+                       mlm=MegatronArg("LB", MODEL, None))
     layer_pattern: tuple[int, ...] | None = setting(None, arg="moe_layer_freq",
-                                                    what="dense layers between the MoE layers (1: MoE, 0: dense)")
+                                                    what="dense layers between the MoE layers (1: MoE, 0: dense)",
+                                                    mlm=MegatronArg("LB", MODEL, 1))
     shared_size: int | None = setting(None, arg="moe_shared_expert_intermediate_size",
-                                      what="the shared experts' FFN size (None: none)")
-    shared_gate: bool = setting(False, arg="moe_shared_expert_gate", what="sigmoid gate on the shared experts")
+                                      what="the shared experts' FFN size (None: none)", mlm=MegatronArg("LB", MODEL))
+    shared_gate: bool = setting(False, arg="moe_shared_expert_gate", what="sigmoid gate on the shared experts",
+                                mlm=MegatronArg("B", MODEL))
     expert_bias: bool = setting(False, arg="moe_router_enable_expert_bias",
-                                what="router expert bias for the choice (DeepSeek's e_score_correction_bias)")
-    topk: int = setting(2, kind=SIZE, arg="moe_router_topk", what="experts per token", low=1, high="num_experts")
-    score_function: str = setting("softmax", arg="moe_router_score_function", what="router scores: softmax or sigmoid")
+                                what="router expert bias for the choice (DeepSeek's e_score_correction_bias)",
+                                mlm=MegatronArg("LB", MODEL))
+    topk: int = setting(2, kind=SIZE, arg="moe_router_topk", what="experts per token", low=1, high="num_experts",
+                        mlm=MegatronArg("LB"))
+    score_function: str = setting("softmax", arg="moe_router_score_function", what="router scores: softmax or sigmoid",
+                                  mlm=MegatronArg("LB"))
     pre_softmax: bool = setting(False, arg="moe_router_pre_softmax",
-                                what="softmax before top-k, a router that never renormalises the top-k")
+                                what="softmax before top-k, a router that never renormalises the top-k",
+                                mlm=MegatronArg("LB"))
     topk_scaling_factor: float | None = setting(None, arg="moe_router_topk_scaling_factor",
-                                                what="the routed weights' scale")
-    num_groups: int | None = setting(None, arg="moe_router_num_groups", what="expert groups of group-limited routing")
+                                                what="the routed weights' scale", mlm=MegatronArg("LB"))
+    num_groups: int | None = setting(None, arg="moe_router_num_groups", what="expert groups of group-limited routing",
+                                     mlm=MegatronArg("LB"))
     group_topk: int | None = setting(None, arg="moe_router_group_topk", what="groups chosen per token", low=1,
-                                     high="num_groups")
+                                     high="num_groups", mlm=MegatronArg("LB"))
     capacity_factor: float | None = setting(None, arg="moe_expert_capacity_factor",
                                             what="an expert capacity (tokens over it are dropped)")
     apply_probs_on_input: bool = setting(False, arg="moe_apply_probs_on_input",
@@ -86,7 +95,7 @@ class MoE(Feature):
     rank_capacity_factor: float | None = setting(None, arg="moe_expert_rank_capacity_factor",
                                                  what="a per-rank token budget (tokens over it are dropped)")
     router_dtype: str | None = setting(None, kind=NUMERICS, arg="moe_router_dtype",
-                                       what="the dtype the router computes in")
+                                       what="the dtype the router computes in", mlm=MegatronArg("LB"))
     grouped: bool = setting(False, kind=LAYOUT, arg=(),
                             what="legacy rank files name experts as TEGroupedMLP does (linear_fc1.weight{i})")
 

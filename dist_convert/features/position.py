@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import ConvertError
-from .base import LAYOUT, Feature, as_tuple, get, setting
+from .base import LAYOUT, MODEL, Feature, MegatronArg, as_tuple, get, setting
 
 # megatron-core's YaRN defaults: MLATransformerConfig's for multi-latent attention (its rope_type defaults to yarn
 # with a factor of 40), Megatron-LM's _apply_yarn_config_from_args for GPT attention
@@ -27,24 +27,32 @@ class Position(Feature):
     essential: ClassVar[tuple[str, ...] | None] = ("kind",)
 
     kind: str = setting("rope", arg="position_embedding_type",
-                        what="position embeddings: rope, yarn, learned_absolute, relative or none")
-    base: float = setting(10000.0, arg="rotary_base", what="the RoPE base (theta)", above=0)
-    percent: float = setting(1.0, arg="rotary_percent", what="the share of each head RoPE rotates (partial RoPE)")
-    interleaved: bool = setting(False, arg="rotary_interleaved", what="interleaved (GPT-J style) RoPE pairs")
+                        what="position embeddings: rope, yarn, learned_absolute, relative or none",
+                        mlm=MegatronArg("LB", MODEL, "learned_absolute"))
+    base: float = setting(10000.0, arg="rotary_base", what="the RoPE base (theta)", above=0,
+                          mlm=MegatronArg("LB", "", 10000))
+    percent: float = setting(1.0, arg="rotary_percent", what="the share of each head RoPE rotates (partial RoPE)",
+                             mlm=MegatronArg("LB"))
+    interleaved: bool = setting(False, arg="rotary_interleaved", what="interleaved (GPT-J style) RoPE pairs",
+                                mlm=MegatronArg("LB"))
     seq_len_interpolation: float | None = setting(None, arg="rotary_seq_len_interpolation_factor",
                                                   config="seq_len_interpolation_factor",
-                                                  what="RoPE sequence-length interpolation")
+                                                  what="RoPE sequence-length interpolation", mlm=MegatronArg("B"))
     scaling: str | None = setting(None, arg="use_rope_scaling", config="rope_scaling",
-                                  what="RoPE frequency scaling: llama3, or linear (Gemma 3's global layers)")
-    scaling_factor: float | None = setting(None, arg="rope_scaling_factor", what="the RoPE scaling factor")
-    yarn_factor: float | None = setting(None, arg="rotary_scaling_factor", what="YaRN's scaling factor")
+                                  what="RoPE frequency scaling: llama3, or linear (Gemma 3's global layers)",
+                                  mlm=MegatronArg("B", "", False))
+    scaling_factor: float | None = setting(None, arg="rope_scaling_factor", what="the RoPE scaling factor",
+                                           mlm=MegatronArg("B", "", LLAMA3_DEFAULT_FACTOR))
+    yarn_factor: float | None = setting(None, arg="rotary_scaling_factor", what="YaRN's scaling factor",
+                                        mlm=MegatronArg("LB", "", 1.0))
     yarn_original_max: int | None = setting(None, arg=("yarn_original_max_position_embeddings",
                                                        "original_max_position_embeddings"),
                                             what="YaRN's original context length")
     yarn_beta_fast: float | None = setting(None, arg=("yarn_beta_fast", "beta_fast"), what="YaRN's beta_fast")
     yarn_beta_slow: float | None = setting(None, arg=("yarn_beta_slow", "beta_slow"), what="YaRN's beta_slow")
-    yarn_mscale: float | None = setting(None, arg="mscale", what="YaRN's mscale")
-    yarn_mscale_all_dim: float | None = setting(None, arg="mscale_all_dim", what="YaRN's mscale_all_dim")
+    yarn_mscale: float | None = setting(None, arg="mscale", what="YaRN's mscale", mlm=MegatronArg("LB", "", 1.0))
+    yarn_mscale_all_dim: float | None = setting(None, arg="mscale_all_dim", what="YaRN's mscale_all_dim",
+                                                mlm=MegatronArg("LB", "", 0.0))
     yarn_round_to_int: bool | None = setting(None, arg="yarn_correction_range_round_to_int",
                                              what="YaRN's correction range rounded to whole dimensions")
     local_base: float | None = setting(None, arg="rotary_base_local", above=0,
@@ -56,7 +64,8 @@ class Position(Feature):
                                       what="interleaved multimodal RoPE sections (Qwen3-VL)")
     no_rope_freq: Any = setting(None, arg="no_rope_freq", what="layers without RoPE (no_rope_freq)")
     mla_names: bool = setting(False, kind=LAYOUT, arg="rope_type",
-                              what="YaRN written as multi-latent attention's rope_type (else position_embedding_type)")
+                              what="YaRN written as multi-latent attention's rope_type (else position_embedding_type)",
+                              mlm=MegatronArg("LB", "", None))
 
     @property
     def rope(self) -> bool:

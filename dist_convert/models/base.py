@@ -38,7 +38,7 @@ from ..features.expressed import ANY, Allowed, describe_all, unexpressed
 from ..layout.boxes import Box, Piece, View
 from ..layout.fused import fused_for, part_in
 from ..layout.rules import EMBEDDING, LAYER_PREFIX, OUTPUT
-from .rows import GLU, QKV, TRANSPOSED, Name, Plain, Row, each, names
+from .rows import GLU, QKV, TRANSPOSED, Plain, Row, each
 
 # HF name -> (stored shape, pieces of logical tensors)
 HFTensors = dict[str, tuple[tuple[int, ...], list[Piece]]]
@@ -166,10 +166,6 @@ GATED_MLP: tuple[Row, ...] = (
     GLU(logical="mlp.linear_fc1.weight", gate="mlp.gate_proj.weight", up="mlp.up_proj.weight"),
     Plain(hf="mlp.down_proj.weight", logical="mlp.linear_fc2.weight"),
 )
-# the same as triples, for the speculative draft export (``speculative/draft_export.py``), which reads them so
-ATTENTION_NAMES: tuple[Name, ...] = tuple(names(ATTENTION))
-MLP_NORM: tuple[Name, ...] = tuple(names(PRE_MLP_NORM))
-DENSE_MLP: tuple[Name, ...] = tuple(names(GATED_MLP))
 EXPERT_FC1 = "mlp.experts.local_experts.{e}.linear_fc1.weight"
 EXPERT_FC2 = "mlp.experts.local_experts.{e}.linear_fc2.weight"
 

@@ -23,7 +23,8 @@ from ..errors import ConvertError
 from ..formats.safetensors_io import write_file
 from ..layout.fused import fused_for, glu
 from ..models import hf_from_config
-from ..models.base import ATTENTION_NAMES, DENSE_MLP, MLP_NORM
+from ..models.base import ATTENTION, GATED_MLP, PRE_MLP_NORM
+from ..models.rows import names
 from ..runtime import Runtime
 from ..staging import stage
 
@@ -32,7 +33,7 @@ _MEDUSA = re.compile(r"^medusa_heads\.(\d+)\.(medusa_layers\.(\d+)\.linear\.(wei
 # megatron-core suffix in a draft decoder layer -> [(HF suffix, part of the fused tensor)]: the hf
 # format's table (a draft layer is a Llama layer; only its first input norm is named differently)
 _LAYER_PARTS: dict[str, list[tuple[str, str | None]]] = {}
-for _hf, _mcore, _part in ATTENTION_NAMES + MLP_NORM + DENSE_MLP:
+for _hf, _mcore, _part in names(ATTENTION + PRE_MLP_NORM + GATED_MLP):
     _LAYER_PARTS.setdefault(_mcore, []).append((_hf, _part))
 
 

@@ -2,11 +2,14 @@
 and these tests pin what the derivation gives (pure)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from dist_convert.config import RECORDS, ModelConfig, read_names
+from dist_convert.features import T5, Embedding, Norms
 from dist_convert.features.base import SETTING
 from dist_convert.features.expressed import ANY
+from dist_convert.features.vision import Vision
 from dist_convert.formats.mcore_config import (
     BY_HAND,
     FIELDS,
@@ -78,3 +81,17 @@ def test_the_args_table_restates_no_setting_name():
     assert not {a.name for a in ARGS if a not in derived} & declared
     assert {"num_layers", "swiglu", "rotary_base", "hybrid_override_pattern", "moe_router_dtype"} <= {
         a.name for a in derived}
+
+
+def test_records_read_and_write_their_args_by_the_names_they_declare():
+    """The records whose args I/O is Feature's generic one (each field under each of its args names) read back what
+    they write, away from every default, and an absent name means Megatron-LM's default."""
+    for record in (Norms(kind="LayerNorm", eps=1e-6, zero_centered_gamma=True, post_norms=True,
+                         residual_post_norm=True),
+                   Embedding(multiplier=8.0, mup=True), T5(encoder_num_layers=3, relative_attention_num_buckets=8),
+                   Vision(tower="siglip", depth=2, hidden=32, heads=2, ffn=64, deepstack=(0, 1), window=112,
+                          image_token_id=5)):
+        written = record.to_args()
+        assert set(written) == {n for f in dataclasses.fields(record) for n in f.metadata["arg"]}
+        assert type(record).from_args(argparse.Namespace(num_layers=4, **written)) == record
+    assert Norms.from_args(argparse.Namespace()) == Norms(kind="LayerNorm")  # Megatron-LM's --normalization default

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .base import DERIVED, MODEL, Feature, MegatronArg, as_tuple, get, setting
+from .base import DERIVED, MODEL, Feature, MegatronArg, setting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,29 +32,15 @@ class Attention(Feature):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Attention:
-        a = vars(args)
-        window = as_tuple(get(a, "window_size"))
+        values = cls.args_values(args)
+        window = values["window"]
         if isinstance(window, int):  # Megatron-Bridge's Gemma 3 provider: the HF window W, (W - 1, 0) on local layers
             window = (window - 1, 0)
-        scale = get(a, "softmax_scale")
-        return cls(qk_norm=bool(get(a, "qk_layernorm", default=False)),
-                   qk_l2_norm=bool(get(a, "qk_l2_norm", default=False)),
-                   softmax_scale=None if scale is None else float(scale),
-                   softmax_type=str(get(a, "softmax_type", default="vanilla")),
-                   window=window,
-                   window_skip_freq=as_tuple(get(a, "window_attn_skip_freq")) if window else None,
-                   window_pattern=as_tuple(get(a, "interleaved_attn_pattern")) if window else None,
-                   output_gate=bool(get(a, "attention_output_gate", default=False)))
+        return cls(**{**values, "window": window, "window_skip_freq": values["window_skip_freq"] if window else None,
+                      "window_pattern": values["window_pattern"] if window else None})
 
-    def to_args(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"qk_layernorm": self.qk_norm}
-        for name, value in (("qk_l2_norm", self.qk_l2_norm), ("softmax_scale", self.softmax_scale),
-                            ("softmax_type", self.softmax_type), ("window_size", self.window),
-                            ("window_attn_skip_freq", self.window_skip_freq),
-                            ("interleaved_attn_pattern", self.window_pattern),
-                            ("attention_output_gate", self.output_gate)):
-            out[name] = list(value) if isinstance(value, tuple) and name == "window_attn_skip_freq" else value
-        return out
+    def to_args(self) -> dict[str, Any]:  # the window and its pattern as megatron-core's config types them (tuples)
+        return {**super().to_args(), "window_size": self.window, "interleaved_attn_pattern": self.window_pattern}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,24 +65,6 @@ class Norms(Feature):
         """LayerNorm has a bias, RMSNorm none."""
         return self.kind == "LayerNorm"
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Norms:
-        a = vars(args)
-        return cls(kind=str(get(a, "normalization", default="LayerNorm")),
-                   eps=float(get(a, "layernorm_epsilon", "norm_epsilon", default=1e-5)),
-                   zero_centered_gamma=bool(get(a, "layernorm_zero_centered_gamma", "apply_layernorm_1p",
-                                                default=False)),
-                   post_norms=bool(get(a, "post_norms", default=False)),
-                   residual_post_norm=bool(get(a, "apply_residual_connection_post_layernorm", default=False)))
-
-    def to_args(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"normalization": self.kind, "layernorm_epsilon": self.eps, "norm_epsilon": self.eps,
-                               "layernorm_zero_centered_gamma": self.zero_centered_gamma,
-                               "apply_layernorm_1p": self.zero_centered_gamma,
-                               "apply_residual_connection_post_layernorm": self.residual_post_norm,
-                               "post_norms": self.post_norms}
-        return out
-
 
 @dataclass(frozen=True, kw_only=True)
 class Embedding(Feature):
@@ -106,12 +74,3 @@ class Embedding(Feature):
     multiplier: float = setting(1.0, arg="embedding_multiplier",
                                 what="the embedding output scale (Megatron-Bridge's Gemma 3: sqrt(hidden))")
     mup: bool = setting(False, arg="use_mup", what="muP scaling of embeddings, attention and logits")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Embedding:
-        a = vars(args)
-        return cls(multiplier=float(get(a, "embedding_multiplier", default=1.0)),
-                   mup=bool(get(a, "use_mup", default=False)))
-
-    def to_args(self) -> dict[str, Any]:
-        return {"embedding_multiplier": self.multiplier, "use_mup": self.mup}

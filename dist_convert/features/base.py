@@ -14,14 +14,14 @@ attention, norms, the MLP, Mixture of Experts, multi-latent attention, ...). Eac
 - ``mlm``: how Megatron-LM knows its ``arg`` names (:class:`MegatronArg`, one per name): the rows of
   ``mlm_args.ARGS`` that are a setting's.
 
-The record reads and writes its own ``args`` (``from_args`` / ``to_args``); nothing else in dist_convert
-interprets those fields.
+The record reads and writes its own ``args`` (``from_args`` / ``to_args``: by default each field under its ``arg``
+names, a record adding only what its names need more); nothing else in dist_convert interprets those fields.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Iterator
 from typing import Any, ClassVar, NamedTuple
 
@@ -115,13 +115,28 @@ class Feature(ABC):
                                    "correct it in the source's config (config.json, or the checkpoint's args)")
 
     @classmethod
-    @abstractmethod
     def from_args(cls, args: argparse.Namespace) -> Any:
-        """The record the Megatron-LM ``args`` describe (None for an optional feature the model lacks)."""
+        """The record the Megatron-LM ``args`` describe (None for an optional feature the model lacks): by default
+        each field as :meth:`args_values` reads it; a record overrides this where its names need more."""
+        return cls(**cls.args_values(args))
 
-    @abstractmethod
+    @classmethod
+    def args_values(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """Each field with ``arg`` names, from the first of them the args hold (not None), else what an absent name
+        means (Megatron-LM's default, ``setting(mlm=...)``, else the field's), as the field's type."""
+        a = vars(args)
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.metadata.get("arg"):
+                value = get(a, *f.metadata["arg"])
+                known = f.metadata["mlm"][0]
+                out[f.name] = _typed(f, value if value is not None else f.default if known is None else known.default)
+        return out
+
     def to_args(self) -> dict[str, Any]:
-        """The Megatron-LM ``args`` fields that say this record (``from_args`` reads them back)."""
+        """The Megatron-LM ``args`` fields that say this record (``from_args`` reads them back): by default each field
+        under each of its ``arg`` names, tuples as lists."""
+        return {name: list(v) if isinstance(v, tuple) else v for _, v, f in self.fields() for name in f.metadata["arg"]}
 
     @staticmethod
     def absent_args() -> dict[str, Any]:
@@ -140,6 +155,15 @@ class Feature(ABC):
             return [name for name, _, _ in self.fields()]
         plain = type(self)()
         return [name for name, value, _ in self.fields() if name in self.essential or value != getattr(plain, name)]
+
+
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _typed(f: dataclasses.Field, value: Any) -> Any:
+    """``value`` as field ``f`` holds it: its declared bool, int, float or str (None stays), else lists as tuples."""
+    kind = _TYPES.get(str(f.type).removesuffix(" | None"))
+    return value if value is None else kind(value) if kind is not None else as_tuple(value)
 
 
 def _arg_of(record: Feature, name: str) -> str:

@@ -44,19 +44,13 @@ class MLA(Feature):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, spec: str = "te") -> MLA | None:
-        a = vars(args)
-        if not get(a, "multi_latent_attention", default=False):
+        if not get(vars(args), "multi_latent_attention", default=False):
             return None
-        q_lora = get(a, "q_lora_rank")
-        return cls(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(get(a, "kv_lora_rank", default=32)),
-                   qk_head_dim=int(get(a, "qk_head_dim", default=128)),
-                   qk_pos_emb_head_dim=int(get(a, "qk_pos_emb_head_dim", default=64)),
-                   v_head_dim=int(get(a, "v_head_dim", default=128)), down_split=spec == "local")
+        values = cls.args_values(args)
+        return cls(**{**values, "q_lora_rank": values["q_lora_rank"] or None, "down_split": spec == "local"})
 
     def to_args(self) -> dict[str, Any]:
-        return {"multi_latent_attention": True, "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
-                "qk_head_dim": self.qk_head_dim, "qk_pos_emb_head_dim": self.qk_pos_emb_head_dim,
-                "v_head_dim": self.v_head_dim}
+        return {"multi_latent_attention": True, **super().to_args()}
 
     @staticmethod
     def absent_args() -> dict[str, Any]:
@@ -106,26 +100,14 @@ class DSA(Feature):
         a = vars(args)
         if get(a, "experimental_attention_variant") != DSA_VARIANT:
             return None
-        freq = int(get(a, "dsa_indexer_topk_freq", default=1))
-        eps = get(a, "dsa_indexer_k_norm_epsilon", default=get(a, "layernorm_epsilon", "norm_epsilon", default=1e-5))
-        return cls(n_heads=int(get(a, "dsa_indexer_n_heads", default=64)),
-                   head_dim=int(get(a, "dsa_indexer_head_dim", default=128)),
-                   topk=int(get(a, "dsa_indexer_topk", default=2048)), topk_freq=freq,
-                   # megatron-core counts offsets below 1 as 1, and none matters when every layer computes
-                   skip_topk_offset=max(int(get(a, "dsa_indexer_skip_topk_offset", default=0)), 1) if freq > 1 else 0,
-                   rope_interleaved=bool(get(a, "dsa_indexer_rope_interleaved", default=False)),
-                   scoring_relu=bool(get(a, "dsa_indexer_scoring_relu", default=True)),
-                   k_norm_eps=float(eps),
-                   rotate_activation=bool(get(a, "dsa_indexer_rotate_activation", default=True)),
-                   k_norm_fp32=bool(get(a, "dsa_indexer_k_norm_fp32", default=False)))
+        values = cls.args_values(args)
+        eps = get(a, "dsa_indexer_k_norm_epsilon", "layernorm_epsilon", "norm_epsilon", default=1e-5)
+        # megatron-core counts offsets below 1 as 1, and none matters when every layer computes
+        offset = max(values["skip_topk_offset"], 1) if values["topk_freq"] > 1 else 0
+        return cls(**{**values, "skip_topk_offset": offset, "k_norm_eps": float(eps)})
 
     def to_args(self) -> dict[str, Any]:
-        return {"experimental_attention_variant": DSA_VARIANT, "dsa_indexer_n_heads": self.n_heads,
-                "dsa_indexer_head_dim": self.head_dim, "dsa_indexer_topk": self.topk,
-                "dsa_indexer_topk_freq": self.topk_freq, "dsa_indexer_skip_topk_offset": self.skip_topk_offset,
-                "dsa_indexer_rope_interleaved": self.rope_interleaved, "dsa_indexer_scoring_relu": self.scoring_relu,
-                "dsa_indexer_k_norm_epsilon": self.k_norm_eps,
-                "dsa_indexer_rotate_activation": self.rotate_activation, "dsa_indexer_k_norm_fp32": self.k_norm_fp32}
+        return {"experimental_attention_variant": DSA_VARIANT, **super().to_args()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,9 +124,6 @@ class MTP(Feature):
     def from_args(cls, args: argparse.Namespace) -> MTP | None:
         n = int(get(vars(args), "mtp_num_layers", default=0) or 0)
         return cls(num_layers=n) if n else None
-
-    def to_args(self) -> dict[str, Any]:
-        return {"mtp_num_layers": self.num_layers}
 
     @staticmethod
     def absent_args() -> dict[str, Any]:
@@ -186,18 +165,15 @@ class Mamba(Feature):
         pattern = get(a, "hybrid_layer_pattern", "hybrid_override_pattern")
         if not pattern:
             return None
-        head_dim = int(get(a, "mamba_head_dim", default=64))
-        heads = int(get(a, "mamba_num_heads", default=0) or 0) or 2 * int(a["hidden_size"]) // head_dim
-        return cls(pattern=hybrid_pattern_of(str(pattern), int(a["num_layers"])), num_heads=heads, head_dim=head_dim,
-                   num_groups=int(get(a, "mamba_num_groups", default=8)),
-                   state_dim=int(get(a, "mamba_state_dim", default=128)),
-                   layer_pattern_name=bool(get(a, "hybrid_layer_pattern")))
+        values = cls.args_values(args)
+        heads = values["num_heads"] or 2 * int(a["hidden_size"]) // values["head_dim"]
+        return cls(**{**values, "pattern": hybrid_pattern_of(str(pattern), int(a["num_layers"])), "num_heads": heads,
+                      "layer_pattern_name": bool(get(a, "hybrid_layer_pattern"))})
 
     def to_args(self) -> dict[str, Any]:
-        out = {"is_hybrid_model": True, "hybrid_override_pattern": self.pattern, "mamba_num_heads": self.num_heads,
-               "mamba_head_dim": self.head_dim, "mamba_num_groups": self.num_groups, "mamba_state_dim": self.state_dim}
-        if self.layer_pattern_name:  # megatron-core 0.19's name, where the source used it
-            out["hybrid_layer_pattern"] = self.pattern
+        out = {"is_hybrid_model": True, **super().to_args()}
+        if not self.layer_pattern_name:  # megatron-core 0.19's name only where the source used it
+            del out["hybrid_layer_pattern"]
         return out
 
 
@@ -250,19 +226,12 @@ class GDN(Feature):
         if variant != "gated_delta_net":
             raise ConvertError(f"experimental_attention_variant={variant!r}: the variants converted here are "
                                f"gated_delta_net and {DSA_VARIANT}", "convert a model of a supported layer kind")
-        return cls(pattern=linear_attention_pattern(get(a, "linear_attention_freq"), int(a["num_layers"])),
-                   num_key_heads=int(get(a, "linear_num_key_heads", default=16)),
-                   num_value_heads=int(get(a, "linear_num_value_heads", default=32)),
-                   key_head_dim=int(get(a, "linear_key_head_dim", default=128)),
-                   value_head_dim=int(get(a, "linear_value_head_dim", default=128)),
-                   conv_kernel_dim=int(get(a, "linear_conv_kernel_dim", default=4)))
+        pattern = linear_attention_pattern(get(a, "linear_attention_freq"), int(a["num_layers"]))
+        return cls(**{**cls.args_values(args), "pattern": pattern})
 
     def to_args(self) -> dict[str, Any]:
-        return {"experimental_attention_variant": "gated_delta_net",
-                "linear_attention_freq": linear_attention_freq(self.pattern),
-                "linear_num_key_heads": self.num_key_heads, "linear_num_value_heads": self.num_value_heads,
-                "linear_key_head_dim": self.key_head_dim, "linear_value_head_dim": self.value_head_dim,
-                "linear_conv_kernel_dim": self.conv_kernel_dim}
+        return {"experimental_attention_variant": "gated_delta_net", **super().to_args(),
+                "linear_attention_freq": linear_attention_freq(self.pattern)}
 
 
 def linear_attention_freq(pattern: tuple[int, ...]) -> int | list[int]:
@@ -300,12 +269,6 @@ class T5(Feature):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> T5:
-        a = vars(args)
-        return cls(encoder_num_layers=int(get(a, "encoder_num_layers", default=a["num_layers"])),
-                   relative_attention_num_buckets=int(get(a, "relative_attention_num_buckets", default=32)),
-                   relative_attention_max_distance=int(get(a, "relative_attention_max_distance", default=128)))
-
-    def to_args(self) -> dict[str, Any]:
-        return {"encoder_num_layers": self.encoder_num_layers,
-                "relative_attention_num_buckets": self.relative_attention_num_buckets,
-                "relative_attention_max_distance": self.relative_attention_max_distance}
+        # an encoder as deep as the decoder unless the args say
+        layers = int(get(vars(args), "encoder_num_layers", default=args.num_layers))
+        return cls(**{**cls.args_values(args), "encoder_num_layers": layers})

@@ -130,20 +130,8 @@ class MoE(Feature):
                    force_load_balancing=bool(get(a, "moe_router_force_load_balancing", default=False)),
                    **_router(opt))
 
-    def to_args(self) -> dict[str, Any]:
-        return {"num_experts": self.num_experts, "moe_ffn_hidden_size": self.ffn,
-                "moe_layer_freq": 1 if self.layer_pattern is None else list(self.layer_pattern),
-                "moe_shared_expert_intermediate_size": self.shared_size, "moe_shared_expert_gate": self.shared_gate,
-                "moe_router_enable_expert_bias": self.expert_bias, "moe_router_topk": self.topk,
-                "moe_router_score_function": self.score_function, "moe_router_pre_softmax": self.pre_softmax,
-                "moe_router_topk_scaling_factor": self.topk_scaling_factor,
-                "moe_router_num_groups": self.num_groups, "moe_router_group_topk": self.group_topk,
-                "moe_expert_capacity_factor": self.capacity_factor,
-                "moe_apply_probs_on_input": self.apply_probs_on_input,
-                "moe_router_topk_limited_devices": self.topk_limited_devices,
-                "moe_router_force_load_balancing": self.force_load_balancing, "moe_router_dtype": self.router_dtype,
-                "moe_router_force_biased": self.force_biased,
-                "moe_expert_rank_capacity_factor": self.rank_capacity_factor}
+    def to_args(self) -> dict[str, Any]:  # every layer MoE: Megatron-LM's frequency 1
+        return {**super().to_args(), "moe_layer_freq": 1 if self.layer_pattern is None else list(self.layer_pattern)}
 
     @staticmethod
     def absent_args() -> dict[str, Any]:

@@ -15,7 +15,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .base import SIZE, Feature, as_tuple, get, setting
+from .base import SIZE, Feature, get, setting
 
 # qwen3_vl: Megatron-Bridge's Megatron-native Qwen3-VL tower (Qwen3VLVisionModel, split over TP); qwen2_5_vl and
 # siglip: the Hugging Face modules Bridge keeps replicated (Qwen2.5-VL's windowed ViT; Gemma 3's SigLIP encoder and
@@ -83,15 +83,4 @@ class Vision(Feature):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Vision | None:
-        a = vars(args)
-        if get(a, "vision_tower") is None:
-            return None
-        out: dict[str, Any] = {}
-        for name, _, f in cls().fields():
-            value = get(a, f.metadata["arg"][0])
-            if value is not None:
-                out[name] = as_tuple(value)
-        return cls(**out)
-
-    def to_args(self) -> dict[str, Any]:
-        return {f.metadata["arg"][0]: list(v) if isinstance(v, tuple) else v for _, v, f in self.fields()}
+        return super().from_args(args) if get(vars(args), "vision_tower") is not None else None

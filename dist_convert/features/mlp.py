@@ -102,33 +102,19 @@ class MoE(Feature):
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MoE | None:
         a = vars(args)
-        experts = int(get(a, "num_experts", default=0) or 0)
-        if not experts:
+        if not int(get(a, "num_experts", default=0) or 0):
             return None
-        layers = int(a["num_layers"])
-        ffn = get(a, "moe_ffn_hidden_size") or get(a, "ffn_hidden_size") or 4 * int(a["hidden_size"])
-        shared = get(a, "moe_shared_expert_intermediate_size")
-        opt = {k: get(a, name) for k, name in (("topk_scaling_factor", "moe_router_topk_scaling_factor"),
-                                               ("num_groups", "moe_router_num_groups"),
-                                               ("group_topk", "moe_router_group_topk"),
-                                               ("capacity_factor", "moe_expert_capacity_factor"),
-                                               ("topk_limited_devices", "moe_router_topk_limited_devices"),
-                                               ("router_dtype", "moe_router_dtype"),
-                                               ("force_biased", "moe_router_force_biased"),
-                                               ("rank_capacity_factor", "moe_expert_rank_capacity_factor"))}
-        score = str(get(a, "moe_router_score_function", default="softmax"))
-        return cls(num_experts=experts, ffn=int(ffn), layer_pattern=moe_layer_pattern(get(a, "moe_layer_freq",
-                                                                                          default=1), layers),
-                   shared_size=int(shared) if shared else None,
-                   shared_gate=bool(get(a, "moe_shared_expert_gate", default=False)),
-                   expert_bias=bool(get(a, "moe_router_enable_expert_bias", default=False)),
-                   topk=int(get(a, "moe_router_topk", default=2)),
-                   score_function=score,
-                   # megatron-core reads it for softmax routing only (Megatron-Bridge's GLM-5 sets it with sigmoid)
-                   pre_softmax=bool(get(a, "moe_router_pre_softmax", default=False)) and score == "softmax",
-                   apply_probs_on_input=bool(get(a, "moe_apply_probs_on_input", default=False)),
-                   force_load_balancing=bool(get(a, "moe_router_force_load_balancing", default=False)),
-                   **_router(opt))
+        v = cls.args_values(args)
+        # megatron-core treats a scaling factor of 1 as none, and group routing over one group (or none) as plain top-k
+        groups = (v["num_groups"] or 0) > 1
+        return cls(**{**v, "ffn": int(v["ffn"] or get(a, "ffn_hidden_size") or 4 * int(a["hidden_size"])),
+                      "layer_pattern": moe_layer_pattern(get(a, "moe_layer_freq", default=1), int(a["num_layers"])),
+                      "shared_size": v["shared_size"] or None,
+                      # megatron-core reads it for softmax routing only (Megatron-Bridge's GLM-5 sets it with sigmoid)
+                      "pre_softmax": v["pre_softmax"] and v["score_function"] == "softmax",
+                      "topk_scaling_factor": None if v["topk_scaling_factor"] == 1.0 else v["topk_scaling_factor"],
+                      "num_groups": v["num_groups"] if groups else None,
+                      "group_topk": v["group_topk"] if groups else None})
 
     def to_args(self) -> dict[str, Any]:  # every layer MoE: Megatron-LM's frequency 1
         return {**super().to_args(), "moe_layer_freq": 1 if self.layer_pattern is None else list(self.layer_pattern)}
@@ -140,18 +126,6 @@ class MoE(Feature):
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.layer_pattern is None or bool(self.layer_pattern[layer])
-
-
-def _router(opt: dict[str, Any]) -> dict[str, Any]:
-    """The optional router fields in one spelling: megatron-core treats a scaling factor of 1 as none, and group
-    routing over one group (or none) as plain top-k."""
-    out = {k: (None if v is None else int(v) if k in ("num_groups", "group_topk", "topk_limited_devices")
-               else str(v) if k == "router_dtype" else float(v)) for k, v in opt.items()}
-    if out["topk_scaling_factor"] == 1.0:
-        out["topk_scaling_factor"] = None
-    if (out["num_groups"] or 0) <= 1:
-        out["num_groups"] = out["group_topk"] = None
-    return out
 
 
 def moe_layer_pattern(freq: Any, num_layers: int) -> tuple[int, ...] | None:

@@ -27,7 +27,14 @@ from typing import Any, ClassVar, NamedTuple
 
 SETTING, SIZE, LAYOUT, NUMERICS = "setting", "size", "layout", "numerics"
 MODEL, DERIVED = "cfg", "derived"  # where mlm_args.complete_args takes an args value from (mlm_args.CFG / DERIVED)
-FIELD_DEFAULT: Any = type("FieldDefault", (), {"__repr__": lambda self: "FIELD_DEFAULT"})()
+
+
+class _FieldDefault:
+    def __repr__(self) -> str:
+        return "FIELD_DEFAULT"
+
+
+FIELD_DEFAULT: Any = _FieldDefault()  # a MegatronArg default: the field's own
 
 
 class MegatronArg(NamedTuple):

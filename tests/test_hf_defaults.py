@@ -18,7 +18,7 @@ import transformers
 
 from dist_convert.errors import ConvertError
 from dist_convert.models import FAMILIES, import_config
-from dist_convert.models.hf_defaults import DEFAULTS
+from dist_convert.models.hf_defaults import ALIASES, DEFAULTS
 
 from conftest import ENV, ROOT
 from workers import runtime_python
@@ -102,7 +102,9 @@ def test_defaults_table_is_generated_from_the_runtimes_transformers(tmp_path):
                    check=True, env=ENV, capture_output=True, timeout=300)
     theirs = json.loads(other.read_text())
     assert theirs["release"] != here["release"], "two transformers releases judge the table"
-    assert gen.merge([here["table"], theirs["table"]]) == DEFAULTS, \
+    tables = [here["table"], theirs["table"]]
+    assert gen.merge_aliases(tables, DEFAULTS) == ALIASES, "regenerate: the config classes' aliases changed"
+    assert gen.merge(tables) == DEFAULTS, \
         "regenerate: python tests/hf_defaults_gen.py --json A.json under each runtime, then --write A.json B.json"
 
 
@@ -121,3 +123,14 @@ def test_mixtral_without_rope_theta_gets_its_classes_base():
     hf = {k: v for k, v in transformers.MixtralConfig(num_hidden_layers=2).to_dict().items()
           if k not in ("rope_parameters", "rope_theta")}
     assert import_config({**hf, "architectures": ["MixtralForCausalLM"]}, None).cfg.position.base == 1e6
+
+
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM"])
+def test_a_key_under_its_other_name_is_not_defaulted(arch):
+    """config.json's ``num_experts`` is the class's ``num_local_experts`` (its attribute_map): a config that says 64
+    experts that way has 64, not the default the absent canonical key would get."""
+    warnings.filterwarnings("ignore")
+    cls = type(transformers.AutoConfig.for_model(FAMILIES[arch].model_type))
+    hf = {k: v for k, v in cls(num_hidden_layers=2).to_dict().items() if k != "num_local_experts"}
+    hf.update(num_experts=64, architectures=[arch])
+    assert import_config(hf, None).cfg.num_experts == 64

@@ -131,3 +131,17 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         'rope_parameters': {'rope_theta': 500000.0, 'rope_type': 'default'}, 'vocab_size': 151936,
     },
 }
+# a key's other names in its config class (``attribute_map``): present in config.json, they give the key's value
+ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
+    'deepseek_v2': {'n_routed_experts': ('num_experts',)},
+    'deepseek_v3': {'n_routed_experts': ('num_local_experts',), 'num_nextn_predict_layers': ('num_mtp_layers',)},
+    'deepseek_v32': {'n_routed_experts': ('num_local_experts',)},
+    'glm4_moe': {'n_routed_experts': ('num_local_experts',)},
+    'glm4_moe_lite': {'n_routed_experts': ('num_local_experts',), 'qk_rope_head_dim': ('head_dim',)},
+    'glm_moe_dsa': {'n_routed_experts': ('num_local_experts',)},
+    'gpt_oss': {'num_local_experts': ('num_experts',)},
+    'mixtral': {'num_local_experts': ('num_experts',)},
+    'nemotron_h': {'layers_block_type': ('layer_types',), 'n_routed_experts': ('num_local_experts',)},
+    'qwen3_moe': {'num_local_experts': ('num_experts',)},
+    'qwen3_vl_moe_text': {'num_local_experts': ('num_experts',)},
+}

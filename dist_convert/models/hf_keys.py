@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from ..errors import ConvertError
-from .hf_defaults import DEFAULTS, DISAGREE
+from .hf_defaults import ALIASES, DEFAULTS, DISAGREE
 from .rope import rope_params
 
 Plain = Callable[[Any, dict[str, Any]], bool]
@@ -95,9 +95,9 @@ def unmapped(hf: dict[str, Any], mapped: Collection[str]) -> list[tuple[str, Any
             and not plain(flat[k], hf)]
 
 
-# keys a config class also takes under another name (its attribute_map, or an older key it converts): present, they
+# keys a family also reads under an older name (beside the config classes' own, hf_defaults.ALIASES): present, they
 # give the key's value, so its default does not apply
-ALIASES: dict[str, tuple[str, ...]] = {"layers_block_type": ("layer_types", "hybrid_override_pattern")}
+OLDER_NAMES: dict[str, tuple[str, ...]] = {"layers_block_type": ("hybrid_override_pattern",)}
 
 
 def as_transformers_reads(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -114,7 +114,7 @@ def as_transformers_reads(hf: dict[str, Any], model_type: str) -> dict[str, Any]
             if absent:
                 out["rope_parameters"] = {**params, "rope_theta": _known(default, "rope_parameters.rope_theta")}
         elif key not in hf and not (key == "rope_parameters" and rope_given) and \
-                not any(a in hf for a in ALIASES.get(key, ())):
+                not any(a in hf for a in ALIASES.get(model_type, {}).get(key, ()) + OLDER_NAMES.get(key, ())):
             out[key] = copy.deepcopy(_known(default, key))
     return out
 

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConvertError
 from .features import (
@@ -37,7 +37,9 @@ from .features import (
 from .features.audit import COVERED, NOT_MATH, UNCONVERTED, refuse_unconverted
 from .features.base import LAYOUT, MODEL, SETTING, SIZE, MegatronArg, Setting, arg_name, get, setting
 from .features.vision import Vision
-from .layout.topology import Layout
+
+if TYPE_CHECKING:  # a model config checks a layout by its attributes; the layout package is never imported here
+    from .layout.topology import Layout
 
 __all__ = ["DEFAULT_DIVISIBLE_BY", "HYBRID_SYMBOLS", "ModelConfig", "Setting", "config_from_args",
            "hybrid_pattern_of", "linear_attention_freq", "linear_attention_pattern", "moe_layer_pattern",
@@ -231,53 +233,16 @@ class ModelConfig:
 
     # -- layouts megatron-core builds ---------------------------------------------------------------------
     def check_layout(self, layout: Layout, what: str = "target") -> None:
+        """Refuse, in one line, a ``what`` layout megatron-core does not build this model in: the core's limits
+        (layers per stage, heads and FFN over TP), then each feature record's own (``Feature.check_layout``)."""
         layout.validate(self.num_layers, self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size, what,
                         encoder_layers=self.t5.encoder_num_layers if self.t5 is not None else None,
                         mtp_layers=self.mtp_num_layers)
-        if self.mla and self.mla.down_split:
-            flag = "--target-tp" if what == "target" else "the source layout"
-            for name, n in (("q_lora_rank", self.mla.q_lora_rank or 0),
-                            ("kv_lora_rank + qk_pos_emb_head_dim",
-                             self.mla.kv_lora_rank + self.mla.qk_pos_emb_head_dim)):
-                if n % layout.tp:
-                    raise ConvertError(f"{what} TP={layout.tp} does not divide {name}={n}: the {self.spec} spec "
-                                       "splits MLA's down-projections over TP",
-                                       f"choose {flag} among the divisors of {n}, or --target-spec te (which "
-                                       "replicates them)")
-        self._check_hybrid(layout, what)
-        self._check_vision(layout, what)
-        self._check_dsa(layout, what)
-        if self.moe is not None:
-            layout.validate_experts(self.num_experts, self.expert_ffn, self.moe.shared_size, what)
-            if self.add_bias_linear and layout.expert_tp != 1:  # TransformerConfig.__post_init__ asserts it
-                raise ConvertError(f"{what} ETP={layout.expert_tp}: megatron-core takes linear biases in MoE layers "
-                                   "(gpt-oss's experts and router) only with expert tensor parallelism 1",
-                                   "pass --target-etp 1")
-        elif layout.ep != 1 or layout.etp is not None:
+        for record in self.records():
+            record.check_layout(self, layout, what)
+        if self.moe is None and (layout.ep != 1 or layout.etp is not None):
             raise ConvertError(f"{what} {layout} sets expert parallelism, but the model has no experts",
                                "drop --target-ep/--target-etp")
-
-    def _check_vision(self, layout: Layout, what: str) -> None:
-        """Megatron-Bridge's Qwen3-VL adds the deepstack features to the first language layers, on the first pipeline
-        stage with the tower (Qwen3VLModel asserts it); the tower splits over TP by whole heads."""
-        if self.vision is None:
-            return
-        if self.spec != "te":
-            raise ConvertError(f"{what}: Megatron-Bridge builds vision-language models with Transformer Engine's "
-                               f"layer spec only, not {self.spec}", "drop --target-spec local")
-        flag = "--target-tp" if what == "target" else "the source layout"
-        v = self.vision
-        for name, n in (("heads", v.heads), ("MLP size", v.ffn)) if v.tower == "qwen3_vl" else ():  # split over TP
-            if n % layout.tp:
-                raise ConvertError(f"{what} TP={layout.tp} does not divide the vision tower's {name} {n}",
-                                   f"choose {flag} among the divisors of {n}")
-        first = next(n for p, v, _, n in layout.model_chunks(self.num_layers) if (p, v) == (0, 0))
-        need = len(self.vision.deepstack)
-        if first < need:
-            raise ConvertError(f"{what} {layout} puts {first} language layers on the first pipeline stage, and the "
-                               f"vision tower's {need} deepstack features feed language layers 0-{need - 1} there",
-                               f"put at least {need} layers on the first stage "
-                               "(--target-num-layers-in-first-stage) or lower --target-pp")
 
     def needs_sequence_parallel(self, tp: int) -> bool:
         """Whether megatron-core builds the model only with sequence parallelism at this TP (its DSA attention,
@@ -287,46 +252,6 @@ class ModelConfig:
     def has_indexer(self, stack: str, layer: int) -> bool:
         """Whether a layer of ``stack`` has a DeepSeek-sparse-attention indexer (``DSA.computes_topk``)."""
         return self.dsa is not None and stack in ("decoder", "mtp") and self.dsa.computes_topk(layer)
-
-    def _check_dsa(self, layout: Layout, what: str) -> None:
-        """megatron-core builds DeepSeek sparse attention with Transformer Engine's spec only, over MLA, and shares a
-        top-k only within a pipeline chunk (the experimental spec raises when a chunk starts on a sharing layer)."""
-        if self.dsa is None:
-            return
-        if self.mla is None:
-            raise ConvertError(f"{what}: DeepSeek sparse attention without multi-latent attention; megatron-core's "
-                               "DSA spec is MLA's", "convert a model with multi_latent_attention set")
-        if self.spec != "te":
-            raise ConvertError(f"{what}: megatron-core builds DeepSeek sparse attention with Transformer Engine's "
-                               f"layer spec only, not {self.spec}", "drop --target-spec local")
-        if self.dsa.topk_freq == 1:
-            return
-        for p, v, first, n in layout.model_chunks(self.num_layers):
-            if n and not self.dsa.computes_topk(first):
-                flag = "--target-pp / --target-num-layers-in-first-stage" if what == "target" else "the source layout"
-                raise ConvertError(f"{what} {layout} starts pipeline chunk (pp {p}, vpp {v}) on layer {first}, which "
-                                   f"reuses the top-k of an earlier layer (dsa_indexer_topk_freq="
-                                   f"{self.dsa.topk_freq}); megatron-core shares top-k only within a chunk",
-                                   f"choose {flag} so that every stage starts on a layer with an indexer")
-
-    def _check_hybrid(self, layout: Layout, what: str) -> None:
-        """megatron-core splits a Mamba2 mixer by whole heads and groups, a Gated DeltaNet by whole key and value
-        heads (MambaMixer / TransformerConfig assert it); MambaModel has no virtual pipeline stages."""
-        flag = "--target-tp" if what == "target" else "the source layout"
-        counts: tuple[tuple[str, int], ...] = ()
-        if self.mamba is not None:
-            counts += (("mamba_num_heads", self.mamba.num_heads), ("mamba_num_groups", self.mamba.num_groups))
-        if self.gdn is not None:
-            counts += (("linear_num_key_heads", self.gdn.num_key_heads),
-                       ("linear_num_value_heads", self.gdn.num_value_heads))
-        for name, n in counts:
-            if n % layout.tp:
-                raise ConvertError(f"{what} TP={layout.tp} does not divide {name}={n}: megatron-core splits the "
-                                   "mixer by whole heads and groups", f"choose {flag} among the divisors of {n}")
-        if self.mamba is not None and (layout.vpp or layout.pipeline_layout):
-            raise ConvertError(f"{what} {layout}: megatron-core's MambaModel builds no virtual pipeline stages "
-                               "or layout strings", "drop --target-vpp / --target-pipeline-layout; use --target-pp "
-                               "with --target-num-layers-in-first/last-stage")
 
     # -- Megatron-LM args ---------------------------------------------------------------------------------
     def to_args(self) -> dict[str, Any]:

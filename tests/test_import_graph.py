@@ -133,3 +133,15 @@ def test_no_import_cycles():
     detail = ["; ".join(f"{a} -> {b} (line {graph[a][b]})" for a in comp for b in graph[a] if b in comp)
               for comp in found]
     assert not found, "import cycles (move the shared piece to a module both can import):\n" + "\n".join(detail)
+
+
+def test_model_config_and_layout_do_not_import_each_other():
+    """A record checks its own layout limits by the layout's attributes and the layout reads a config's: neither
+    ``config`` nor ``features`` imports the layout package, and no layout module imports ``config`` (type hints
+    aside)."""
+    graph = import_graph()
+    model = ("dist_convert.config", "dist_convert.features")
+    up = {(a, b) for a, edges in graph.items() for b in edges
+          if a.startswith(model) and b.startswith("dist_convert.layout")
+          or a.startswith("dist_convert.layout") and b == "dist_convert.config"}
+    assert not up, sorted(up)

@@ -14,6 +14,8 @@ attention, norms, the MLP, Mixture of Experts, multi-latent attention, ...). Eac
 - ``mlm``: how Megatron-LM knows its ``arg`` names (:class:`MegatronArg`, one per name): the rows of
   ``mlm_args.ARGS`` that are a setting's.
 
+A record checks its own limits on a parallel layout (``check_layout``: heads it splits by, stages it needs).
+
 The record reads and writes its own ``args`` (``from_args`` / ``to_args``: by default each field under its ``arg``
 names, a record adding only what its names need more); nothing else in dist_convert interprets those fields.
 """
@@ -23,7 +25,11 @@ import argparse
 import dataclasses
 from abc import ABC
 from collections.abc import Iterator
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+if TYPE_CHECKING:  # a record reads the model's and the layout's attributes; it imports neither module
+    from ..config import ModelConfig
+    from ..layout.topology import Layout
 
 SETTING, SIZE, LAYOUT, NUMERICS = "setting", "size", "layout", "numerics"
 MODEL, DERIVED = "cfg", "derived"  # where mlm_args.complete_args takes an args value from (mlm_args.CFG / DERIVED)
@@ -145,6 +151,11 @@ class Feature(ABC):
         under each of its ``arg`` names, tuples as lists."""
         return {name: list(v) if isinstance(v, tuple) else v for _, v, f in self.fields() for name in f.metadata["arg"]}
 
+    def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
+        """Refuse, in one line naming the setting and the flag, a ``what`` ("target" or "source") layout megatron-core
+        does not build this feature in (``ModelConfig.check_layout`` asks each record; none unless a record says)."""
+        return None
+
     @staticmethod
     def absent_args() -> dict[str, Any]:
         """The Megatron-LM ``args`` fields that say an optional feature is absent (none unless a record says)."""
@@ -171,6 +182,11 @@ def _typed(f: dataclasses.Field, value: Any) -> Any:
     """``value`` as field ``f`` holds it: its declared bool, int, float or str (None stays), else lists as tuples."""
     kind = _TYPES.get(str(f.type).removesuffix(" | None"))
     return value if value is None else kind(value) if kind is not None else as_tuple(value)
+
+
+def layout_flag(what: str, flag: str = "--target-tp") -> str:
+    """What changes a ``what`` layout, for a refusal's fix: ``flag`` for the target, else the source's own layout."""
+    return flag if what == "target" else "the source layout"
 
 
 def _arg_of(record: Feature, name: str) -> str:

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import ConvertError
-from .base import LAYOUT, MODEL, NUMERICS, SIZE, Feature, MegatronArg, get, setting
+from .base import LAYOUT, MODEL, NUMERICS, SIZE, Feature, MegatronArg, get, layout_flag, setting
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from ..layout.topology import Layout
 
 # MambaModel's layer symbols -> (mixer, MLP) of the layer (megatron-core's hybrid layer allocation)
 HYBRID_SYMBOLS: dict[str, tuple[str | None, str | None]] = {
@@ -51,6 +55,18 @@ class MLA(Feature):
 
     def to_args(self) -> dict[str, Any]:
         return {"multi_latent_attention": True, **super().to_args()}
+
+    def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
+        """Down-projections split over TP (``down_split``) split by whole rows."""
+        if not self.down_split:
+            return
+        for name, n in (("q_lora_rank", self.q_lora_rank or 0),
+                        ("kv_lora_rank + qk_pos_emb_head_dim", self.kv_lora_rank + self.qk_pos_emb_head_dim)):
+            if n % layout.tp:
+                raise ConvertError(f"{what} TP={layout.tp} does not divide {name}={n}: the {cfg.spec} spec splits "
+                                   "MLA's down-projections over TP",
+                                   f"choose {layout_flag(what)} among the divisors of {n}, or --target-spec te "
+                                   "(which replicates them)")
 
     @staticmethod
     def absent_args() -> dict[str, Any]:
@@ -108,6 +124,25 @@ class DSA(Feature):
 
     def to_args(self) -> dict[str, Any]:
         return {"experimental_attention_variant": DSA_VARIANT, **super().to_args()}
+
+    def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
+        """megatron-core builds DeepSeek sparse attention with Transformer Engine's spec only, over MLA, and shares a
+        top-k only within a pipeline chunk (the experimental spec raises when a chunk starts on a sharing layer)."""
+        if cfg.mla is None:
+            raise ConvertError(f"{what}: DeepSeek sparse attention without multi-latent attention; megatron-core's "
+                               "DSA spec is MLA's", "convert a model with multi_latent_attention set")
+        if cfg.spec != "te":
+            raise ConvertError(f"{what}: megatron-core builds DeepSeek sparse attention with Transformer Engine's "
+                               f"layer spec only, not {cfg.spec}", "drop --target-spec local")
+        if self.topk_freq == 1:
+            return
+        for p, v, first, n in layout.model_chunks(cfg.num_layers):
+            if n and not self.computes_topk(first):
+                raise ConvertError(f"{what} {layout} starts pipeline chunk (pp {p}, vpp {v}) on layer {first}, which "
+                                   f"reuses the top-k of an earlier layer (dsa_indexer_topk_freq={self.topk_freq}); "
+                                   "megatron-core shares top-k only within a chunk",
+                                   f"choose {layout_flag(what, '--target-pp / --target-num-layers-in-first-stage')} "
+                                   "so that every stage starts on a layer with an indexer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +211,23 @@ class Mamba(Feature):
             del out["hybrid_layer_pattern"]
         return out
 
+    def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
+        """megatron-core splits a Mamba2 mixer by whole heads and groups (MambaMixer asserts it); MambaModel has no
+        virtual pipeline stages."""
+        split_by_heads(layout, what, (("mamba_num_heads", self.num_heads), ("mamba_num_groups", self.num_groups)))
+        if layout.vpp or layout.pipeline_layout:
+            raise ConvertError(f"{what} {layout}: megatron-core's MambaModel builds no virtual pipeline stages "
+                               "or layout strings", "drop --target-vpp / --target-pipeline-layout; use --target-pp "
+                               "with --target-num-layers-in-first/last-stage")
+
+
+def split_by_heads(layout: Layout, what: str, counts: tuple[tuple[str, int], ...]) -> None:
+    """A linear-time mixer's heads and groups, each split over TP whole."""
+    for name, n in counts:
+        if n % layout.tp:
+            raise ConvertError(f"{what} TP={layout.tp} does not divide {name}={n}: megatron-core splits the mixer by "
+                               "whole heads and groups", f"choose {layout_flag(what)} among the divisors of {n}")
+
 
 def hybrid_pattern_of(pattern: str, num_layers: int | None = None) -> str:
     """The per-layer symbols of megatron-core's hybrid layer pattern (pipeline splits ``|`` dropped); refused in one
@@ -232,6 +284,11 @@ class GDN(Feature):
     def to_args(self) -> dict[str, Any]:
         return {"experimental_attention_variant": "gated_delta_net", **super().to_args(),
                 "linear_attention_freq": linear_attention_freq(self.pattern)}
+
+    def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
+        """megatron-core splits a Gated DeltaNet by whole key and value heads (TransformerConfig asserts it)."""
+        split_by_heads(layout, what, (("linear_num_key_heads", self.num_key_heads),
+                                      ("linear_num_value_heads", self.num_value_heads)))
 
 
 def linear_attention_freq(pattern: tuple[int, ...]) -> int | list[int]:

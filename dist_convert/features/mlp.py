@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .base import LAYOUT, MODEL, NUMERICS, SIZE, Feature, MegatronArg, as_tuple, get, setting
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from ..layout.topology import Layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +122,16 @@ class MoE(Feature):
 
     def to_args(self) -> dict[str, Any]:  # every layer MoE: Megatron-LM's frequency 1
         return {**super().to_args(), "moe_layer_freq": 1 if self.layer_pattern is None else list(self.layer_pattern)}
+
+    def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
+        """Experts spread evenly over EP, split over ETP by whole rows; linear biases only at ETP 1."""
+        from ..errors import ConvertError
+
+        layout.validate_experts(cfg.num_experts, cfg.expert_ffn, self.shared_size, what)
+        if cfg.add_bias_linear and layout.expert_tp != 1:  # TransformerConfig.__post_init__ asserts it
+            raise ConvertError(f"{what} ETP={layout.expert_tp}: megatron-core takes linear biases in MoE layers "
+                               "(gpt-oss's experts and router) only with expert tensor parallelism 1",
+                               "pass --target-etp 1")
 
     @staticmethod
     def absent_args() -> dict[str, Any]:

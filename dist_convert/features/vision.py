@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from .base import SIZE, Feature, get, setting
+from ..errors import ConvertError
+from .base import SIZE, Feature, get, layout_flag, setting
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from ..layout.topology import Layout
 
 # qwen3_vl: Megatron-Bridge's Megatron-native Qwen3-VL tower (Qwen3VLVisionModel, split over TP); qwen2_5_vl and
 # siglip: the Hugging Face modules Bridge keeps replicated (Qwen2.5-VL's windowed ViT; Gemma 3's SigLIP encoder and
@@ -84,3 +89,22 @@ class Vision(Feature):
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Vision | None:
         return super().from_args(args) if get(vars(args), "vision_tower") is not None else None
+
+    def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
+        """Megatron-Bridge builds vision-language models with Transformer Engine's spec; its Qwen3-VL adds the deepstack
+        features to the first language layers, on the first pipeline stage with the tower (Qwen3VLModel asserts it);
+        that tower splits over TP by whole heads."""
+        if cfg.spec != "te":
+            raise ConvertError(f"{what}: Megatron-Bridge builds vision-language models with Transformer Engine's "
+                               f"layer spec only, not {cfg.spec}", "drop --target-spec local")
+        for name, n in (("heads", self.heads), ("MLP size", self.ffn)) if self.tower == "qwen3_vl" else ():
+            if n % layout.tp:
+                raise ConvertError(f"{what} TP={layout.tp} does not divide the vision tower's {name} {n}",
+                                   f"choose {layout_flag(what)} among the divisors of {n}")
+        first = next(n for p, v, _, n in layout.model_chunks(cfg.num_layers) if (p, v) == (0, 0))
+        need = len(self.deepstack)
+        if first < need:
+            raise ConvertError(f"{what} {layout} puts {first} language layers on the first pipeline stage, and the "
+                               f"vision tower's {need} deepstack features feed language layers 0-{need - 1} there",
+                               f"put at least {need} layers on the first stage "
+                               "(--target-num-layers-in-first-stage) or lower --target-pp")

@@ -77,5 +77,9 @@ def refuse_features(cfg: ModelConfig, holds: Collection[str], what: str, fix: st
     hold: ``holds`` names, positively, the ``config.OPTIONAL`` features it does."""
     lacking = unheld(cfg, holds)
     if lacking:
-        features = " and ".join(s.what.removeprefix("a ").removeprefix("an ") for s in lacking)
-        raise ConvertError(f"{what} cannot hold the model's {features}", fix)
+        raise ConvertError(f"{what} cannot hold the model's {features_named(lacking)}", fix)
+
+
+def features_named(features: list[Setting]) -> str:
+    """Structural features in a refusal's words ("Mixture-of-Experts layers and multi-latent attention")."""
+    return " and ".join(s.what.removeprefix("a ").removeprefix("an ") for s in features)

@@ -26,7 +26,7 @@ from ..datamodel import Origin, SourceChunk, SourceIndex, Target, TargetFile, Wr
 from ..durable import copy_durable, fsync_file, write_durable
 from ..errors import ConvertError
 from ..features.base import as_tuple
-from ..features.expressed import ANY, refuse_unexpressed
+from ..features.expressed import ANY, features_named, refuse_unexpressed, unheld
 from ..features.position import LLAMA3_DEFAULT_FACTOR
 from ..integrity import is_run_state
 from ..layout.topology import Layout
@@ -263,9 +263,10 @@ class NemoFormat:
         if embed is None:
             raise ConvertError(f"{files[(0, 0)]} has no {style.embedding_key}", "the archive is not a GPT model")
         cfg, args = config_from_nemo(y, embed[0][0] * tp, vocab_size, legacy=style.legacy)
-        if cfg.moe is not None:
-            raise ConvertError(f"{path}: model_config.yaml says num_moe_experts={cfg.moe.num_experts}; Mixture-of-"
-                               "Experts .nemo sources are not supported yet",
+        lacking = unheld(cfg, self.holds)  # what this reader holds, declared positively
+        if lacking:
+            raise ConvertError(f"{path}: model_config.yaml describes {features_named(lacking)}, which .nemo sources "
+                               "are not read with yet",
                                "load it in NeMo and save it as a megatron-core (torch_dist) checkpoint first")
         cfg = cfg.replace(spec="te" if any("layer_norm_weight" in k for k in shapes[(0, 0)]) else "local")
         cfg.check_layout(layout, "source")

@@ -289,7 +289,7 @@ def read_names() -> dict[str, str]:
             out.update(dict.fromkeys(f.metadata["config"], f.name))
     for name, cls in RECORDS.items():
         out.update(dict.fromkeys(cls.presence, name))
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        for f in cls.all_fields():
             out.update(dict.fromkeys(f.metadata.get("config", ()), f"{name}.{f.name}"))
     return out
 

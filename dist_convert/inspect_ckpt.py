@@ -48,7 +48,7 @@ def inspect_names() -> list[tuple[str | None, str, str]]:
     for name, cls in RECORDS.items():
         if cls.presence:
             out.append((name, "", cls.presence[0]))
-        out += [(name, f.name, shown_name(name, f)) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        out += [(name, f.name, shown_name(name, f)) for f in cls.all_fields()]
     return out
 
 

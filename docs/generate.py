@@ -155,7 +155,7 @@ def settings_table() -> str:
     rows = ["| field | Megatron-LM args | megatron-core | kind | what | HF families writing other values |",
             "|---|---|---|---|---|---|"]
     fields = [(None, f) for f in dataclasses.fields(ModelConfig) if f.name not in RECORDS]
-    fields += [(name, f) for name, cls in RECORDS.items() for f in dataclasses.fields(cls)]
+    fields += [(name, f) for name, cls in RECORDS.items() for f in cls.all_fields()]  # each vision tower's too
     for record, f in fields:
         key = f.name if record is None else f"{record}.{f.name}"
         kind = f.metadata.get("kind", "")

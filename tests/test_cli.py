@@ -124,13 +124,15 @@ def test_format_options_fills_what_a_subcommand_lacks():
 
 
 def test_every_config_field_is_shown_always_or_in_exactly_one_group():
-    """Every field of ModelConfig's core and of each feature record has one name of its own in inspect (its record is
-    its group)."""
+    """Every field of ModelConfig's core and of each feature record (each type it comes as: the vision towers) has one
+    name of its own in inspect (its record is its group)."""
     placed = inspect_names()
     names = [n for _, _, n in placed]
     assert len(set(names)) == len(names), {n for n in names if names.count(n) > 1}
     core = {f.name for f in dataclasses.fields(ModelConfig)} - set(RECORDS)
-    fields = core | {f"{r}.{f.name}" for r, cls in RECORDS.items() for f in dataclasses.fields(cls)}
+    fields = core | {f"{r}.{f.name}" for r, cls in RECORDS.items()
+                     for f in cls.all_fields()}
+    assert {"vision.deepstack", "vision.window", "vision.mm_tokens"} <= fields
     assert {f if r is None else f"{r}.{f}" for r, f, _ in placed if f} == fields
 
 

@@ -19,7 +19,7 @@ from dist_convert.datamodel import TargetFile, TargetTensor
 from dist_convert.errors import ConvertError
 from dist_convert.features import DSA, GDN, MLA, MLP, MTP, T5, Attention, Embedding, Mamba, MoE, Norms, Position
 from dist_convert.features.expressed import ANY, unexpressed
-from dist_convert.features.vision import Vision
+from dist_convert.features.vision import Qwen3VLTower, Qwen25VLTower, SiglipTower
 from dist_convert.formats.hf import hf_tensors, source_tensors
 from dist_convert.formats.mcore_config import FIELDS as MCORE_FIELDS
 from dist_convert.formats.mcore_config import PROVIDER_EXPRESSES, args_from_fields, transformer_fields
@@ -77,11 +77,11 @@ VARIANTS: list[dict[str, Any]] = [
     {"position": Position(local_base=1e4)},  # Gemma 3 without scaling (gemma-3-1b): no factor read back
     {"position": Position(local_base=1e4, scaling="linear", scaling_factor=8.0)},
     {"position": Position(kind="mrope", mrope_section=(2, 3, 3), mrope_interleaved=True),
-     "vision": Vision(depth=2, hidden=32, heads=2, ffn=64, out_hidden=64, deepstack=(0, 1), image_token_id=7)},
-    {"vision": Vision(tower="siglip", depth=2, hidden=32, heads=2, ffn=64, patch=4, image_size=32, head=True,
-                      mm_tokens=4, eps=1e-5)},
-    {"vision": Vision(tower="qwen2_5_vl", depth=2, hidden=32, heads=2, ffn=48, window=16, full_layers=(1,),
-                      tokens_per_second=2, activation="silu")},
+     "vision": Qwen3VLTower(depth=2, hidden=32, heads=2, ffn=64, out_hidden=64, deepstack=(0, 1), image_token_id=7)},
+    {"vision": SiglipTower(depth=2, hidden=32, heads=2, ffn=64, patch=4, image_size=32, head=True,
+                           mm_tokens=4, eps=1e-5)},
+    {"vision": Qwen25VLTower(depth=2, hidden=32, heads=2, ffn=48, window=16, full_layers=(1,),
+                             tokens_per_second=2, activation="silu")},
     {"position": Position(kind="learned_absolute")},
     {"attention": Attention(qk_norm=True, qk_l2_norm=True, softmax_scale=0.125, softmax_type="learnable",
                             window=(7, 0), window_skip_freq=(1, 0, 1, 0), output_gate=True)},
@@ -147,7 +147,7 @@ def test_every_transformer_config_name_reaches_its_records_args_name():
     TransformerConfig fields (else the setting would read as its default)."""
     handled = set(MCORE_FIELDS) | {"activation_func"}
     for cls in (*RECORDS.values(),):
-        for f in dataclasses.fields(cls):
+        for f in cls.all_fields():
             renamed = set(f.metadata.get("config", ())) - set(f.metadata.get("arg", ()))
             assert renamed <= handled, (cls.__name__, f.name, renamed - handled)
 

@@ -9,7 +9,7 @@ from dist_convert.config import RECORDS, ModelConfig, read_names
 from dist_convert.features import T5, Embedding, Norms
 from dist_convert.features.base import SETTING
 from dist_convert.features.expressed import ANY
-from dist_convert.features.vision import Vision
+from dist_convert.features.vision import Qwen3VLTower, Qwen25VLTower, SiglipTower
 from dist_convert.formats.mcore_config import (
     BY_HAND,
     FIELDS,
@@ -28,7 +28,7 @@ CONVERTED = {"normalization", "position_embedding_type", "rotary_base", "layerno
 def record_names():
     """(record.field, megatron-core name, its Megatron-LM args names) of every record setting with one."""
     for name, cls in RECORDS.items():
-        for f in dataclasses.fields(cls):
+        for f in cls.all_fields():
             for c in f.metadata.get("config", ()):
                 yield f"{name}.{f.name}", c, f.metadata["arg"]
 
@@ -49,7 +49,7 @@ def test_fields_restate_no_setting_name():
     """FIELDS holds each record setting's megatron-core name that is not one of its args names (mapped to its first
     one), and otherwise only names no setting declares, the norm epsilon's older args name and the MoE layer list
     (kept a list): no row repeats what a setting says."""
-    renamed = {c: f.metadata["arg"][0] for cls in RECORDS.values() for f in dataclasses.fields(cls)
+    renamed = {c: f.metadata["arg"][0] for cls in RECORDS.values() for f in cls.all_fields()
                for c in f.metadata.get("config", ()) if c not in f.metadata["arg"]}
     assert {c: FIELDS.get(c) for c in renamed if c not in BY_HAND} == {c: a for c, a in renamed.items()
                                                                        if c not in BY_HAND}
@@ -63,7 +63,7 @@ def test_the_provider_expresses_every_moe_and_dsa_setting_and_every_norm_but_san
     setting added to one is expressed (or named an exception) without restating it."""
     for record, table, but in (("moe", PROVIDER_EXPRESSES, set()), ("norm", PROVIDER_EXPRESSES, {"post_norms"}),
                                ("dsa", MLA_PROVIDER_EXPRESSES, set())):
-        settings = {f.name for f in dataclasses.fields(RECORDS[record]) if f.metadata["kind"] == SETTING}
+        settings = {f.name for f in RECORDS[record].all_fields() if f.metadata["kind"] == SETTING}
         assert {k.split(".", 1)[1] for k in table if k.startswith(f"{record}.")} == settings - but, record
         assert all(table[f"{record}.{name}"] is ANY for name in settings - but)
     assert {"moe.layer_pattern", "moe.rank_capacity_factor", "norm.residual_post_norm", "dsa.k_norm_eps"} <= set(
@@ -74,7 +74,7 @@ def test_the_args_table_restates_no_setting_name():
     """mlm_args.ARGS's rows for the settings' args names come from the settings (``setting(mlm=...)``); no hand row
     names one of them again."""
     declared = {name for f in [*dataclasses.fields(ModelConfig), *(f for cls in RECORDS.values()
-                                                                   for f in dataclasses.fields(cls))]
+                                                                   for f in cls.all_fields())]
                 for name in f.metadata.get("arg", ())}
     derived = setting_rows()
     assert {a.name for a in derived} <= declared and all(a in ARGS for a in derived)
@@ -89,8 +89,11 @@ def test_records_read_and_write_their_args_by_the_names_they_declare():
     for record in (Norms(kind="LayerNorm", eps=1e-6, zero_centered_gamma=True, post_norms=True,
                          residual_post_norm=True),
                    Embedding(multiplier=8.0, mup=True), T5(encoder_num_layers=3, relative_attention_num_buckets=8),
-                   Vision(tower="siglip", depth=2, hidden=32, heads=2, ffn=64, deepstack=(0, 1), window=112,
-                          image_token_id=5)):
+                   SiglipTower(depth=2, hidden=32, heads=2, ffn=64, image_size=32, head=True, mm_tokens=4,
+                               image_token_id=5),
+                   Qwen3VLTower(depth=2, hidden=32, heads=2, ffn=64, deepstack=(0, 1), merge=1, image_token_id=5),
+                   Qwen25VLTower(depth=2, hidden=32, heads=2, ffn=64, window=112, full_layers=(1,),
+                                 tokens_per_second=2, vision_token_id=6)):
         written = record.to_args()
         assert set(written) == {n for f in dataclasses.fields(record) for n in f.metadata["arg"]}
         assert type(record).from_args(argparse.Namespace(num_layers=4, **written)) == record

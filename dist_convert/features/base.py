@@ -107,6 +107,14 @@ class Feature(ABC):
     presence: ClassVar[tuple[str, ...]] = ()  # megatron-core names that say an optional feature is there
     what: ClassVar[str] = ""  # an optional feature, in a refusal's words
     essential: ClassVar[tuple[str, ...] | None] = None  # what inspect always shows (None: every field)
+    # megatron-core (Megatron-Bridge's spec for it) builds a model with this feature from Transformer Engine 2's
+    # modules, whose final norm saves an ``_extra_state`` in torch_dist
+    te2_spec: ClassVar[bool] = False
+
+    @property
+    def uses_te2_spec(self) -> bool:
+        """Whether this record makes the model one built from Transformer Engine 2's modules (``te2_spec``)."""
+        return self.te2_spec
 
     def __post_init__(self) -> None:
         """Every setting within its declared range (``setting(low=..., above=..., high=...)``), else one line
@@ -150,6 +158,21 @@ class Feature(ABC):
         """The Megatron-LM ``args`` fields that say this record (``from_args`` reads them back): by default each field
         under each of its ``arg`` names, tuples as lists."""
         return {name: list(v) if isinstance(v, tuple) else v for _, v, f in self.fields() for name in f.metadata["arg"]}
+
+    @classmethod
+    def variants(cls) -> tuple[type[Feature], ...]:
+        """The record types a model's record of this feature is one of: the record itself, unless the feature comes
+        in kinds of their own (the vision towers)."""
+        return (cls,)
+
+    @classmethod
+    def all_fields(cls) -> list[dataclasses.Field]:
+        """Every field a record of this feature can have, once each, in order: each variant's."""
+        out: dict[str, dataclasses.Field] = {}
+        for kind in cls.variants():
+            for f in dataclasses.fields(kind):  # type: ignore[arg-type]
+                out.setdefault(f.name, f)
+        return list(out.values())
 
     def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
         """Refuse, in one line naming the setting and the flag, a ``what`` ("target" or "source") layout megatron-core

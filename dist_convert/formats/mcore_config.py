@@ -6,7 +6,6 @@ the rest of dist_convert speaks) and written back. A setting is read under the n
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Collection
 from typing import Any
 
@@ -26,8 +25,7 @@ BY_HAND = ("activation_func",)
 def renamed_fields() -> dict[str, str]:
     """Each feature record's megatron-core names that are not its Megatron-LM args names -> the args name they are
     read under (the first ``arg`` of the setting declaring them), but ``BY_HAND``."""
-    return {c: f.metadata["arg"][0] for cls in RECORDS.values()
-            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+    return {c: f.metadata["arg"][0] for cls in RECORDS.values() for f in cls.all_fields()
             for c in f.metadata.get("config", ()) if c not in f.metadata["arg"] and c not in BY_HAND}
 
 
@@ -71,7 +69,7 @@ PASSED = ("position.interleaved", "position.seq_len_interpolation", "attention.q
 def every_setting(record: str, but: dict[str, str] | None = None) -> dict[str, Any]:
     """``record.field``: ANY for each of a record's settings (kind ``SETTING``), but those named in ``but`` (each with
     why a provider cannot write it)."""
-    return {f"{record}.{f.name}": ANY for f in dataclasses.fields(RECORDS[record])  # type: ignore[arg-type]
+    return {f"{record}.{f.name}": ANY for f in RECORDS[record].all_fields()
             if f.metadata.get("kind") == SETTING and f.name not in (but or {})}
 
 

@@ -1,12 +1,13 @@
 """The vision component's logical tensors, as Megatron-Bridge's vision-language models hold them beside the language
 model (``language_model.`` in a torch_dist checkpoint; its logical names stay the plain GPT ones, ``LM_PREFIX`` is
-added to its keys). Each tower (``features.vision.TOWERS``) has its own table:
+added to its keys). Each tower's record type (``features.vision.TOWERS``) has its own table (``TOWER_LAYOUTS``:
+its tensors, its megatron-core objects, its stacks):
 
-* ``qwen3_vl``: Bridge's Megatron-native Qwen3-VL tower (``Qwen3VLVisionModel``) under ``vision_model.``;
-* ``qwen2_5_vl``: transformers' Qwen2.5-VL vision transformer, which Bridge keeps whole and replicated under
-  ``visual.`` with Hugging Face's own module names (``HF_TOWERS``);
-* ``siglip``: Gemma 3's SigLIP encoder, kept the same way under ``vision_tower.``, and Bridge's multimodal projector
-  (``multi_modal_projector.``: a replicated RMSNorm and a column-parallel projection).
+* ``Qwen3VLTower``: Bridge's Megatron-native Qwen3-VL tower (``Qwen3VLVisionModel``) under ``vision_model.``;
+* ``Qwen25VLTower``: transformers' Qwen2.5-VL vision transformer, which Bridge keeps whole and replicated under
+  ``visual.`` with Hugging Face's own module names (``QWEN2_5_VL``);
+* ``SiglipTower``: Gemma 3's SigLIP encoder, kept the same way under ``vision_tower.``, and Bridge's multimodal
+  projector (``multi_modal_projector.``: a replicated RMSNorm and a column-parallel projection; ``SIGLIP``).
 
 The Qwen3-VL tower is Megatron-native and always Transformer Engine's spec: pre-norms (LayerNorm, with bias) fused into
 ``linear_qkv`` / ``linear_fc1``, biases everywhere, a non-gated MLP, multi-head attention whose ``linear_qkv`` holds
@@ -19,8 +20,11 @@ a layer axis in torch_dist as megatron-core's TransformerBlock does.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
+from ..features.vision import TOWERS, Qwen3VLTower, Qwen25VLTower, SiglipTower, Vision
 from .boxes import Kind
 from .tensors import LogicalTensor, Rule, Shape
 
@@ -38,6 +42,49 @@ LM_PREFIX = "language_model."
 DEEPSTACK = DEEPSTACK_STACK + ".{j}."
 MERGER = "vision_model.merger."
 
+
+class TowerLayout(Protocol):
+    """How a tower's record lays out beside the language model."""
+
+    def tensors(self, cfg: ModelConfig) -> list[LogicalTensor]:
+        """Its logical tensors, in the tower's order."""
+
+    def objects(self, cfg: ModelConfig) -> dict[str, list]:
+        """The ShardedObjects (``_extra_state``) megatron-core saves for it (first stage, rank 0)."""
+
+    def stacks(self, cfg: ModelConfig) -> dict[str, int]:
+        """Layers per stack of its own (stacked on a layer axis in torch_dist)."""
+
+
+def vision_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
+    """Every logical tensor of the model's vision component (none without one), in the tower's order."""
+    return {} if cfg.vision is None else {t.name: t for t in tower_layout(cfg.vision).tensors(cfg)}
+
+
+def stack_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """Layers per stack, the vision tower's (its layers, its deepstack mergers) included."""
+    return dict(cfg.stacks) | ({} if cfg.vision is None else tower_layout(cfg.vision).stacks(cfg))
+
+
+def vision_objects(cfg: ModelConfig) -> dict[str, list]:
+    """The ShardedObjects (``_extra_state``) megatron-core saves for the vision component (first stage, rank 0):
+    Transformer Engine's modules', none of a Hugging Face module's."""
+    return {} if cfg.vision is None else tower_layout(cfg.vision).objects(cfg)
+
+
+def key_prefix(cfg: ModelConfig, name: str) -> str:
+    """What a torch_dist key of logical tensor ``name`` starts with beyond it: the language model's prefix in a
+    multimodal model (the vision component's names carry their own)."""
+    return LM_PREFIX if cfg.vision is not None and not name.startswith(COMPONENT_PREFIXES) else ""
+
+
+def _top(rule: Rule, cfg: ModelConfig, prefix: str = "") -> LogicalTensor:
+    name = prefix + rule.name
+    return LogicalTensor(name=name, kind=rule.kind, shape=rule.shape(cfg), layer=None, suffix=name, stage="first",
+                         te_name=None)
+
+
+# -- Qwen3-VL: Megatron-native, split over TP --------------------------------------------------------------------
 _vh: Shape = lambda c: (c.vision.hidden,)  # noqa: E731
 _ffn: Shape = lambda c: (c.vision.ffn,)  # noqa: E731
 _merged: Shape = lambda c: (c.vision.merged,)  # noqa: E731
@@ -73,55 +120,77 @@ TOP_RULES: tuple[Rule, ...] = (
     Rule("vision_model.patch_embed.proj.bias", Kind.REP, _vh),
     Rule("vision_model.pos_embed.weight", Kind.REP, lambda c: (c.vision.positions, c.vision.hidden)),
 )
+# modules of the tower with an ``_extra_state`` (Transformer Engine 2's linears and norms; its attention saves none)
+LAYER_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+MERGER_EXTRA_STATE = ("patch_norm", "linear_fc1", "linear_fc2")
 
 
-def _top(rule: Rule, cfg: ModelConfig, prefix: str = "") -> LogicalTensor:
-    name = prefix + rule.name
-    return LogicalTensor(name=name, kind=rule.kind, shape=rule.shape(cfg), layer=None, suffix=name, stage="first",
-                         te_name=None)
+class MegatronQwen3VL:
+    """Bridge's ``Qwen3VLVisionModel``: the patch and position embeddings, the layers (a stack), the final merger and
+    the deepstack mergers (a stack of their own)."""
 
+    def tensors(self, cfg: ModelConfig) -> list[LogicalTensor]:
+        v = cfg.vision
+        out = [_top(r, cfg) for r in TOP_RULES]
+        for layer in range(v.depth):
+            out += [LogicalTensor(name=f"{VISION_STACK}.layers.{layer}.{r.name}", kind=r.kind, shape=r.shape(cfg),
+                                  layer=layer, suffix=r.name, stage="first", te_name=None, stack=VISION_STACK)
+                    for r in LAYER_RULES]
+        out += [_top(r, cfg, MERGER) for r in merger_rules(_vh)]
+        for j in range(len(v.deepstack)):
+            out += [LogicalTensor(name=DEEPSTACK.format(j=j) + r.name, kind=r.kind, shape=r.shape(cfg), layer=j,
+                                  suffix=r.name, stage="first", te_name=None, stack=DEEPSTACK_STACK, items="")
+                    for r in merger_rules(_merged)]
+        return out
 
-def vision_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
-    """Every logical tensor of the model's vision component (none without one), in the tower's order."""
-    if cfg.vision is None:
-        return {}
-    if cfg.vision.tower in HF_TOWERS:
-        prefix, table = HF_TOWERS[cfg.vision.tower]
-        out = [LogicalTensor(name=prefix + suffix, kind=Kind.REP, shape=shape, layer=None, suffix=prefix + suffix,
-                             stage="first", te_name=None) for suffix, shape in table(cfg)]
-        return {t.name: t for t in out + [_top(r, cfg) for r in PROJECTOR_RULES.get(cfg.vision.tower, ())]}
-    out = [_top(r, cfg) for r in TOP_RULES]
-    for layer in range(cfg.vision.depth):
-        out += [LogicalTensor(name=f"{VISION_STACK}.layers.{layer}.{r.name}", kind=r.kind, shape=r.shape(cfg),
-                              layer=layer, suffix=r.name, stage="first", te_name=None, stack=VISION_STACK)
-                for r in LAYER_RULES]
-    out += [_top(r, cfg, MERGER) for r in merger_rules(_vh)]
-    for j in range(len(cfg.vision.deepstack)):
-        out += [LogicalTensor(name=DEEPSTACK.format(j=j) + r.name, kind=r.kind, shape=r.shape(cfg), layer=j,
-                              suffix=r.name, stage="first", te_name=None, stack=DEEPSTACK_STACK, items="")
-                for r in merger_rules(_merged)]
-    return {t.name: t for t in out}
+    def objects(self, cfg: ModelConfig) -> dict[str, list]:
+        v = cfg.vision
+        out = {f"{VISION_STACK}.layers.{m}._extra_state/shard_{i}_{v.depth}": [None]
+               for i in range(v.depth) for m in LAYER_EXTRA_STATE}
+        n = len(v.deepstack)
+        out.update({f"{DEEPSTACK_STACK}.{m}._extra_state/shard_{j}_{n}": [None]
+                    for j in range(n) for m in MERGER_EXTRA_STATE})
+        out.update({f"{MERGER}{m}._extra_state/shard_0_1": [None] for m in MERGER_EXTRA_STATE})
+        return out
 
-
-def stack_sizes(cfg: ModelConfig) -> dict[str, int]:
-    """Layers per stack, the vision tower's (its layers, its deepstack mergers) included."""
-    v = cfg.vision
-    return dict(cfg.stacks) | ({VISION_STACK: v.depth, DEEPSTACK_STACK: len(v.deepstack)}
-                               if v is not None and v.tower == "qwen3_vl" else {})
-
-
-def key_prefix(cfg: ModelConfig, name: str) -> str:
-    """What a torch_dist key of logical tensor ``name`` starts with beyond it: the language model's prefix in a
-    multimodal model (the vision component's names carry their own)."""
-    return LM_PREFIX if cfg.vision is not None and not name.startswith(COMPONENT_PREFIXES) else ""
+    def stacks(self, cfg: ModelConfig) -> dict[str, int]:
+        return {VISION_STACK: cfg.vision.depth, DEEPSTACK_STACK: len(cfg.vision.deepstack)}
 
 
 # -- the towers Bridge keeps as Hugging Face modules: (their suffix, shape), in the module's order ---------------
 Table = list[tuple[str, tuple[int, ...]]]
 
 
+@dataclass(frozen=True)
+class HFModule:
+    """A tower Bridge keeps whole as a Hugging Face module, replicated, under ``prefix`` with the module's own names
+    (``table``), and Bridge's projector beside it (``projector``: rules of full names)."""
+
+    prefix: str
+    table: Callable[[ModelConfig], Table]
+    projector: tuple[Rule, ...] = ()
+
+    def names(self, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+        """The module's tensors: (full name, shape), in its order."""
+        return [(self.prefix + suffix, shape) for suffix, shape in self.table(cfg)]
+
+    def tensors(self, cfg: ModelConfig) -> list[LogicalTensor]:
+        return [LogicalTensor(name=name, kind=Kind.REP, shape=shape, layer=None, suffix=name, stage="first",
+                              te_name=None) for name, shape in self.names(cfg)] + [_top(r, cfg) for r in self.projector]
+
+    def objects(self, cfg: ModelConfig) -> dict[str, list]:
+        return {f"{r.name.removesuffix('.weight')}._extra_state/shard_0_1": [None] for r in self.projector}
+
+    def stacks(self, cfg: ModelConfig) -> dict[str, int]:
+        return {}
+
+
 def _linear(name: str, rows: int, cols: int) -> Table:
     return [(f"{name}.weight", (rows, cols)), (f"{name}.bias", (rows,))]
+
+
+def _norm(name: str, n: int) -> Table:
+    return [(f"{name}.weight", (n,)), (f"{name}.bias", (n,))]
 
 
 def qwen2_5_vl_tower(cfg: ModelConfig) -> Table:
@@ -146,7 +215,7 @@ def siglip_tower(cfg: ModelConfig) -> Table:
     h = v.hidden
     out: Table = [("embeddings.patch_embedding.weight", (h, v.in_channels, v.patch, v.patch)),
                   ("embeddings.patch_embedding.bias", (h,)),
-                  ("embeddings.position_embedding.weight", ((v.image_size // v.patch) ** 2, h))]
+                  ("embeddings.position_embedding.weight", (v.positions, h))]
     for i in range(v.depth):
         b = f"encoder.layers.{i}."
         out += [*_norm(b + "layer_norm1", h), *_linear(b + "self_attn.k_proj", h, h),
@@ -161,34 +230,19 @@ def siglip_tower(cfg: ModelConfig) -> Table:
     return out
 
 
-def _norm(name: str, n: int) -> Table:
-    return [(f"{name}.weight", (n,)), (f"{name}.bias", (n,))]
-
-
-HF_TOWERS = {"qwen2_5_vl": ("visual.", qwen2_5_vl_tower), "siglip": ("vision_tower.", siglip_tower)}
+QWEN2_5_VL = HFModule("visual.", qwen2_5_vl_tower)
 # Gemma 3's projector (Bridge's Gemma3VLMultimodalProjector): the soft-embedding RMSNorm on the tower's width, then a
 # column-parallel projection to the language model's
-PROJECTOR_RULES: dict[str, tuple[Rule, ...]] = {"siglip": (
+SIGLIP = HFModule("vision_tower.", siglip_tower, projector=(
     Rule(PROJECTOR + "mm_soft_embed_norm.weight", Kind.REP, _vh),
-    Rule(PROJECTOR + "proj.weight", Kind.COL, lambda c: (c.hidden_size, c.vision.hidden)))}
+    Rule(PROJECTOR + "proj.weight", Kind.COL, lambda c: (c.hidden_size, c.vision.hidden))))
+
+# -- each tower's table, by its record type ------------------------------------------------------------------------
+TOWER_LAYOUTS: dict[type[Vision], TowerLayout] = {Qwen3VLTower: MegatronQwen3VL(), Qwen25VLTower: QWEN2_5_VL,
+                                                  SiglipTower: SIGLIP}
+assert set(TOWER_LAYOUTS) == set(TOWERS.values()), "one layout per vision tower"
 
 
-# modules of the tower with an ``_extra_state`` (Transformer Engine 2's linears and norms; its attention saves none)
-LAYER_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-MERGER_EXTRA_STATE = ("patch_norm", "linear_fc1", "linear_fc2")
-
-
-def vision_objects(cfg: ModelConfig) -> dict[str, list]:
-    """The ShardedObjects (``_extra_state``) megatron-core saves for the vision component (first stage, rank 0):
-    Transformer Engine's modules', none of a Hugging Face module's."""
-    v = cfg.vision
-    if v.tower in HF_TOWERS:
-        return {f"{r.name.removesuffix('.weight')}._extra_state/shard_0_1": [None]
-                for r in PROJECTOR_RULES.get(v.tower, ())}
-    out = {f"{VISION_STACK}.layers.{m}._extra_state/shard_{i}_{v.depth}": [None]
-           for i in range(v.depth) for m in LAYER_EXTRA_STATE}
-    n = len(v.deepstack)
-    out.update({f"{DEEPSTACK_STACK}.{m}._extra_state/shard_{j}_{n}": [None]
-                for j in range(n) for m in MERGER_EXTRA_STATE})
-    out.update({f"{MERGER}{m}._extra_state/shard_0_1": [None] for m in MERGER_EXTRA_STATE})
-    return out
+def tower_layout(vision: Vision) -> TowerLayout:
+    """The table of the model's tower."""
+    return TOWER_LAYOUTS[type(vision)]

@@ -17,7 +17,8 @@ from typing import Any
 from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features.expressed import ANY, Allowed
-from ..layout.vision import HF_TOWERS, PROJECTOR
+from ..features.vision import SiglipTower
+from ..layout.vision import PROJECTOR, SIGLIP
 from .base import HFTensors, part_pieces, require_int
 from .gemma3 import FAMILIES as GEMMA3_FAMILIES
 from .gemma3 import GELU_TANH
@@ -31,10 +32,9 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0, "attn_logit_softcapping": None, "final_logit_softcapping": None,
     "attention_bias": False}
-# config.json key -> Vision field
+# config.json key -> SiglipTower field
 TOKENS = {"image_token_index": "image_token_id", "boi_token_index": "vision_start_token_id",
           "eoi_token_index": "vision_end_token_id"}
-TOWER = "siglip"
 NESTED = "vision_tower.vision_model."  # the older releases' spelling of the tower's prefix
 PROJECTOR_NAMES: tuple[Row, ...] = (
     Transposed(hf=PROJECTOR + "mm_input_projection_weight", logical=PROJECTOR + "proj.weight"),
@@ -68,12 +68,11 @@ class Gemma3VL(VisionLanguage):
                                f"{tokens}: the projector pools a square grid of patches into a square of tokens",
                                "use the config.json saved with the model")
         vision = vision_record(
-            tower=TOWER, depth=require_int(v, "num_hidden_layers"), hidden=require_int(v, "hidden_size"),
+            SiglipTower, depth=require_int(v, "num_hidden_layers"), hidden=require_int(v, "hidden_size"),
             heads=require_int(v, "num_attention_heads"), ffn=require_int(v, "intermediate_size"),
-            out_hidden=cfg.hidden_size, patch=patch, temporal_patch=1, in_channels=int(v.get("num_channels", 3)),
-            merge=1, positions=(size // patch) ** 2, image_size=size, activation="gelu_tanh",
-            eps=float(v.get("layer_norm_eps", 1e-6)), head=bool(v.get("vision_use_head", True)), mm_tokens=tokens,
-            **token_ids(hf, TOKENS))
+            out_hidden=cfg.hidden_size, patch=patch, in_channels=int(v.get("num_channels", 3)), image_size=size,
+            activation="gelu_tanh", eps=float(v.get("layer_norm_eps", 1e-6)),
+            head=bool(v.get("vision_use_head", True)), mm_tokens=tokens, **token_ids(hf, TOKENS))
         return cfg.replace(vision=vision)
 
     def vision_to_hf(self, hf: dict[str, Any], text: dict[str, Any], vision: dict[str, Any], cfg: ModelConfig) -> None:
@@ -88,21 +87,18 @@ class Gemma3VL(VisionLanguage):
         hf.update({k: getattr(v, f) for k, f in TOKENS.items() if getattr(v, f) is not None})
 
     def vision_expresses(self) -> dict[str, Allowed]:
-        return {"vision.tower": {TOWER}, "vision.activation": {"gelu_tanh"}, "vision.eps": ANY,
+        return {"vision.tower": {SiglipTower.tower}, "vision.activation": {"gelu_tanh"}, "vision.eps": ANY,
                 "vision.mm_tokens": ANY, **token_expresses(TOKENS.values())}
 
     def component_names(self, cfg: ModelConfig) -> list[Row]:
-        prefix, table = HF_TOWERS[TOWER]
-        return [Plain(hf=prefix + suffix, logical=prefix + suffix) for suffix, _ in table(cfg)] + list(PROJECTOR_NAMES)
+        return [Plain(hf=name, logical=name) for name, _ in SIGLIP.names(cfg)] + list(PROJECTOR_NAMES)
 
     def alternatives(self, cfg: ModelConfig, found: Collection[str], expected: HFTensors) -> HFTensors:
         """The tower under ``vision_tower.vision_model.`` where the checkpoint nests it so."""
         if not any(k.startswith(NESTED) for k in found):
             return {}
-        prefix, table = HF_TOWERS[TOWER]
-        logical = {prefix + suffix: shape for suffix, shape in table(cfg)}
-        return {NESTED + name.removeprefix(prefix): part_pieces(name, shape, None, cfg)
-                for name, shape in logical.items()}
+        return {NESTED + name.removeprefix(SIGLIP.prefix): part_pieces(name, shape, None, cfg)
+                for name, shape in SIGLIP.names(cfg)}
 
 
 FAMILIES = (Gemma3VL(),)

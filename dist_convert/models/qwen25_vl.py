@@ -15,7 +15,8 @@ from typing import Any
 from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features.expressed import ANY, Allowed
-from ..layout.vision import HF_TOWERS
+from ..features.vision import Qwen25VLTower
+from ..layout.vision import QWEN2_5_VL
 from .base import require_int
 from .llama import FAMILIES as LLAMA_FAMILIES
 from .rows import Plain, Row
@@ -33,7 +34,6 @@ from .vlm import (
 
 TOKENS = {k: k for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
                          "vision_token_id")}
-TOWER = "qwen2_5_vl"
 FULL_LAYERS = (7, 15, 23, 31)  # transformers' default fullatt_block_indexes (the releases')
 
 
@@ -64,7 +64,7 @@ class Qwen25VL(VisionLanguage):
             raise ConvertError(f"vision_config.hidden_act={v['hidden_act']!r}: Qwen2.5-VL's tower gates with SiLU",
                                "convert a config with the released activation")
         vision = vision_record(
-            tower=TOWER, depth=require_int(v, "depth"), hidden=require_int(v, "hidden_size"),
+            Qwen25VLTower, depth=require_int(v, "depth"), hidden=require_int(v, "hidden_size"),
             heads=require_int(v, "num_heads"), ffn=require_int(v, "intermediate_size"),
             out_hidden=require_int(v, "out_hidden_size"), patch=int(v.get("patch_size", 14)),
             temporal_patch=int(v.get("temporal_patch_size", 2)), in_channels=int(v.get("in_channels", 3)),
@@ -88,13 +88,12 @@ class Qwen25VL(VisionLanguage):
         return unscaled_rope(super().expresses())
 
     def vision_expresses(self) -> dict[str, Allowed]:
-        return {"position.kind": {"mrope"}, "position.mrope_section": ANY, "vision.tower": {TOWER},
+        return {"position.kind": {"mrope"}, "position.mrope_section": ANY, "vision.tower": {Qwen25VLTower.tower},
                 "vision.activation": {"silu"}, "vision.eps": {1e-6}, "vision.window": ANY, "vision.full_layers": ANY,
                 "vision.tokens_per_second": ANY, **token_expresses(TOKENS.values())}
 
     def component_names(self, cfg: ModelConfig) -> list[Row]:
-        prefix, table = HF_TOWERS[TOWER]
-        return [Plain(hf=prefix + suffix, logical=prefix + suffix) for suffix, _ in table(cfg)]
+        return [Plain(hf=name, logical=name) for name, _ in QWEN2_5_VL.names(cfg)]
 
 
 FAMILIES = (Qwen25VL(),)

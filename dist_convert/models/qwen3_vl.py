@@ -20,7 +20,7 @@ from typing import Any
 from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features.expressed import ANY, Allowed
-from ..features.vision import Vision
+from ..features.vision import Qwen3VLTower
 from ..layout.boxes import Box, Piece, View
 from ..layout.rules import LAYER_PREFIX, logical_tensors
 from ..layout.vision import DEEPSTACK, LAYER_RULES, MERGER, VISION_STACK
@@ -70,7 +70,7 @@ MERGER_NAMES: tuple[Row, ...] = (Plain(hf="norm.weight", logical="patch_norm.wei
 assert {r.logical for r in BLOCK_NAMES} == {r.name for r in LAYER_RULES}, "one HF name per tower tensor"
 
 
-def vision_from_hf(hf: dict[str, Any], arch: str) -> Vision:
+def vision_from_hf(hf: dict[str, Any], arch: str) -> Qwen3VLTower:
     v = vision_config(hf, arch)
     act = v.get("hidden_act", "gelu_pytorch_tanh")
     if act not in VISION_ACTIVATIONS:
@@ -79,7 +79,7 @@ def vision_from_hf(hf: dict[str, Any], arch: str) -> Vision:
     patch = v.get("patch_size", 16)
     if isinstance(patch, (list, tuple)) and len(set(patch)) == 1:
         patch = patch[0]
-    vision = vision_record(tower="qwen3_vl", depth=require_int(v, "depth"), hidden=require_int(v, "hidden_size"),
+    vision = vision_record(Qwen3VLTower, depth=require_int(v, "depth"), hidden=require_int(v, "hidden_size"),
                            heads=require_int(v, "num_heads"), ffn=require_int(v, "intermediate_size"),
                            out_hidden=require_int(v, "out_hidden_size"), patch=int(patch),
                            temporal_patch=int(v.get("temporal_patch_size", 2)),
@@ -161,7 +161,7 @@ class Qwen3VL(VisionLanguage):
 
     def vision_expresses(self) -> dict[str, Allowed]:
         return {"position.kind": {"mrope"}, "position.mrope_section": ANY, "position.mrope_interleaved": {True},
-                "vision.tower": {"qwen3_vl"}, "vision.deepstack": ANY,
+                "vision.tower": {Qwen3VLTower.tower}, "vision.deepstack": ANY,
                 "vision.activation": set(VISION_ACTIVATIONS.values()), "vision.eps": {1e-6},
                 **({"moe.pre_softmax": {False}} if self.experts else {}), **token_expresses(TOKENS.values())}
 

@@ -4,8 +4,9 @@
 ``config.json`` nests the two: ``text_config`` (read and written by the text family, with the top-level
 ``tie_word_embeddings`` that transformers and Megatron-Bridge read for these models) and ``vision_config``; the
 token ids that mark images sit at the top. The text family's HF tensor names move under the family's language-model
-prefix (``lm_name``); the vision component's names are the family's ``component_names``. A family here defines the
-vision record both ways (``vision_from_hf`` / ``vision_to_hf``) and what it expresses beyond its text family.
+prefix (``lm_name``); the vision component's names are the family's ``component_names``. A family here defines its
+tower's record (``features.vision``: one type per tower) both ways (``with_vision`` / ``vision_to_hf``) and what it
+expresses beyond its text family.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import copy
 from abc import abstractmethod
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -47,7 +48,7 @@ def vision_config(hf: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 def token_ids(hf: dict[str, Any], names: Mapping[str, str]) -> dict[str, int | None]:
-    """The Vision record's token-id fields from config.json (``names``: config.json key -> field)."""
+    """The tower record's token-id fields from config.json (``names``: config.json key -> field)."""
     return {field: None if get(hf, key) is None else int(hf[key]) for key, field in names.items()}
 
 
@@ -188,9 +189,12 @@ def token_expresses(fields: Collection[str]) -> dict[str, Allowed]:
     return {f"vision.{f}": ANY for f in fields}
 
 
-def vision_record(**kw: Any) -> Vision:
-    """The Vision record, its heads checked against its width."""
-    v = Vision(**kw)
+V = TypeVar("V", bound=Vision)
+
+
+def vision_record(tower: type[V], **kw: Any) -> V:
+    """The record of a ``tower`` (one of ``features.vision.TOWERS``), its heads checked against its width."""
+    v = tower(**kw)
     if v.heads and v.hidden % v.heads:
         raise ConvertError(f"vision_config: hidden_size {v.hidden} does not split into {v.heads} heads",
                            "use the config.json saved with the model")

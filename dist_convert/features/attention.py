@@ -65,6 +65,10 @@ class Norms(Feature):
         """LayerNorm has a bias, RMSNorm none."""
         return self.kind == "LayerNorm"
 
+    @property
+    def uses_te2_spec(self) -> bool:
+        return self.post_norms  # Megatron-Bridge's Gemma 2/3 spec
+
 
 @dataclass(frozen=True, kw_only=True)
 class Embedding(Feature):

@@ -86,6 +86,7 @@ class DSA(Feature):
     max(L - max(offset, 1), 0) % topk_freq == 0; an MTP layer counts its own layers from 1)."""
 
     attr: ClassVar[str] = "dsa"
+    te2_spec: ClassVar[bool] = True
     what: ClassVar[str] = "DeepSeek sparse attention (a top-k indexer)"
 
     n_heads: int = setting(64, kind=SIZE, arg="dsa_indexer_n_heads", what="indexer heads", low=1)
@@ -250,6 +251,7 @@ class GDN(Feature):
     """GPTModel with Gated DeltaNet layers (experimental_attention_variant "gated_delta_net"; Qwen3-Next/3.5)."""
 
     attr: ClassVar[str] = "gdn"
+    te2_spec: ClassVar[bool] = True
     what: ClassVar[str] = "Gated DeltaNet layers"
     presence: ClassVar[tuple[str, ...]] = ("experimental_attention_variant",)
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces
+from ..layout.mtp import MTP_LAYER
 from ..layout.rules import (
-    MTP_LAYER,
     LogicalTensor,
     extra_state_modules,
     logical_tensors,

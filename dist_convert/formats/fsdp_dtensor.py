@@ -40,7 +40,8 @@ from ..datamodel import (
 from ..errors import ConvertError
 from ..features.expressed import refuse_features
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces, mcore_global_shape, tp_chunks
-from ..layout.rules import LogicalTensor, expert_key, is_grouped_expert_key, logical_tensors, model_family, spec_suffix
+from ..layout.mlp import expert_key, is_grouped_expert_key
+from ..layout.rules import LogicalTensor, logical_tensors, model_family, spec_suffix
 from ..layout.topology import Layout
 from ..runtime import Runtime
 from .base import IterDirFormat, KeyPolicy, on_rank0, read_origin

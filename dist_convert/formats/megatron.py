@@ -25,15 +25,14 @@ from ..datamodel import (
     target_dtype,
 )
 from ..errors import ConvertError
+from ..layout.hybrid import hybrid
+from ..layout.mlp import expert_modules, is_grouped_expert_key
+from ..layout.mtp import MTP_LAYER
 from ..layout.rank_files import chunk_key, rank_entries, split_chunk_key
 from ..layout.rules import (
     EMBEDDING,
-    MTP_LAYER,
     OUTPUT_MODULES,
-    expert_modules,
     extra_state_modules,
-    hybrid,
-    is_grouped_expert_key,
     logical_tensors,
     model_family,
     top_extra_state_modules,

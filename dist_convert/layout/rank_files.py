@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConvertError
 from .boxes import Piece, local_pieces, mcore_global_shape
-from .rules import EMBEDDING, TIED_COPIES, expert_key, holders, logical_tensors, spec_suffix
+from .mlp import expert_key
+from .rules import EMBEDDING, TIED_COPIES, holders, logical_tensors, spec_suffix
 from .topology import Layout
 
 if TYPE_CHECKING:  # the layout reads a model config's attributes; it never imports the config's module

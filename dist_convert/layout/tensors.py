@@ -1,6 +1,9 @@
 """The records of the layout table: a rule (a name pattern, its partition kind and shape, the models that have
-it) and the logical tensor a rule makes of one model (``rules.py`` for language models, ``vision.py`` for a vision
-component)."""
+it) and the logical tensor a rule makes of one model, and the few shapes and conditions many features' rules share.
+
+Each feature's rules live in a module of their own (``attention.py``, ``mlp.py``, ``dsa.py``, ``mtp.py``,
+``hybrid.py``, ``t5.py``; ``vision.py`` for a vision component); ``rules.py`` assembles them into a model's logical
+tensors."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,7 +17,11 @@ if TYPE_CHECKING:  # the layout reads a model config's attributes; it never impo
 
 Cond = Callable[["ModelConfig"], bool]
 Shape = Callable[["ModelConfig"], tuple[int, ...]]
+Sections = Callable[["ModelConfig"], tuple[tuple[str, int], ...]]  # named row sections, in order
 _always: Cond = lambda c: True  # noqa: E731
+hidden: Shape = lambda c: (c.hidden_size,)  # noqa: E731  (one per hidden unit: norms, row-parallel biases)
+linear_bias: Cond = lambda c: c.add_bias_linear  # noqa: E731
+norm_bias: Cond = lambda c: c.norm.bias  # noqa: E731  (LayerNorm; RMSNorm has none)
 
 
 @dataclass(frozen=True)
@@ -32,7 +39,7 @@ class Rule:
     mixer: str | None = None  # the layer kind it belongs to: "mamba" / "gdn" (None: attention, or MLP by its name)
     # Kind.PARTS: the named row sections, each split over TP on its own; ``dist_split``: torch_dist keys each
     # section on its own (``<key>.<section>``, megatron-core's ShardedTensorFactory of the Mamba2 / GDN mixers)
-    sections: Callable[[ModelConfig], tuple[tuple[str, int], ...]] | None = None
+    sections: Sections | None = None
     dist_split: bool = False
 
 
@@ -43,7 +50,7 @@ class LogicalTensor:
     shape: tuple[int, ...]
     layer: int | None  # layer number within its stack, None for top-level tensors
     suffix: str  # rule name: per-layer suffix or the top-level name
-    stage: str  # "layer", or a top-level placement (see TOP_RULES / holders)
+    stage: str  # "layer", or a top-level placement (see ``rules.TOP_RULES`` / ``holders``)
     te_name: str | None
     stack: str | None = None  # "decoder" / "encoder" for layer tensors
     aliases: tuple[str, ...] = ()

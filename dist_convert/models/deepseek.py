@@ -21,7 +21,8 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features import MLA, MLP, MTP, Attention, MoE, Norms
-from ..layout.rules import EMBEDDING, MTP_LAYER, OUTPUT
+from ..layout.mtp import MTP_LAYER
+from ..layout.rules import EMBEDDING, OUTPUT
 from .base import (
     ANY,
     COMMON,

@@ -30,7 +30,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConvertError
 from ..features import DSA
-from ..layout.rules import INDEXER
+from ..layout.dsa import INDEXER
 from .base import ANY, COMMON_HF_KEYS, DTYPE_NAMES, Allowed, Family, Imported, get
 from .deepseek import (
     A_NORM_EPS,

@@ -5,7 +5,7 @@ router with a correction bias, squared-ReLU experts and one shared expert), each
 The Megatron side is megatron-core's ``MambaModel`` (``hybrid_override_pattern``, the Mamba2 sizes,
 ``squared_relu``, ``position_embedding_type`` none, Transformer Engine's fused pre-norms): ``mixer.in_proj`` =
 [z | x | B | C | dt] and ``mixer.conv1d`` over [x | B | C] are the same rows in HF and megatron-core (no
-permutation); under TP each of those sections splits on its own (``layout.rules.MAMBA_RULES``, ``Kind.PARTS``) and
+permutation); under TP each of those sections splits on its own (``layout.hybrid.MAMBA_RULES``, ``Kind.PARTS``) and
 torch_dist keys each section on its own. The final norm is ``decoder.final_norm``.
 
 transformers' ``save_pretrained`` writes the hub names: ``backbone.embedding`` (``backbone.embeddings`` is read too),

@@ -9,7 +9,7 @@ sigmoid gate per query head into ``linear_qkv`` (``layout.fused.QKVG``; HF's ``q
 ``layernorm_zero_centered_gamma``, ``qk_layernorm``, ``rotary_percent``. A GDN layer's ``in_proj`` is
 [q | k | v | z | beta | alpha] (``layout.fused.GDNInProj``): Qwen3-Next stores it as ``in_proj_qkvz`` and
 ``in_proj_ba``, interleaved per key head; Qwen3.5 as ``in_proj_qkv`` (q, k, v whole), ``in_proj_z``, ``in_proj_b``,
-``in_proj_a``. Each section splits over TP on its own (``layout.rules.GDN_RULES``). The gated output norm is plain
+``in_proj_a``. Each section splits over TP on its own (``layout.hybrid.GDN_RULES``). The gated output norm is plain
 x * w in HF and zero-centred in megatron-core: stored values differ by 1 (a shifted piece, ``Family.shifts``), exact
 both ways for weights in [0.5, 2^8) in bf16 (2^24 in fp32), as Megatron-Bridge computes it.
 """

@@ -34,23 +34,31 @@ def reading(hf: dict):
         return "refused"
 
 
-@pytest.mark.parametrize("arch", TEXT)
-def test_absent_key_reads_as_transformers_reads_it(arch):
-    warnings.filterwarnings("ignore")
-    cls = type(transformers.AutoConfig.for_model(FAMILIES[arch].model_type))
-    full = {k: v for k, v in cls().to_dict().items() if k not in gen.BOOKKEEPING}
+def misread_absent_keys(cls, full: dict, whole, prefix: str = "") -> list[str]:
+    """Each key of config ``full`` (of config class ``cls``; ``whole`` makes the config.json read from it) that, left
+    out, is read otherwise than with the value transformers gives it then (a config transformers refuses without the
+    key, and a reading dist_convert refuses, are not misreadings)."""
     keys = list(full) + (["rope.rope_theta"] if "rope_theta" in (full.get("rope_parameters") or {}) else [])
-    assert reading({**full, "architectures": [arch]}) != "refused", arch
     wrong = []
     for key in keys:
         try:
             default = gen._absent(cls, full, key)
         except Exception:  # noqa: BLE001 - transformers itself refuses a config without it
             continue
-        minus = {**gen._without(full, key), "architectures": [arch]}
-        got = reading(minus)
-        if got != "refused" and got != reading(gen._with(minus, key, default)):
-            wrong.append(f"{key} (transformers: {default!r})")
+        minus = gen._without(full, key)
+        got = reading(whole(minus))
+        if got != "refused" and got != reading(whole(gen._with(minus, key, default))):
+            wrong.append(f"{prefix}{key} (transformers: {default!r})")
+    return wrong
+
+
+@pytest.mark.parametrize("arch", TEXT)
+def test_absent_key_reads_as_transformers_reads_it(arch):
+    warnings.filterwarnings("ignore")
+    cls = type(transformers.AutoConfig.for_model(FAMILIES[arch].model_type))
+    full = {k: v for k, v in cls().to_dict().items() if k not in gen.BOOKKEEPING}
+    assert reading({**full, "architectures": [arch]}) != "refused", arch
+    wrong = misread_absent_keys(cls, full, lambda config: {**config, "architectures": [arch]})
     assert not wrong, f"{arch}: an absent key read otherwise than transformers reads it: {wrong}"
 
 
@@ -79,18 +87,8 @@ def test_absent_text_config_key_reads_as_the_text_config_class_gives_it(arch):
     hf = vision_language(arch)
     cls = type(transformers.AutoConfig.for_model(FAMILIES[arch].model_type)).sub_configs["text_config"]
     full = {k: v for k, v in hf["text_config"].items() if k not in gen.BOOKKEEPING}
-    keys = list(full) + (["rope.rope_theta"] if "rope_theta" in (full.get("rope_parameters") or {}) else [])
     assert reading(hf) != "refused", arch
-    wrong = []
-    for key in keys:
-        try:
-            default = gen._absent(cls, full, key)
-        except Exception:  # noqa: BLE001 - transformers itself refuses a config without it
-            continue
-        minus = gen._without(full, key)
-        got = reading({**hf, "text_config": minus})
-        if got != "refused" and got != reading({**hf, "text_config": gen._with(minus, key, default)}):
-            wrong.append(f"text_config.{key} (transformers: {default!r})")
+    wrong = misread_absent_keys(cls, full, lambda config: {**hf, "text_config": config}, "text_config.")
     assert not wrong, f"{arch}: an absent key read otherwise than transformers reads it: {wrong}"
 
 

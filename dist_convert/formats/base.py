@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -93,7 +94,7 @@ class TargetWriter(Protocol):
         """Local, after the last ``put``: finish the rest (e.g. files without tensors)."""
 
 
-class StreamedFiles(Generic[S]):
+class StreamedFiles(ABC, Generic[S]):
     """What the writers of files written as their tensors arrive share (hf_shards.ShardWriter, torch_zip.SavedFiles):
     a file is opened at its first tensor (``_start``: its writer's state, kept in ``open``) and closed with its last
     (``_close``; ``_finish``: fsynced, its ``WrittenFile``); ``close`` writes the files without tensors."""
@@ -103,11 +104,13 @@ class StreamedFiles(Generic[S]):
         self.open: dict[int, S] = {}
         self.closed: set[int] = set()
 
+    @abstractmethod
     def _start(self, f: TargetFile) -> S:
-        raise NotImplementedError
+        """Open ``f`` for writing: its writer's state."""
 
+    @abstractmethod
     def _finish(self, f: TargetFile, state: S) -> WrittenFile:
-        raise NotImplementedError
+        """Complete ``f`` (fsynced): what was written."""
 
     def _file(self, f: TargetFile) -> S:
         if f.id not in self.open:

@@ -78,12 +78,9 @@ class QKV(Row):
 
 
 @dataclass(frozen=True, kw_only=True)
-class GatedQKV(Row):
+class GatedQKV(QKV):
     """A gated attention's ``linear_qkv`` (Qwen3-Next): HF's q holds each head's query and its output gate."""
 
-    q: str
-    k: str
-    v: str
     PARTS: ClassVar = (("q", "q_gate"), ("k", "k"), ("v", "v"))
 
 

@@ -116,11 +116,7 @@ class ModelConfig:
             record = getattr(self, name)
             if record is None:
                 continue
-            plain = type(record)()
-            for field, value, f in record.fields():
-                if f.metadata.get("kind") in kinds:
-                    out.append(Setting(f"{name}.{field}", value, getattr(plain, field), arg_name(f),
-                                       f.metadata["what"]))
+            out += record.settings(name, kinds)
         return out
 
     def differences(self, other: ModelConfig) -> list[str]:
@@ -136,21 +132,9 @@ class ModelConfig:
                 if mine.get(k) != theirs.get(k) and k not in unused]
 
     def replace(self, **kw: Any) -> ModelConfig:
-        """A copy with fields changed; ``record__field=value`` changes one field of a record."""
-        nested: dict[str, dict[str, Any]] = defaultdict(dict)
-        flat: dict[str, Any] = {}
-        for k, v in kw.items():
-            if "__" in k:
-                record, field = k.split("__", 1)
-                nested[record][field] = v
-            else:
-                flat[k] = v
-        for record, changes in nested.items():
-            current = flat.get(record, getattr(self, record))
-            if current is None:
-                raise ValueError(f"the model has no {record} record to change ({', '.join(changes)})")
-            flat[record] = dataclasses.replace(current, **changes)
-        return dataclasses.replace(self, **flat)
+        """A copy with fields changed; ``record__field=value`` changes one field of a record (``record__field__sub``
+        one of the record a field holds)."""
+        return _replaced(self, kw)
 
     # -- what the layout rules ask ------------------------------------------------------------------------
     @property
@@ -279,6 +263,25 @@ RECORDS: dict[str, type[Feature]] = {c.attr: c for c in (Position, Attention, No
 assert tuple(RECORDS) == ALWAYS + OPTIONAL
 
 
+def _replaced(obj: Any, changes: dict[str, Any]) -> Any:
+    """``obj`` (a dataclass) with ``changes``: ``name=value``, or ``name__field=value`` for the record ``name``
+    holds."""
+    nested: dict[str, dict[str, Any]] = defaultdict(dict)
+    flat: dict[str, Any] = {}
+    for k, v in changes.items():
+        name, _, rest = k.partition("__")
+        if rest:
+            nested[name][rest] = v
+        else:
+            flat[k] = v
+    for name, inner in nested.items():
+        current = flat.get(name, getattr(obj, name))
+        if current is None:
+            raise ValueError(f"the model has no {name} record to change ({', '.join(inner)})")
+        flat[name] = _replaced(current, inner)
+    return dataclasses.replace(obj, **flat)
+
+
 @functools.cache
 def read_names() -> dict[str, str]:
     """megatron-core name -> the ModelConfig field (``record.field``, or a core field) that reads it (the ``config``
@@ -289,8 +292,8 @@ def read_names() -> dict[str, str]:
             out.update(dict.fromkeys(f.metadata["config"], f.name))
     for name, cls in RECORDS.items():
         out.update(dict.fromkeys(cls.presence, name))
-        for f in cls.all_fields():
-            out.update(dict.fromkeys(f.metadata.get("config", ()), f"{name}.{f.name}"))
+        for path, f in cls.leaf_fields():
+            out.update(dict.fromkeys(f.metadata.get("config", ()), f"{name}.{path}"))
     return out
 
 

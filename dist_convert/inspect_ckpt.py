@@ -34,10 +34,13 @@ from .verify import logical_files
 
 def shown_name(record: str | None, f: dataclasses.Field) -> str:
     """The name inspect shows a field under: a core field its own; a record's field its Megatron-LM args name (what
-    a training run's args call it), or ``record.field`` where no args name says it (how tensors are stored)."""
+    a training run's args call it), or ``record.field`` where no args name says it (how tensors are stored); a field
+    holding a record (its kind) its megatron-core name."""
     args = f.metadata.get("arg") or ()
     if record is None:
         return f.name
+    if f.metadata.get("record") is not None:
+        return f.metadata["config"][0]
     return f"{record}.{f.name}" if f.metadata.get("kind") == LAYOUT or not args else args[0]
 
 
@@ -48,7 +51,12 @@ def inspect_names() -> list[tuple[str | None, str, str]]:
     for name, cls in RECORDS.items():
         if cls.presence:
             out.append((name, "", cls.presence[0]))
-        out += [(name, f.name, shown_name(name, f)) for f in cls.all_fields()]
+        fields: dict[str, dataclasses.Field] = {}
+        for path, f in cls.leaf_fields():  # a path once (its first declaration)
+            fields.setdefault(path, f)
+        for path, f in fields.items():  # a held record's fields under the name of the field holding it
+            held, _, sub = path.partition(".")
+            out.append((name, path, f"{shown_name(name, fields[held])}.{sub}" if sub else shown_name(name, f)))
     return out
 
 
@@ -69,8 +77,13 @@ def used_config(cfg: ModelConfig) -> dict[str, Any]:
             continue
         if not field:  # an optional feature's presence, as its args say it
             out[name] = rec.to_args()[name]
+        elif "." in field:  # a field of the record a field holds (its kind's own)
+            held, sub = field.split(".")
+            if held in shown[record] and hasattr(getattr(rec, held), sub):
+                out[name] = getattr(getattr(rec, held), sub)
         elif field in shown[record]:
-            out[name] = getattr(rec, field)
+            value = getattr(rec, field)
+            out[name] = getattr(value, "name", value)  # a held record by its kind
     return out
 
 

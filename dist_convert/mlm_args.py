@@ -53,7 +53,7 @@ class Arg:
 def setting_rows() -> tuple[Arg, ...]:
     """The rows of the args names the model's settings declare (``features.base.MegatronArg``): the core's and every
     record's."""
-    fields = [*dataclasses.fields(ModelConfig), *(f for cls in RECORDS.values() for f in cls.all_fields())]
+    fields = [*dataclasses.fields(ModelConfig), *(f for cls in RECORDS.values() for _, f in cls.leaf_fields())]
     return tuple(Arg(name, known.default, known.readers, known.source) for f in fields
                  for name, known in zip(f.metadata.get("arg", ()), f.metadata.get("mlm", ()), strict=False)
                  if known is not None)

@@ -29,7 +29,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .features import Llama3
 from .features.expressed import ANY, Allowed, describe, describe_all, unexpressed
+from .features.position import LLAMA3_DEFAULT_FACTOR
 from .formats.mcore_config import MLA_PROVIDER_EXPRESSES, PROVIDER_EXPRESSES
 
 if TYPE_CHECKING:
@@ -82,8 +84,8 @@ MEGATRON_LM = Reader(
         "t5": ANY,  # pretrain_t5 builds from the same core_transformer_config_from_args (not judged here)
     },
     instead="load it with Megatron-Bridge (its provider for the family) or convert with --dst-format hf",
-    misreads=(Misread("position.scaling_factor", lambda cfg: cfg.position.scaling == "llama3" and
-                      float(cfg.position.scaling_factor or 8.0) != 8.0, "factor 8",
+    misreads=(Misread("position.scaling.factor", lambda cfg: isinstance(cfg.position.scaling, Llama3) and
+                      cfg.position.scaling.factor != LLAMA3_DEFAULT_FACTOR, "factor 8",
                       "pass rope_scaling_factor to GPTModel in gpt_builders.py, or load with Megatron-Bridge, "
                       "which reads it"),),
     releases=(Release("core_v0.16", {

@@ -147,19 +147,26 @@ def settings_table() -> str:
         name = arch.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
         return name if arch.endswith("ForCausalLM") or "VL" in name else f"{name} (images)"
 
-    def families(key: str, plain: object = False) -> str:
+    def families(key: str, plain: object = False, held: tuple[str, str] | None = None) -> str:
+        """The families writing ``key`` at another value than ``plain``; ``held``: (the key of the field holding the
+        record the setting is a field of, that record's kind), which the family must write too."""
         names = [short(a) for a in PREFERENCE
-                 if key in FAMILIES[a].expresses() and writes_other(FAMILIES[a].expresses()[key], plain)]
+                 if key in FAMILIES[a].expresses() and writes_other(FAMILIES[a].expresses()[key], plain)
+                 and (held is None or held[1] in FAMILIES[a].expresses().get(held[0], ()))]
         return ", ".join(names) or "none (refused on export to hf)"
 
     rows = ["| field | Megatron-LM args | megatron-core | kind | what | HF families writing other values |",
             "|---|---|---|---|---|---|"]
-    fields = [(None, f) for f in dataclasses.fields(ModelConfig) if f.name not in RECORDS]
-    fields += [(name, f) for name, cls in RECORDS.items() for f in cls.all_fields()]  # each vision tower's too
-    for record, f in fields:
-        key = f.name if record is None else f"{record}.{f.name}"
+    fields = [(f.name, f, None) for f in dataclasses.fields(ModelConfig) if f.name not in RECORDS]
+    for name, cls in RECORDS.items():
+        for f in cls.all_fields():  # each vision tower's too
+            fields.append((f"{name}.{f.name}", f, None))
+            for held in (f.metadata["record"].variants() if f.metadata.get("record") else ()):  # a RoPE scaling kind's
+                fields += [(f"{name}.{f.name}.{g.name}", g, (f"{name}.{f.name}", held.name))
+                           for g in dataclasses.fields(held)]
+    for key, f, held in fields:
         kind = f.metadata.get("kind", "")
-        fams = (families(key, f.default) if kind == SETTING else
+        fams = (families(key, f.default, held) if kind == SETTING else
                 "every family that has the feature" if kind == SIZE else "-")
         rows.append(f"| `{key}` | {', '.join(f'`{a}`' for a in f.metadata.get('arg', ())) or '-'} | "
                     f"{', '.join(f'`{a}`' for a in f.metadata.get('config', ())) or '-'} | {kinds.get(kind, kind)} | "

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dist_convert.errors import ConvertError
+from dist_convert.features import Llama3
 from dist_convert.speculative.draft_config import DraftRequest, speculative_config
 from dist_convert.speculative.draft_export import serving_names
 
@@ -16,7 +17,7 @@ CFG = flat_config(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attentio
                   kv_channels=16, swiglu=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
                   untie_embeddings_and_output_weights=False, vocab_size=100, make_vocab_size_divisible_by=16,
                   position_embedding_type="rope", max_position_embeddings=32, qk_layernorm=False, spec="local")
-CFG = CFG.replace(norm__eps=1e-6, position__base=500000.0, position__scaling="llama3", position__scaling_factor=32.0)
+CFG = CFG.replace(norm__eps=1e-6, position__base=500000.0, position__scaling=Llama3(factor=32.0))
 
 
 def test_eagle3_defaults_take_sizes_from_the_base_model():

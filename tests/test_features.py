@@ -17,7 +17,24 @@ import transformers
 from dist_convert.config import RECORDS, ModelConfig, classify, config_from_args
 from dist_convert.datamodel import TargetFile, TargetTensor
 from dist_convert.errors import ConvertError
-from dist_convert.features import DSA, GDN, MLA, MLP, MTP, T5, Attention, Embedding, Mamba, MoE, Norms, Position
+from dist_convert.features import (
+    DSA,
+    GDN,
+    MLA,
+    MLP,
+    MTP,
+    T5,
+    Attention,
+    Embedding,
+    Linear,
+    Llama3,
+    Mamba,
+    MLASoftmax,
+    MoE,
+    Norms,
+    Position,
+    Yarn,
+)
 from dist_convert.features.expressed import ANY, unexpressed
 from dist_convert.features.vision import Qwen3VLTower, Qwen25VLTower, SiglipTower
 from dist_convert.formats.hf import hf_tensors, source_tensors
@@ -67,15 +84,15 @@ def test_every_megatron_core_setting_is_read_covered_refused_or_known_not_math(r
 CORE = dict(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
             kv_channels=16, vocab_size=100, make_vocab_size_divisible_by=16, max_position_embeddings=64,
             untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=True, spec="te")
-YARN = dict(kind="yarn", yarn_factor=4.0, yarn_original_max=16, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
-            yarn_mscale=1.0, yarn_mscale_all_dim=0.0, yarn_round_to_int=False)
+YARN = dict(kind="yarn", scaling=Yarn(factor=4.0, original_max=16, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                                     mscale_all_dim=0.0, round_to_int=False))
 VARIANTS: list[dict[str, Any]] = [
     {},
     {"position": Position(base=5e5, percent=0.5, interleaved=True, seq_len_interpolation=2.0)},
-    {"position": Position(scaling="llama3", scaling_factor=32.0)},
+    {"position": Position(scaling=Llama3(factor=32.0))},
     {"position": Position(**YARN)},
     {"position": Position(local_base=1e4)},  # Gemma 3 without scaling (gemma-3-1b): no factor read back
-    {"position": Position(local_base=1e4, scaling="linear", scaling_factor=8.0)},
+    {"position": Position(local_base=1e4, scaling=Linear(factor=8.0))},
     {"position": Position(kind="mrope", mrope_section=(2, 3, 3), mrope_interleaved=True),
      "vision": Qwen3VLTower(depth=2, hidden=32, heads=2, ffn=64, out_hidden=64, deepstack=(0, 1), image_token_id=7)},
     {"vision": SiglipTower(depth=2, hidden=32, heads=2, ffn=64, patch=4, image_size=32, head=True,
@@ -100,6 +117,9 @@ VARIANTS: list[dict[str, Any]] = [
      "position": Position(mla_names=True, **YARN), "num_query_groups": 4},
     {"mla": MLA(q_lora_rank=None, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16),
      "position": Position(mla_names=True), "num_query_groups": 4},
+    {"mla": MLA(q_lora_rank=None, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16),
+     "position": Position(mla_names=True, scaling=MLASoftmax(factor=40.0, mscale_all_dim=0.707)),
+     "num_query_groups": 4},
     {"mtp": MTP(num_layers=2)},
     {"mla": MLA(q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16),
      "dsa": DSA(n_heads=2, head_dim=16, topk=4, topk_freq=2, skip_topk_offset=3, rope_interleaved=True,
@@ -111,6 +131,32 @@ VARIANTS: list[dict[str, Any]] = [
                 conv_kernel_dim=4)},
     {"t5": T5(encoder_num_layers=2, relative_attention_num_buckets=16), "position": Position(kind="relative")},
 ]
+
+
+def test_rope_scaling_is_a_record_of_its_kind():
+    """RoPE scaling is one record of its kind on Position: its settings are the kind and that kind's fields (named by
+    its own args names), YaRN under multi-latent attention reads MLA's names and defaults, a kind that does not fit
+    the position embedding is refused, and args giving two kinds at once are refused in one line."""
+    yarn = ModelConfig(**CORE, position=Position(**YARN))
+    settings = {s.key: s for s in yarn.settings()}
+    assert settings["position.scaling"].value == "yarn" and settings["position.scaling"].arg == "rope_scaling"
+    assert (settings["position.scaling.factor"].value, settings["position.scaling.factor"].arg) == (
+        4.0, "rotary_scaling_factor")
+    assert (settings["position.scaling.beta_fast"].plain, settings["position.scaling.original_max"].value) == (32.0, 16)
+    llama3 = {s.key: s for s in ModelConfig(**CORE, position=Position(scaling=Llama3(factor=32.0))).settings()}
+    assert (llama3["position.scaling.factor"].arg, "position.scaling.beta_fast" in llama3) == (
+        "rope_scaling_factor", False)
+    mla = argparse.Namespace(multi_latent_attention=True, rope_type="yarn", beta_fast=16.0,
+                             original_max_position_embeddings=2048, yarn_beta_fast=99.0)
+    assert Position.from_args(mla).scaling == Yarn(factor=40.0, beta_fast=16.0, original_max=2048)
+    for bad in (dict(kind="rope", scaling=Yarn()), dict(kind="yarn"), dict(scaling=MLASoftmax(factor=2.0)),
+                dict(kind="learned_absolute", scaling=Llama3())):
+        with pytest.raises(ConvertError, match="RoPE scaling"):
+            Position(**bad)
+    two = argparse.Namespace(position_embedding_type="yarn", use_rope_scaling=True, rotary_scaling_factor=4.0)
+    with pytest.raises(ConvertError, match="yarn and llama3 scaling at once"):
+        Position.from_args(two)
+    assert yarn.replace(position__scaling__factor=8.0).position.scaling.factor == 8.0
 
 
 @pytest.mark.parametrize("change", VARIANTS, ids=lambda c: "+".join(c) or "plain")

@@ -28,9 +28,9 @@ CONVERTED = {"normalization", "position_embedding_type", "rotary_base", "layerno
 def record_names():
     """(record.field, megatron-core name, its Megatron-LM args names) of every record setting with one."""
     for name, cls in RECORDS.items():
-        for f in cls.all_fields():
+        for path, f in cls.leaf_fields():
             for c in f.metadata.get("config", ()):
-                yield f"{name}.{f.name}", c, f.metadata["arg"]
+                yield f"{name}.{path}", c, f.metadata["arg"]
 
 
 def test_every_record_setting_is_read_from_its_megatron_core_name():
@@ -74,7 +74,7 @@ def test_the_args_table_restates_no_setting_name():
     """mlm_args.ARGS's rows for the settings' args names come from the settings (``setting(mlm=...)``); no hand row
     names one of them again."""
     declared = {name for f in [*dataclasses.fields(ModelConfig), *(f for cls in RECORDS.values()
-                                                                   for f in cls.all_fields())]
+                                                                   for _, f in cls.leaf_fields())]
                 for name in f.metadata.get("arg", ())}
     derived = setting_rows()
     assert {a.name for a in derived} <= declared and all(a in ARGS for a in derived)

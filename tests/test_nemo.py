@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from dist_convert.errors import ConvertError
+from dist_convert.features import Llama3
 
 from conftest import assert_refused, ok, oracle, run_cli
 
@@ -152,7 +153,7 @@ def test_model_config_names_megatron_core_reads_are_carried_or_refused():
     cfg = config_from_nemo(y, 128, 100)[0]
     assert (cfg.attention.window, cfg.attention.softmax_scale) == ((4, 0), 0.5)
     pos = cfg.position
-    assert (pos.seq_len_interpolation, pos.scaling, pos.scaling_factor) == (2.0, "llama3", 8.0)
+    assert (pos.seq_len_interpolation, pos.scaling) == (2.0, Llama3(factor=8.0))
     assert config_from_nemo(y, 128, 100, legacy=True)[0].attention.window is None
     for bad, needle in (({"moe_latent_size": 4}, "moe_latent_size=4"), ({"position_embedding_type": "alibi"}, "alibi")):
         with pytest.raises(ConvertError, match=needle):

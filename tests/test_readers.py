@@ -51,9 +51,9 @@ MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")  # a bare clone, where a 
 MLM_PATHS = ("gpt_builders.py", "mamba_builders.py", "model_provider.py", "megatron/training", "megatron/legacy",
              "megatron/rl", "megatron/post_training")
 RELEASES = ("core_v0.19", "core_v0.16")
-YARN = {"yarn_rotary_scaling_factor": "yarn_factor", "yarn_original_max_position_embeddings": "yarn_original_max",
-        "yarn_beta_fast": "yarn_beta_fast", "yarn_beta_slow": "yarn_beta_slow", "yarn_mscale": "yarn_mscale",
-        "yarn_mscale_all_dim": "yarn_mscale_all_dim", "yarn_correction_range_round_to_int": "yarn_round_to_int"}
+YARN = {"yarn_rotary_scaling_factor": "factor", "yarn_original_max_position_embeddings": "original_max",
+        "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_mscale": "mscale",
+        "yarn_mscale_all_dim": "mscale_all_dim", "yarn_correction_range_round_to_int": "round_to_int"}
 
 
 def configs() -> dict[str, dict]:
@@ -90,7 +90,7 @@ def truth(cfg) -> dict:
             t["hybrid_layer_pattern" if k == "hybrid_override_pattern" else k] = v
     if cfg.position.kind == "yarn" and cfg.mla is None:
         t["position_embedding_type"] = "yarn"
-        t.update({name: getattr(cfg.position, field) for name, field in YARN.items()})
+        t.update({name: getattr(cfg.position.scaling, field) for name, field in YARN.items()})
     return t
 
 

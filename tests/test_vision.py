@@ -20,7 +20,7 @@ import torch
 
 from dist_convert.config import ModelConfig
 from dist_convert.errors import ConvertError
-from dist_convert.features import MoE
+from dist_convert.features import Linear, MoE
 from dist_convert.formats.dist_keys import dist_groups
 from dist_convert.formats.hf import hf_tensors
 from dist_convert.layout.topology import Layout
@@ -108,7 +108,7 @@ def test_the_releases_config_spellings():
                                 "vision_use_head": False}}
     cfg = config_from_hf(sparse, None)[0]
     assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.vocab_size) == (8, 4, 256, 262208)
-    assert (cfg.position.scaling, cfg.position.scaling_factor, cfg.tied) == ("linear", 8.0, True)
+    assert (cfg.position.scaling, cfg.tied) == (Linear(factor=8.0), True)
     assert cfg.vision.positions == 4096 and not cfg.vision.head
 
 

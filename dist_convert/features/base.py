@@ -68,19 +68,23 @@ class Setting(NamedTuple):
 
 def setting(default: Any, *, arg: str | tuple[str, ...] = (), what: str = "", kind: str = SETTING,
             config: str | tuple[str, ...] | None = None, low: int | None = None, above: float | None = None,
-            high: str | None = None, mlm: MegatronArg | tuple[MegatronArg | None, ...] | None = None) -> Any:
+            high: str | None = None, mlm: MegatronArg | tuple[MegatronArg | None, ...] | None = None,
+            record: type[Feature] | None = None) -> Any:
     """A feature record's field: its default and what it is (module docstring). ``config``: the megatron-core
     ``TransformerConfig`` / ``GPTModel`` names it stands for, when they are not ``arg``'s. The values that mean
     something, where not all do (a record holding another is refused as it is made, i.e. where the setting is read):
     ``low``, the least; ``above``, a bound they exceed; ``high``, the record's field they do not exceed. ``mlm``: how
-    Megatron-LM knows ``arg``'s names, one per name (None: not a row of ``mlm_args.ARGS``), or the first name's."""
+    Megatron-LM knows ``arg``'s names, one per name (None: not a row of ``mlm_args.ARGS``), or the first name's.
+    ``record``: the field holds a record of that type (one of its ``variants``), whose fields are settings in their own
+    right (``record.field.subfield``)."""
     args = (arg,) if isinstance(arg, str) else tuple(arg)
     configs = args if config is None else (config,) if isinstance(config, str) else tuple(config)
     known = (mlm,) if isinstance(mlm, MegatronArg) else tuple(mlm or ())
     known = tuple(None if k is None else k._replace(default=default) if k.default is FIELD_DEFAULT else k
                   for k in known) + (None,) * (len(args) - len(known))
     return dataclasses.field(default=default, metadata={"kind": kind, "arg": args, "what": what, "config": configs,
-                                                        "low": low, "above": above, "high": high, "mlm": known})
+                                                        "low": low, "above": above, "high": high, "mlm": known,
+                                                        "record": record})
 
 
 def get(args: argparse.Namespace | dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -174,6 +178,18 @@ class Feature(ABC):
                 out.setdefault(f.name, f)
         return list(out.values())
 
+    @classmethod
+    def leaf_fields(cls) -> list[tuple[str, dataclasses.Field]]:
+        """(path, field) of every field a record of this feature can hold (``all_fields``), a field holding a record
+        (``setting(record=...)``) followed by each of that record's kinds' fields as ``field.subfield``: every
+        declaration, since two kinds may say one field under other names (a path may come more than once)."""
+        out: list[tuple[str, dataclasses.Field]] = []
+        for f in cls.all_fields():
+            out.append((f.name, f))
+            if (sub := f.metadata.get("record")) is not None:
+                out += [(f"{f.name}.{g.name}", g) for kind in sub.variants() for g in dataclasses.fields(kind)]
+        return out
+
     def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
         """Refuse, in one line naming the setting and the flag, a ``what`` ("target" or "source") layout megatron-core
         does not build this feature in (``ModelConfig.check_layout`` asks each record; none unless a record says)."""
@@ -188,6 +204,22 @@ class Feature(ABC):
         """(name, value, field) of each field."""
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             yield f.name, getattr(self, f.name), f
+
+    def settings(self, key: str, kinds: tuple[str, ...]) -> list[Setting]:
+        """This record's fields of ``kinds`` as settings under ``key`` (``key.field``); a field holding a record says
+        its kind (the record's ``name``, under its megatron-core name), then that record's own settings follow."""
+        plain, out = type(self)(), []
+        for name, value, f in self.fields():
+            if f.metadata.get("kind") not in kinds:
+                continue
+            if f.metadata.get("record") is None:
+                out.append(Setting(f"{key}.{name}", value, getattr(plain, name), arg_name(f), f.metadata["what"]))
+                continue
+            out.append(Setting(f"{key}.{name}", None if value is None else value.name, None, f.metadata["config"][0],
+                               f.metadata["what"]))
+            if value is not None:
+                out += value.settings(f"{key}.{name}", kinds)
+        return out
 
     def shown(self) -> list[str]:
         """The fields ``inspect`` shows (the record's group there): every field of an optional feature; of a record

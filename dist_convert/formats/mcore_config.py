@@ -13,6 +13,7 @@ import torch
 
 from ..config import RECORDS, ModelConfig, read_names
 from ..errors import ConvertError
+from ..features import Linear, Llama3, scaling_settings
 from ..features.audit import UNCONVERTED
 from ..features.base import SETTING
 from ..features.expressed import ANY
@@ -25,7 +26,7 @@ BY_HAND = ("activation_func",)
 def renamed_fields() -> dict[str, str]:
     """Each feature record's megatron-core names that are not its Megatron-LM args names -> the args name they are
     read under (the first ``arg`` of the setting declaring them), but ``BY_HAND``."""
-    return {c: f.metadata["arg"][0] for cls in RECORDS.values() for f in cls.all_fields()
+    return {c: f.metadata["arg"][0] for cls in RECORDS.values() for _, f in cls.leaf_fields()
             for c in f.metadata.get("config", ()) if c not in f.metadata["arg"] and c not in BY_HAND}
 
 
@@ -78,8 +79,8 @@ def every_setting(record: str, but: dict[str, str] | None = None) -> dict[str, A
 # GPTModel has, and multi-token prediction; not what only other model classes build (MLA, Mamba, Gated DeltaNet,
 # T5, Gemma 3's sandwich norms, local RoPE base and embedding scale)
 PROVIDER_EXPRESSES: dict[str, Any] = {
-    **dict.fromkeys(PASSED, ANY), **{f"position.{f}": ANY for f in ("base", "percent", "scaling_factor")},
-    "position.kind": {"rope", "learned_absolute", "none"}, "position.scaling": {None, "llama3"},
+    **dict.fromkeys(PASSED, ANY), **{f"position.{f}": ANY for f in ("base", "percent")},
+    "position.kind": {"rope", "learned_absolute", "none"}, **scaling_settings("llama3"),
     **every_setting("norm", but={"post_norms": "Gemma 3's sandwich norms: its own provider's layer spec"}),
     "attention.qk_norm": ANY, "mlp.gated": ANY, "mlp.activation": ANY,
     "add_bias_linear": ANY, "add_qkv_bias": ANY, "moe": ANY, "mtp": ANY, **every_setting("moe"),
@@ -92,8 +93,7 @@ MLA_ROPE = ("position_embedding_type", "rotary_base", "rope_type", "rotary_scali
 # What Megatron-Bridge's MLAModelProvider adds: multi-latent attention with YaRN RoPE, and DeepSeek sparse attention
 MLA_PROVIDER_EXPRESSES: dict[str, Any] = {
     **PROVIDER_EXPRESSES, "mla": ANY, "dsa": ANY, "position.kind": {"rope", "yarn"},
-    **{f"position.yarn_{f}": ANY for f in ("factor", "original_max", "beta_fast", "beta_slow", "mscale",
-                                           "mscale_all_dim", "round_to_int")},
+    **scaling_settings("llama3", "yarn", "mla_softmax"),
     **every_setting("dsa")}
 
 
@@ -185,8 +185,9 @@ def transformer_fields(cfg: ModelConfig) -> dict[str, Any]:
         "add_bias_linear": cfg.add_bias_linear, "add_qkv_bias": cfg.add_qkv_bias,
         "qk_layernorm": cfg.attention.qk_norm, "share_embeddings_and_output_weights": cfg.tied,
         "position_embedding_type": pos.kind, "rotary_base": pos.base, "rotary_percent": pos.percent,
-        "rotary_interleaved": pos.interleaved, "rope_scaling": pos.scaling == "llama3",
-        "rope_scaling_factor": float(pos.scaling_factor or 1.0), "vocab_size": cfg.vocab_size}
+        "rotary_interleaved": pos.interleaved, "rope_scaling": isinstance(pos.scaling, Llama3),
+        "rope_scaling_factor": pos.scaling.factor if isinstance(pos.scaling, (Llama3, Linear)) else 1.0,
+        "vocab_size": cfg.vocab_size}
     out.update(passed_fields(cfg))
     if cfg.mtp is not None:
         out["mtp_num_layers"] = cfg.mtp.num_layers

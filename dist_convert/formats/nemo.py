@@ -27,7 +27,7 @@ from ..durable import copy_durable, fsync_file, write_durable
 from ..errors import ConvertError
 from ..features.base import as_tuple
 from ..features.expressed import ANY, features_named, refuse_unexpressed, unheld
-from ..features.position import LLAMA3_DEFAULT_FACTOR
+from ..features.position import LLAMA3_DEFAULT_FACTOR, Llama3
 from ..integrity import is_run_state
 from ..layout.topology import Layout
 from ..runtime import Runtime
@@ -59,7 +59,7 @@ def _nemo_mlp(gated: bool, activation: str) -> tuple[bool, str]:
 # q/k layernorms, biases, the activations of NEMO_ACTIVATIONS (openai_gelu: tanh GELU)
 NEMO_EXPRESSES = {"position.kind": {"rope", "learned_absolute", "relative"}, "position.base": ANY,
                   "position.percent": ANY, "position.scaling": {None, "llama3"},
-                  "position.scaling_factor": {None, LLAMA3_DEFAULT_FACTOR}, "norm.kind": ANY, "norm.eps": ANY,
+                  "position.scaling.factor": {LLAMA3_DEFAULT_FACTOR}, "norm.kind": ANY, "norm.eps": ANY,
                   "attention.qk_norm": ANY, "add_bias_linear": ANY, "add_qkv_bias": ANY, "mlp.gated": ANY, "t5": ANY,
                   "mlp.activation": lambda act, cfg: _nemo_mlp(cfg.mlp.gated, act) in NEMO_NAMES}
 # megatron-core names NeMo derives from its own keys (bias, qkv_bias, activation, normalization, the precision), not
@@ -338,7 +338,7 @@ class NemoFormat:
         if cfg.position.kind == "rope":
             arch.update(rotary_base=cfg.position.base, rotary_percentage=cfg.position.percent)
         if cfg.position.scaling or "scale_positional_embedding" in y:
-            arch["scale_positional_embedding"] = cfg.position.scaling == "llama3"
+            arch["scale_positional_embedding"] = isinstance(cfg.position.scaling, Llama3)
         arch.update(passed_fields(cfg, kept=y))  # megatron-core's own names (legacy targets: refused before)
         y.update(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                  make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by)

@@ -36,6 +36,7 @@ import torch
 from ..config import ModelConfig
 from ..datamodel import Target, TargetFile, TargetTensor, target_dtype
 from ..errors import ConvertError
+from ..features import Linear, Llama3
 from ..layout.boxes import Box, Piece
 from ..layout.fused import QKV, glu
 from ..layout.rules import EMBEDDING, OUTPUT
@@ -260,7 +261,7 @@ def nemo_target_files(target: Target, dtypes: dict[str, torch.dtype], file_name:
     if not style.legacy:
         return rank_target_files(target, dtypes, file_name, style.prefix)
     cfg, layout = target.cfg, target.layout
-    if target.cfg.position.scaling is not None:
+    if isinstance(target.cfg.position.scaling, (Llama3, Linear)):
         raise ConvertError("legacy NeMo GPT has no RoPE scaling (use_rope_scaling)", _TO_MCORE)
     style = replace(style, split_glu=style.split_glu and cfg.mlp.gated)
     files = []

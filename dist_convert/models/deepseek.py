@@ -20,7 +20,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConvertError
-from ..features import MLA, MLP, MTP, Attention, MoE, Norms
+from ..features import MLA, MLP, MTP, Attention, MoE, Norms, scaling_settings
 from ..layout.mtp import MTP_LAYER
 from ..layout.rules import EMBEDDING, OUTPUT
 from .base import (
@@ -39,7 +39,7 @@ from .base import (
     get,
     in_layer,
 )
-from .rope import position_from_hf, rope_params, rope_to_hf, yarn_mscale
+from .rope import position_from_hf, rope_params, rope_to_hf
 from .rows import GLU, Plain, Row
 
 # an MLA layer's attention (HF suffix after model.layers.N. -> logical suffix): every projection stored whole
@@ -291,8 +291,8 @@ def hf_from_config(cfg: ModelConfig, architecture: str, base: dict[str, Any] | N
             hf.pop(key, None)
         hf["rope_theta"] = params.pop("rope_theta")
         if params["rope_type"] == "yarn":
-            params["mscale"], params["mscale_all_dim"] = (cfg.position.yarn_mscale or 1.0,
-                                                          cfg.position.yarn_mscale_all_dim or 0.0)
+            yarn = cfg.position.scaling
+            params["mscale"], params["mscale_all_dim"] = yarn.mscale, yarn.mscale_all_dim
             hf["rope_scaling"] = {"type": "yarn", **{k: v for k, v in params.items() if k != "rope_type"}}
     return hf
 
@@ -304,21 +304,12 @@ def _kept_rope(hf: dict[str, Any], cfg: ModelConfig) -> bool:
         return False
 
 
-def mla_softmax_scale_is_plain(factor: Any, cfg: ModelConfig) -> bool:
-    """With plain RoPE, megatron-core's MLA still scales the softmax by mscale(rotary_scaling_factor,
-    mscale_all_dim)^2, transformers' DeepSeek only under YaRN: expressible only when that is 1."""
-    pos = cfg.position
-    return pos.kind == "yarn" or factor is None or yarn_mscale(float(factor), float(pos.yarn_mscale_all_dim or 0)) == 1
-
-
 def mla_expresses() -> dict[str, Allowed]:
     """What transformers' DeepSeek-shaped attention computes: MLA with its q/kv latent norms (eps 1e-6), plain or
-    YaRN RoPE (``mla_softmax_scale_is_plain``)."""
+    YaRN RoPE. With plain RoPE megatron-core's MLA still scales the softmax by mscale(rotary_scaling_factor,
+    mscale_all_dim)^2 where that is not 1 (``MLASoftmax``), transformers' DeepSeek only under YaRN: not expressed."""
     return {**COMMON, "norm.eps": {A_NORM_EPS}, "mla": {True}, "attention.qk_norm": {True},
-            "position.kind": {"rope", "yarn"}, "position.yarn_factor": mla_softmax_scale_is_plain,
-            **{f"position.yarn_{k}": (lambda v, cfg: v is None or cfg.position.kind == "yarn")
-               for k in ("original_max", "beta_fast", "beta_slow", "mscale", "round_to_int")},
-            "position.yarn_mscale_all_dim": ANY}
+            "position.kind": {"rope", "yarn"}, **scaling_settings("yarn")}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConvertError
-from ..features import MLP, Attention, Embedding, Norms, Position
+from ..features import MLP, Attention, Embedding, Linear, Norms, Position, scaling_settings
 from .base import (
     ANY,
     ATTENTION,
@@ -84,7 +84,7 @@ def gemma_position(hf: dict[str, Any]) -> Position:
                                "linearly only", "convert a config with rope_scaling null or of type linear")
         factor = float(scaling.get("factor", 1.0))
         if factor != 1.0:
-            pos = Position(kind="rope", base=theta, local_base=local, scaling="linear", scaling_factor=factor)
+            pos = Position(kind="rope", base=theta, local_base=local, scaling=Linear(factor=factor))
     if (sliding.get("rope_type") or "default") != "default":
         raise ConvertError(f"Gemma 3 RoPE scaling on the sliding-window layers ({sliding}) has no megatron-core "
                            "equivalent", "convert a config without rope scaling on sliding_attention")
@@ -156,8 +156,8 @@ class Gemma3(Family):
         if same and gemma_position(hf) == pos:  # the source's spelling of the same RoPE
             return hf
         full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(pos.base)}
-        if pos.scaling == "linear":
-            full.update(rope_type="linear", factor=float(pos.scaling_factor or 1.0))
+        if isinstance(pos.scaling, Linear):
+            full.update(rope_type="linear", factor=pos.scaling.factor)
         for key in ("rope_theta", "rope_local_base_freq", "rope_scaling"):
             hf.pop(key, None)
         hf["rope_parameters"] = {"full_attention": full, "sliding_attention": {
@@ -165,8 +165,8 @@ class Gemma3(Family):
         return hf
 
     def expresses(self) -> Mapping[str, Allowed]:
-        return {**COMMON, "position.local_base": ANY, "position.scaling": {None, "linear"},
-                "position.scaling_factor": ANY, "attention.qk_norm": {True}, "attention.softmax_scale": ANY,
+        return {**COMMON, "position.local_base": ANY, **scaling_settings("linear"), "attention.qk_norm": {True},
+                "attention.softmax_scale": ANY,
                 "attention.window": lambda w, cfg: w is None or w[1] == 0,
                 "attention.window_pattern": lambda p, cfg: p is None or p[1] == 1,
                 "norm.zero_centered_gamma": {True}, "norm.post_norms": {True}, "mlp.activation": {"gelu_tanh"},

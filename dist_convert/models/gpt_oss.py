@@ -201,8 +201,9 @@ class GptOss(Family):
     def expresses(self) -> Mapping[str, Allowed]:
         """gpt-oss's own maths: attention sinks, biases everywhere, the clamped quick_gelu GLU with (up + 1),
         sliding layers by layer_types, top-k of the router logits then softmax, YaRN or plain RoPE."""
-        return {**COMMON, **GQA_ROPE, "position.scaling": {None}, "add_bias_linear": {True}, "add_qkv_bias": {True},
-                "attention.softmax_type": {"learnable"}, "attention.window": lambda w, cfg: w is None or w[1] == 0,
+        return {**COMMON, **GQA_ROPE, "position.scaling": {None, "yarn"}, "add_bias_linear": {True},
+                "add_qkv_bias": {True}, "attention.softmax_type": {"learnable"},
+                "attention.window": lambda w, cfg: w is None or w[1] == 0,
                 "attention.window_skip_freq": ANY, "mlp.activation": {"quick_gelu"},
                 "mlp.glu_linear_offset": {OFFSET}, "mlp.clamp": {LIMIT}, "moe": {True},
                 "moe.score_function": {"softmax"}, "moe.pre_softmax": {False}}

@@ -11,7 +11,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConvertError
-from ..features import MLP, Attention, Norms, Position
+from ..features import MLP, Attention, Norms, Position, scaling_settings
 from .base import (
     ANY,
     ATTENTION,
@@ -38,9 +38,7 @@ from .rows import Row
 
 # what the GQA families write of RoPE: plain RoPE (any base), Llama-3 scaling, YaRN
 GQA_ROPE: dict[str, Allowed] = {
-    "position.kind": {"rope", "yarn"}, "position.scaling": {None, "llama3"}, "position.scaling_factor": ANY,
-    **{f"position.yarn_{k}": ANY for k in ("factor", "original_max", "beta_fast", "beta_slow", "mscale",
-                                            "mscale_all_dim", "round_to_int")}}
+    "position.kind": {"rope", "yarn"}, **scaling_settings("llama3", "yarn")}
 GQA_HF_KEYS = COMMON_HF_KEYS | {"rope.rope_type", "attention_bias", "mlp_bias", "hidden_act"}
 ROPE_KINDS = ("default", "llama3", "yarn")
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import ConvertError
-from ..features import Position
+from ..features import Llama3, Position, Yarn
 
 # Megatron-core's Llama-3 RoPE scaling implements only these frequency parameters.
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -52,14 +52,14 @@ def position_from_hf(hf: dict[str, Any], name: str, *, kinds: Collection[str] = 
             raise ConvertError(f"Llama-3 RoPE scaling {p}: megatron-core's implements low_freq_factor 1, "
                                "high_freq_factor 4 and original_max_position_embeddings 8192 only",
                                "convert a config with those Llama-3 scaling parameters (as the releases have)")
-        return replace(pos, scaling="llama3", scaling_factor=float(p.get("factor", 8.0)))
+        return replace(pos, scaling=Llama3(factor=float(p.get("factor", 8.0))))
     if kind == "yarn":
-        return replace(pos, kind="yarn", **yarn_from_hf(p, hf))
+        return replace(pos, kind="yarn", scaling=yarn_from_hf(p, hf))
     return pos
 
 
-def yarn_from_hf(p: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
-    """Position's YaRN fields for transformers' YaRN parameters: megatron-core computes the attention factor as
+def yarn_from_hf(p: dict[str, Any], hf: dict[str, Any]) -> Yarn:
+    """The ``Yarn`` scaling of transformers' YaRN parameters: megatron-core computes the attention factor as
     mscale(factor, mscale) / mscale(factor, mscale_all_dim), transformers the same ratio when both are given, else
     mscale(factor): (1, 0) then, which megatron-core turns into the same."""
     original = p.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
@@ -76,10 +76,9 @@ def yarn_from_hf(p: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
         raise ConvertError(f"rope_parameters.attention_factor={attention} differs from YaRN's {implied:.6g}: "
                            "megatron-core computes it from factor, mscale and mscale_all_dim",
                            "convert a config without attention_factor (or with the value YaRN implies)")
-    return {"yarn_factor": factor, "yarn_original_max": int(original),
-            "yarn_beta_fast": float(p.get("beta_fast") or 32.0), "yarn_beta_slow": float(p.get("beta_slow") or 1.0),
-            "yarn_mscale": float(mscale), "yarn_mscale_all_dim": float(mscale_all),
-            "yarn_round_to_int": bool(p.get("truncate", True))}
+    return Yarn(factor=factor, original_max=int(original), beta_fast=float(p.get("beta_fast") or 32.0),
+                beta_slow=float(p.get("beta_slow") or 1.0), mscale=float(mscale), mscale_all_dim=float(mscale_all),
+                round_to_int=bool(p.get("truncate", True)))
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -90,15 +89,14 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 def rope_to_hf(pos: Position) -> dict[str, Any]:
     """transformers 5's ``rope_parameters`` for a ``Position`` (the inverse of ``position_from_hf``)."""
     out: dict[str, Any] = {"rope_type": "default", "rope_theta": float(pos.base)}
-    if pos.scaling == "llama3":
-        out.update(rope_type="llama3", factor=float(pos.scaling_factor or 8.0), **LLAMA3_FIXED)
-    elif pos.kind == "yarn":
-        out.update(rope_type="yarn", factor=float(pos.yarn_factor or 1.0),
-                   original_max_position_embeddings=int(pos.yarn_original_max or 4096),
-                   beta_fast=float(pos.yarn_beta_fast or 32.0), beta_slow=float(pos.yarn_beta_slow or 1.0),
-                   truncate=bool(pos.yarn_round_to_int if pos.yarn_round_to_int is not None else True))
-        if pos.yarn_mscale_all_dim:
-            out.update(mscale=float(pos.yarn_mscale or 1.0), mscale_all_dim=float(pos.yarn_mscale_all_dim))
+    s = pos.scaling
+    if isinstance(s, Llama3):
+        out.update(rope_type="llama3", factor=s.factor, **LLAMA3_FIXED)
+    elif isinstance(s, Yarn):
+        out.update(rope_type="yarn", factor=s.factor, original_max_position_embeddings=s.original_max,
+                   beta_fast=s.beta_fast, beta_slow=s.beta_slow, truncate=s.round_to_int)
+        if s.mscale_all_dim:
+            out.update(mscale=s.mscale, mscale_all_dim=s.mscale_all_dim)
     if pos.percent != 1.0:
         out["partial_rotary_factor"] = float(pos.percent)
     return out

@@ -181,7 +181,7 @@ class VisionLanguage(Family):
 
 def unscaled_rope(expresses: Mapping[str, Allowed]) -> dict[str, Allowed]:
     """A text family's declaration under multimodal RoPE, which is unscaled here: no YaRN, no frequency scaling."""
-    return {**{k: v for k, v in expresses.items() if not k.startswith("position.yarn_")}, "position.scaling": {None}}
+    return {**{k: v for k, v in expresses.items() if not k.startswith("position.scaling.")}, "position.scaling": {None}}
 
 
 def token_expresses(fields: Collection[str]) -> dict[str, Allowed]:

@@ -20,6 +20,7 @@ from ..config import ModelConfig
 from ..datamodel import SourceIndex, TargetFile, TargetTensor
 from ..errors import ConvertError
 from ..exchange import Assembly, execute
+from ..features.position import LLAMA3_DEFAULT_FACTOR, Llama3
 from ..formats.base import Format
 from ..formats.mcore_config import transformer_fields
 from ..layout.boxes import Kind
@@ -183,8 +184,9 @@ def build_base_model(cfg: ModelConfig, args: argparse.Namespace, layout: Layout,
         max_sequence_length=int(cfg.max_position_embeddings or getattr(args, "seq_length", 4096)),
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=cfg.tied, position_embedding_type=pos.kind, rotary_percent=pos.percent,
-        rotary_base=int(pos.base), rope_scaling=pos.scaling == "llama3",
-        rope_scaling_factor=float(pos.scaling_factor or 8.0), seq_len_interpolation_factor=pos.seq_len_interpolation)
+        rotary_base=int(pos.base), rope_scaling=isinstance(pos.scaling, Llama3),
+        rope_scaling_factor=pos.scaling.factor if isinstance(pos.scaling, Llama3) else LLAMA3_DEFAULT_FACTOR,
+        seq_len_interpolation_factor=pos.seq_len_interpolation)
     if not place.on_cpu:
         model.cuda(place.device)  # parameters are made there; buffers megatron-core makes on the CPU follow
     return model

@@ -12,6 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConvertError
+from ..features import Llama3
 
 ALGORITHMS = ("eagle", "medusa")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -74,9 +75,8 @@ def speculative_config(req: DraftRequest, cfg: ModelConfig, dtype: torch.dtype) 
         "rope_scaling": {"rope_type": "default", "rope_theta": theta},
         "torch_dtype": _DTYPE_NAMES.get(dtype, "bfloat16"),
     }
-    if cfg.position.scaling == "llama3":
-        sizes["rope_scaling"] = {"rope_type": "llama3", "rope_theta": theta,
-                                 "factor": float(cfg.position.scaling_factor or 8.0)}
+    if isinstance(cfg.position.scaling, Llama3):
+        sizes["rope_scaling"] = {"rope_type": "llama3", "rope_theta": theta, "factor": cfg.position.scaling.factor}
     for key, value in sizes.items():
         if req.spec_config is None or key not in arch:
             arch[key] = value

@@ -15,9 +15,9 @@ from .blocks import (
     linear_attention_pattern,
 )
 from .mlp import MLP, MoE, moe_layer_pattern
-from .position import Linear, Llama3, MLASoftmax, Position, Scaling, Yarn, scaling_settings
+from .position import Linear, Llama3, MLASoftmax, Position, Scaling, Yarn
 
 __all__ = ["DSA", "GDN", "HYBRID_SYMBOLS", "LAYOUT", "MLA", "MLP", "MTP", "NUMERICS", "SETTING", "SIZE", "T5",
            "Attention", "Embedding", "Feature", "Linear", "Llama3", "MLASoftmax", "Mamba", "MoE", "Norms", "Position",
            "Scaling", "Yarn", "hybrid_pattern_of", "linear_attention_freq", "linear_attention_pattern",
-           "moe_layer_pattern", "scaling_settings"]
+           "moe_layer_pattern"]

@@ -9,11 +9,13 @@ A format or a converter that holds only some structural features (``config.OPTIO
 declares those it holds (``refuse_features``): a feature added later is refused there until it is declared."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConvertError
 from .base import Setting
+from .position import Scaling
 
 if TYPE_CHECKING:
     from ..config import ModelConfig
@@ -83,3 +85,12 @@ def refuse_features(cfg: ModelConfig, holds: Collection[str], what: str, fix: st
 def features_named(features: list[Setting]) -> str:
     """Structural features in a refusal's words ("Mixture-of-Experts layers and multi-latent attention")."""
     return " and ".join(s.what.removeprefix("a ").removeprefix("an ") for s in features)
+
+
+def scaling_settings(*kinds: str) -> dict[str, Any]:
+    """What a target that writes RoPE unscaled or scaled as ``kinds`` (``Scaling`` names) declares: the kind, and
+    every field of those kinds at any value."""
+    chosen = [k for k in Scaling.variants() if k.name in kinds]
+    assert len(chosen) == len(kinds), f"no RoPE scaling named {set(kinds) - {k.name for k in chosen}}"
+    return {"position.scaling": {None, *kinds},
+            **{f"position.scaling.{f.name}": ANY for k in chosen for f in dataclasses.fields(k)}}

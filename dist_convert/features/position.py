@@ -5,13 +5,11 @@ YaRN, or what YaRN's parameters leave to multi-latent attention's softmax under 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import ConvertError
 from .base import LAYOUT, MODEL, Feature, MegatronArg, as_tuple, get, setting
-from .expressed import ANY
 
 # the position embeddings megatron-core's models build (relative: T5's)
 KINDS = ("rope", "yarn", "mrope", "learned_absolute", "relative", "none")
@@ -84,15 +82,6 @@ class MLASoftmax(Scaling):
     name: ClassVar[str] = "mla_softmax"
     factor: float = setting(1.0, arg="rotary_scaling_factor", what="the scaling factor of MLA's softmax scale")
     mscale_all_dim: float = setting(0.0, arg="mscale_all_dim", what="the mscale_all_dim of MLA's softmax scale")
-
-
-def scaling_settings(*kinds: str) -> dict[str, Any]:
-    """What a target that writes RoPE unscaled or scaled as ``kinds`` (``Scaling`` names) declares: the kind, and
-    every field of those kinds at any value."""
-    chosen = [k for k in Scaling.variants() if k.name in kinds]
-    assert len(chosen) == len(kinds), f"no RoPE scaling named {set(kinds) - {k.name for k in chosen}}"
-    return {"position.scaling": {None, *kinds},
-            **{f"position.scaling.{f.name}": ANY for k in chosen for f in dataclasses.fields(k)}}
 
 
 # megatron-core's YaRN under multi-latent attention: MLATransformerConfig's defaults (its rope_type defaults to yarn

@@ -13,10 +13,10 @@ import torch
 
 from ..config import RECORDS, ModelConfig, read_names
 from ..errors import ConvertError
-from ..features import Linear, Llama3, scaling_settings
+from ..features import Linear, Llama3
 from ..features.audit import UNCONVERTED
 from ..features.base import SETTING
-from ..features.expressed import ANY
+from ..features.expressed import ANY, scaling_settings
 from ..layout.topology import Layout
 
 # megatron-core names read by hand in args_from_fields (no args name holds the value as it stands)

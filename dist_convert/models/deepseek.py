@@ -20,7 +20,8 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConvertError
-from ..features import MLA, MLP, MTP, Attention, MoE, Norms, scaling_settings
+from ..features import MLA, MLP, MTP, Attention, MoE, Norms
+from ..features.expressed import scaling_settings
 from ..layout.mtp import MTP_LAYER
 from ..layout.rules import EMBEDDING, OUTPUT
 from .base import (

@@ -11,7 +11,8 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConvertError
-from ..features import MLP, Attention, Norms, Position, scaling_settings
+from ..features import MLP, Attention, Norms, Position
+from ..features.expressed import scaling_settings
 from .base import (
     ANY,
     ATTENTION,

@@ -25,6 +25,12 @@ ORACLE = ROOT / "tests" / "oracles" / "mcore.py"
 SUITE_THREADS = {"OMP_NUM_THREADS": "1", "DIST_CONVERT_THREADS": "1"}
 os.environ.update(SUITE_THREADS)
 torch.set_num_threads(1)
+# Bytecode is cached, whatever the caller's environment says (some machines set PYTHONDONTWRITEBYTECODE): the suite
+# starts a few hundred Python processes (torchrun ranks, workers, oracles), and without the cache each one compiles
+# every module of dist_convert and of the tests it imports (1 to 3 s each on a 2-core machine). The cache goes to the
+# checkout's __pycache__ directories (git-ignored); the venvs' packages have theirs from pip.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 ENV = {**os.environ, **SUITE_THREADS, "PYTHONWARNINGS": "ignore", "TORCHELASTIC_ERROR_FILE": ""}
 WORKERS = Workers(ENV)
 

@@ -168,10 +168,10 @@ class Position(Feature):
             elif local is not None and factor not in (None, 1.0):
                 scalings.append(Linear(factor=factor))
             if mla and kind == "rope":  # MLA's softmax scale from YaRN's parameters: kept where it is not 1
-                factor = float(get(a, "rotary_scaling_factor", default=MLA_YARN.factor))
+                mla_factor = float(get(a, "rotary_scaling_factor", default=MLA_YARN.factor))
                 all_dim = float(get(a, "mscale_all_dim", default=MLA_YARN.mscale_all_dim))
-                if factor > 1 and all_dim:
-                    scalings.append(MLASoftmax(factor=factor, mscale_all_dim=all_dim))
+                if mla_factor > 1 and all_dim:
+                    scalings.append(MLASoftmax(factor=mla_factor, mscale_all_dim=all_dim))
             if len(scalings) > 1:
                 raise ConvertError(f"the args give RoPE {' and '.join(s.name for s in scalings)} scaling at once "
                                    "(use_rope_scaling, rope_scaling_factor with rotary_base_local, YaRN's "

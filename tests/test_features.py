@@ -222,12 +222,20 @@ VL_TEXT = dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta
                                            "mrope_interleaved": True})
 VL_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+Q35_TEXT = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e5,
+                                                          "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 2],
+                                                          "mrope_interleaved": True})
 SAMPLES = {
     "LlamaForCausalLM": ("LlamaConfig", SMALL),
     "MistralForCausalLM": ("MistralConfig", dict(SMALL, sliding_window=8)),
     "Qwen2ForCausalLM": ("Qwen2Config", SMALL),
     "Qwen3ForCausalLM": ("Qwen3Config", dict(SMALL, head_dim=32)),
     "MixtralForCausalLM": ("MixtralConfig", dict(SMALL, num_local_experts=4, num_experts_per_tok=2)),
+    "OlmoeForCausalLM": ("OlmoeConfig", dict(SMALL, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2)),
+    "MiniMaxM2ForCausalLM": ("MiniMaxM2Config", dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                                     rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                      "partial_rotary_factor": 0.5})),
     "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", dict(SMALL, **MOE_KW, shared_expert_intermediate_size=48,
                                                    mlp_only_layers=[0])),
     "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(SMALL, **MOE_KW, decoder_sparse_step=2, norm_topk_prob=True)),
@@ -265,6 +273,11 @@ SAMPLES = {
                                                                vision_config=VL_VISION)),
     "Qwen3VLMoeForConditionalGeneration": ("Qwen3VLMoeConfig", dict(
         text_config=dict(SMALL, **VL_TEXT, **MOE_KW, mlp_only_layers=[0]), vision_config=VL_VISION)),
+    "Qwen3_5ForConditionalGeneration": ("Qwen3_5Config", dict(
+        text_config=dict(SMALL, **Q35_TEXT), vision_config={k: v for k, v in VL_VISION.items() if "deep" not in k})),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeConfig", dict(
+        text_config=dict(SMALL, **Q35_TEXT, **MOE_KW, shared_expert_intermediate_size=48),
+        vision_config={k: v for k, v in VL_VISION.items() if "deep" not in k})),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", dict(
         text_config=dict(SMALL, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                  "mrope_section": [2, 3, 3]}),
@@ -318,7 +331,8 @@ def test_config_keys_that_change_the_math_are_mapped_or_refused(arch):
     non_plain = {"attention_bias": True, "qkv_bias": True, "use_qk_norm": True, "sliding_window": 7,
                  "use_sliding_window": True, "layer_types": ["sliding_attention"] * 4, "attn_logit_softcapping": 30.0,
                  "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 3.0, "use_bidirectional_attention": True,
-                 "attention_chunk_size": 8, "no_rope_layers": [1, 0, 1, 0], "attention_multiplier": 0.5,
+                 "attention_chunk_size": 8, "clip_qkv": 8.0, "no_rope_layers": [1, 0, 1, 0],
+                 "attention_multiplier": 0.5,
                  "rope_interleave": False, "hidden_act": "gelu", "hidden_activation": "gelu", "mlp_bias": True,
                  "swiglu_limit": 3.0, "embedding_multiplier": 2.0, "logits_scaling": 2.0, "residual_multiplier": 0.5,
                  "norm_topk_prob": False, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 4,

@@ -1,12 +1,18 @@
-"""Attention (q/k norms, softmax scale and type, sliding windows and their per-layer pattern, output gates), the
-norms (kind, epsilon, zero-centred gamma, sandwich norms, where the residual is taken) and the embedding's scaling."""
+"""Attention (q/k norms per head or over all heads, softmax scale and type, sliding windows and their per-layer
+pattern, output gates), the norms (kind, epsilon, zero-centred gamma, sandwich norms, where the residual is taken) and
+the embedding's scaling."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from .base import DERIVED, MODEL, Feature, MegatronArg, setting
+from ..errors import ConvertError
+from .base import DERIVED, LAYOUT, MODEL, Feature, MegatronArg, setting
+
+if TYPE_CHECKING:  # a record reads the model's and the layout's attributes; it imports neither module
+    from ..config import ModelConfig
+    from ..layout.topology import Layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,6 +22,13 @@ class Attention(Feature):
 
     qk_norm: bool = setting(False, arg="qk_layernorm", what="q/k layernorms (MLA: the q/kv down-projection norms)",
                             mlm=MegatronArg("B", MODEL))
+    qk_norm_full: bool = setting(False, arg="qk_norm_full_width",
+                                 what="q/k norms over all heads at once (OLMoE, MiniMax-M2), not per head")
+    # which Megatron-Bridge spec builds the full-width norms: Transformer Engine norms over the whole width (its OLMoE
+    # spec; each TP rank normalises its own heads, so it computes the model at TP 1 only) or its MiniMax-M2 modules
+    # (split over TP with the heads, the sum of squares all-reduced; no _extra_state)
+    qk_norm_split: bool = setting(False, kind=LAYOUT, arg="qk_norm_full_width_split",
+                                  what="full-width q/k norms split over TP (Megatron-Bridge's MiniMax-M2 modules)")
     qk_l2_norm: bool = setting(False, arg="qk_l2_norm", what="L2-normalised queries and keys", mlm=MegatronArg("B"))
     softmax_scale: float | None = setting(None, arg="softmax_scale",
                                           what="the attention softmax scale (None: 1/sqrt(head dim))")
@@ -29,6 +42,24 @@ class Attention(Feature):
                                                      what="(sliding, global) layers repeated (Megatron-Bridge's "
                                                           "Gemma 3 interleaved_attn_pattern)")
     output_gate: bool = setting(False, arg="attention_output_gate", what="sigmoid output gates per query head")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.qk_norm_split and not self.qk_norm_full:
+            raise ConvertError("qk_norm_full_width_split=True without qk_norm_full_width: only full-width q/k norms "
+                               "split over TP", "correct the source's config (its args)")
+        if self.qk_norm_full and not self.qk_norm:
+            raise ConvertError("qk_norm_full_width=True without qk_layernorm: a full-width q/k norm is a q/k norm",
+                               "correct the source's config (its args or config.json)")
+
+    def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
+        if self.qk_norm_full and cfg.mla is not None:
+            raise ConvertError("qk_norm_full_width=True on multi-latent attention, whose q/kv norms are its latents'",
+                               "correct the source's config (its args or config.json)")
+
+    @property
+    def uses_te2_spec(self) -> bool:
+        return self.qk_norm_full  # Megatron-Bridge's OLMoE / MiniMax-M2 specs: Transformer Engine 2's modules
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Attention:

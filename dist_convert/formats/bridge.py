@@ -24,7 +24,7 @@ from ..config import ModelConfig
 from ..datamodel import ORIGIN_KEY, Origin, SourceIndex, Target, TargetFile, WrittenFile
 from ..durable import write_durable
 from ..errors import ConvertError
-from ..features.expressed import refuse_unexpressed
+from ..features.expressed import ANY, refuse_unexpressed
 from ..mlm_args import HF_TOKENIZER
 from ..models import config_from_hf
 from ..runtime import Runtime
@@ -44,10 +44,38 @@ EXPERIMENTAL_SPEC = ("megatron.core.models.gpt.experimental_attention_variant_mo
                      "get_transformer_block_with_experimental_attention_variant_spec")
 
 
+# Megatron-Bridge's layer specs of full-width q/k norms -> the args that say them: its OLMoE spec (Transformer Engine
+# norms over the whole width: the model at TP 1 only) and its MiniMax-M2 spec (split over TP, all-reduced)
+FULL_QK_NORM_SPECS = {
+    "megatron.bridge.models.olmoe.olmoe_provider.olmoe_layer_spec": {"qk_norm_full_width": True},
+    "megatron.bridge.models.minimax_m2.minimax_m2_provider.minimax_m2_layer_spec": {
+        "qk_norm_full_width": True, "qk_norm_full_width_split": True},
+}
+
+
 def layer_spec(cfg: ModelConfig) -> dict[str, Any]:
     """The provider's ``transformer_layer_spec`` (a carried one may be a ModuleSpec tree of the source's naming):
-    GPTModelProvider's for the target's spec naming; megatron-core's experimental-attention spec for DSA."""
+    GPTModelProvider's for the target's spec naming; megatron-core's experimental-attention spec for DSA; Bridge's
+    OLMoE or MiniMax-M2 spec for full-width q/k norms."""
+    if cfg.attention.qk_norm_full:
+        split = cfg.attention.qk_norm_split
+        return {"_call_": False, "_target_": next(k for k, v in FULL_QK_NORM_SPECS.items()
+                                                  if v.get("qk_norm_full_width_split", False) == split)}
     return {"_call_": False, "_target_": EXPERIMENTAL_SPEC if cfg.dsa is not None else SPECS[cfg.spec]}
+
+
+def check_bridge_spec(cfg: ModelConfig, tp: int) -> None:
+    """Refuse a target Megatron-Bridge's layer spec for the model does not build: its full-width q/k norm specs are
+    Transformer Engine's, and its OLMoE one normalises each TP rank's heads alone."""
+    a = cfg.attention
+    if a.qk_norm_full and cfg.spec == "local":
+        raise ConvertError("--target-spec local: Megatron-Bridge builds full-width q/k norms (OLMoE, MiniMax-M2) with "
+                           "Transformer Engine's spec only", "drop --target-spec local")
+    if a.qk_norm_full and not a.qk_norm_split and tp > 1:
+        raise ConvertError(f"a Megatron-Bridge target at TP={tp} of a model with full-width q/k norms in Bridge's "
+                           "OLMoE spec, which normalises each TP rank's heads alone (it computes the model at TP 1 "
+                           "only)", "pass --target-tp 1 (and --target-ep for more ranks), or write --dst-format "
+                           "torch_dist")
 
 
 def _looks_like_bridge(path: Path) -> bool:
@@ -108,6 +136,8 @@ def bridge_args(iter_dir: Path, y: dict[str, Any]) -> argparse.Namespace:
     hf = vl_config(model)
     if hf is not None:  # the model as its HF family reads it: the language model's settings and the vision record
         vars(args).update(config_from_hf(hf, None)[0].to_args())
+    spec = model.get("transformer_layer_spec")
+    vars(args).update(FULL_QK_NORM_SPECS.get(spec.get("_target_") if isinstance(spec, dict) else spec, {}))
     if not model.get("should_pad_vocab", False):  # the embedding holds exactly vocab_size rows
         args.make_vocab_size_divisible_by = 1
     if (iter_dir / TOKENIZER).is_dir():
@@ -128,8 +158,11 @@ def bridge_origin(iter_dir: Path, y: dict[str, Any], stored: Origin) -> Origin:
 
 def bridge_model_section(cfg: ModelConfig, args: argparse.Namespace) -> dict[str, Any]:
     """A ``model:`` section for a target whose source is not a Bridge checkpoint: GPTModelProvider's fields (every
-    setting of the model; what GPTModelProvider cannot hold is refused before, by the target's format)."""
-    return {"_target_": MLA_PROVIDER if cfg.mla is not None else PROVIDER, **transformer_fields(cfg),
+    setting of the model; what GPTModelProvider cannot hold is refused before, by the target's format). Experts under
+    Bridge's full-width q/k norm specs are grouped, as its OLMoE and MiniMax-M2 providers build them (and its
+    weight mappings name them)."""
+    grouped = {"moe_grouped_gemm": True} if cfg.attention.qk_norm_full and cfg.moe is not None else {}
+    return {"_target_": MLA_PROVIDER if cfg.mla is not None else PROVIDER, **transformer_fields(cfg), **grouped,
             "seq_length": getattr(args, "seq_length", None) or cfg.max_position_embeddings,
             "should_pad_vocab": cfg.padded_vocab(1) != cfg.vocab_size, "hidden_dropout": 0.0, "attention_dropout": 0.0,
             "params_dtype": {"_call_": False, "_target_": str(getattr(args, "params_dtype", torch.float32))}}
@@ -163,9 +196,11 @@ class BridgeFormat(TorchDistFormat):
                                f"{RUN_CONFIG}, which only the model's own Bridge checkpoint carries",
                                "convert from that Bridge checkpoint, or write --dst-format torch_dist (the same "
                                "layout, with Megatron-LM args)")
+        check_bridge_spec(target.cfg, target.layout.tp)
         if target.origin.bridge_run_config is None:  # run_config.yaml written from the model config: refused first
             provider = (MLA_PROVIDER if target.cfg.mla is not None else PROVIDER).rsplit(".", 1)[1]
-            refuse_unexpressed(target.cfg, provider_expresses(target.cfg), f"Megatron-Bridge's {provider} (written "
+            declared = {**provider_expresses(target.cfg), "attention.qk_norm_full": ANY}  # Bridge's own specs
+            refuse_unexpressed(target.cfg, declared, f"Megatron-Bridge's {provider} (written "
                                "for a model that does not come from a Bridge checkpoint)", "convert from the model's "
                                "own Megatron-Bridge checkpoint, or write --dst-format torch_dist")
         return super().target_files(target, dtypes)

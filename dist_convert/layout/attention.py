@@ -22,14 +22,15 @@ GQA_RULES: tuple[Rule, ...] = (
          te_name="self_attention.linear_qkv.layer_norm_bias"),
     Rule("self_attention.linear_qkv.weight", Kind.COL, lambda c: (c.qkv_rows, c.hidden_size), _gqa),
     Rule("self_attention.linear_qkv.bias", Kind.COL, lambda c: (c.qkv_rows,), lambda c: not c.mla and c.add_qkv_bias),
-    Rule("self_attention.q_layernorm.weight", Kind.REP, lambda c: (c.kv_channels,),
-         lambda c: not c.mla and c.attention.qk_norm),
-    Rule("self_attention.q_layernorm.bias", Kind.REP, lambda c: (c.kv_channels,),
-         lambda c: not c.mla and c.attention.qk_norm and c.norm.bias),
-    Rule("self_attention.k_layernorm.weight", Kind.REP, lambda c: (c.kv_channels,),
-         lambda c: not c.mla and c.attention.qk_norm),
-    Rule("self_attention.k_layernorm.bias", Kind.REP, lambda c: (c.kv_channels,),
-         lambda c: not c.mla and c.attention.qk_norm and c.norm.bias),
+    # per head (megatron-core's): one head's width, replicated; over all heads at once (OLMoE, MiniMax-M2; Megatron-
+    # Bridge's full-width norm modules): the heads' width, split over TP with the heads
+    *(Rule(f"self_attention.{n}_layernorm.{p}", kind, shape, lambda c, p=p, full=full: not c.mla and
+           c.attention.qk_norm and c.attention.qk_norm_full == full and (p == "weight" or c.norm.bias))
+      for full, n, kind, shape in (
+          (False, "q", Kind.REP, lambda c: (c.kv_channels,)), (False, "k", Kind.REP, lambda c: (c.kv_channels,)),
+          (True, "q", Kind.COL, lambda c: (c.num_attention_heads * c.kv_channels,)),
+          (True, "k", Kind.COL, lambda c: (c.num_query_groups * c.kv_channels,)))
+      for p in ("weight", "bias")),
 )
 
 # Multi-latent attention (megatron-core MLASelfAttention). The specs carry no key map: torch_dist keys follow each

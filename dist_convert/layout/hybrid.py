@@ -74,7 +74,7 @@ def te2_layer_modules(cfg: ModelConfig, stack: str, layer: int) -> tuple[str, ..
     Gated DeltaNet spec have no other); an MoE layer's routed experts are ``expert_objects``'."""
     mixer, mlp = cfg.layer_kind(stack, layer)
     out = MIXER_EXTRA_STATE[mixer] + MLP_EXTRA_STATE[mlp]
-    if mixer == "attention" and cfg.attention.qk_norm:
+    if mixer == "attention" and cfg.attention.qk_norm and not cfg.attention.qk_norm_split:  # split: Bridge's own
         out += ("self_attention.q_layernorm", "self_attention.k_layernorm")
     if mlp == "moe" and cfg.shared_size:
         out += SHARED_EXPERT_MODULES

@@ -18,7 +18,21 @@ import torch
 from ..config import OPTIONAL, ModelConfig
 from ..errors import ConvertError
 from ..mlm_args import HF_TOKENIZER, model_args
-from . import deepseek, dsa, gemma3, gemma3_vl, glm, gpt_oss, llama, moe, nemotron_h, qwen3_next, qwen3_vl, qwen25_vl
+from . import (
+    deepseek,
+    dsa,
+    gemma3,
+    gemma3_vl,
+    glm,
+    gpt_oss,
+    llama,
+    minimax,
+    moe,
+    nemotron_h,
+    qwen3_next,
+    qwen3_vl,
+    qwen25_vl,
+)
 from .base import EXPORT_FIX, Family, Imported, hf_dtype
 from .hf_keys import as_transformers_reads, unmapped
 
@@ -29,7 +43,8 @@ from .hf_keys import as_transformers_reads, unmapped
 REGISTERED: tuple[Family, ...] = (
     *llama.FAMILIES,  # Llama, Qwen2, Qwen3, Mistral
     *gemma3.FAMILIES,
-    *moe.FAMILIES,  # Mixtral, Qwen2-MoE, Qwen3-MoE
+    *moe.FAMILIES,  # Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE
+    *minimax.FAMILIES,  # MiniMax-M2
     *glm.FAMILIES,
     *deepseek.FAMILIES,  # DeepSeek-V3, V2
     *dsa.FAMILIES,  # GLM-4.7-Flash, DeepSeek-V3.2, GLM-5
@@ -40,6 +55,18 @@ REGISTERED: tuple[Family, ...] = (
     *qwen25_vl.FAMILIES,
     *gemma3_vl.FAMILIES,
 )
+# Families people convert that megatron-core 0.19.2 and Megatron-Bridge 0.6.2 cannot build, by config.json
+# ``model_type``: refused in one line naming what is missing (docs/families.md lists them). DeepSeek-V4: transformers
+# 5.14's deepseek_v4; Bridge 0.6.2's deepseek_v4_bridge.py needs megatron-core modules 0.19.2 does not have
+# (HyperConnectionModule, CompressedSparseAttention / CSAIndexer, hash-routing tid2eid). GLM-5.3 and Kimi-Linear: the
+# releases' config.json (remote code); no megatron-core release has Kimi delta attention.
+UNBUILDABLE: dict[str, tuple[str, str]] = {
+    "deepseek_v4": ("DeepSeek-V4", "compressed sparse / heavily compressed attention (CSA / HCA), hyper-connections "
+                                   "and hash routing (Megatron-LM's dev branch only)"),
+    "glm5_next": ("GLM-5.3", "Kimi delta attention (KDA) linear-attention layers and a pooled sparse-attention "
+                             "indexer"),
+    "kimi_linear": ("Kimi-Linear", "Kimi delta attention (KDA) linear-attention layers"),
+}
 FAMILIES: dict[str, Family] = {f.architecture: f for f in REGISTERED}  # architecture -> family, in PREFERENCE order
 PREFERENCE: tuple[str, ...] = tuple(FAMILIES)
 
@@ -50,6 +77,11 @@ def family_of(hf: dict[str, Any]) -> Family:
     for a in archs:
         if a in FAMILIES:
             return FAMILIES[a]
+    if hf.get("model_type") in UNBUILDABLE:
+        name, missing = UNBUILDABLE[hf["model_type"]]
+        raise ConvertError(f"{name} ({archs[0] if archs else hf['model_type']}) has {missing}, which neither "
+                           "megatron-core 0.19.2 nor Megatron-Bridge 0.6.2 builds", "nothing here converts it yet; "
+                           "keep the Hugging Face checkpoint (docs/families.md lists what converts)")
     raise ConvertError(f"unsupported Hugging Face architecture {archs or hf.get('model_type')!r}",
                        f"supported architectures: {', '.join(FAMILIES)}")
 

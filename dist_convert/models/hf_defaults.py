@@ -61,6 +61,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         'hidden_size': 4096, 'intermediate_size': 11008, 'max_position_embeddings': 2048, 'num_attention_heads': 32,
         'num_hidden_layers': 32, 'vocab_size': 32000,
     },
+    'minimax_m2': {
+        'head_dim': 128, 'hidden_size': 3072, 'intermediate_size': 1536, 'max_position_embeddings': 196608,
+        'num_attention_heads': 48, 'num_experts_per_tok': 8, 'num_hidden_layers': 62, 'num_key_value_heads': 8,
+        'num_local_experts': 256, 'rope.rope_theta': 5000000.0,
+        'rope_parameters': {'rope_theta': 5000000.0, 'rope_type': 'default'}, 'vocab_size': 200064,
+    },
     'mistral': {
         'hidden_size': 4096, 'intermediate_size': 14336, 'max_position_embeddings': 131072, 'num_attention_heads': 32,
         'num_hidden_layers': 32, 'num_key_value_heads': 8, 'sliding_window': 4096, 'vocab_size': 32000,
@@ -76,6 +82,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         'mamba_num_heads': 128, 'moe_intermediate_size': 7688, 'moe_shared_expert_intermediate_size': 7688,
         'n_groups': 8, 'n_routed_experts': 8, 'num_attention_heads': 32, 'num_key_value_heads': 8,
         'ssm_state_size': 128, 'vocab_size': 131072,
+    },
+    'olmoe': {
+        'hidden_size': 2048, 'intermediate_size': 2048, 'num_attention_heads': 16, 'num_experts': 64,
+        'num_experts_per_tok': 8, 'num_hidden_layers': 16, 'rms_norm_eps': 1e-05, 'vocab_size': 50304,
     },
     'qwen2': {
         'hidden_size': 4096, 'intermediate_size': 22016, 'max_position_embeddings': 32768, 'num_attention_heads': 32,
@@ -140,8 +150,10 @@ ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
     'glm4_moe_lite': {'n_routed_experts': ('num_local_experts',), 'qk_rope_head_dim': ('head_dim',)},
     'glm_moe_dsa': {'n_routed_experts': ('num_local_experts',)},
     'gpt_oss': {'num_local_experts': ('num_experts',)},
+    'minimax_m2': {'num_local_experts': ('num_experts',)},
     'mixtral': {'num_local_experts': ('num_experts',)},
     'nemotron_h': {'layers_block_type': ('layer_types',), 'n_routed_experts': ('num_local_experts',)},
+    'olmoe': {'num_experts': ('num_local_experts',)},
     'qwen3_moe': {'num_local_experts': ('num_experts',)},
     'qwen3_vl_moe_text': {'num_local_experts': ('num_experts',)},
 }

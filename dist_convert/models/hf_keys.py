@@ -50,6 +50,7 @@ HF_MATH_KEYS: dict[str, Plain] = {
     "attn_logit_softcapping": _is(None), "final_logit_softcapping": _is(None),
     "query_pre_attn_scalar": _head_dim_scalar, "use_bidirectional_attention": _is(None, False),
     "attention_chunk_size": _is(None), "no_rope_layers": _is(None), "attention_multiplier": _is(None, 1.0),
+    "clip_qkv": _is(None),
     # RoPE (rope_parameters / rope_scaling / top-level keys, flattened as rope.*)
     "rope.rope_theta": _never, "rope.rope_type": _is("default"), "rope.partial_rotary_factor": _is(None, 1.0),
     "rope.mrope_section": _is(None), "rope.mrope_interleaved": _is(None, False), "rope_interleave": _is(None, True),

@@ -1,7 +1,8 @@
-"""Mixtral, Qwen2-MoE and Qwen3-MoE (``*ForCausalLM``): Llama-shaped attention with Mixture-of-Experts MLPs
-(a softmax router; Qwen2-MoE adds a sigmoid-gated shared expert; the Qwen families may keep dense layers
-between MoE layers). transformers >= 5 may store all experts of a layer in one tensor
-(``save_original_format=False``): read as an alternative layout (``alternatives``)."""
+"""Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (``*ForCausalLM``): Llama-shaped attention with Mixture-of-Experts MLPs
+(a softmax router; Qwen2-MoE adds a sigmoid-gated shared expert; the Qwen families may keep dense layers between MoE
+layers; OLMoE normalises queries and keys over all heads at once, ``Attention.qk_norm_full``: Megatron-Bridge's OLMoE /
+MiniMax-M2 norm modules, not megatron-core's per-head ``qk_layernorm``). transformers >= 5 may store all experts of a
+layer in one tensor (``save_original_format=False``): read as an alternative layout (``alternatives``)."""
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
@@ -61,10 +62,15 @@ class MoE(Family):
     model_type: str
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_full: bool = False  # the q/k norms span all heads at once (OLMoE)
+    no_head_dim: bool = False  # the config class has no head size: heads of hidden / heads (OLMoE)
     block: str = "mlp"  # module of an MoE layer on disk (Mixtral: block_sparse_moe)
     expert_proj: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per expert: gate, up, down
     shared_expert: bool = False  # every MoE layer has a sigmoid-gated shared expert (Qwen2-MoE)
-    dense_layers: bool = True  # dense MLP layers may sit between MoE layers (Qwen); Mixtral: every layer MoE
+    dense_layers: bool = True  # dense MLP layers may sit between MoE layers (Qwen); Mixtral, OLMoE: every layer MoE
+    window: bool = False  # config.json's sliding_window slides every layer (Mixtral)
+    norm_topk_key: bool = True  # config.json's norm_topk_prob says whether the top-k renormalise (Mixtral: always)
+    experts_key: str = "num_experts"  # config.json's expert count of a family without dense layers
     qkv_bias_flag: bool = False  # config.json's "qkv_bias" switches the q/k/v biases (Qwen2-MoE)
 
     # -- config.json <-> model ---------------------------------------------------------------------------
@@ -73,10 +79,9 @@ class MoE(Family):
         notes: list[str] = []
         moe = self.moe_from_hf(hf, layers, notes)
         qkv_bias = bool(hf.get("qkv_bias", self.qkv_bias)) if self.qkv_bias_flag else self.qkv_bias
-        window = not self.dense_layers  # Mixtral slides over every layer when sliding_window is set
         cfg = gqa_import(hf, vocab_divisible_by, self.architecture, qkv_bias=qkv_bias, qk_norm=self.qk_norm,
-                         window=window, moe=moe)
-        return Imported(cfg=cfg, notes=notes)
+                         window=self.window, moe=moe)
+        return Imported(cfg=cfg.replace(attention__qk_norm_full=self.qk_norm_full), notes=notes)
 
     @property
     def hf_keys(self) -> frozenset[str]:
@@ -85,15 +90,15 @@ class MoE(Family):
     def moe_from_hf(self, hf: dict[str, Any], layers: int, notes: list[str]) -> MoERecord:
         experts = require_int(hf, "num_local_experts", "num_experts")
         topk = require_int(hf, "num_experts_per_tok", default=2)
+        pre_softmax = not bool(hf.get("norm_topk_prob", False)) if self.norm_topk_key else False
         if self.dense_layers:  # Qwen-MoE: experts of moe_intermediate_size, dense layers of intermediate_size
             expert_ffn = require_int(hf, "moe_intermediate_size")
             pattern: tuple[int, ...] | None = hf_moe_pattern(
                 layers, require_int(hf, "decoder_sparse_step", default=1), list(hf.get("mlp_only_layers") or []))
             if all(pattern):
                 pattern = None
-            pre_softmax = not bool(hf.get("norm_topk_prob", False))
-        else:  # Mixtral: every layer MoE, experts of intermediate_size, top-k renormalised
-            expert_ffn, pattern, pre_softmax = int(hf["intermediate_size"]), None, False
+        else:  # Mixtral, OLMoE: every layer MoE, experts of intermediate_size
+            expert_ffn, pattern = require_int(hf, "intermediate_size"), None
             if float(hf.get("router_jitter_noise") or 0.0):
                 notes.append(f"router_jitter_noise={hf['router_jitter_noise']} (training-time noise) has no "
                              "Megatron-LM argument; it is kept only in the origin's config.json")
@@ -104,7 +109,9 @@ class MoE(Family):
     def to_hf(self, cfg: ModelConfig, base: dict[str, Any] | None, dtype: torch.dtype) -> dict[str, Any]:
         hf, same = gqa_to_hf(self, cfg, base, dtype)
         hf.update(self.moe_to_hf(cfg, hf if same else {}))
-        if not self.dense_layers:
+        if self.no_head_dim:
+            hf.pop("head_dim")
+        if self.window:
             hf["sliding_window"] = cfg.attention.window[0] + 1 if cfg.attention.window else None
         return hf
 
@@ -112,9 +119,10 @@ class MoE(Family):
         """The MoE keys of ``config.json`` (``base``: the same family's original config, or empty)."""
         moe = cfg.moe
         assert moe is not None
-        if not self.dense_layers:  # Mixtral: experts of intermediate_size
-            return {"num_local_experts": cfg.num_experts, "num_experts_per_tok": moe.topk,
-                    "intermediate_size": cfg.expert_ffn}
+        if not self.dense_layers:  # Mixtral, OLMoE: experts of intermediate_size
+            return {self.experts_key: cfg.num_experts,
+                    "num_experts_per_tok": moe.topk, "intermediate_size": cfg.expert_ffn,
+                    **({"norm_topk_prob": not moe.pre_softmax} if self.norm_topk_key else {})}
         pattern = moe.layer_pattern or (1,) * cfg.num_layers
         step, only = base.get("decoder_sparse_step", 1), base.get("mlp_only_layers") or []
         if not (isinstance(step, int) and step >= 1 and hf_moe_pattern(cfg.num_layers, step, list(only)) == pattern):
@@ -131,8 +139,11 @@ class MoE(Family):
 
     def expresses(self) -> Mapping[str, Allowed]:
         out = {**gqa_expresses(qkv_bias=None if self.qkv_bias_flag else self.qkv_bias, qk_norm=self.qk_norm),
-               **self.moe_expresses()}
-        if not self.dense_layers:  # Mixtral: a window on every layer
+               "attention.qk_norm_full": {self.qk_norm_full}, **self.moe_expresses()}
+        if self.no_head_dim:  # OLMoE sizes its full-width q norm by hidden_size: heads of hidden / heads each
+            out["attention.qk_norm_full"] = lambda v, cfg: v == self.qk_norm_full and \
+                cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size
+        if self.window:  # Mixtral: a window on every layer
             out["attention.window"] = lambda w, cfg: w is None or (w[1] == 0 and w[0] >= 0)
         return out
 
@@ -140,7 +151,7 @@ class MoE(Family):
         """What the family writes of its Mixture of Experts: softmax routing (renormalised or not where
         norm_topk_prob says so), dense layers between MoE layers (Qwen), gated shared experts (Qwen2-MoE)."""
         return {"moe": {True}, "moe.score_function": {"softmax"},
-                "moe.pre_softmax": ANY if self.dense_layers else {False},
+                "moe.pre_softmax": ANY if self.norm_topk_key else {False},
                 "moe.layer_pattern": ANY if self.dense_layers else {None},
                 "moe.shared_size": (lambda v, cfg: v is not None) if self.shared_expert else {None},
                 "moe.shared_gate": {self.shared_expert}}
@@ -182,8 +193,11 @@ class MoE(Family):
 
 FAMILIES = (  # in the order of preference (models/__init__.py)
     MoE(architecture="MixtralForCausalLM", model_type="mixtral", block="block_sparse_moe",
-        expert_proj=("w1", "w3", "w2"), dense_layers=False),
+        expert_proj=("w1", "w3", "w2"), dense_layers=False, window=True, norm_topk_key=False,
+        experts_key="num_local_experts"),
     MoE(architecture="Qwen2MoeForCausalLM", model_type="qwen2_moe", qkv_bias=True, shared_expert=True,
         qkv_bias_flag=True),
     MoE(architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe", qk_norm=True),
+    MoE(architecture="OlmoeForCausalLM", model_type="olmoe", qk_norm=True, qk_norm_full=True, dense_layers=False,
+        no_head_dim=True),
 )

@@ -63,6 +63,8 @@ PARTIAL_ROTARY_DEFAULT = 0.25  # Qwen3NextConfig's and Qwen3_5TextConfig's defau
 GDN_SIZES = {"num_key_heads": "linear_num_key_heads", "num_value_heads": "linear_num_value_heads",
              "key_head_dim": "linear_key_head_dim", "value_head_dim": "linear_value_head_dim",
              "conv_kernel_dim": "linear_conv_kernel_dim"}
+MROPE_AS_ROPE = ("Qwen3.5's interleaved multimodal RoPE equals plain RoPE for text-only positions; the converted "
+                 "model is the text model")
 ANY_SHARE = lambda v, cfg: 0.0 < v <= 1.0  # noqa: E731  (any rotated share)
 
 
@@ -106,8 +108,7 @@ class GatedDeltaNet(MoE):
                                "with plain RoPE", "convert a config whose rope_parameters.rope_type is default")
         notes: list[str] = []
         if params.get("mrope_section"):
-            notes.append("Qwen3.5's interleaved multimodal RoPE equals plain RoPE for text-only positions; the "
-                         "converted model is the text model")
+            notes.append(MROPE_AS_ROPE)
         moe = None
         if self.experts:
             fixed = {} if self.router_keys else {"norm_topk_prob": True, "decoder_sparse_step": 1,

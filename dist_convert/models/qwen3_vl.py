@@ -1,6 +1,8 @@
 """Qwen3-VL (``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``): a Qwen3 or Qwen3-MoE
 language model (GQA, q/k RMSNorm, SwiGLU, interleaved multimodal RoPE) plus the Qwen3-VL vision tower
-(``features.vision``), as Megatron-Bridge 0.6.2 lays it out.
+(``features.vision``), as Megatron-Bridge 0.6.2 lays it out. Qwen3.5 with images (``Qwen3_5ForConditionalGeneration``,
+``Qwen3_5MoeForConditionalGeneration``): the Qwen3.5 Gated DeltaNet language model (``qwen3_next.py``; its MRoPE on
+the rotated share of the head) under the same tower without deepstack mergers (Bridge's Qwen3.5-VL bridges).
 
 ``config.json`` nests the two: ``text_config`` (read as a Qwen3 config, its ``rope_parameters`` carrying
 ``mrope_section``), ``vision_config``, and at the top the image/video token ids and ``tie_word_embeddings`` (which
@@ -24,10 +26,12 @@ from ..features.vision import Qwen3VLTower
 from ..layout.boxes import Box, Piece, View
 from ..layout.rules import LAYER_PREFIX, logical_tensors
 from ..layout.vision import DEEPSTACK, LAYER_RULES, MERGER, VISION_STACK
-from .base import EXPERT_FC1, EXPERT_FC2, Family, HFTensors, part_pieces, require_int
+from .base import EXPERT_FC1, EXPERT_FC2, Family, HFTensors, Imported, part_pieces, require_int
 from .llama import FAMILIES as LLAMA_FAMILIES
 from .moe import FAMILIES as MOE_FAMILIES
 from .moe import FUSED_FC1, FUSED_FC2, MoE
+from .qwen3_next import FAMILIES as GDN_FAMILIES
+from .qwen3_next import MROPE_AS_ROPE
 from .rows import Plain, Row, StackedQKV, each, names, under
 from .vlm import (
     VisionLanguage,
@@ -70,7 +74,9 @@ MERGER_NAMES: tuple[Row, ...] = (Plain(hf="norm.weight", logical="patch_norm.wei
 assert {r.logical for r in BLOCK_NAMES} == {r.name for r in LAYER_RULES}, "one HF name per tower tensor"
 
 
-def vision_from_hf(hf: dict[str, Any], arch: str) -> Qwen3VLTower:
+def vision_from_hf(hf: dict[str, Any], arch: str, deepstack: bool = True) -> Qwen3VLTower:
+    """The tower's record; ``deepstack``: the family's tower feeds deepstack features (Qwen3-VL; Qwen3.5's has none,
+    whatever the config says: transformers' Qwen3.5 tower reads no deepstack indexes)."""
     v = vision_config(hf, arch)
     act = v.get("hidden_act", "gelu_pytorch_tanh")
     if act not in VISION_ACTIVATIONS:
@@ -85,7 +91,8 @@ def vision_from_hf(hf: dict[str, Any], arch: str) -> Qwen3VLTower:
                            temporal_patch=int(v.get("temporal_patch_size", 2)),
                            in_channels=int(v.get("in_channels", 3)), merge=int(v.get("spatial_merge_size", 2)),
                            positions=require_int(v, "num_position_embeddings"),
-                           deepstack=tuple(int(i) for i in v.get("deepstack_visual_indexes", DEEPSTACK_DEFAULT)),
+                           deepstack=tuple(int(i) for i in v.get("deepstack_visual_indexes", DEEPSTACK_DEFAULT))
+                           if deepstack else (),
                            activation=VISION_ACTIVATIONS[act], **token_ids(hf, TOKENS))
     bad = [i for i in vision.deepstack if not 0 <= i < vision.depth]
     if bad:
@@ -124,9 +131,22 @@ def release_layout(cfg: ModelConfig, found: Collection[str], hf: str) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3VL(VisionLanguage):
+    """Qwen3-VL, and Qwen3.5 with images (its Gated DeltaNet text family, the tower without deepstack)."""
+
+    deepstack: bool = True  # the tower's deepstack mergers feed the first language layers
+    vision_type: str = "qwen3_vl_vision"  # vision_config's model_type
+
     @property
     def experts(self) -> bool:
-        return isinstance(self.text, MoE)
+        return bool(getattr(self.text, "experts", isinstance(self.text, MoE)))
+
+    @property
+    def unconverted(self) -> dict[str, str]:  # type: ignore[override]
+        return self.text.unconverted
+
+    def from_hf(self, hf: dict[str, Any], vocab_divisible_by: int | None) -> Imported:
+        imported = super().from_hf(hf, vocab_divisible_by)  # the multimodal RoPE is the model's here
+        return Imported(cfg=imported.cfg, notes=[n for n in imported.notes if n != MROPE_AS_ROPE])
 
     def lm_name(self, name: str) -> str:
         return name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
@@ -143,17 +163,19 @@ class Qwen3VL(VisionLanguage):
     def with_vision(self, cfg: ModelConfig, hf: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
         # Qwen3-VL interleaves its MRoPE sections, whatever mrope_interleaved says
         cfg = mrope_position(cfg, text, self.architecture, interleaved=True)
-        return cfg.replace(vision=vision_from_hf(hf, self.architecture))
+        return cfg.replace(vision=vision_from_hf(hf, self.architecture, self.deepstack))
 
     def vision_to_hf(self, hf: dict[str, Any], text: dict[str, Any], vision: dict[str, Any], cfg: ModelConfig) -> None:
         write_mrope(text, cfg)
         v = cfg.vision
-        vision.setdefault("model_type", "qwen3_vl_vision")
+        vision.setdefault("model_type", self.vision_type)
         vision.update(depth=v.depth, hidden_size=v.hidden, num_heads=v.heads,
                       intermediate_size=v.ffn, out_hidden_size=v.out_hidden, patch_size=v.patch,
                       temporal_patch_size=v.temporal_patch, in_channels=v.in_channels, spatial_merge_size=v.merge,
-                      num_position_embeddings=v.positions, deepstack_visual_indexes=list(v.deepstack),
+                      num_position_embeddings=v.positions,
                       hidden_act=next(k for k, a in VISION_ACTIVATIONS.items() if a == v.activation))
+        if self.deepstack:
+            vision["deepstack_visual_indexes"] = list(v.deepstack)
         hf.update({k: getattr(v, f) for k, f in TOKENS.items() if getattr(v, f) is not None})
 
     def expresses(self) -> Mapping[str, Allowed]:
@@ -161,7 +183,7 @@ class Qwen3VL(VisionLanguage):
 
     def vision_expresses(self) -> dict[str, Allowed]:
         return {"position.kind": {"mrope"}, "position.mrope_section": ANY, "position.mrope_interleaved": {True},
-                "vision.tower": {Qwen3VLTower.tower}, "vision.deepstack": ANY,
+                "vision.tower": {Qwen3VLTower.tower}, "vision.deepstack": ANY if self.deepstack else {()},
                 "vision.activation": set(VISION_ACTIVATIONS.values()), "vision.eps": {1e-6},
                 **({"moe.pre_softmax": {False}} if self.experts else {}), **token_expresses(TOKENS.values())}
 
@@ -206,4 +228,9 @@ FAMILIES = (
             text=_family(LLAMA_FAMILIES, "Qwen3ForCausalLM")),
     Qwen3VL(architecture="Qwen3VLMoeForConditionalGeneration", model_type="qwen3_vl_moe",
             text=_family(MOE_FAMILIES, "Qwen3MoeForCausalLM")),
+    Qwen3VL(architecture="Qwen3_5ForConditionalGeneration", model_type="qwen3_5",
+            text=_family(GDN_FAMILIES, "Qwen3_5ForCausalLM"), deepstack=False, vision_type="qwen3_5_vision"),
+    Qwen3VL(architecture="Qwen3_5MoeForConditionalGeneration", model_type="qwen3_5_moe",
+            text=_family(GDN_FAMILIES, "Qwen3_5MoeForCausalLM"), deepstack=False,
+            vision_type="qwen3_5_moe_vision"),
 )

@@ -54,16 +54,17 @@ def token_ids(hf: dict[str, Any], names: Mapping[str, str]) -> dict[str, int | N
 
 def mrope_position(cfg: ModelConfig, text: dict[str, Any], arch: str, interleaved: bool) -> ModelConfig:
     """The language model with multimodal RoPE: ``mrope_section`` from the text config's RoPE parameters, which must
-    cover half the head (transformers' rotary embedding and megatron-core's both assume so)."""
+    cover half the rotated part of the head (transformers' rotary embedding and megatron-core's both assume so)."""
     params = text.get("rope_parameters") or text.get("rope_scaling") or {}
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
         raise ConvertError(f"text_config RoPE type {kind!r}: {arch}'s multimodal RoPE is unscaled here",
                            "convert a config whose rope_type is default")
     section = params.get("mrope_section")
-    if not section or 2 * sum(section) != cfg.kv_channels:
-        raise ConvertError(f"text_config mrope_section {section} does not cover the head's {cfg.kv_channels} "
-                           "dimensions", "use the config.json saved with the model")
+    rotated = round(cfg.kv_channels * cfg.position.percent)
+    if not section or 2 * sum(section) != rotated:
+        raise ConvertError(f"text_config mrope_section {section} does not cover the {rotated} rotated dimensions of "
+                           f"the head", "use the config.json saved with the model")
     return cfg.replace(position=replace(cfg.position, kind="mrope", mrope_section=tuple(int(s) for s in section),
                                         mrope_interleaved=interleaved))
 

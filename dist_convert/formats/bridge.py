@@ -102,7 +102,8 @@ def read_run_config(iter_dir: Path) -> dict[str, Any]:
 # Bridge's vision-language providers whose model: section carries the HF text and vision configs it was built from
 VL_PROVIDERS = {"Qwen3VLModelProvider": "Qwen3VLForConditionalGeneration",
                 "Qwen3VLMoEModelProvider": "Qwen3VLMoeForConditionalGeneration"}
-UNREAD_VL_PROVIDERS = ("Qwen25VLModelProvider", "Gemma3VLModelProvider")
+UNREAD_VL_PROVIDERS = ("Qwen25VLModelProvider", "Gemma3VLModelProvider", "Qwen35VLModelProvider",
+                       "Qwen35VLMoEModelProvider")
 VL_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 

@@ -135,6 +135,7 @@ class Qwen3VL(VisionLanguage):
 
     deepstack: bool = True  # the tower's deepstack mergers feed the first language layers
     vision_type: str = "qwen3_vl_vision"  # vision_config's model_type
+    packed: bool = True  # the releases store a layer's experts fused (Qwen3-VL); else per expert (Qwen3.5)
 
     @property
     def experts(self) -> bool:
@@ -193,7 +194,8 @@ class Qwen3VL(VisionLanguage):
         return [r for r in rows if not any(".experts." in h for h in r.hf_names())]
 
     def alternatives(self, cfg: ModelConfig, found: Collection[str], expected: HFTensors) -> HFTensors:
-        """A MoE layer's experts: per expert where ``found`` holds them so, else fused (the releases' layout)."""
+        """A MoE layer's experts: per expert where ``found`` holds them so, fused where it holds them fused, else as
+        the family's releases store them (``packed``: Qwen3-VL's fused; Qwen3.5's per expert)."""
         out: HFTensors = {}
         logical = logical_tensors(cfg) if self.experts else {}
         for layer in range(cfg.num_layers) if self.experts else ():
@@ -202,7 +204,8 @@ class Qwen3VL(VisionLanguage):
             hf = f"{self.hf_layers}{layer}."
             per_expert = [(h, lg, part) for h, lg, part in names(self.text.layer_names(cfg, "decoder", layer), hf=hf)
                           if ".experts." in h]
-            if any(h in found for h, _, _ in per_expert):
+            fused = any(hf + n in found for n in (FUSED_FC1, FUSED_FC2))
+            if any(h in found for h, _, _ in per_expert) or not (fused or self.packed):
                 out.update({h: part_pieces(lg, logical[lg].shape, part, cfg) for h, lg, part in per_expert})
             else:
                 out.update(fused_experts(cfg, layer, hf, release_layout(cfg, found, hf)))
@@ -229,8 +232,9 @@ FAMILIES = (
     Qwen3VL(architecture="Qwen3VLMoeForConditionalGeneration", model_type="qwen3_vl_moe",
             text=_family(MOE_FAMILIES, "Qwen3MoeForCausalLM")),
     Qwen3VL(architecture="Qwen3_5ForConditionalGeneration", model_type="qwen3_5",
-            text=_family(GDN_FAMILIES, "Qwen3_5ForCausalLM"), deepstack=False, vision_type="qwen3_5_vision"),
+            text=_family(GDN_FAMILIES, "Qwen3_5ForCausalLM"), deepstack=False, vision_type="qwen3_5_vision",
+            packed=False),
     Qwen3VL(architecture="Qwen3_5MoeForConditionalGeneration", model_type="qwen3_5_moe",
             text=_family(GDN_FAMILIES, "Qwen3_5MoeForCausalLM"), deepstack=False,
-            vision_type="qwen3_5_moe_vision"),
+            vision_type="qwen3_5_moe_vision", packed=False),
 )

@@ -278,6 +278,12 @@ SAMPLES = {
     "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeConfig", dict(
         text_config=dict(SMALL, **Q35_TEXT, **MOE_KW, shared_expert_intermediate_size=48),
         vision_config={k: v for k, v in VL_VISION.items() if "deep" not in k})),
+    "Glm4vMoeForConditionalGeneration": ("Glm4vMoeConfig", dict(
+        text_config=dict(SMALL, head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
+                           patch_size=4, image_size=16))),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", dict(
         text_config=dict(SMALL, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                  "mrope_section": [2, 3, 3]}),

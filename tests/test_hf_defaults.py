@@ -66,14 +66,16 @@ VISION_LANGUAGE = [a for a in FAMILIES if a not in TEXT]
 
 
 def vision_language(arch: str) -> dict:
-    """transformers' default config of ``arch``, made readable: multimodal RoPE sections covering half the rotated
-    part of the head (the classes' defaults have none) and, for Gemma 3, a tower whose patches pool into its 256
-    tokens."""
+    """transformers' default config of ``arch``, made readable: a whole head size, multimodal RoPE sections covering
+    half the rotated part of the head (the classes' defaults have none) and, for Gemma 3, a tower whose patches pool
+    into its 256 tokens."""
     hf = {**type(transformers.AutoConfig.for_model(FAMILIES[arch].model_type))().to_dict(), "architectures": [arch]}
     text = hf["text_config"]
     if FAMILIES[arch].model_type == "gemma3":
         hf["vision_config"].update(image_size=896, patch_size=14)
     else:
+        if text.get("head_dim") is None and text["hidden_size"] % text["num_attention_heads"]:
+            text["head_dim"] = 128  # GLM-4.5V's class: 4096 / 96 heads is no whole head; its releases state 128
         share = (text.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
         half = round((text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]) * share) // 2
         text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [half - 2 * (half * 5 // 16),

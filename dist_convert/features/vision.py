@@ -169,7 +169,7 @@ class SiglipTower(Vision):
 
     tower: str = _tower("siglip")
     image_size: int = setting(0, kind=SIZE, arg="vision_image_size", config=(),
-                              what="the image side the tower takes (SigLIP; 0: any)")
+                              what="the image side the tower takes (SigLIP, GLM-4V; 0: any)")
     head: bool = setting(False, kind=SIZE, arg="vision_head", config=(),
                          what="SigLIP's attention-pooling head (stored, unused by the language model)")
     mm_tokens: int | None = setting(None, arg="mm_tokens_per_image", config=(),
@@ -181,5 +181,31 @@ class SiglipTower(Vision):
         return (self.image_size // self.patch) ** 2
 
 
+@dataclass(frozen=True, kw_only=True)
+class Glm4vTower(QwenTower):
+    """transformers' GLM-4V vision transformer (GLM-4.5V's; Megatron-Bridge keeps it whole and replicated): RMSNorms,
+    a SiLU-gated block MLP as wide as the output, learned positions over a fixed image side (interpolated), a
+    convolution merging the patches, and a gated merger of width ``ffn``."""
+
+    tower: str = _tower("glm4v")
+    image_size: int = setting(0, kind=SIZE, arg="vision_image_size", config=(),
+                              what="the image side the tower takes (SigLIP, GLM-4V; 0: any)")
+    qkv_bias: bool = setting(False, kind=SIZE, arg="vision_qkv_bias", config=(),
+                             what="q/k/v biases in the vision tower's attention (GLM-4V)")
+    image_start_token_id: int | None = setting(None, arg="image_start_token_id", config=(),
+                                               what="the image start token id")
+    image_end_token_id: int | None = setting(None, arg="image_end_token_id", config=(),
+                                             what="the image end token id")
+    video_start_token_id: int | None = setting(None, arg="video_start_token_id", config=(),
+                                               what="the video start token id")
+    video_end_token_id: int | None = setting(None, arg="video_end_token_id", config=(),
+                                             what="the video end token id")
+
+    @property
+    def positions(self) -> int:
+        """The learned position embeddings: one per patch of the fixed image side."""
+        return (self.image_size // self.patch) ** 2
+
+
 # each tower's record type by its name (the ``vision_tower`` arg)
-TOWERS: dict[str, type[Vision]] = {c.tower: c for c in (Qwen3VLTower, Qwen25VLTower, SiglipTower)}
+TOWERS: dict[str, type[Vision]] = {c.tower: c for c in (Qwen3VLTower, Qwen25VLTower, SiglipTower, Glm4vTower)}

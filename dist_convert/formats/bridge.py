@@ -103,7 +103,7 @@ def read_run_config(iter_dir: Path) -> dict[str, Any]:
 VL_PROVIDERS = {"Qwen3VLModelProvider": "Qwen3VLForConditionalGeneration",
                 "Qwen3VLMoEModelProvider": "Qwen3VLMoeForConditionalGeneration"}
 UNREAD_VL_PROVIDERS = ("Qwen25VLModelProvider", "Gemma3VLModelProvider", "Qwen35VLModelProvider",
-                       "Qwen35VLMoEModelProvider")
+                       "Qwen35VLMoEModelProvider", "GLM45VModelProvider")
 VL_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 

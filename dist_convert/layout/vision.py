@@ -6,6 +6,8 @@ its tensors, its megatron-core objects, its stacks):
 * ``Qwen3VLTower``: Bridge's Megatron-native Qwen3-VL tower (``Qwen3VLVisionModel``) under ``vision_model.``;
 * ``Qwen25VLTower``: transformers' Qwen2.5-VL vision transformer, which Bridge keeps whole and replicated under
   ``visual.`` with Hugging Face's own module names (``QWEN2_5_VL``);
+* ``Glm4vTower``: transformers' GLM-4V vision transformer (GLM-4.5V), kept the same way under ``visual.``
+  (``GLM4V``);
 * ``SiglipTower``: Gemma 3's SigLIP encoder, kept the same way under ``vision_tower.``, and Bridge's multimodal
   projector (``multi_modal_projector.``: a replicated RMSNorm and a column-parallel projection; ``SIGLIP``).
 
@@ -24,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..features.vision import TOWERS, Qwen3VLTower, Qwen25VLTower, SiglipTower, Vision
+from ..features.vision import TOWERS, Glm4vTower, Qwen3VLTower, Qwen25VLTower, SiglipTower, Vision
 from .boxes import Kind
 from .tensors import LogicalTensor, Rule, Shape
 
@@ -230,7 +232,31 @@ def siglip_tower(cfg: ModelConfig) -> Table:
     return out
 
 
+def glm4v_tower(cfg: ModelConfig) -> Table:
+    """transformers' ``Glm4vVisionModel``: learned positions, the Conv3d patch embedding, blocks of RMSNorm pre-norms,
+    a fused q/k/v (its bias by the config), an unbiased projection and a gated SiLU MLP of the output's width, the
+    post-convolution and post norms, a Conv2d merging ``merge x merge`` patches to the output width, and the gated
+    merger (a projection, a LayerNorm, a SiLU-gated MLP of width ``ffn``)."""
+    v = cfg.vision
+    h, o = v.hidden, v.out_hidden
+    out: Table = [("embeddings.position_embedding.weight", (v.positions, h)),
+                  ("patch_embed.proj.weight", (h, v.in_channels, v.temporal_patch, v.patch, v.patch)),
+                  ("patch_embed.proj.bias", (h,))]
+    for i in range(v.depth):
+        b = f"blocks.{i}."
+        qkv = _linear(b + "attn.qkv", 3 * h, h)
+        out += [(b + "norm1.weight", (h,)), (b + "norm2.weight", (h,)), *(qkv if v.qkv_bias else qkv[:1]),
+                (b + "attn.proj.weight", (h, h)), (b + "mlp.gate_proj.weight", (o, h)),
+                (b + "mlp.up_proj.weight", (o, h)), (b + "mlp.down_proj.weight", (h, o))]
+    return out + [("merger.proj.weight", (o, o)), *_norm("merger.post_projection_norm", o),
+                  ("merger.gate_proj.weight", (v.ffn, o)), ("merger.up_proj.weight", (v.ffn, o)),
+                  ("merger.down_proj.weight", (o, v.ffn)), ("post_conv_layernorm.weight", (h,)),
+                  ("downsample.weight", (o, h, v.merge, v.merge)), ("downsample.bias", (o,)),
+                  ("post_layernorm.weight", (h,))]
+
+
 QWEN2_5_VL = HFModule("visual.", qwen2_5_vl_tower)
+GLM4V = HFModule("visual.", glm4v_tower)
 # Gemma 3's projector (Bridge's Gemma3VLMultimodalProjector): the soft-embedding RMSNorm on the tower's width, then a
 # column-parallel projection to the language model's
 SIGLIP = HFModule("vision_tower.", siglip_tower, projector=(
@@ -239,7 +265,7 @@ SIGLIP = HFModule("vision_tower.", siglip_tower, projector=(
 
 # -- each tower's table, by its record type ------------------------------------------------------------------------
 TOWER_LAYOUTS: dict[type[Vision], TowerLayout] = {Qwen3VLTower: MegatronQwen3VL(), Qwen25VLTower: QWEN2_5_VL,
-                                                  SiglipTower: SIGLIP}
+                                                  SiglipTower: SIGLIP, Glm4vTower: GLM4V}
 assert set(TOWER_LAYOUTS) == set(TOWERS.values()), "one layout per vision tower"
 
 

@@ -24,6 +24,7 @@ from . import (
     gemma3,
     gemma3_vl,
     glm,
+    glm45v,
     gpt_oss,
     llama,
     minimax,
@@ -54,6 +55,7 @@ REGISTERED: tuple[Family, ...] = (
     *qwen3_vl.FAMILIES,
     *qwen25_vl.FAMILIES,
     *gemma3_vl.FAMILIES,
+    *glm45v.FAMILIES,
 )
 # Families people convert that megatron-core 0.19.2 and Megatron-Bridge 0.6.2 cannot build, by config.json
 # ``model_type``: refused in one line naming what is missing (docs/families.md lists them). DeepSeek-V4: transformers

@@ -45,6 +45,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         'num_experts_per_tok': 4, 'num_hidden_layers': 47, 'q_lora_rank': 768, 'qk_nope_head_dim': 192,
         'qk_rope_head_dim': 64, 'routed_scaling_factor': 1.8, 'v_head_dim': 256, 'vocab_size': 154880,
     },
+    'glm4v_moe_text': {
+        'attention_bias': True, 'hidden_size': 4096, 'intermediate_size': 10944, 'max_position_embeddings': 65536,
+        'moe_intermediate_size': 1408, 'n_routed_experts': 128, 'n_shared_experts': 1, 'num_attention_heads': 96,
+        'num_experts_per_tok': 8, 'num_hidden_layers': 46, 'num_key_value_heads': 8, 'vocab_size': 151424,
+    },
     'glm_moe_dsa': {
         'hidden_size': 6144, 'intermediate_size': 12288, 'kv_lora_rank': 512, 'max_position_embeddings': 202752,
         'moe_intermediate_size': 2048, 'n_routed_experts': 256, 'n_shared_experts': 1, 'num_attention_heads': 64,
@@ -148,6 +153,7 @@ ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
     'deepseek_v32': {'n_routed_experts': ('num_local_experts',)},
     'glm4_moe': {'n_routed_experts': ('num_local_experts',)},
     'glm4_moe_lite': {'n_routed_experts': ('num_local_experts',), 'qk_rope_head_dim': ('head_dim',)},
+    'glm4v_moe_text': {'n_routed_experts': ('num_local_experts',)},
     'glm_moe_dsa': {'n_routed_experts': ('num_local_experts',)},
     'gpt_oss': {'num_local_experts': ('num_experts',)},
     'minimax_m2': {'num_local_experts': ('num_experts',)},

@@ -68,6 +68,17 @@ def _resized(cls, full: dict) -> dict:
     return {k: v for k, v in built.to_dict().items() if k not in BOOKKEEPING}
 
 
+def text_class(cls, fam) -> Any:
+    """A vision-language config class's text config class (None for a text model's): its ``text_config`` class, or,
+    where that is any class (Mistral 3's AutoConfig), the one of the family's own text model."""
+    import transformers
+
+    text_cls = getattr(cls, "sub_configs", {}).get("text_config")
+    if text_cls is transformers.AutoConfig:
+        return type(transformers.AutoConfig.for_model(fam.text.model_type))
+    return text_cls
+
+
 def config_classes() -> list[tuple[str, Any, Any]]:
     """(model_type, config class, reading of a config.json of that class) for every config class dist_convert reads:
     each family's, and a vision-language family's text config class (its ``text_config``, read by its text family
@@ -79,7 +90,7 @@ def config_classes() -> list[tuple[str, Any, Any]]:
     out = []
     for arch, fam in FAMILIES.items():
         cls = type(transformers.AutoConfig.for_model(fam.model_type))
-        text_cls = getattr(cls, "sub_configs", {}).get("text_config")
+        text_cls = text_class(cls, fam)
         if text_cls is None:
             out.append((fam.model_type, cls, lambda hf, fam=fam, arch=arch: _reading(fam, {**hf, "architectures": [
                 arch]})))

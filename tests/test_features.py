@@ -226,6 +226,8 @@ Q35_TEXT = dict(head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, l
                 linear_value_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e5,
                                                           "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 2],
                                                           "mrope_interleaved": True})
+M3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16,
+           "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
 SAMPLES = {
     "LlamaForCausalLM": ("LlamaConfig", SMALL),
     "MistralForCausalLM": ("MistralConfig", dict(SMALL, sliding_window=8)),
@@ -284,6 +286,11 @@ SAMPLES = {
                                           "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=64,
                            patch_size=4, image_size=16))),
+    "Ministral3ForCausalLM": ("Ministral3Config", dict(SMALL, head_dim=16, rope_parameters=M3_ROPE)),
+    "Mistral3ForConditionalGeneration": ("Mistral3Config", dict(
+        text_config=dict(SMALL, model_type="ministral3", head_dim=16, rope_parameters=M3_ROPE),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           head_dim=16, patch_size=4, image_size=16))),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", dict(
         text_config=dict(SMALL, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                  "mrope_section": [2, 3, 3]}),

@@ -66,14 +66,18 @@ VISION_LANGUAGE = [a for a in FAMILIES if a not in TEXT]
 
 
 def vision_language(arch: str) -> dict:
-    """transformers' default config of ``arch``, made readable: a whole head size, multimodal RoPE sections covering
-    half the rotated part of the head (the classes' defaults have none) and, for Gemma 3, a tower whose patches pool
-    into its 256 tokens."""
-    hf = {**type(transformers.AutoConfig.for_model(FAMILIES[arch].model_type))().to_dict(), "architectures": [arch]}
+    """transformers' default config of ``arch``, made readable: the family's own text config (Mistral 3's default is
+    Mistral's), a whole head size, multimodal RoPE sections covering half the rotated part of the head (the classes'
+    defaults have none) and, for Gemma 3, a tower whose patches pool into its 256 tokens."""
+    fam = FAMILIES[arch]
+    hf = {**type(transformers.AutoConfig.for_model(fam.model_type))().to_dict(), "architectures": [arch]}
+    if gen.text_class(type(transformers.AutoConfig.for_model(fam.model_type)), fam) is not type(
+            transformers.AutoConfig.for_model(hf["text_config"]["model_type"])):  # Mistral 3's default: Mistral
+        hf["text_config"] = type(transformers.AutoConfig.for_model(fam.text.model_type))().to_dict()
     text = hf["text_config"]
     if FAMILIES[arch].model_type == "gemma3":
         hf["vision_config"].update(image_size=896, patch_size=14)
-    else:
+    elif "position.mrope_section" in fam.vision_expresses():
         if text.get("head_dim") is None and text["hidden_size"] % text["num_attention_heads"]:
             text["head_dim"] = 128  # GLM-4.5V's class: 4096 / 96 heads is no whole head; its releases state 128
         share = (text.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
@@ -89,7 +93,7 @@ def test_absent_text_config_key_reads_as_the_text_config_class_gives_it(arch):
     text RoPE base is 5e5 where Qwen3's is 1e4), judged through the whole import of the vision-language model."""
     warnings.filterwarnings("ignore")
     hf = vision_language(arch)
-    cls = type(transformers.AutoConfig.for_model(FAMILIES[arch].model_type)).sub_configs["text_config"]
+    cls = gen.text_class(type(transformers.AutoConfig.for_model(FAMILIES[arch].model_type)), FAMILIES[arch])
     full = {k: v for k, v in hf["text_config"].items() if k not in gen.BOOKKEEPING}
     assert reading(hf) != "refused", arch
     wrong = misread_absent_keys(cls, full, lambda config: {**hf, "text_config": config}, "text_config.")

@@ -119,6 +119,11 @@ class Position(Feature):
     mrope_interleaved: bool = setting(False, arg="mrope_interleaved", config=(),
                                       what="interleaved multimodal RoPE sections (Qwen3-VL)")
     no_rope_freq: Any = setting(None, arg="no_rope_freq", what="layers without RoPE (no_rope_freq)")
+    # Llama 4's attention temperature, as Ministral 3 applies it with YaRN: queries scaled by
+    # 1 + beta * log(1 + floor(position / YaRN's original length)); megatron-core has none (Megatron-Bridge's
+    # Ministral 3 attention applies it)
+    query_scale_beta: float = setting(0.0, arg="llama_4_scaling_beta", config=(),
+                                      what="Llama-4 query scaling by position (its beta; Ministral 3, with YaRN)")
     mla_names: bool = setting(False, kind=LAYOUT, arg="rope_type",
                               what="YaRN written as multi-latent attention's rope_type (else position_embedding_type)",
                               mlm=MegatronArg("LB", "", None))
@@ -128,6 +133,9 @@ class Position(Feature):
         s = self.scaling
         fits = {Yarn: self.kind == "yarn", MLASoftmax: self.kind == "rope" and self.mla_names,
                 Llama3: self.kind == "rope", Linear: self.kind == "rope"}
+        if self.query_scale_beta and not isinstance(s, Yarn):
+            raise ConvertError(f"llama_4_scaling_beta={self.query_scale_beta} without YaRN: the query scaling counts "
+                               "positions in YaRN's original length", "correct the source's RoPE settings")
         if (self.kind == "yarn") != isinstance(s, Yarn) or s is not None and not fits[type(s)]:
             raise ConvertError(f"position_embedding_type={self.kind} with {s.name if s else 'no'} RoPE scaling: "
                                "megatron-core builds no such position embedding",
@@ -156,7 +164,8 @@ class Position(Feature):
                        seq_len_interpolation=_float(get(a, "rotary_seq_len_interpolation_factor")),
                        mrope_section=as_tuple(get(a, "mrope_section")),
                        mrope_interleaved=bool(get(a, "mrope_interleaved", default=False)),
-                       no_rope_freq=as_tuple(get(a, "no_rope_freq")))
+                       no_rope_freq=as_tuple(get(a, "no_rope_freq")),
+                       query_scale_beta=float(get(a, "llama_4_scaling_beta", default=0.0)))
             local = get(a, "rotary_base_local")
             factor = _float(get(a, "rope_scaling_factor"))
             llama3 = bool(get(a, "use_rope_scaling", default=False))
@@ -201,6 +210,8 @@ class Position(Feature):
                 out[name] = list(value) if isinstance(value, tuple) else value
         if self.mrope_interleaved:
             out["mrope_interleaved"] = True
+        if self.query_scale_beta:
+            out["llama_4_scaling_beta"] = self.query_scale_beta
         if isinstance(s, Yarn):
             out.update({s.names(self.mla_names)[name]: value for name, value, _ in s.fields()})
         elif s is not None:

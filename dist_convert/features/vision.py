@@ -207,5 +207,25 @@ class Glm4vTower(QwenTower):
         return (self.image_size // self.patch) ** 2
 
 
+@dataclass(frozen=True, kw_only=True)
+class PixtralTower(Vision):
+    """transformers' Pixtral vision encoder (Mistral 3's; Megatron-Bridge keeps it whole and replicated, with its
+    multimodal projector): RMSNorms, separate unbiased q/k/v/o, a gated MLP, 2-D RoPE over the patch grid, and the
+    projector merging ``merge x merge`` patches into one token before its two linears."""
+
+    tower: str = _tower("pixtral")
+    image_size: int = setting(0, kind=SIZE, arg="vision_image_size", config=(),
+                              what="the image side the tower takes (SigLIP, GLM-4V; 0: any)")
+    head_size: int = setting(0, kind=SIZE, arg="vision_head_size", config=(), what="the vision tower's head size")
+    rope_base: float = setting(10000.0, arg="vision_rope_base", config=(), what="the vision tower's 2-D RoPE base")
+    merge: int = setting(2, kind=SIZE, arg="vision_merge", config=(),
+                         what="the spatial merge size (patches merged per side into one token)")
+    projector_activation: str = setting("gelu", arg="vision_projector_activation", config=(),
+                                        what="the multimodal projector's activation")
+    projector_bias: bool = setting(False, kind=SIZE, arg="vision_projector_bias", config=(),
+                                   what="biases on the multimodal projector's linears")
+
+
 # each tower's record type by its name (the ``vision_tower`` arg)
-TOWERS: dict[str, type[Vision]] = {c.tower: c for c in (Qwen3VLTower, Qwen25VLTower, SiglipTower, Glm4vTower)}
+TOWERS: dict[str, type[Vision]] = {c.tower: c for c in (Qwen3VLTower, Qwen25VLTower, SiglipTower, Glm4vTower,
+                                                        PixtralTower)}

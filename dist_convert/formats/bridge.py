@@ -104,6 +104,7 @@ VL_PROVIDERS = {"Qwen3VLModelProvider": "Qwen3VLForConditionalGeneration",
                 "Qwen3VLMoEModelProvider": "Qwen3VLMoeForConditionalGeneration"}
 UNREAD_VL_PROVIDERS = ("Qwen25VLModelProvider", "Gemma3VLModelProvider", "Qwen35VLModelProvider",
                        "Qwen35VLMoEModelProvider", "GLM45VModelProvider")
+UNREAD_HF_CONFIG_PROVIDERS = ("Ministral3ModelProvider",)  # record the whole HF config (hf_config): not read yet
 VL_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
@@ -114,6 +115,9 @@ def vl_config(model: dict[str, Any]) -> dict[str, Any] | None:
     if provider in UNREAD_VL_PROVIDERS:
         raise ConvertError(f"a Megatron-Bridge {provider} checkpoint: its {RUN_CONFIG} does not record the HF text "
                            "config the model was built from", "convert from the model's HF release (--src-format hf)")
+    if provider in UNREAD_HF_CONFIG_PROVIDERS:
+        raise ConvertError(f"a Megatron-Bridge {provider} checkpoint: reading the HF config its {RUN_CONFIG} records "
+                           "(hf_config) is not built yet", "convert from the model's HF release (--src-format hf)")
     arch = VL_PROVIDERS.get(provider)
     if arch is None:
         return None

@@ -8,6 +8,8 @@ its tensors, its megatron-core objects, its stacks):
   ``visual.`` with Hugging Face's own module names (``QWEN2_5_VL``);
 * ``Glm4vTower``: transformers' GLM-4V vision transformer (GLM-4.5V), kept the same way under ``visual.``
   (``GLM4V``);
+* ``PixtralTower``: Mistral 3's Pixtral encoder and multimodal projector, kept the same way under ``vision_tower.``
+  and ``multi_modal_projector.`` (``PIXTRAL``);
 * ``SiglipTower``: Gemma 3's SigLIP encoder, kept the same way under ``vision_tower.``, and Bridge's multimodal
   projector (``multi_modal_projector.``: a replicated RMSNorm and a column-parallel projection; ``SIGLIP``).
 
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..features.vision import TOWERS, Glm4vTower, Qwen3VLTower, Qwen25VLTower, SiglipTower, Vision
+from ..features.vision import TOWERS, Glm4vTower, PixtralTower, Qwen3VLTower, Qwen25VLTower, SiglipTower, Vision
 from .boxes import Kind
 from .tensors import LogicalTensor, Rule, Shape
 
@@ -255,7 +257,28 @@ def glm4v_tower(cfg: ModelConfig) -> Table:
                   ("post_layernorm.weight", (h,))]
 
 
+def pixtral_tower(cfg: ModelConfig) -> Table:
+    """transformers' ``PixtralVisionModel`` under ``vision_tower.`` (the unbiased patch convolution, RMSNorms,
+    separate q/k/v/o, a gated MLP) and Mistral 3's ``multi_modal_projector.`` (its RMSNorm, the patch merger's linear
+    over ``merge x merge`` patches, two linears to the language model's width)."""
+    v = cfg.vision
+    h, heads = v.hidden, v.heads * v.head_size
+    out: Table = [("vision_tower.patch_conv.weight", (h, v.in_channels, v.patch, v.patch)),
+                  ("vision_tower.ln_pre.weight", (h,))]
+    for i in range(v.depth):
+        b = f"vision_tower.transformer.layers.{i}."
+        out += [(b + "attention_norm.weight", (h,)), (b + "feed_forward.gate_proj.weight", (v.ffn, h)),
+                (b + "feed_forward.up_proj.weight", (v.ffn, h)), (b + "feed_forward.down_proj.weight", (h, v.ffn)),
+                *((b + f"attention.{x}_proj.weight", (heads, h)) for x in "kvq"),
+                (b + "attention.o_proj.weight", (h, heads)), (b + "ffn_norm.weight", (h,))]
+    p, lm = "multi_modal_projector.", cfg.hidden_size
+    return out + [(p + "norm.weight", (h,)), (p + "patch_merger.merging_layer.weight", (h, h * v.merge * v.merge)),
+                  *(_linear(p + "linear_1", lm, h) if v.projector_bias else [(p + "linear_1.weight", (lm, h))]),
+                  *(_linear(p + "linear_2", lm, lm) if v.projector_bias else [(p + "linear_2.weight", (lm, lm))])]
+
+
 QWEN2_5_VL = HFModule("visual.", qwen2_5_vl_tower)
+PIXTRAL = HFModule("", pixtral_tower)
 GLM4V = HFModule("visual.", glm4v_tower)
 # Gemma 3's projector (Bridge's Gemma3VLMultimodalProjector): the soft-embedding RMSNorm on the tower's width, then a
 # column-parallel projection to the language model's
@@ -265,7 +288,7 @@ SIGLIP = HFModule("vision_tower.", siglip_tower, projector=(
 
 # -- each tower's table, by its record type ------------------------------------------------------------------------
 TOWER_LAYOUTS: dict[type[Vision], TowerLayout] = {Qwen3VLTower: MegatronQwen3VL(), Qwen25VLTower: QWEN2_5_VL,
-                                                  SiglipTower: SIGLIP, Glm4vTower: GLM4V}
+                                                  SiglipTower: SIGLIP, Glm4vTower: GLM4V, PixtralTower: PIXTRAL}
 assert set(TOWER_LAYOUTS) == set(TOWERS.values()), "one layout per vision tower"
 
 

@@ -28,6 +28,7 @@ from . import (
     gpt_oss,
     llama,
     minimax,
+    ministral3,
     moe,
     nemotron_h,
     qwen3_next,
@@ -56,6 +57,7 @@ REGISTERED: tuple[Family, ...] = (
     *qwen25_vl.FAMILIES,
     *gemma3_vl.FAMILIES,
     *glm45v.FAMILIES,
+    *ministral3.FAMILIES,  # Ministral 3, and with images (Mistral 3)
 )
 # Families people convert that megatron-core 0.19.2 and Megatron-Bridge 0.6.2 cannot build, by config.json
 # ``model_type``: refused in one line naming what is missing (docs/families.md lists them). DeepSeek-V4: transformers

@@ -72,6 +72,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         'num_local_experts': 256, 'rope.rope_theta': 5000000.0,
         'rope_parameters': {'rope_theta': 5000000.0, 'rope_type': 'default'}, 'vocab_size': 200064,
     },
+    'ministral3': {
+        'hidden_size': 4096, 'intermediate_size': 14336, 'max_position_embeddings': 262144, 'num_attention_heads': 32,
+        'num_hidden_layers': 34, 'num_key_value_heads': 8, 'rms_norm_eps': 1e-05,
+        'rope_parameters': {'type': 'yarn', 'rope_theta': 1000000.0, 'factor': 16.0, 'original_max_position_embeddings': 16384, 'max_position_embeddings': 262144, 'beta_fast': 32.0, 'beta_slow': 1.0, 'mscale_all_dim': 1.0, 'mscale': 1.0, 'llama_4_scaling_beta': 0.1, 'rope_type': 'yarn'},
+        'vocab_size': 131072,
+    },
     'mistral': {
         'hidden_size': 4096, 'intermediate_size': 14336, 'max_position_embeddings': 131072, 'num_attention_heads': 32,
         'num_hidden_layers': 32, 'num_key_value_heads': 8, 'sliding_window': 4096, 'vocab_size': 32000,

@@ -54,6 +54,7 @@ HF_MATH_KEYS: dict[str, Plain] = {
     # RoPE (rope_parameters / rope_scaling / top-level keys, flattened as rope.*)
     "rope.rope_theta": _never, "rope.rope_type": _is("default"), "rope.partial_rotary_factor": _is(None, 1.0),
     "rope.mrope_section": _is(None), "rope.mrope_interleaved": _is(None, False), "rope_interleave": _is(None, True),
+    "rope.llama_4_scaling_beta": _is(None, 0, 0.0),
     # norms, MLP, embeddings
     "rms_norm_eps": _never, "layer_norm_epsilon": _never, "tie_word_embeddings": _never,
     "hidden_act": _is(None, "silu"), "hidden_activation": _is(None, "silu"), "mlp_bias": _is(None, False),

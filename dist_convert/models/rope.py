@@ -54,8 +54,8 @@ def position_from_hf(hf: dict[str, Any], name: str, *, kinds: Collection[str] = 
                                "convert a config with those Llama-3 scaling parameters (as the releases have)")
         return replace(pos, scaling=Llama3(factor=float(p.get("factor", 8.0))))
     if kind == "yarn":
-        return replace(pos, kind="yarn", scaling=yarn_from_hf(p, hf))
-    return pos
+        pos = replace(pos, kind="yarn", scaling=yarn_from_hf(p, hf))
+    return replace(pos, query_scale_beta=float(p.get("llama_4_scaling_beta") or 0.0))
 
 
 def yarn_from_hf(p: dict[str, Any], hf: dict[str, Any]) -> Yarn:
@@ -99,4 +99,6 @@ def rope_to_hf(pos: Position) -> dict[str, Any]:
             out.update(mscale=s.mscale, mscale_all_dim=s.mscale_all_dim)
     if pos.percent != 1.0:
         out["partial_rotary_factor"] = float(pos.percent)
+    if pos.query_scale_beta:
+        out["llama_4_scaling_beta"] = float(pos.query_scale_beta)
     return out

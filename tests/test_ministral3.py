@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_vision import back_to_hf_is_exact, vl
 
 from dist_convert.errors import ConvertError
@@ -63,8 +64,11 @@ def test_the_query_scaling_is_a_setting_with_yarn():
     assert back["text_config"]["model_type"] == "ministral3" and back["image_token_index"] == 290
     with pytest.raises(ConvertError, match="vision_feature_layer=-2"):
         config_from_hf({**MISTRAL3, "vision_feature_layer": -2}, None)
-    with pytest.raises(ConvertError, match="Ministral3ModelProvider checkpoint: reading the HF config"):
-        vl_config({"_target_": "megatron.bridge.models.ministral3.ministral3_provider.Ministral3ModelProvider"})
+    provider = {"_target_": "megatron.bridge.models.ministral3.ministral3_provider.Ministral3ModelProvider",
+                "hf_config": {**MISTRAL3, "_target_": "transformers.Mistral3Config"}, "yarn_rotary_scaling_factor": 4.0}
+    assert vl_config(provider) == MISTRAL3  # a Bridge checkpoint's recorded HF config
+    with pytest.raises(ConvertError, match=r"yarn_rotary_scaling_factor=16.0 \(hf_config: 4.0\): Megatron-Bridge"):
+        vl_config({**provider, "yarn_rotary_scaling_factor": 16.0})  # its provider's default, not the HF config's
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +106,12 @@ def test_ministral3_to_megatron_judged_by_bridge_and_back(case, ministral3, tmp_
 
 
 def test_ministral3_judge_fails_on_a_defect(ministral3, tmp_path):
-    """The judge is no rubber stamp: Bridge's own checkpoint with one projector weight changed fails."""
+    """Bridge's own checkpoint (its run_config.yaml records the HF config) exports as the HF model bit for bit; the
+    judge is no rubber stamp: that checkpoint with one projector weight changed fails."""
     hf, truth = ministral3
+    ok(run_cli("reshard", str(truth), str(tmp_path / "back"), "--dst-format", "hf"))
+    a, b = load_file(str(hf / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     vl("ministral3", "mutate", str(truth), str(tmp_path / "bad"), "--hf", str(hf), "--kind", "projector_value")
     result = verdict(vl("ministral3", "judge", str(tmp_path / "bad"), "--truth", str(truth), "--hf", str(hf),
                         check=False))

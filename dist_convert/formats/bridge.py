@@ -104,7 +104,13 @@ VL_PROVIDERS = {"Qwen3VLModelProvider": "Qwen3VLForConditionalGeneration",
                 "Qwen3VLMoEModelProvider": "Qwen3VLMoeForConditionalGeneration"}
 UNREAD_VL_PROVIDERS = ("Qwen25VLModelProvider", "Gemma3VLModelProvider", "Qwen35VLModelProvider",
                        "Qwen35VLMoEModelProvider", "GLM45VModelProvider")
-UNREAD_HF_CONFIG_PROVIDERS = ("Ministral3ModelProvider",)  # record the whole HF config (hf_config): not read yet
+# Bridge's providers that record the whole HF config (``hf_config``) beside their own fields, and the fields that must
+# say what it says: Ministral 3's YaRN, which its provider does not take from the HF config (model field -> key of
+# the text config's rope_parameters)
+HF_CONFIG_PROVIDERS = {"Ministral3ModelProvider": {
+    "rotary_base": "rope_theta", "yarn_rotary_scaling_factor": "factor",
+    "yarn_original_max_position_embeddings": "original_max_position_embeddings", "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow", "yarn_mscale": "mscale", "yarn_mscale_all_dim": "mscale_all_dim"}}
 VL_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
@@ -115,9 +121,8 @@ def vl_config(model: dict[str, Any]) -> dict[str, Any] | None:
     if provider in UNREAD_VL_PROVIDERS:
         raise ConvertError(f"a Megatron-Bridge {provider} checkpoint: its {RUN_CONFIG} does not record the HF text "
                            "config the model was built from", "convert from the model's HF release (--src-format hf)")
-    if provider in UNREAD_HF_CONFIG_PROVIDERS:
-        raise ConvertError(f"a Megatron-Bridge {provider} checkpoint: reading the HF config its {RUN_CONFIG} records "
-                           "(hf_config) is not built yet", "convert from the model's HF release (--src-format hf)")
+    if provider in HF_CONFIG_PROVIDERS:
+        return recorded_hf_config(model, provider)
     arch = VL_PROVIDERS.get(provider)
     if arch is None:
         return None
@@ -132,6 +137,27 @@ def vl_config(model: dict[str, Any]) -> dict[str, Any] | None:
             "vision_config": plain(model.get("vision_config"), "vision_config"),
             "tie_word_embeddings": bool(model.get("share_embeddings_and_output_weights", False)),
             **{k: model[k] for k in VL_TOKENS if model.get(k) is not None}}
+
+
+def recorded_hf_config(model: dict[str, Any], provider: str) -> dict[str, Any]:
+    """The HF config.json a provider's ``hf_config`` records, refused where the provider's own fields (what Bridge's
+    model computes) say otherwise."""
+    def plain(d: Any) -> Any:
+        return {k: plain(v) for k, v in d.items() if k != "_target_"} if isinstance(d, dict) else d
+
+    hf = plain(model.get("hf_config"))
+    if not isinstance(hf, dict) or not isinstance(hf.get("text_config"), dict):
+        raise ConvertError(f"{RUN_CONFIG} model: {provider} without its hf_config", f"restore {RUN_CONFIG} as "
+                           "Megatron-Bridge saved it, or convert from the HF model with --src-format hf")
+    rope = hf["text_config"].get("rope_parameters") or {}
+    wrong = [f"{field}={model[field]} (hf_config: {rope[key]})" for field, key in HF_CONFIG_PROVIDERS[provider].items()
+             if model.get(field) is not None and rope.get(key) is not None
+             and float(model[field]) != float(rope[key])]
+    if wrong:
+        raise ConvertError(f"{RUN_CONFIG} model: {provider}'s {', '.join(wrong)}: Megatron-Bridge's model computes its "
+                           "own fields, the recorded HF config another model", "convert from the model's HF release "
+                           "(--src-format hf), or correct run_config.yaml to the model that was trained")
+    return hf
 
 
 def bridge_args(iter_dir: Path, y: dict[str, Any]) -> argparse.Namespace:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from dist_convert.config import ModelConfig
 from dist_convert.errors import ConvertError
 from dist_convert.features import MLA, Attention
+from dist_convert.formats.bridge import check_bridge_spec, layer_spec
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 from dist_convert.models import config_from_hf, export_family, family_of, hf_from_config
@@ -104,6 +105,15 @@ def test_no_family_writes_the_other_norm():
         Attention(qk_norm_full=True)
     with pytest.raises(ConvertError, match="multi-latent attention"):
         minimax.replace(mla=MLA()).check_layout(Layout(tp=1, pp=1))
+    # a Bridge target: its OLMoE spec computes the model at TP 1 only, its specs are Transformer Engine's
+    check_bridge_spec(olmoe, 1)
+    check_bridge_spec(minimax, 2)
+    with pytest.raises(ConvertError, match="at TP=2 .*OLMoE spec.*--target-tp 1"):
+        check_bridge_spec(olmoe, 2)
+    with pytest.raises(ConvertError, match="drop --target-spec local"):
+        check_bridge_spec(minimax.replace(spec="local"), 1)
+    assert layer_spec(olmoe)["_target_"].endswith("olmoe_layer_spec")
+    assert layer_spec(minimax)["_target_"].endswith("minimax_m2_layer_spec")
 
 
 # -- processes: transformers makes the models, Megatron-Bridge judges ---------------------------------------------

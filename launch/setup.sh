@@ -26,8 +26,8 @@ want=$(cat pyproject.toml launch/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # pyproject.toml's dependencies (megatron-core pinned), then its speculative, test and docs extras
   "${PIP[@]}" "megatron-core==0.16.1" "safetensors>=0.4" "rich>=13" "pyyaml>=5.1" psutil \
-    "nvidia-modelopt==0.47.0" "transformers>=4.57,<5.15" requests huggingface_hub "pytest>=8" "ruff>=0.6" \
-    "mkdocs-material>=9.5,<10" "compressed-tensors==0.20.0"
+    "nvidia-modelopt==0.47.0" "transformers>=4.57,<5.15" requests huggingface_hub "pytest>=8" "pytest-xdist>=3.6" \
+    "ruff>=0.6" "mkdocs-material>=9.5,<10" "compressed-tensors==0.20.0"
   # the editable install writes dist_convert.egg-info into the checkout: one at a time (launch/test.sh runs
   # setup.sh and setup_mcore19.sh side by side)
   flock pyproject.toml "${PIP[@]}" --no-deps --no-build-isolation -e .

@@ -31,7 +31,10 @@ bash launch/setup_nemo.sh  # NeMo 2 in .venv, for the NeMo 2 oracle (tests/oracl
 export OMP_NUM_THREADS=1 DIST_CONVERT_THREADS=1
 .venv/bin/ruff check dist_convert tests  # lint: the rule set is in pyproject.toml
 set +e
-.venv/bin/python -m pytest tests --durations=15 "$@"  # the 15 slowest tests, every run
+# two pytest processes (pytest-xdist), a test file each at a time: one alone left a core idle for about a third of
+# the run (one-rank jobs, pure planning, waits on a timeout); the tests' sources are made once for both (conftest.py
+# made_once) and each process keeps a smaller pool of workers (tests/workers.py)
+.venv/bin/python -m pytest tests -n 2 --dist loadfile --durations=15 "$@"  # the 15 slowest tests, every run
 rc=$?
 wait "$pid"
 set -e

@@ -2,9 +2,11 @@
 and helpers that launch the real CLI the way users do (torchrun from the repo root, or one process)."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers import Workers
+from workers import PoolClient, PoolServer, Workers
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -32,7 +34,32 @@ torch.set_num_threads(1)
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 ENV = {**os.environ, **SUITE_THREADS, "PYTHONWARNINGS": "ignore", "TORCHELASTIC_ERROR_FILE": ""}
-WORKERS = Workers(ENV)
+# launch/test.sh runs the suite in two pytest processes (pytest-xdist, a file each at a time): the controller holds
+# the run's one pool of workers and serves it to both (workers.PoolServer), so that a worker starts once for the run
+POOL = "DIST_CONVERT_TEST_POOL"  # the pool's socket, set by the controller for the processes it starts
+WORKERS = (PoolClient(os.environ[POOL]) if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(POOL)
+           else Workers(ENV))
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """The directory ``name`` that ``make(path)`` fills once per test run, whichever of the run's pytest processes
+    (launch/test.sh runs two, pytest-xdist) asks first: the others wait for it under a file lock and use what it
+    made. A session fixture whose sources many files read (``gpt_a``, the training runs) is made once, not once per
+    process; a ``make`` that failed leaves nothing marked made, so the next asker makes it again (and fails alike)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each process's own
+    shared = root / "made_once"
+    shared.mkdir(exist_ok=True)
+    path, done = shared / name, shared / f"{name}.made"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            make(path)
+            done.touch()
+    return path
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
@@ -95,12 +122,24 @@ def one_thread():
     assert torch.get_num_threads() == 1, f"the test left torch on {torch.get_num_threads()} threads"
 
 
+POOL_SERVER = pytest.StashKey[PoolServer]()
+
+
+def pytest_configure(config) -> None:
+    """The xdist controller serves its pool to the processes it is about to start (they inherit the variable)."""
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.stash[POOL_SERVER] = server = PoolServer(WORKERS)
+        os.environ[POOL] = str(server.path)
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     WORKERS.stop()
+    if POOL_SERVER in session.config.stash:
+        session.config.stash[POOL_SERVER].close()
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if WORKERS.started:
+    if isinstance(WORKERS, Workers) and WORKERS.order:
         terminalreporter.write_line(WORKERS.summary())
 
 
@@ -137,31 +176,35 @@ CONFIGS = {
 }
 
 
-def make_source(root: Path, name: str) -> Source:
-    return make_gpt(root, name, *CONFIGS[name])
-
-
 def make_gpt(root: Path, name: str, cfg: dict, tp: int, pp: int, first: int | None = None, ep: int = 1,
-             runtime: str = "default") -> Source:
+             runtime: str = "default", save: bool = True) -> Source:
     """A megatron-core GPT with config ``cfg``, saved by the oracle at (tp, pp[, ep]) in both Megatron-LM formats
-    (by megatron-core 0.19.2 with ``runtime="mcore19"``)."""
-    root.mkdir(parents=True, exist_ok=True)
-    config = root / f"{name}.json"
-    config.write_text(json.dumps(cfg))
-    src = Source(name, config, tp, pp, first, root / f"{name}_torch_dist", root / f"{name}_megatron", cfg, ep)
-    oracle("make", tp * pp * ep, "--config", str(config), *src.layout_args(), "--seed", "1234", "--iteration", "100",
-           "--out-torch-dist", str(src.torch_dist), "--out-megatron", str(src.megatron), runtime=runtime)
+    (by megatron-core 0.19.2 with ``runtime="mcore19"``); ``save=False``: the Source of one saved there before."""
+    src = Source(name, root / f"{name}.json", tp, pp, first, root / f"{name}_torch_dist", root / f"{name}_megatron",
+                 cfg, ep)
+    if save:
+        root.mkdir(parents=True, exist_ok=True)
+        src.config.write_text(json.dumps(cfg))
+        oracle("make", tp * pp * ep, "--config", str(src.config), *src.layout_args(), "--seed", "1234",
+               "--iteration", "100", "--out-torch-dist", str(src.torch_dist), "--out-megatron", str(src.megatron),
+               runtime=runtime)
     return src
+
+
+def session_source(tmp_path_factory, name: str) -> Source:
+    """CONFIGS[name] saved once per test run (made_once), read by the tests of every process."""
+    root = made_once(tmp_path_factory, f"src-{name}", lambda path: make_gpt(path, name, *CONFIGS[name]))
+    return make_gpt(root, name, *CONFIGS[name], save=False)
 
 
 @pytest.fixture(scope="session")
 def gpt_a(tmp_path_factory) -> Source:
-    return make_source(tmp_path_factory.mktemp("src"), "A")
+    return session_source(tmp_path_factory, "A")
 
 
 @pytest.fixture(scope="session")
 def gpt_b(tmp_path_factory) -> Source:
-    return make_source(tmp_path_factory.mktemp("src"), "B")
+    return session_source(tmp_path_factory, "B")
 
 
 from training_runs import trained  # noqa: E402,F401 - the session's training runs (after CONFIGS and oracle)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, oracle
+from conftest import CONFIGS, made_once, oracle
 
 MOE_M = {"num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
          "swiglu": True, "normalization": "RMSNorm", "add_bias_linear": False, "vocab_size": 100,
@@ -51,21 +51,19 @@ class Run:
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """``trained(runtime, name)``: that training run's checkpoints, made at its first use."""
-    made: dict[tuple[str, str], Run] = {}
-
+    """``trained(runtime, name)``: that training run's checkpoints, made at its first use in the run (made_once)."""
     def get(runtime: str, name: str) -> Run:
-        if (runtime, name) not in made:
-            cfg, tp, ep, kinds, bucket_size = RUNS[runtime, name]
-            root = tmp_path_factory.mktemp(f"train-{runtime}-{name}")
-            config = root / "config.json"
-            config.write_text(json.dumps(cfg))
-            res = oracle("make", WORLD, "--config", str(config), "--tp", str(tp), "--ep", str(ep), "--seed", "4321",
-                         "--out", str(root), *[f"--save-kind={k}" for k in kinds],
+        cfg, tp, ep, kinds, bucket_size = RUNS[runtime, name]
+
+        def make(root: Path) -> None:
+            (root / "config.json").write_text(json.dumps(cfg))
+            res = oracle("make", WORLD, "--config", str(root / "config.json"), "--tp", str(tp), "--ep", str(ep),
+                         "--seed", "4321", "--out", str(root), *[f"--save-kind={k}" for k in kinds],
                          *(["--bucket-size", str(bucket_size)] if bucket_size else []), program="train",
                          runtime=runtime)
             assert "TRAIN ORACLE SAVED" in res.stdout, res.stdout[-2000:]
-            made[runtime, name] = Run(runtime=runtime, config=config, root=root, cfg=cfg, bucket_size=bucket_size)
-        return made[runtime, name]
+
+        root = made_once(tmp_path_factory, f"train-{runtime}-{name}", make)
+        return Run(runtime=runtime, config=root / "config.json", root=root, cfg=cfg, bucket_size=bucket_size)
 
     return get

@@ -1,5 +1,6 @@
-"""The test session's side of tests/job_worker.py: one long-lived worker per (program, world size),
-started on first use, restarted when a job ended it, stopped at the end of the session."""
+"""The test run's side of tests/job_worker.py: long-lived workers by (program, world size, runtime), started on
+first use, restarted when a job ended it, stopped at the end of the run; with pytest-xdist, one pool for the run's
+pytest processes (PoolServer in the controller, PoolClient in each process)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -171,44 +173,143 @@ class Worker:
         shutil.rmtree(getattr(self, "spool", ""), ignore_errors=True)
 
 
+MIN_FREE = 5 << 30  # bytes of memory left available before a worker starts (two jobs can run at once, see Workers)
+
+
+def mem_available() -> int:
+    """The machine's available memory in bytes (/proc/meminfo's MemAvailable; unbounded where there is none)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+Key = tuple[str, int | None, str]  # (program, world, runtime)
+
+
 class Workers:
-    """The session's workers, by (program, world). At most ``max_ranks`` worker processes stay alive
+    """The test run's workers, by (program, world, runtime). At most ``max_ranks`` worker processes stay alive
     (each holds torch, and the oracle's megatron-core, in memory: about 250 MB per CLI rank, 370 MB per oracle rank,
     more with Megatron-Bridge and transformers loaded, plus a torchrun agent per worker and megatron-core's save
-    Manager per rank that saved): starting one more first stops the least recently used. 20 keeps most workers of
-    the three runtimes warm (16 made them evict each other: 24 min 56 s against 20 min 04 s with 20, the same day).
-    With the tests' worlds trimmed (no worker for a single job at an odd world size), a clean-clone run started
-    workers 28 times at 20 (15.0 GB in use at most) and 19 times at 24, which brought memory in use to 18.7 GB of this
-    24 GB machine: too close to the edge for a suite that must not flake."""
+    Manager per rank that saved), and a worker starts only while ``min_free`` bytes of memory are available: starting
+    one more first stops the least recently used idle ones. 20 keeps most workers of the three runtimes warm (16 made
+    them evict each other: 24 min 56 s against 20 min 04 s with 20, the same day). With the tests' worlds trimmed (no
+    worker for a single job at an odd world size), a clean-clone run started workers 28 times at 20 (15.0 GB in use
+    at most) and 19 times at 24, which brought memory in use to 18.7 GB of this 24 GB machine: too close to the edge
+    for a suite that must not flake.
 
-    def __init__(self, env: dict[str, str], max_ranks: int = 20) -> None:
-        self.env, self.max_ranks = env, max_ranks
-        self.pool: dict[tuple[str, int | None, str], Worker] = {}  # least recently used first
-        self.started: dict[tuple[str, int | None, str], Worker] = {}  # every worker of the session, for summary()
+    Jobs may come from several threads (PoolServer: one per pytest process of the run): a worker runs one job at a
+    time, and a job whose worker is busy gets a second worker of the same key."""
+
+    def __init__(self, env: dict[str, str], max_ranks: int = 20, min_free: int = MIN_FREE) -> None:
+        self.env, self.max_ranks, self.min_free = env, max_ranks, min_free
+        self.lock = threading.Lock()
+        self.order: list[Worker] = []  # every worker the run started, least recently used first
+        self.busy: set[Worker] = set()
+
+    def _take(self, key: Key) -> Worker:
+        """An idle worker of ``key`` (a live one first), or a new one; room made for it if it must start."""
+        with self.lock:
+            idle = [w for w in self.order if (w.program, w.world, w.runtime) == key and w not in self.busy]
+            worker = max(idle, key=lambda w: w.alive) if idle else Worker(key[0], key[1], self.env, key[2])
+            if worker in self.order:
+                self.order.remove(worker)
+            self.busy.add(worker)
+            if not worker.alive:
+                for other in [w for w in self.order if w not in self.busy and w.alive]:
+                    if (sum(w.nranks for w in self.order if w.alive) + worker.nranks <= self.max_ranks
+                            and mem_available() >= self.min_free):
+                        break
+                    other.stop()
+            self.order.append(worker)
+            return worker
 
     def run(self, program: str, world: int | None, argv: list[str], timeout: float,
             runtime: str = "default", cwd: str | None = None) -> subprocess.CompletedProcess:
-        key = (program, world, runtime)
-        self.pool.pop(key, None)
-        worker = self.started.get(key) or self.started.setdefault(key, Worker(program, world, self.env, runtime))
-        if not worker.alive:
-            for other in list(self.pool.values()):
-                if sum(w.nranks for w in self.pool.values() if w.alive) + worker.nranks <= self.max_ranks:
-                    break
-                other.stop()
-        self.pool[key] = worker
-        return worker.run(argv, timeout, cwd)
+        worker = self._take((program, world, runtime))
+        try:
+            return worker.run(argv, timeout, cwd)
+        finally:
+            with self.lock:
+                self.busy.discard(worker)
 
     def stop(self) -> None:
-        for w in self.pool.values():
-            w.stop()
-        self.pool.clear()
+        with self.lock:
+            for w in self.order:
+                w.stop()
 
     def summary(self) -> str:
-        """One line: how many worker starts the session paid for and how long they took, the restarted ones named
+        """One line: how many worker starts the run paid for and how long they took, the restarted ones named
         (a start costs a few seconds of imports per rank: a worker started again is time the suite loses)."""
-        starts = [t for w in self.started.values() for t in w.starts]
-        again = sorted((f"{p}/w{w or 0}/{r} x{len(x.starts)}" for (p, w, r), x in self.started.items()
-                        if len(x.starts) > 1))
-        return (f"test workers: {len(starts)} starts of {len(self.started)} workers, {sum(starts):.0f} s starting"
+        by_key: dict[str, list[float]] = {}
+        for w in self.order:
+            by_key.setdefault(f"{w.program}/w{w.world or 0}/{w.runtime}", []).extend(w.starts)
+        starts = [t for ts in by_key.values() for t in ts]
+        again = sorted(f"{k} x{len(ts)}" for k, ts in by_key.items() if len(ts) > 1)
+        return (f"test workers: {len(starts)} starts of {len(by_key)} kinds of worker, {sum(starts):.0f} s starting"
                 + (f"; started again: {', '.join(again)}" if again else ""))
+
+
+class PoolServer:
+    """The run's one pool of workers, served over a Unix socket to the pytest processes of the run (pytest-xdist):
+    a worker is started once for all of them, not once per process. One JSON line per job each way."""
+
+    def __init__(self, workers: Workers) -> None:
+        self.workers, self.dir = workers, Path(tempfile.mkdtemp(prefix="dcw-pool-"))
+        self.path = self.dir / "sock"
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(self.path))
+        self.server.listen()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # the socket closed at the end of the run
+            while True:
+                conn, _ = self.server.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("r") as requests:
+            for line in requests:
+                try:
+                    proc = self.workers.run(**json.loads(line))
+                    reply = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+                except subprocess.TimeoutExpired as e:
+                    reply = {"timeout": e.timeout, "stdout": e.output, "stderr": e.stderr}
+                except Exception as e:  # noqa: BLE001 - a worker that did not start: the test sees the error
+                    reply = {"error": f"{type(e).__name__}: {e}"}
+                conn.sendall((json.dumps(reply) + "\n").encode())
+
+    def close(self) -> None:
+        self.server.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class PoolClient:
+    """Workers.run of the run's PoolServer, for a pytest process of the run."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.conn = path, None
+
+    def run(self, program: str, world: int | None, argv: list[str], timeout: float,
+            runtime: str = "default", cwd: str | None = None) -> subprocess.CompletedProcess:
+        if self.conn is None:
+            self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.conn.connect(self.path)
+            self.replies = self.conn.makefile("r")
+        request = {"program": program, "world": world, "argv": argv, "timeout": timeout, "runtime": runtime,
+                   "cwd": cwd}
+        self.conn.sendall((json.dumps(request) + "\n").encode())
+        reply = json.loads(self.replies.readline())
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        if "timeout" in reply:
+            raise subprocess.TimeoutExpired(argv, reply["timeout"], output=reply["stdout"], stderr=reply["stderr"])
+        return subprocess.CompletedProcess(argv, reply["rc"], reply["stdout"], reply["stderr"])
+
+    def stop(self) -> None:
+        if self.conn is not None:
+            self.replies.close()
+            self.conn.close()
+            self.conn = None

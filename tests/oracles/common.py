@@ -358,6 +358,26 @@ def init_dist(pp: int = 1, ep: int = 1) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
+def bridge_import(a, serving: bool, save, ep: int | None = None) -> int:
+    """The ``bridge-import`` command's frame: process groups at PP ``a.pp`` and EP ``ep`` (TP = world / (PP * EP)),
+    ``save(tp)`` (Bridge's own import of ``a.hf_dir``, saved to ``a.out_dir``; returns more facts for the report, or
+    None), the groups left, and rank 0's one JSON line."""
+    import json
+    import time
+
+    t0 = time.time()
+    rank, world = init_dist(a.pp, ep or 1)
+    tp = world // (a.pp * (ep or 1))
+    try:
+        facts = save(tp) or {}
+    finally:
+        end_parallel(serving)
+    if rank == 0:
+        print(json.dumps({"bridge_import": str(a.out_dir), "tp": tp, "pp": a.pp, **({"ep": ep} if ep else {}),
+                          **facts, "seconds": round(time.time() - t0, 2)}))
+    return 0
+
+
 def unwrap(m):
     while hasattr(m, "module"):
         m = m.module

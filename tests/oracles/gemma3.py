@@ -69,10 +69,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
 from oracles.common import (  # noqa: E402
+    bridge_import,
     bridge_oracle_parser,
     bridge_provider,
     check_recorded,
-    compare,
     describe_checkpoint,
     describe_sharded,
     describe_state,
@@ -89,10 +89,9 @@ from oracles.common import (  # noqa: E402
     size_vocab,
     stored_metadata,
     stored_parallel,
-    tensor_state,
     unwrap,
 )
-from oracles.te_cpu import apply_bridge_cpu_shims, cpu_classes, load_strict, load_to_mutate  # noqa: E402
+from oracles.te_cpu import against_bridge_import, apply_bridge_cpu_shims, cpu_classes, load_to_mutate  # noqa: E402
 
 VOCAB = 300
 TINY = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -207,20 +206,13 @@ def cmd_make(a) -> int:
 
 
 def cmd_bridge_import(a, serving=False) -> int:
-    t0 = time.time()
     apply_bridge_cpu_shims()
-    from oracles.common import end_parallel
 
-    rank, world = init_dist(a.pp)
-    try:
-        bridge, provider = gemma3_provider(a.hf_dir, load_weights=True, tp=world // a.pp, pp=a.pp)
+    def save(tp):
+        bridge, provider = gemma3_provider(a.hf_dir, load_weights=True, tp=tp, pp=a.pp)
         save_as_bridge(bridge, provider, build(provider), a.out_dir, a.hf_dir)
-    finally:
-        end_parallel(serving)
-    if rank == 0:
-        print(json.dumps({"bridge_import": str(a.out_dir), "tp": world // a.pp, "pp": a.pp,
-                          "seconds": round(time.time() - t0, 2)}))
-    return 0
+
+    return bridge_import(a, serving, save)
 
 
 # ----------------------------------------------------------------------------- judge
@@ -267,14 +259,9 @@ def cmd_judge(a, serving=False) -> int:
         rows = None
         if not legacy:
             rows = judge_stored(iter_dir, truth_dir, info, problems, a.allow_vocab_padding)
-        _, provider = gemma3_provider(a.hf, load_weights=False, tp=world, vocab_rows=rows, parallel_output=False)
-        model = build(provider)
-        load_strict(model, iter_dir, problems)
-        _, ref_provider = gemma3_provider(a.hf, load_weights=True, tp=world, vocab_rows=rows, parallel_output=False)
-        ref = build(ref_provider)  # Bridge's own import at this very layout, in memory
-        got, want = tensor_state(model), tensor_state(ref)
-        info["loaded_tensors"] = len(got)
-        problems += compare(got, want, "loaded vs Bridge import")
+        model, ref, _ = against_bridge_import(
+            lambda load: gemma3_provider(a.hf, load_weights=load, tp=world, vocab_rows=rows, parallel_output=False),
+            build, iter_dir, info, problems)
         ids = judge_ids()
         mlog = megatron_logits(model, ids)[..., :VOCAB]
         rlog = megatron_logits(ref, ids)[..., :VOCAB]

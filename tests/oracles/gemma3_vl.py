@@ -123,6 +123,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
 from oracles.common import (  # noqa: E402
+    bridge_import,
     bridge_oracle_parser,
     check_recorded,
     compare,
@@ -303,21 +304,13 @@ def cmd_make(a) -> int:
 
 
 def cmd_bridge_import(a, serving=False) -> int:
-    t0 = time.time()
     apply_bridge_cpu_shims()
-    from oracles.common import end_parallel
 
-    rank, world = init_dist(a.pp)
-    try:
-        bridge, provider = vl_provider(a.hf_dir, load_weights=True, tp=world // a.pp, pp=a.pp)
-        model = build(provider)
-        save_as_bridge(bridge, provider, model, a.out_dir, a.hf_dir)
-    finally:
-        end_parallel(serving)
-    if rank == 0:
-        print(json.dumps({"bridge_import": str(a.out_dir), "tp": world // a.pp, "pp": a.pp,
-                          "seconds": round(time.time() - t0, 2)}))
-    return 0
+    def save(tp):
+        bridge, provider = vl_provider(a.hf_dir, load_weights=True, tp=tp, pp=a.pp)
+        save_as_bridge(bridge, provider, build(provider), a.out_dir, a.hf_dir)
+
+    return bridge_import(a, serving, save)
 
 
 # ----------------------------------------------------------------------------- judge

@@ -87,10 +87,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the orac
 from oracles import qwen3_vl as q3vl  # noqa: E402
 from oracles import te_cpu, te_vl  # noqa: E402
 from oracles.common import (  # noqa: E402
+    bridge_import,
     bridge_oracle_parser,
     bridge_provider,
     check_recorded,
-    compare,
     describe_checkpoint,
     describe_sharded,
     describe_state,
@@ -110,11 +110,10 @@ from oracles.common import (  # noqa: E402
     size_vocab,
     stored_detail,
     stored_parallel,
-    tensor_state,
     unwrap,
 )
 from oracles.qwen25_vl import mapping_table  # noqa: E402
-from oracles.te_cpu import apply_bridge_cpu_shims, load_strict, load_to_mutate  # noqa: E402
+from oracles.te_cpu import against_bridge_import, apply_bridge_cpu_shims, load_to_mutate  # noqa: E402
 
 VOCAB = 300
 IMAGE, IMG_BREAK, IMG_END = 290, 291, 292
@@ -329,24 +328,16 @@ def make(a) -> int:
 
 
 def cmd_bridge_import(a, serving=False) -> int:
-    t0 = time.time()
     apply_bridge_cpu_shims()
-    from oracles.common import end_parallel
 
-    rank, world = init_dist(a.pp)
-    tp = world // a.pp
-    try:
+    def save(tp):
         bridge, provider = vl_provider(a.hf_dir, load_weights=True, tp=tp, pp=a.pp)
         save_as_bridge(bridge, build(provider), a.out_dir, a.hf_dir)
-        yarn = {"bridge": provider._bridge_yarn, "set": yarn_fields(provider),
-                "note": "yarn_* fields set from the HF rope_parameters before building (Bridge passes only "
-                        "rope_theta); no weight depends on them; run_config.yaml records the set values"}
-    finally:
-        end_parallel(serving)
-    if rank == 0:
-        print(json.dumps({"bridge_import": str(a.out_dir), "tp": tp, "pp": a.pp, "yarn": yarn,
-                          "seconds": round(time.time() - t0, 2)}))
-    return 0
+        return {"yarn": {"bridge": provider._bridge_yarn, "set": yarn_fields(provider),
+                         "note": "yarn_* fields set from the HF rope_parameters before building (Bridge passes only "
+                                 "rope_theta); no weight depends on them; run_config.yaml records the set values"}}
+
+    return bridge_import(a, serving, save)
 
 
 # ----------------------------------------------------------------------------- judge
@@ -431,16 +422,9 @@ def cmd_judge(a, serving=False) -> int:
         info["stored_tp"], info["stored_pp"] = stored_parallel(iter_dir)
         check_recorded(info, problems, {"tp": a.tp, "pp": a.pp})
         rows = judge_stored(iter_dir, truth_dir, info, problems, a.allow_vocab_padding, (EMB, OUT))
-        _, provider = vl_provider(a.hf, load_weights=False, tp=world, vocab_rows=rows)
-        model = build(provider)
-        load_strict(model, iter_dir, problems)
-        _, ref_provider = vl_provider(a.hf, load_weights=True, tp=world, vocab_rows=rows)
-        ref = build(ref_provider)  # Bridge's own import at this very layout, in memory
-        got, want = tensor_state(model), tensor_state(ref)
-        info["loaded_tensors"] = len(got)
-        info["loaded_tower_tensors"] = sum(k.startswith("vision_tower.") for k in got)
-        info["loaded_projector_tensors"] = sum(k.startswith("multi_modal_projector.") for k in got)
-        problems += compare(got, want, "loaded vs Bridge import")
+        model, ref, provider = against_bridge_import(
+            lambda load: vl_provider(a.hf, load_weights=load, tp=world, vocab_rows=rows), build, iter_dir, info,
+            problems, ("vision_tower.", "multi_modal_projector."))
         inputs = judge_inputs()
         info["input"] = {"tokens": inputs[0].shape[1], "image_sizes": IMAGE_SIZES,
                          "pixel_values": list(inputs[1].shape), "image_tokens": int((inputs[0] == IMAGE).sum())}

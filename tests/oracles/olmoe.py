@@ -87,6 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the orac
 
 from oracles import te_vl  # noqa: E402
 from oracles.common import (  # noqa: E402
+    bridge_import,
     bridge_oracle_parser,
     bridge_provider,
     check_recorded,
@@ -113,7 +114,7 @@ from oracles.common import (  # noqa: E402
     unwrap,
 )
 from oracles.qwen3_vl import MOE_CPU_SWITCHES, stored_ep  # noqa: E402
-from oracles.te_cpu import apply_bridge_cpu_shims, load_strict, load_to_mutate  # noqa: E402
+from oracles.te_cpu import against_bridge_import, apply_bridge_cpu_shims, load_to_mutate  # noqa: E402
 
 VOCAB = 300
 SEQ = 12
@@ -259,21 +260,14 @@ def make(a) -> int:
 
 
 def cmd_bridge_import(a, serving=False) -> int:
-    t0 = time.time()
     apply_bridge_cpu_shims()
-    from oracles.common import end_parallel
 
-    rank, world = init_dist(a.pp, a.ep)
-    tp = world // (a.pp * a.ep)
-    try:
+    def save(tp):
         bridge, provider = moe_provider(a.hf_dir, load_weights=True, tp=tp, pp=a.pp, ep=a.ep)
         save_as_bridge(bridge, provider, build(provider), a.out_dir, a.hf_dir)
-    finally:
-        end_parallel(serving)
-    if rank == 0:
-        print(json.dumps({"bridge_import": str(a.out_dir), "family": family(a.hf_dir), "tp": tp, "pp": a.pp,
-                          "ep": a.ep, "seconds": round(time.time() - t0, 2)}))
-    return 0
+        return {"family": family(a.hf_dir)}
+
+    return bridge_import(a, serving, save, a.ep)
 
 
 # ----------------------------------------------------------------------------- judge
@@ -349,14 +343,9 @@ def cmd_judge(a, serving=False) -> int:
         info["stored_ep"] = stored_ep(iter_dir)
         check_recorded(info, problems, {"tp": a.tp, "pp": a.pp, "ep": a.expect_ep})
         rows = judge_stored(iter_dir, truth_dir, info, problems, a.allow_vocab_padding)
-        _, provider = moe_provider(a.hf, False, tp, ep=a.ep, vocab_rows=rows, parallel_output=False)
-        model = build(provider)
-        load_strict(model, iter_dir, problems)
-        _, ref_provider = moe_provider(a.hf, True, tp, ep=a.ep, vocab_rows=rows, parallel_output=False)
-        ref = build(ref_provider)  # Bridge's own import at this very layout, in memory
-        got, want = tensor_state(model), tensor_state(ref)
-        info["loaded_tensors"] = len(got)
-        problems += compare(got, want, "loaded vs Bridge import")
+        model, ref, _ = against_bridge_import(
+            lambda load: moe_provider(a.hf, load, tp, ep=a.ep, vocab_rows=rows, parallel_output=False), build,
+            iter_dir, info, problems)
         if info["family"] == "olmoe" and tp > 1:  # the forward would fail on a shape mismatch
             raise RuntimeError(f"OLMoE at TP {tp}: Bridge's OLMoESelfAttention builds q/k_layernorm of width heads * "
                                "head_dim without a TP all-reduce; it runs at TP 1 only (use --ep for 2 ranks)")

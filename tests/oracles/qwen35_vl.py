@@ -100,10 +100,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the orac
 from oracles import qwen3_vl as q3vl  # noqa: E402
 from oracles import te_vl  # noqa: E402
 from oracles.common import (  # noqa: E402
+    bridge_import,
     bridge_oracle_parser,
     bridge_provider,
     check_recorded,
-    compare,
     describe_checkpoint,
     describe_sharded,
     describe_state,
@@ -122,7 +122,6 @@ from oracles.common import (  # noqa: E402
     size_vocab,
     stored_detail,
     stored_parallel,
-    tensor_state,
     unwrap,
 )
 from oracles.qwen3_next import apply_shims  # noqa: E402
@@ -144,7 +143,7 @@ from oracles.qwen3_vl import (  # noqa: E402
     stored_ep,
     stored_summary,
 )
-from oracles.te_cpu import load_strict, load_to_mutate  # noqa: E402
+from oracles.te_cpu import against_bridge_import, load_to_mutate  # noqa: E402
 
 TEXT = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 128,
@@ -298,21 +297,14 @@ def make(a) -> int:
 
 
 def cmd_bridge_import(a, serving=False) -> int:
-    t0 = time.time()
     apply_shims()
-    from oracles.common import end_parallel
 
-    rank, world = init_dist(a.pp, a.ep)
-    tp = world // (a.pp * a.ep)
-    try:
+    def save(tp):
         bridge, provider = vl_provider(a.hf_dir, load_weights=True, tp=tp, pp=a.pp, ep=a.ep)
         save_as_bridge(bridge, build(provider), a.out_dir, a.hf_dir, provider)
-    finally:
-        end_parallel(serving)
-    if rank == 0:
-        print(json.dumps({"bridge_import": str(a.out_dir), "model": hf_arch(a.hf_dir), "tp": tp, "pp": a.pp,
-                          "ep": a.ep, "seconds": round(time.time() - t0, 2)}))
-    return 0
+        return {"model": hf_arch(a.hf_dir)}
+
+    return bridge_import(a, serving, save, a.ep)
 
 
 # ----------------------------------------------------------------------------- judge
@@ -372,14 +364,9 @@ def cmd_judge(a, serving=False) -> int:
             wants["ep"] = a.expect_ep
         check_recorded(info, problems, wants)
         rows = judge_stored(iter_dir, truth_dir, info, problems, a.allow_vocab_padding, (EMB, OUT))
-        _, provider = vl_provider(a.hf, load_weights=False, tp=tp, vocab_rows=rows, ep=a.ep)
-        model = build(provider)
-        load_strict(model, iter_dir, problems)
-        _, ref_provider = vl_provider(a.hf, load_weights=True, tp=tp, vocab_rows=rows, ep=a.ep)
-        ref = build(ref_provider)  # Bridge's own import at this very layout, in memory
-        got, want = tensor_state(model), tensor_state(ref)
-        info["loaded_tensors"] = len(got)
-        problems += compare(got, want, "loaded vs Bridge import")
+        model, ref, _ = against_bridge_import(
+            lambda load: vl_provider(a.hf, load_weights=load, tp=tp, vocab_rows=rows, ep=a.ep), build, iter_dir,
+            info, problems)
         inputs = judge_inputs()
         info["input"] = {"tokens": inputs[0].shape[1], "image_grid_thw": GRIDS,
                          "pixel_values": list(inputs[1].shape), "image_tokens": int(inputs[3].sum())}

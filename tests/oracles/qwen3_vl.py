@@ -200,10 +200,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the orac
 from oracles import te_vl  # noqa: E402
 from oracles.common import (  # noqa: E402
     NON_MODEL_OBJECTS,
+    bridge_import,
     bridge_oracle_parser,
     bridge_provider,
     check_recorded,
-    compare,
     describe_checkpoint,
     describe_sharded,
     describe_state,
@@ -224,10 +224,9 @@ from oracles.common import (  # noqa: E402
     size_vocab,
     stored_detail,
     stored_parallel,
-    tensor_state,
     unwrap,
 )
-from oracles.te_cpu import apply_bridge_cpu_shims, load_strict, load_to_mutate  # noqa: E402
+from oracles.te_cpu import against_bridge_import, apply_bridge_cpu_shims, load_to_mutate  # noqa: E402
 
 VOCAB = 300
 IMAGE, VIDEO, VSTART, VEND = 290, 291, 292, 293
@@ -440,22 +439,14 @@ def make(a) -> int:
 
 
 def cmd_bridge_import(a, serving=False) -> int:
-    t0 = time.time()
     apply_bridge_cpu_shims()
-    from oracles.common import end_parallel
 
-    rank, world = init_dist(a.pp, a.ep)
-    tp = world // (a.pp * a.ep)
-    try:
+    def save(tp):
         bridge, provider = vl_provider(a.hf_dir, load_weights=True, tp=tp, pp=a.pp, ep=a.ep)
-        model = build(provider)
-        save_as_bridge(bridge, model, a.out_dir, a.hf_dir, provider)
-    finally:
-        end_parallel(serving)
-    if rank == 0:
-        print(json.dumps({"bridge_import": str(a.out_dir), "model": hf_arch(a.hf_dir), "tp": tp, "pp": a.pp,
-                          "ep": a.ep, "seconds": round(time.time() - t0, 2)}))
-    return 0
+        save_as_bridge(bridge, build(provider), a.out_dir, a.hf_dir, provider)
+        return {"model": hf_arch(a.hf_dir)}
+
+    return bridge_import(a, serving, save, a.ep)
 
 
 # ----------------------------------------------------------------------------- judge
@@ -577,14 +568,9 @@ def cmd_judge(a, serving=False) -> int:
             wants["ep"] = a.expect_ep
         check_recorded(info, problems, wants)
         rows = judge_stored(iter_dir, truth_dir, info, problems, a.allow_vocab_padding, (EMB, OUT))
-        _, provider = vl_provider(a.hf, load_weights=False, tp=tp, vocab_rows=rows, ep=a.ep)
-        model = build(provider)
-        load_strict(model, iter_dir, problems)
-        _, ref_provider = vl_provider(a.hf, load_weights=True, tp=tp, vocab_rows=rows, ep=a.ep)
-        ref = build(ref_provider)  # Bridge's own import at this very layout, in memory
-        got, want = tensor_state(model), tensor_state(ref)
-        info["loaded_tensors"] = len(got)
-        problems += compare(got, want, "loaded vs Bridge import")
+        model, ref, _ = against_bridge_import(
+            lambda load: vl_provider(a.hf, load_weights=load, tp=tp, vocab_rows=rows, ep=a.ep), build, iter_dir,
+            info, problems)
         inputs = judge_inputs()
         info["input"] = {"tokens": inputs[0].shape[1], "image_grid_thw": GRIDS,
                          "pixel_values": list(inputs[1].shape), "image_tokens": int(inputs[3].sum())}

@@ -304,6 +304,26 @@ def load_strict(model, iter_dir: Path, problems: list[str]) -> None:
     problems += [f"load_state_dict: unexpected {k}" for k in res.unexpected_keys]
 
 
+def against_bridge_import(provider_of, build, iter_dir: Path, info: dict, problems: list[str],
+                          towers: tuple[str, ...] = ()):
+    """Bridge's model with the judged checkpoint loaded strictly (``load_strict``) and Bridge's own import of the HF
+    model at the same layout, in memory (``provider_of(load_weights)`` -> (bridge, provider)): every loaded tensor
+    compared with the import's; ``info`` gets how many were loaded, and how many under each prefix of ``towers``
+    (``loaded_<prefix>_tensors``). Returns (model, ref, the provider ``model`` was built by)."""
+    from oracles.common import compare, tensor_state
+
+    provider = provider_of(False)[1]
+    model = build(provider)
+    load_strict(model, iter_dir, problems)
+    ref = build(provider_of(True)[1])
+    got, want = tensor_state(model), tensor_state(ref)
+    info["loaded_tensors"] = len(got)
+    for prefix in towers:
+        info[f"loaded_{prefix.rstrip('.')}_tensors"] = sum(k.startswith(prefix) for k in got)
+    problems += compare(got, want, "loaded vs Bridge import")
+    return model, ref, provider
+
+
 def load_to_mutate(model, src: str):
     """A mutation's source: the checkpoint at ``src`` (its root or an iteration directory) loaded into ``model`` as
     load_strict loads it, with nothing wrong; returns the first chunk's module, to be changed and saved."""

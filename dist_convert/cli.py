@@ -36,7 +36,8 @@ def run(ns: argparse.Namespace, rt: Runtime) -> int:
                               formats=formats, target_split=ns.target_split, stats_json=getattr(ns, "stats_json", None),
                               resume=getattr(ns, "resume", False), target_ep=ns.target_ep, target_etp=ns.target_etp,
                               target_pipeline_layout=ns.target_pipeline_layout,
-                              exchange=getattr(ns, "exchange", "auto"), lora=getattr(ns, "lora", None))
+                              exchange=getattr(ns, "exchange", "auto"), lora=getattr(ns, "lora", None),
+                              target_model=ns.target_model)
         if ns.cmd == "plan":
             from .estimate import estimate, print_estimate
             if ns.world < 1:

@@ -27,6 +27,7 @@ from .layout.rules import logical_tensors
 from .layout.topology import Layout, pipeline_vpp
 from .lora.merge import Merger, open_adapter
 from .mlm_args import args_for_target
+from .model_class import as_model_class
 from .nonfinite import nonfinite_note
 from .optim.state import optimizer_numel
 from .phases import clock, phase
@@ -66,6 +67,7 @@ class ReshardOptions:
     target_pipeline_layout: str | None = None  # megatron-core pipeline_model_parallel_layout string
     exchange: str = "auto"  # --exchange: how bytes cross ranks (transport.decide)
     lora: Path | None = None  # --lora: an adapter to merge into the model as it is written
+    target_model: str | None = None  # --target-model: gpt | hybrid (None: the source's model class)
 
 
 def load_index(path: Path, fmt_name: str, rt: Runtime, vocab_size: int | None,
@@ -195,6 +197,7 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
         if path is not None and not path.exists():
             raise ConvertError(f"{flag} {path} does not exist", f"pass an existing path to {flag}")
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
+    index = as_model_class(index, opts.target_model)
     dst_fmt = get_format(adapter_target(opts, index, src_fmt.name), opts.formats)
     if f.nemo_style and dst_fmt.name != "nemo":
         raise ConvertError(f"--nemo-style applies to .nemo targets, not {dst_fmt.name}",
@@ -218,8 +221,9 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
                             if opts.vocab_divisible_by is None else opts.vocab_divisible_by)
     if cfg.mla is not None and spec != index.cfg.spec:
         cfg = cfg.replace(mla__down_split=spec == "local")
-    if cfg.mla or cfg.vision:
-        cfg.check_layout(layout)  # the target spec decides how MLA's down-projections split; a tower needs TE's
+    if cfg.mla or cfg.vision or cfg.mamba:
+        cfg.check_layout(layout)  # the target spec decides how MLA's down-projections split; a tower, a hybrid
+        # stack need TE's
     if dst_fmt.sharded:
         check_vocab(opts, index, cfg, layout)
     elif not (opts.vocab_size or getattr(index.args, "vocab_size", None)):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .bench.args import add_bench_parser
-from .defaults import DEFAULT_BUDGET
+from .defaults import DEFAULT_BUDGET, MODEL_CLASSES
 from .sizes import parse_size
 
 if TYPE_CHECKING:  # the formats are imported when a command runs, not to parse
@@ -173,6 +173,10 @@ def _target_flags(r: argparse.ArgumentParser) -> None:
                         "(default: the source's when PP is kept)")
     r.add_argument("--target-spec", choices=("te", "local"), default=None,
                    help="layer-spec naming of the target (default: the source's)")
+    r.add_argument("--target-model", choices=MODEL_CLASSES, default=None,
+                   help="megatron-core model class of the target: gpt (GPTModel) or hybrid (HybridModel: each GPT "
+                        "layer becomes an attention and an MLP / MoE layer, pattern *-*- / *E; default: the source's "
+                        "class, gpt for an HF source)")
     r.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep", help=DTYPE_HELP)
     r.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE",
                    help="hf target: bytes per *.safetensors shard (default 5GB)")

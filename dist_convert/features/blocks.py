@@ -212,10 +212,19 @@ class Mamba(Feature):
             del out["hybrid_layer_pattern"]
         return out
 
+    @staticmethod
+    def absent_args() -> dict[str, Any]:
+        """A GPTModel's args (a HybridModel source written as GPT): Megatron-LM builds a hybrid model from either
+        pattern field."""
+        return {"is_hybrid_model": False, "hybrid_override_pattern": None, "hybrid_layer_pattern": None}
+
     def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
         """megatron-core splits a Mamba2 mixer by whole heads and groups (MambaMixer asserts it); MambaModel has no
         virtual pipeline stages."""
         split_by_heads(layout, what, (("mamba_num_heads", self.num_heads), ("mamba_num_groups", self.num_groups)))
+        if cfg.spec != "te":
+            raise ConvertError(f"{what}: megatron-core builds a HybridModel (MambaModel) with Transformer Engine's "
+                               f"layer spec only, not {cfg.spec}", "drop --target-spec local")
         if layout.vpp or layout.pipeline_layout:
             raise ConvertError(f"{what} {layout}: megatron-core's MambaModel builds no virtual pipeline stages "
                                "or layout strings", "drop --target-vpp / --target-pipeline-layout; use --target-pp "

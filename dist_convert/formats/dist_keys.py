@@ -108,13 +108,15 @@ def expert_objects(cfg: ModelConfig, stack: str, layer: int, layers: int, expert
 POST_NORM_KEYS = (".linear_proj.post_layernorm.weight", ".linear_fc2.post_layernorm.weight")
 
 
+TE_EVIDENCE = (".core_attention._extra_state", "layernorm._extra_state", "decoder.final_norm._extra_state")
+
+
 def spec_from_keys(stored: Iterable[str]) -> str | None:
     """The layer-spec naming a torch_dist checkpoint's own keys show: Transformer Engine's attention, or
-    (Megatron-Bridge's Gemma spec, whose attention saves none) TE 2's norms keep an ``_extra_state``, the local
-    spec's do not (None: no ``_extra_state`` keys at all, so no evidence). The fused-norm names
-    (``.layer_norm_weight``) are no evidence: megatron-core's local spec saves under them too."""
+    (Megatron-Bridge's Gemma spec, whose attention saves none) TE 2's norms keep an ``_extra_state`` (a HybridModel's
+    ``decoder.final_norm`` too), the local spec's do not (None: no ``_extra_state`` keys at all, so no evidence). The
+    fused-norm names (``.layer_norm_weight``) are no evidence: megatron-core's local spec saves under them too."""
     extra = [k for k in stored if "._extra_state" in k]
     if not extra:
         return None
-    return "te" if any(".core_attention._extra_state" in k or "layernorm._extra_state" in k for k in extra) \
-        else "local"
+    return "te" if any(e in k for e in TE_EVIDENCE for k in extra) else "local"

@@ -351,14 +351,11 @@ def init_parallel(tp, pp, vpp=None, ep=1, etp=None, cfg=None):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
-def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=None, vp_stage=None,
-                ep=1, etp=None, layout=None):
-    """One GPTModel; with vpp, the chunk for virtual stage vp_stage (as Megatron-LM's get_model)."""
+def transformer_config(cfg, tp, pp, first=None, last=None, vpp=None, ep=1, etp=None, layout=None):
+    """The TransformerConfig of config ``cfg`` at this layout, as Megatron-LM's core_transformer_config_from_args
+    makes it (shared by GPTModel here and oracles/hybrid.py's HybridModel)."""
     import torch
     import torch.nn.functional as F
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     extra = {}
@@ -450,6 +447,17 @@ def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=No
     if cfg["position_embedding_type"] == "yarn" and not is_mla(cfg):
         for attr, key, default in YARN_GQA:  # Megatron-LM 0.19's _apply_yarn_config_from_args
             setattr(config, attr, cfg[key] if cfg.get(key) is not None else default)
+    return config
+
+
+def build_model(cfg, tp, pp, first=None, last=None, parallel_output=True, vpp=None, vp_stage=None,
+                ep=1, etp=None, layout=None):
+    """One GPTModel; with vpp, the chunk for virtual stage vp_stage (as Megatron-LM's get_model)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    config = transformer_config(cfg, tp, pp, first, last, vpp, ep, etp, layout)
     if is_moe(cfg) or is_mla(cfg):
         # the block spec gives mixed dense/MoE layers (get_gpt_layer_local_spec(num_experts=N) makes
         # every layer MoE) and MLA layers from config.multi_latent_attention; qk_layernorm (MLA: the

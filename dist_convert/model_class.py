@@ -1,0 +1,122 @@
+"""The target's model class (``--target-model``): megatron-core's GPTModel or its successor HybridModel.
+
+A HybridModel stack (megatron-core's ``models/hybrid``; MambaModel is one) has one sub-block per layer, named by its
+pattern: ``*`` attention, ``-`` MLP, ``E`` MoE, ``M`` Mamba2. A GPT layer ``n`` is two of them: its attention (with the
+input norm) at hybrid layer ``2n`` and its MLP or MoE (with the pre-MLP norm) at ``2n + 1``, so the same model is
+pattern ``*-*-…`` (``*E`` where layer ``n`` is MoE), and its final norm is ``decoder.final_norm``. Converting between
+the two classes renames each logical tensor accordingly (``renamed``) and rewrites the model config
+(``hybrid_of`` / ``gpt_of``); the values are the same tensors, bit for bit. Pure functions, tested without processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+from .config import ModelConfig
+from .datamodel import SourceIndex
+from .defaults import MODEL_CLASSES
+from .errors import ConvertError
+from .features.blocks import Mamba
+from .layout.topology import Layout
+
+GPT, HYBRID = MODEL_CLASSES
+MIXER_PARTS = ("input_layernorm.", "self_attention.")  # a GPT layer's modules that go to its attention position
+MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")  # ... and to its MLP / MoE position
+FINAL_NORM = {"decoder.final_layernorm.weight": "decoder.final_norm.weight"}
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+MAMBA_HEAD_DIM = 64  # the Mamba record's head size when the model has no Mamba2 layer (no tensor depends on it)
+
+
+def model_class(cfg: ModelConfig) -> str:
+    """The class a model config describes: a hybrid layer pattern makes it a HybridModel."""
+    return HYBRID if cfg.mamba is not None else GPT
+
+
+def _refuse_unplaced(cfg: ModelConfig) -> None:
+    """What megatron-core's HybridModel has no place for as this converter places a GPT layer, in one line."""
+    unplaced = [what for what, present in (
+        ("multi-latent attention (MLA)", cfg.mla is not None), ("DeepSeek sparse attention", cfg.dsa is not None),
+        ("Gated DeltaNet layers", cfg.gdn is not None), ("multi-token prediction layers", cfg.mtp is not None),
+        ("a vision tower", cfg.vision is not None), ("an encoder (T5)", cfg.t5 is not None),
+        ("q/k norms (HybridModel's attention layer builds none)", cfg.attention.qk_norm),
+        (f"{cfg.norm.kind} (the hybrid stack's norms are converted as RMSNorm weights only)",
+         cfg.norm.kind != "RMSNorm"),
+        ("linear-layer biases", cfg.add_bias_linear or cfg.add_qkv_bias)) if present]
+    if unplaced:
+        raise ConvertError(f"--target-model hybrid: this model has {', '.join(unplaced)}, which dist_convert does not "
+                           "place in a HybridModel yet (dense and MoE attention models with RMSNorm convert)",
+                           "drop --target-model hybrid (or pass --target-model gpt) to keep a GPTModel checkpoint")
+
+
+def hybrid_of(cfg: ModelConfig) -> ModelConfig:
+    """A GPT model config as megatron-core's HybridModel of the same model: pattern ``*-`` or ``*E`` per GPT layer."""
+    _refuse_unplaced(cfg)
+    pattern = "".join("*" + ("E" if cfg.is_moe_layer(n) else "-") for n in range(cfg.num_layers))
+    mamba = Mamba(pattern=pattern, num_heads=max(1, 2 * cfg.hidden_size // MAMBA_HEAD_DIM), head_dim=MAMBA_HEAD_DIM)
+    moe = cfg.moe and dataclasses.replace(cfg.moe, layer_pattern=None)  # the pattern says which layers are MoE
+    return cfg.replace(num_layers=2 * cfg.num_layers, mamba=mamba, moe=moe, spec="te")  # HybridModel: TE's only
+
+
+def gpt_of(cfg: ModelConfig) -> ModelConfig:
+    """A HybridModel config as the GPTModel of the same model: its pattern must be attention then MLP / MoE, pair by
+    pair."""
+    assert cfg.mamba is not None
+    p = cfg.mamba.pattern
+    if len(p) % 2 or set(p[0::2]) != {"*"} or not set(p[1::2]) <= {"-", "E"}:
+        raise ConvertError(f"--target-model gpt: the hybrid layer pattern {p!r} is not one attention layer (*) then "
+                           "one MLP (-) or MoE (E) layer, pair by pair, so no GPTModel layer stack holds it",
+                           "drop --target-model gpt (keep the HybridModel checkpoint)")
+    moe_layers = tuple(int(c == "E") for c in p[1::2])
+    moe = cfg.moe and dataclasses.replace(cfg.moe, layer_pattern=None if all(moe_layers) else moe_layers)
+    return cfg.replace(num_layers=len(p) // 2, mamba=None, moe=moe)
+
+
+def gpt_to_hybrid_name(name: str) -> str:
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return FINAL_NORM.get(name, name)
+    n, rest = int(m[1]), m[2]
+    if rest.startswith(MIXER_PARTS):
+        return f"decoder.layers.{2 * n}.{rest}"
+    if rest.startswith(MLP_PARTS):
+        return f"decoder.layers.{2 * n + 1}.{rest}"
+    raise ConvertError(f"--target-model hybrid: GPT layer tensor {name} belongs to neither the attention nor the MLP "
+                       "sub-block of a HybridModel layer", "drop --target-model hybrid")
+
+
+def hybrid_to_gpt_name(name: str) -> str:
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return {v: k for k, v in FINAL_NORM.items()}.get(name, name)
+    return f"decoder.layers.{int(m[1]) // 2}.{m[2]}"
+
+
+def renamed(index: SourceIndex, cfg: ModelConfig, rename: Callable[[str], str]) -> SourceIndex:
+    """The source read as the model ``cfg`` describes: each piece's logical tensor renamed; the source's pipeline
+    stage sizes (counted in its own layers) are not carried over to the target."""
+    chunks = [dataclasses.replace(c, pieces=[dataclasses.replace(p, logical=rename(p.logical)) for p in c.pieces])
+              for c in index.chunks]
+    src = index.layout
+    layout = Layout(tp=src.tp, pp=src.pp, ep=src.ep, etp=src.etp, split=src.split)
+    return dataclasses.replace(index, cfg=cfg, chunks=chunks, layout=layout,
+                               absent=frozenset(rename(n) for n in index.absent))
+
+
+def as_model_class(index: SourceIndex, target: str | None) -> SourceIndex:
+    """The source index as the ``target`` class's model (None: the source's own class), refused in one line where that
+    class cannot hold it; the notes say what changed."""
+    source = model_class(index.cfg)
+    if target is None or target == source:
+        return index
+    if index.optimizer is not None or index.adapter is not None:
+        raise ConvertError(f"--target-model {target}: the optimizer state and adapters are converted within one model "
+                           "class only", "drop --optimizer (or convert the model alone), or drop --target-model")
+    if target == HYBRID:
+        cfg, rename = hybrid_of(index.cfg), gpt_to_hybrid_name
+    else:
+        cfg, rename = gpt_of(index.cfg), hybrid_to_gpt_name
+    out = renamed(index, cfg, rename)
+    out.notes.append(f"model class: {source} -> {target} ({index.cfg.num_layers} -> {cfg.num_layers} layers"
+                     + (f", hybrid layer pattern {cfg.mamba.pattern}" if cfg.mamba is not None else "") + ")")
+    return out

@@ -1,0 +1,98 @@
+"""GPTModel <-> HybridModel (``--target-model``): megatron-core 0.19.2's own HybridModel (tests/oracles/hybrid.py)
+loads each hybrid target strictly and its logits equal megatron-core's GPTModel logits of the source; Hybrid -> GPT
+-> Hybrid is bit-exact. The pure renaming and config rewriting are tested without processes."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from training_runs import MOE_M
+
+from dist_convert.config import config_from_args
+from dist_convert.errors import ConvertError
+from dist_convert.layout.rules import logical_tensors
+from dist_convert.model_class import gpt_of, gpt_to_hybrid_name, hybrid_of, hybrid_to_gpt_name, model_class
+
+from conftest import CONFIGS, assert_refused, make_gpt, ok, oracle, run_cli
+
+LLAMA = CONFIGS["A"][0]
+
+
+def cfg_of(args: dict):
+    return config_from_args(argparse.Namespace(**args), None, None, 1)
+
+
+@pytest.mark.parametrize("args,pattern", [(LLAMA, "*-*-*-*-"), (MOE_M, "*-*E*-*E")], ids=["dense", "moe"])
+def test_a_gpt_layer_is_an_attention_and_an_mlp_layer_of_the_hybrid_model(args, pattern):
+    gpt = cfg_of(args)
+    hybrid = hybrid_of(gpt)
+    assert (model_class(gpt), model_class(hybrid)) == ("gpt", "hybrid")
+    assert hybrid.mamba.pattern == pattern and hybrid.num_layers == 2 * gpt.num_layers and hybrid.spec == "te"
+    assert gpt_of(hybrid).replace(spec=gpt.spec) == gpt
+    g, h = logical_tensors(gpt), logical_tensors(hybrid)
+    assert {gpt_to_hybrid_name(n) for n in g} == set(h)  # every tensor has its place, none is left over
+    assert all(g[n].shape == h[gpt_to_hybrid_name(n)].shape and hybrid_to_gpt_name(gpt_to_hybrid_name(n)) == n
+               for n in g)
+    assert gpt_to_hybrid_name("decoder.layers.3.mlp.linear_fc1.weight") == "decoder.layers.7.mlp.linear_fc1.weight"
+    assert gpt_to_hybrid_name("decoder.layers.3.input_layernorm.weight") == "decoder.layers.6.input_layernorm.weight"
+
+
+@pytest.mark.parametrize("change,needle", [({"qk_layernorm": True}, "q/k norms"),
+                                           ({"normalization": "LayerNorm"}, "LayerNorm"),
+                                           ({"add_bias_linear": True}, "biases")])
+def test_what_the_hybrid_model_has_no_place_for_is_refused(change, needle):
+    with pytest.raises(ConvertError, match=needle):
+        hybrid_of(cfg_of({**LLAMA, **change}))
+
+
+def test_a_pattern_that_is_not_gpt_layers_is_refused():
+    nemotron = cfg_of({**LLAMA, "hybrid_override_pattern": "M*-M", "num_layers": 4, "mamba_num_heads": 2})
+    with pytest.raises(ConvertError, match="pair by pair"):
+        gpt_of(nemotron)
+
+
+def hybrid_logits(src, pattern: str, ckpt, tp: int, ep: int, out):
+    oracle("logits", tp * ep, "--config", str(src.config), "--pattern", pattern, "--tp", str(tp), "--ep", str(ep),
+           "--ckpt", str(ckpt), "--out", str(out), program="hybrid", runtime="mcore19")
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def moe_src(tmp_path_factory):
+    """MOE_M (a dense first layer, then MoE every other layer: 4 experts, shared expert, sigmoid router with bias)."""
+    return make_gpt(tmp_path_factory.mktemp("hybrid_moe"), "M", MOE_M, 1, 1, ep=2)
+
+
+@pytest.mark.parametrize("which,pattern,layouts,back", [
+    ("dense", "*-" * 4, [("2", "1"), ("1", "1")], ["--target-tp", "2", "--target-pp", "2", "--target-spec", "local"]),
+    ("moe", "*-*E*-*E", [("1", "2"), ("1", "1")], ["--target-ep", "2", "--target-spec", "local"])])
+def test_gpt_to_hybrid_loads_in_megatron_cores_hybrid_model_with_the_gpt_logits(request, tmp_path, which, pattern,
+                                                                               layouts, back):
+    """GPT (gpt_a: TP2 PP2, local spec; the MoE: TP1 EP2) -> HybridModel at two layouts: megatron-core 0.19.2's
+    HybridModel loads each strictly and computes GPTModel's logits of the source (megatron-core 0.19.2 too, the same
+    tokens) within 1e-4; back to GPT bit for bit, and to the hybrid model again bit for bit."""
+    src = request.getfixturevalue("gpt_a" if which == "dense" else "moe_src")
+    ref = tmp_path / "gpt.pt"
+    oracle("logits", src.ep, "--config", str(src.config), "--tp", "1", "--ep", str(src.ep), "--ckpt",
+           str(src.torch_dist), "--out", str(ref), runtime="mcore19")
+    want = torch.load(ref)
+    for tp, ep in layouts:
+        dst = tmp_path / f"hybrid_tp{tp}_ep{ep}"
+        ok(run_cli("reshard", str(src.torch_dist), str(dst), "--target-model", "hybrid", "--target-tp", tp,
+                   "--target-pp", "1", *(["--target-ep", ep] if which == "moe" else []), nproc=2))
+        got = hybrid_logits(src, pattern, dst, int(tp), int(ep), tmp_path / f"{dst.name}.pt")
+        assert torch.equal(got["tokens"], want["tokens"])
+        assert (got["logits"] - want["logits"]).abs().max().item() < 1e-4
+    first = tmp_path / f"hybrid_tp{layouts[0][0]}_ep{layouts[0][1]}"
+    gpt, again = tmp_path / "back", tmp_path / "again"
+    ok(run_cli("reshard", str(first), str(gpt), "--target-model", "gpt", *back, nproc=2))
+    ok(run_cli("verify", str(src.torch_dist), str(gpt), nproc=2))
+    ok(run_cli("reshard", str(gpt), str(again), "--target-model", "hybrid", "--target-pp", "1", nproc=2))
+    ok(run_cli("verify", str(first), str(again), nproc=2))
+
+
+def test_a_hybrid_target_in_the_local_spec_is_refused(gpt_a, tmp_path):
+    proc = run_cli("reshard", str(gpt_a.torch_dist), str(tmp_path / "dst"), "--target-model", "hybrid",
+                   "--target-spec", "local", nproc=2)
+    assert_refused(proc, tmp_path, "Transformer Engine", "--target-spec local")

@@ -224,11 +224,13 @@ def _mount(*args: str) -> bool:
 
 @pytest.fixture
 def mounts(tmp_path):
-    """(a 200 KB tmpfs, a read-only bind mount) under tmp_path; skipped where this user may not mount."""
+    """(a 96 KB tmpfs, a read-only bind mount) under tmp_path; skipped where this user may not mount. The tmpfs is
+    smaller than any target file (the ranks' 113 KB and 134 KB): no file can finish, whatever order the ranks write in
+    (on 200 KB, a rank that wrote while the other lagged finished its file, which the run keeps for --resume)."""
     full, ro = tmp_path / "full", tmp_path / "ro"
     full.mkdir()
     ro.mkdir()
-    if os.geteuid() != 0 or not _mount("-t", "tmpfs", "-o", "size=200k", "tmpfs", str(full)):
+    if os.geteuid() != 0 or not _mount("-t", "tmpfs", "-o", "size=96k", "tmpfs", str(full)):
         pytest.skip("mounting a tmpfs needs root")
     made = [full]
     if _mount("--bind", str(ro), str(ro)):
@@ -252,7 +254,7 @@ def test_full_and_read_only_file_systems_fail_cleanly_every_time(llama, mounts):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("dist_convert: error:")]
         assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert f"{dst}{TMP}" in errors[0] and cause in errors[0] and fix in errors[0], errors[0]
-        assert not list(dst.parent.iterdir()), list(dst.parent.iterdir())  # no DST, no staging directory
+        assert not list(dst.parent.iterdir()), (errors[0], list(dst.parent.iterdir()))  # no DST, no staging directory
 
 
 # -- interrupts: a launch of its own per case, a signal mid-run -------------------------------------------------

@@ -64,27 +64,30 @@ def moe_src(tmp_path_factory):
     return make_gpt(tmp_path_factory.mktemp("hybrid_moe"), "M", MOE_M, 1, 1, ep=2)
 
 
-@pytest.mark.parametrize("which,pattern,layouts,back", [
-    ("dense", "*-" * 4, [("2", "1"), ("1", "1")], ["--target-tp", "2", "--target-pp", "2", "--target-spec", "local"]),
-    ("moe", "*-*E*-*E", [("1", "2"), ("1", "1")], ["--target-ep", "2", "--target-spec", "local"])])
+@pytest.mark.parametrize("which,pattern,targets,back", [
+    ("dense", "*-" * 4, [("torch_dist", "2", "1", "1"), ("torch_dist", "1", "2", "1"), ("megatron", "2", "1", "1")],
+     ["--target-tp", "2", "--target-pp", "2", "--target-spec", "local"]),
+    ("moe", "*-*E*-*E", [("torch_dist", "1", "1", "2"), ("torch_dist", "1", "1", "1")],
+     ["--target-ep", "2", "--target-spec", "local"])])
 def test_gpt_to_hybrid_loads_in_megatron_cores_hybrid_model_with_the_gpt_logits(request, tmp_path, which, pattern,
-                                                                               layouts, back):
-    """GPT (gpt_a: TP2 PP2, local spec; the MoE: TP1 EP2) -> HybridModel at two layouts: megatron-core 0.19.2's
-    HybridModel loads each strictly and computes GPTModel's logits of the source (megatron-core 0.19.2 too, the same
-    tokens) within 1e-4; back to GPT bit for bit, and to the hybrid model again bit for bit."""
+                                                                               targets, back):
+    """GPT (gpt_a: TP2 PP2, local spec; the MoE: TP1 EP2) -> HybridModel targets (format, TP, PP, EP): megatron-core
+    0.19.2's HybridModel loads each strictly at its TP and EP (PP 1: a torch_dist checkpoint is layout-free) and
+    computes GPTModel's logits of the source (megatron-core 0.19.2 too, the same tokens) within 1e-4; back to GPT bit
+    for bit, and to the hybrid model again bit for bit."""
     src = request.getfixturevalue("gpt_a" if which == "dense" else "moe_src")
     ref = tmp_path / "gpt.pt"
     oracle("logits", src.ep, "--config", str(src.config), "--tp", "1", "--ep", str(src.ep), "--ckpt",
            str(src.torch_dist), "--out", str(ref), runtime="mcore19")
     want = torch.load(ref)
-    for tp, ep in layouts:
-        dst = tmp_path / f"hybrid_tp{tp}_ep{ep}"
-        ok(run_cli("reshard", str(src.torch_dist), str(dst), "--target-model", "hybrid", "--target-tp", tp,
-                   "--target-pp", "1", *(["--target-ep", ep] if which == "moe" else []), nproc=2))
+    for fmt, tp, pp, ep in targets:
+        dst = tmp_path / f"hybrid_{fmt}_tp{tp}_pp{pp}_ep{ep}"
+        ok(run_cli("reshard", str(src.torch_dist), str(dst), "--target-model", "hybrid", "--dst-format", fmt,
+                   "--target-tp", tp, "--target-pp", pp, *(["--target-ep", ep] if which == "moe" else []), nproc=2))
         got = hybrid_logits(src, pattern, dst, int(tp), int(ep), tmp_path / f"{dst.name}.pt")
         assert torch.equal(got["tokens"], want["tokens"])
-        assert (got["logits"] - want["logits"]).abs().max().item() < 1e-4
-    first = tmp_path / f"hybrid_tp{layouts[0][0]}_ep{layouts[0][1]}"
+        assert (got["logits"] - want["logits"]).abs().max().item() < 1e-4, dst.name
+    first = tmp_path / "hybrid_torch_dist_tp{}_pp{}_ep{}".format(*targets[0][1:])
     gpt, again = tmp_path / "back", tmp_path / "again"
     ok(run_cli("reshard", str(first), str(gpt), "--target-model", "gpt", *back, nproc=2))
     ok(run_cli("verify", str(src.torch_dist), str(gpt), nproc=2))

@@ -197,8 +197,8 @@ def prepare(opts: ReshardOptions, rt: Runtime, world: int) -> Prepared:
         if path is not None and not path.exists():
             raise ConvertError(f"{flag} {path} does not exist", f"pass an existing path to {flag}")
     src_fmt, index = load_index(opts.src, opts.src_format, rt, opts.vocab_size, opts.formats)
-    index = as_model_class(index, opts.target_model)
     dst_fmt = get_format(adapter_target(opts, index, src_fmt.name), opts.formats)
+    index = as_model_class(index, opts.target_model, dst_fmt.name)
     if f.nemo_style and dst_fmt.name != "nemo":
         raise ConvertError(f"--nemo-style applies to .nemo targets, not {dst_fmt.name}",
                            "drop --nemo-style or pass --dst-format nemo")

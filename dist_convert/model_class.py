@@ -103,10 +103,24 @@ def renamed(index: SourceIndex, cfg: ModelConfig, rename: Callable[[str], str]) 
                                absent=frozenset(rename(n) for n in index.absent))
 
 
-def as_model_class(index: SourceIndex, target: str | None) -> SourceIndex:
-    """The source index as the ``target`` class's model (None: the source's own class), refused in one line where that
+def gpt_shaped(cfg: ModelConfig) -> bool:
+    """A HybridModel whose layers pair up as GPT layers (attention, then MLP / MoE), with nothing else."""
+    try:
+        gpt_of(cfg)
+    except ConvertError:
+        return False
+    return True
+
+
+def as_model_class(index: SourceIndex, target: str | None, dst_format: str | None = None) -> SourceIndex:
+    """The source index as the ``target`` class's model (None: the source's own class; for an HF target, a GPTModel
+    where the source is a GPT-shaped HybridModel no HF family expresses as it is), refused in one line where that
     class cannot hold it; the notes say what changed."""
     source = model_class(index.cfg)
+    if target is None and dst_format == "hf" and source == HYBRID and gpt_shaped(index.cfg):
+        from .models import expressing_family  # the HF families, imported only for an HF target
+
+        target = GPT if expressing_family(index.cfg, index.origin.hf_config) is None else None
     if target is None or target == source:
         return index
     if index.optimizer is not None or index.adapter is not None:

@@ -119,7 +119,7 @@ def config_from_hf(hf: dict[str, Any], vocab_divisible_by: int | None) -> tuple[
     return imported.cfg, model_args(imported.cfg, hf_dtype(hf), tokenizer_type=HF_TOKENIZER), imported.notes
 
 
-def _expressing(cfg: ModelConfig, base: dict[str, Any] | None = None) -> Family | None:
+def expressing_family(cfg: ModelConfig, base: dict[str, Any] | None = None) -> Family | None:
     """The family the model came from (``base``: its HF config.json) when that one expresses it, else the first of
     ``PREFERENCE`` that does; None when none does."""
     origin = [FAMILIES[a] for a in (base or {}).get("architectures") or [] if a in FAMILIES]
@@ -130,7 +130,7 @@ def export_family(cfg: ModelConfig, base: dict[str, Any] | None = None) -> Famil
     """The HF family a megatron-core model exports as: the one it came from (``base``: the HF config.json it
     was imported from, its Origin's) when that one expresses it, else the first of ``PREFERENCE`` that does;
     refused in the nearest family's words when none does."""
-    fam = _expressing(cfg, base)
+    fam = expressing_family(cfg, base)
     if fam is None:
         nearest = nearest_family(cfg)
         raise nearest.refusal(nearest.unexpressed(cfg))
@@ -150,7 +150,7 @@ def nearest_family(cfg: ModelConfig) -> Family:
 
 def naming_family(cfg: ModelConfig) -> Family:
     """The family whose names a model's HF tensors take: the one it exports as, or the nearest."""
-    return _expressing(cfg) or nearest_family(cfg)
+    return expressing_family(cfg) or nearest_family(cfg)
 
 
 def hf_from_config(cfg: ModelConfig, dtype: torch.dtype, base: dict[str, Any] | None = None) -> dict[str, Any]:

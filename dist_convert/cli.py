@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None, runtime: Runtime | None = None) -> int:
 
 
 def _say(text: str) -> None:
-    """One error line, in one write: other ranks' lines never land inside it."""
-    sys.stderr.write(f"dist_convert: error: {text}\n")
+    """One error line, in one write: other ranks' lines never land inside it, nor it after a progress bar's."""
+    runtime = sys.modules.get(f"{__package__}.runtime")  # a progress bar is shown only where it was imported
+    sys.stderr.write(f"{runtime.line_start() if runtime else ''}dist_convert: error: {text}\n")
     sys.stderr.flush()
 
 

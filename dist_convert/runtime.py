@@ -295,6 +295,15 @@ def peak_rss_bytes() -> int:
     return kb * 1024 if sys.platform != "darwin" else kb
 
 
+_bar_open = False  # a progress bar is shown and has not finished its last line (see ``line_start``)
+
+
+def line_start() -> str:
+    """What to write before a line of its own: a newline while a progress bar may have left its line unfinished
+    (a signal can cut its final render short, or the interrupt watchdog speak while the main thread renders it)."""
+    return "\n" if _bar_open else ""
+
+
 class ProgressBar:
     """A rich progress bar with bytes, GB/s and ETA (rank 0 only)."""
 
@@ -306,7 +315,9 @@ class ProgressBar:
             self._task = self._p.add_task(what, total=total)
 
     def __enter__(self) -> ProgressBar:
+        global _bar_open
         if self._p:
+            _bar_open = True
             self._p.start()
         return self
 
@@ -315,8 +326,10 @@ class ProgressBar:
             self._p.advance(self._task, nbytes)
 
     def __exit__(self, *exc: Any) -> None:
+        global _bar_open
         if self._p:
             self._p.stop()
+            _bar_open = False  # only once its last line is written in full
 
 
 def human_bytes(n: float) -> str:

@@ -217,6 +217,20 @@ def test_the_watchdog_never_ends_the_process_while_the_line_is_being_written(mon
     assert said == ["interrupted (SIGTERM); nothing written"]  # once
 
 
+def test_the_error_line_starts_a_line_of_its_own_while_a_progress_bar_is_unfinished(capsys):
+    """A signal can cut a progress bar's last render short, or the watchdog speak while the main thread renders it
+    (a CI run once printed ``converting 0.0/149.1 kB ? -:--:--dist_convert: error: interrupted ...``): while a bar
+    is shown, the one error line begins with a newline; once it finished, none is added."""
+    from dist_convert.cli import _say
+    from dist_convert.runtime import ProgressBar
+
+    with ProgressBar(100, "converting", True):
+        _say("interrupted (SIGINT); nothing written")
+    _say("after")
+    err = capsys.readouterr().err
+    assert "\ndist_convert: error: interrupted (SIGINT); nothing written\n" in err
+    assert err.endswith("\ndist_convert: error: after\n") and "\n\ndist_convert: error: after" not in err
+
 # -- file-system faults: a real small tmpfs and a real read-only bind mount (root only) --------------------------
 def _mount(*args: str) -> bool:
     return subprocess.run(["mount", *args], capture_output=True).returncode == 0

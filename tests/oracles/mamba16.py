@@ -19,8 +19,8 @@ is transformers' ``NemotronHForCausalLM``. Imports megatron-core and transformer
         * every loaded tensor (this rank's state_dict, _extra_state aside) == the truth, bit for bit: the HF
           safetensors mapped by ``hf_truth`` (this file's own mapping) and cut to this rank's TP shard the way
           megatron-core's modules shard them (``shard``)
-        * PP 1: logits on fixed ids (2 x 16 tokens) vs transformers' NemotronHForCausalLM (fp32,
-          use_mamba_kernels=False, eager attention) within --atol (1e-4)
+        * PP 1: logits on fixed ids (2 x 16 tokens) vs transformers' NemotronHForCausalLM's (fp32, the torch
+          path): those of the model ``nemotron_h.py make`` made, saved beside HF_DIR, within --atol (1e-4)
       one JSON line per CKPT on rank 0: {"ckpt", "ok", "format", "loaded_tensors" (summed over ranks),
       "logits_max_abs_diff_vs_hf", "stored_tp", "stored_pp", "problems", ...}; exit 1 if any CKPT failed.
   oracles/mamba16.py save --hf HF_DIR [--tp T] [--pp P] --out-torch-dist D1 --out-legacy D2
@@ -97,7 +97,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package, helpers
 
 from oracles.common import is_legacy, run_program  # noqa: E402
-from oracles.nemotron_h import hf_logits, megatron_logits, tensor_state  # noqa: E402
+from oracles.nemotron_h import made_logits, megatron_logits, tensor_state  # noqa: E402
 
 SEQ = 16  # judge input length: > conv kernel (4) and > the tiny model's chunk_size (8)
 KINDS = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E"}
@@ -799,7 +799,7 @@ def cmd_judge(a, serving=False) -> int:
         rank, world, tp = init(a)
         m, cfg = build(a.hf, tp, a.pp)
         truth = rank_truth(m, hf_truth(cfg, hf_tensors(a.hf)))
-        hlog = hf_logits(a.hf, judge_ids(cfg["vocab_size"])) if a.pp == 1 else None
+        hlog = made_logits(a.hf, judge_ids(cfg["vocab_size"])) if a.pp == 1 else None
         for ckpt in a.ckpts:
             t1 = time.time()
             problems, info = judge_one(ckpt, a, m, cfg["vocab_size"], truth, hlog)

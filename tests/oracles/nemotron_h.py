@@ -585,6 +585,10 @@ def cmd_make(a) -> int:
             elif p.is_floating_point():
                 raise SystemExit(f"make: no rule for {name} {tuple(p.shape)}")
     model.save_pretrained(out)
+    model.eval()
+    with torch.no_grad():  # transformers' logits of the model it made, for judges in another runtime
+        torch.save({"ids": judge_ids(), "logits": model(input_ids=judge_ids(), use_cache=False).logits.float()},
+                   made_logits_path(out))
     tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t3"))
     tok.pre_tokenizer = WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t3", pad_token="t0", eos_token="t1",
@@ -755,6 +759,24 @@ def megatron_logits(m, ids):
     pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
     with torch.no_grad():
         return m(input_ids=ids, position_ids=pos, attention_mask=None).float()
+
+
+def made_logits_path(hf: str | Path) -> Path:
+    """Where ``make`` saves transformers' logits of the model it made (beside the HF directory)."""
+    return Path(f"{hf}.logits.pt")
+
+
+def made_logits(hf: str, ids):
+    """transformers' logits of the model ``make`` made, on ``ids`` (the judge's tokens). A judge in the default
+    runtime uses these instead of reloading the files there (its transformers once failed inside its own
+    ``from_pretrained`` init, "Cannot copy out of meta tensor", in a worker shared with other jobs; the reload
+    through ``from_pretrained`` is judged by ``cmd_judge`` in the second runtime)."""
+    import torch
+
+    made = torch.load(made_logits_path(hf))
+    if not torch.equal(made["ids"], ids):
+        raise SystemExit(f"{made_logits_path(hf)}: its tokens are not the judge's; rerun make")
+    return made["logits"]
 
 
 def hf_logits(hf: str, ids):

@@ -38,6 +38,7 @@ from .config import ALWAYS, RECORDS, ModelConfig
 from .errors import ConvertError
 from .features.base import DERIVED, MODEL
 from .layout.topology import Layout
+from .model_class import layer_spec_arg
 
 CFG, LAYOUT = MODEL, "layout"  # where complete_args takes a value from (and DERIVED; "": the default)
 
@@ -199,6 +200,7 @@ def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) ->
     f: dict[str, Any] = {name: value for name, value in cfg.to_args().items()
                          if name in BY_NAME or value != PLAIN_ARGS.get(name) or hasattr(args, name)}
     f["padded_vocab_size"] = cfg.padded_vocab(layout.tp)
+    f["spec"] = layer_spec_arg(cfg, vars(args))
     f["max_position_embeddings"] = cfg.max_position_embeddings if cfg.max_position_embeddings is not None \
         else getattr(args, "max_position_embeddings", None)
     if cfg.t5 is not None:  # Megatron-LM's T5 keeps its own num_layers; the stacks have their own fields

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from typing import Any
 
 from .config import ModelConfig
 from .datamodel import SourceIndex
@@ -24,7 +25,9 @@ GPT, HYBRID = MODEL_CLASSES
 MIXER_PARTS = ("input_layernorm.", "self_attention.")  # a GPT layer's modules that go to its attention position
 MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")  # ... and to its MLP / MoE position
 FINAL_NORM = {"decoder.final_layernorm.weight": "decoder.final_norm.weight"}
+GPT_FINAL_NORM = {v: k for k, v in FINAL_NORM.items()}
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+MCORE_SPEC = ("megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec")  # megatron-core's hybrid stack
 MAMBA_HEAD_DIM = 64  # the Mamba record's head size when the model has no Mamba2 layer (no tensor depends on it)
 
 
@@ -39,7 +42,7 @@ def _refuse_unplaced(cfg: ModelConfig) -> None:
         ("multi-latent attention (MLA)", cfg.mla is not None), ("DeepSeek sparse attention", cfg.dsa is not None),
         ("Gated DeltaNet layers", cfg.gdn is not None), ("multi-token prediction layers", cfg.mtp is not None),
         ("a vision tower", cfg.vision is not None), ("an encoder (T5)", cfg.t5 is not None),
-        ("q/k norms (HybridModel's attention layer builds none)", cfg.attention.qk_norm),
+        ("full-width q/k norms", cfg.attention.qk_norm_full),
         (f"{cfg.norm.kind} (the hybrid stack's norms are converted as RMSNorm weights only)",
          cfg.norm.kind != "RMSNorm"),
         ("linear-layer biases", cfg.add_bias_linear or cfg.add_qkv_bias)) if present]
@@ -72,6 +75,18 @@ def gpt_of(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(num_layers=len(p) // 2, mamba=None, moe=moe)
 
 
+def layer_spec_arg(cfg: ModelConfig, source: dict[str, Any]) -> Any:
+    """The target args' ``spec`` (Megatron-LM's ``--spec``, which ``--use-checkpoint-args`` takes from the checkpoint:
+    the layer spec's module and name) for the model ``cfg``, from the source's args ``source``: a HybridModel made
+    from a GPTModel names megatron-core's ``hybrid_stack_spec`` (Megatron-LM's hybrid builder needs one), a GPTModel
+    made from a HybridModel none (Megatron-LM's default); otherwise the source's spec stays."""
+    spec = source.get("spec")
+    was_hybrid = bool(source.get("hybrid_override_pattern") or source.get("hybrid_layer_pattern"))
+    if model_class(cfg) == GPT:
+        return None if was_hybrid else spec  # a hybrid's spec is a HybridStack's, which no GPTModel builds
+    return spec if was_hybrid else list(MCORE_SPEC)
+
+
 def gpt_to_hybrid_name(name: str) -> str:
     m = _LAYER.fullmatch(name)
     if m is None:
@@ -88,7 +103,7 @@ def gpt_to_hybrid_name(name: str) -> str:
 def hybrid_to_gpt_name(name: str) -> str:
     m = _LAYER.fullmatch(name)
     if m is None:
-        return {v: k for k, v in FINAL_NORM.items()}.get(name, name)
+        return GPT_FINAL_NORM.get(name, name)
     return f"decoder.layers.{int(m[1]) // 2}.{m[2]}"
 
 

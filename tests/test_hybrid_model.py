@@ -12,7 +12,15 @@ from training_runs import MOE_M
 from dist_convert.config import config_from_args
 from dist_convert.errors import ConvertError
 from dist_convert.layout.rules import logical_tensors
-from dist_convert.model_class import gpt_of, gpt_to_hybrid_name, hybrid_of, hybrid_to_gpt_name, model_class
+from dist_convert.model_class import (
+    MCORE_SPEC,
+    gpt_of,
+    gpt_to_hybrid_name,
+    hybrid_of,
+    hybrid_to_gpt_name,
+    layer_spec_arg,
+    model_class,
+)
 
 from conftest import CONFIGS, assert_refused, make_gpt, ok, oracle, run_cli
 
@@ -38,12 +46,28 @@ def test_a_gpt_layer_is_an_attention_and_an_mlp_layer_of_the_hybrid_model(args, 
     assert gpt_to_hybrid_name("decoder.layers.3.input_layernorm.weight") == "decoder.layers.6.input_layernorm.weight"
 
 
-@pytest.mark.parametrize("change,needle", [({"qk_layernorm": True}, "q/k norms"),
+@pytest.mark.parametrize("change,needle", [({"qk_layernorm": True, "qk_norm_full_width": True}, "full-width"),
                                            ({"normalization": "LayerNorm"}, "LayerNorm"),
                                            ({"add_bias_linear": True}, "biases")])
 def test_what_the_hybrid_model_has_no_place_for_is_refused(change, needle):
     with pytest.raises(ConvertError, match=needle):
         hybrid_of(cfg_of({**LLAMA, **change}))
+
+
+QK = {**LLAMA, "qk_layernorm": True}  # per-head q/k norms (Qwen3's attention)
+OWN = ["my_specs", "my_hybrid_stack"]  # a user's own spec module
+
+
+@pytest.mark.parametrize("model,source,want", [
+    (hybrid_of(cfg_of(LLAMA)), {}, MCORE_SPEC),  # GPT -> hybrid: megatron-core's hybrid stack
+    (hybrid_of(cfg_of(QK)), {"spec": ["megatron.core.models.gpt.gpt_layer_specs", "x"]}, MCORE_SPEC),
+    (hybrid_of(cfg_of(LLAMA)), {"hybrid_override_pattern": "*-*-*-*-", "spec": OWN}, OWN),  # a hybrid's own: kept
+    (hybrid_of(cfg_of(LLAMA)), {"hybrid_override_pattern": "*-*-*-*-"}, None),  # a hybrid without one: as it was
+    (cfg_of(LLAMA), {"hybrid_layer_pattern": "*-*-*-*-", "spec": OWN}, None),  # hybrid -> GPT: Megatron-LM's default
+    (cfg_of(LLAMA), {"spec": OWN}, OWN)])  # a GPT's own: kept
+def test_the_target_args_name_the_layer_spec_that_builds_its_model(model, source, want):
+    got = layer_spec_arg(model, source)
+    assert (list(got) if got is not None else None) == (list(want) if want is not None else None)
 
 
 def test_a_pattern_that_is_not_gpt_layers_is_refused():
@@ -53,9 +77,19 @@ def test_a_pattern_that_is_not_gpt_layers_is_refused():
 
 
 def hybrid_logits(src, pattern: str, ckpt, tp: int, ep: int, out):
-    oracle("logits", tp * ep, "--config", str(src.config), "--pattern", pattern, "--tp", str(tp), "--ep", str(ep),
-           "--ckpt", str(ckpt), "--out", str(out), program="hybrid", runtime="mcore19")
+    """megatron-core 0.19.2's HybridModel logits of ``ckpt``, built from the layer spec its args name, which must be
+    megatron-core's own ``hybrid_stack_spec``."""
+    proc = oracle("logits", tp * ep, "--config", str(src.config), "--pattern", pattern, "--tp", str(tp), "--ep",
+                  str(ep), "--ckpt", str(ckpt), "--out", str(out), program="hybrid", runtime="mcore19")
+    assert f"ORACLE SPEC {'.'.join(MCORE_SPEC)}" in proc.stdout, proc.stdout[-2000:]
     return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def qk_src(tmp_path_factory):
+    """gpt_a's shape with per-head q/k norms (RMSNorm), TP2: megatron-core 0.19's hybrid attention layer builds them
+    from the config (qk_layernorm) where its spec names none."""
+    return make_gpt(tmp_path_factory.mktemp("hybrid_qk"), "Q", QK, 2, 1)
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +102,16 @@ def moe_src(tmp_path_factory):
     ("dense", "*-" * 4, [("torch_dist", "2", "1", "1"), ("torch_dist", "1", "2", "1"), ("megatron", "2", "1", "1")],
      ["--target-tp", "2", "--target-pp", "2", "--target-spec", "local"]),
     ("moe", "*-*E*-*E", [("torch_dist", "1", "1", "2"), ("torch_dist", "1", "1", "1")],
-     ["--target-ep", "2", "--target-spec", "local"])])
+     ["--target-ep", "2", "--target-spec", "local"]),
+    ("qk", "*-" * 4, [("torch_dist", "1", "1", "1"), ("megatron", "2", "1", "1")],
+     ["--target-tp", "2", "--target-spec", "local"])])
 def test_gpt_to_hybrid_loads_in_megatron_cores_hybrid_model_with_the_gpt_logits(request, tmp_path, which, pattern,
                                                                                targets, back):
     """GPT (gpt_a: TP2 PP2, local spec; the MoE: TP1 EP2) -> HybridModel targets (format, TP, PP, EP): megatron-core
     0.19.2's HybridModel loads each strictly at its TP and EP (PP 1: a torch_dist checkpoint is layout-free) and
     computes GPTModel's logits of the source (megatron-core 0.19.2 too, the same tokens) within 1e-4; back to GPT bit
     for bit, and to the hybrid model again bit for bit."""
-    src = request.getfixturevalue("gpt_a" if which == "dense" else "moe_src")
+    src = request.getfixturevalue({"dense": "gpt_a", "moe": "moe_src", "qk": "qk_src"}[which])
     ref = tmp_path / "gpt.pt"
     oracle("logits", src.ep, "--config", str(src.config), "--tp", "1", "--ep", str(src.ep), "--ckpt",
            str(src.torch_dist), "--out", str(ref), runtime="mcore19")

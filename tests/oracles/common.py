@@ -475,9 +475,8 @@ def is_legacy(iter_dir: Path) -> bool:
     return any(p.name.startswith("mp_rank_") for p in iter_dir.iterdir())
 
 
-def stored_parallel(iter_dir: Path) -> tuple[int | None, int | None]:
-    """(TP, PP) a checkpoint says it was written at: Megatron-LM args (common state, or a legacy rank file),
-    else Bridge's run_config.yaml model section; None where it says nothing."""
+def stored_args(iter_dir: Path):
+    """The Megatron-LM args a checkpoint holds (common state, or a legacy rank file); None if none."""
     import torch
     from megatron.core import dist_checkpointing
 
@@ -492,6 +491,13 @@ def stored_parallel(iter_dir: Path) -> tuple[int | None, int | None]:
             args = torch.load(f, map_location="cpu", weights_only=True).get("args")
         else:
             args = dist_checkpointing.load_common_state_dict(str(iter_dir)).get("args")
+    return args
+
+
+def stored_parallel(iter_dir: Path) -> tuple[int | None, int | None]:
+    """(TP, PP) a checkpoint says it was written at: Megatron-LM args (common state, or a legacy rank file),
+    else Bridge's run_config.yaml model section; None where it says nothing."""
+    args = stored_args(iter_dir)
     if args is not None:
         return getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", None)
     rc = iter_dir / "run_config.yaml"

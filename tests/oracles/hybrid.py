@@ -6,9 +6,12 @@ be compared. Runs in the second runtime (.venv-mcore19); imports megatron-core o
   torchrun --nproc_per_node=N tests/oracles/hybrid.py logits --config C.json --pattern P --tp T [--ep E] --ckpt X \
       --out F.pt
 
-megatron-core's own ``hybrid_stack_spec`` builds the model, its Transformer Engine classes stood in by CPU modules
+The HybridStack spec the checkpoint's args name (``spec``, imported as Megatron-LM's hybrid builder imports its
+``--spec`` under ``--use-checkpoint-args``; megatron-core's own ``hybrid_stack_spec`` where none is named) builds the
+model (rank 0 prints ``ORACLE SPEC module.name``), its Transformer Engine classes stood in by CPU modules
 of the same names and state (``oracles.nemotron_h.cpu_hybrid_stack_spec``: each swapped slot must hold the expected
-TE class; MoE layers: TEGroupedMLP over stand-in grouped linears). The TransformerConfig is mcore.py's
+TE class; MoE layers: TEGroupedMLP over stand-in grouped linears; the q/k norms megatron-core 0.19's SelfAttention
+builds from ``qk_layernorm`` where the spec names none: TENorm, stood in too). The TransformerConfig is mcore.py's
 (``transformer_config``) with ``num_layers`` = the pattern's length.
 The checkpoint is loaded with dist_checkpointing.load(StrictHandling.RAISE_ALL) (no missing, no unexpected key),
 TE's check of each ``_extra_state`` and load_state_dict (``oracles.te_cpu.load_strict``); the model is randomised
@@ -26,8 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package
 
 
-def build(cfg: dict, pattern: str, tp: int, ep: int = 1):
-    """megatron-core's HybridModel of ``cfg`` with ``pattern``, on the CPU (see the module docstring)."""
+def build(cfg: dict, pattern: str, tp: int, ep: int = 1, stack=None):
+    """megatron-core's HybridModel of ``cfg`` with ``pattern`` and the HybridStack spec ``stack`` (None:
+    megatron-core's own), on the CPU (see the module docstring)."""
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
@@ -37,38 +41,45 @@ def build(cfg: dict, pattern: str, tp: int, ep: int = 1):
     for k, v in nemotron_h.CPU_SWITCHES.items():
         if hasattr(config, k):
             setattr(config, k, v)
-    saved = hybrid_block.TENorm  # HybridStack's final norm, imported by name there
-    hybrid_block.TENorm = nemotron_h.standins()["norm"]
+    from megatron.core.transformer import attention
+
+    # HybridStack's final norm, and the q/k norms SelfAttention builds from config.qk_layernorm where its spec names
+    # none (TENorm, imported by name in each module; None without TE)
+    saved = hybrid_block.TENorm, attention.TENorm
+    hybrid_block.TENorm = attention.TENorm = nemotron_h.standins()["norm"]
     try:
-        model = HybridModel(config=config, hybrid_stack_spec=nemotron_h.cpu_hybrid_stack_spec(),
+        model = HybridModel(config=config, hybrid_stack_spec=nemotron_h.cpu_hybrid_stack_spec(stack),
                             vocab_size=mcore.padded_vocab(cfg, tp), max_sequence_length=cfg["max_position_embeddings"],
                             hybrid_layer_pattern=pattern, parallel_output=False,
                             share_embeddings_and_output_weights=not cfg["untie_embeddings_and_output_weights"],
                             position_embedding_type=cfg["position_embedding_type"],
                             rotary_percent=cfg.get("rotary_percent", 1.0), rotary_base=cfg.get("rotary_base", 10000))
     finally:
-        hybrid_block.TENorm = saved
+        hybrid_block.TENorm, attention.TENorm = saved
     return model
 
 
 def cmd_logits(a) -> int:
     import torch
     import torch.distributed as dist
+    from megatron.core.transformer.spec_utils import import_module
 
     from oracles import mcore, nemotron_h
-    from oracles.common import resolve_iter_dir
+    from oracles.common import resolve_iter_dir, stored_args
     from oracles.te_cpu import load_strict
 
     nemotron_h.apply_shims()
     cfg = mcore.load_config(a.config)
+    iter_dir = Path(resolve_iter_dir(a.ckpt))
+    spec = getattr(stored_args(iter_dir), "spec", None)
     mcore.init_parallel(a.tp, 1, ep=a.ep, cfg=cfg)
     try:
-        model = build(cfg, a.pattern, a.tp, a.ep)
+        model = build(cfg, a.pattern, a.tp, a.ep, import_module(spec) if spec else None)
         with torch.no_grad():
             for p in model.parameters():
                 p.uniform_(-3.0, 3.0)  # nothing the checkpoint lacks passes as loaded
         problems: list[str] = []
-        load_strict([model], Path(resolve_iter_dir(a.ckpt)), problems)
+        load_strict([model], iter_dir, problems)
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, problems)
         problems = [f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
@@ -83,6 +94,7 @@ def cmd_logits(a) -> int:
         if dist.get_rank() == 0:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             torch.save({"tokens": tokens, "logits": logits}, a.out)
+            print(f"ORACLE SPEC {'.'.join(spec) if spec else None}", flush=True)
             print(f"ORACLE LOGITS {tuple(logits.shape)} -> {a.out}", flush=True)
         return 0
     finally:

@@ -429,9 +429,10 @@ def apply_shims():
     mamba_mixer.causal_conv1d_fn = None
 
 
-def cpu_hybrid_stack_spec():
-    """megatron-core's hybrid_stack_spec (Bridge's default for Nemotron-H) with its TE leaves swapped for the
-    stand-ins; each swapped slot must hold the expected TE class (a changed spec fails here)."""
+def cpu_hybrid_stack_spec(stack=None):
+    """megatron-core's hybrid_stack_spec (Bridge's default for Nemotron-H), or ``stack`` (another HybridStack spec,
+    as a checkpoint's ``spec`` args name it), with its TE leaves swapped for the stand-ins; each swapped slot must
+    hold the expected TE class (a changed spec fails here)."""
     import copy
     from functools import partial
 
@@ -453,7 +454,7 @@ def cpu_hybrid_stack_spec():
             holder = child
         return holder
 
-    spec = copy.copy(hybrid_stack_spec)
+    spec = copy.copy(hybrid_stack_spec if stack is None else stack)
     sub = own(spec, "submodules")
     mixer = own(sub, "mamba_layer", "submodules", "mixer", "submodules")
     attn = own(sub, "attention_layer", "submodules", "self_attention", "submodules")

@@ -27,7 +27,9 @@ MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")  # ... and to its MLP / MoE position
 FINAL_NORM = {"decoder.final_layernorm.weight": "decoder.final_norm.weight"}
 GPT_FINAL_NORM = {v: k for k, v in FINAL_NORM.items()}
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
-MCORE_SPEC = ("megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec")  # megatron-core's hybrid stack
+# megatron-core's hybrid stack, by the name every release in use holds: 0.16's MambaModel spec, and from 0.19 on (main
+# too) an alias of models/hybrid's hybrid_stack_spec
+MCORE_SPEC = ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec")
 MAMBA_HEAD_DIM = 64  # the Mamba record's head size when the model has no Mamba2 layer (no tensor depends on it)
 
 
@@ -78,7 +80,7 @@ def gpt_of(cfg: ModelConfig) -> ModelConfig:
 def layer_spec_arg(cfg: ModelConfig, source: dict[str, Any]) -> Any:
     """The target args' ``spec`` (Megatron-LM's ``--spec``, which ``--use-checkpoint-args`` takes from the checkpoint:
     the layer spec's module and name) for the model ``cfg``, from the source's args ``source``: a HybridModel made
-    from a GPTModel names megatron-core's ``hybrid_stack_spec`` (Megatron-LM's hybrid builder needs one), a GPTModel
+    from a GPTModel names megatron-core's hybrid stack (Megatron-LM's hybrid builder needs one), a GPTModel
     made from a HybridModel none (Megatron-LM's default); otherwise the source's spec stays."""
     spec = source.get("spec")
     was_hybrid = bool(source.get("hybrid_override_pattern") or source.get("hybrid_layer_pattern"))

@@ -175,7 +175,8 @@ def _target_flags(r: argparse.ArgumentParser) -> None:
                    help="layer-spec naming of the target (default: the source's)")
     r.add_argument("--target-model", choices=MODEL_CLASSES, default=None,
                    help="megatron-core model class of the target: gpt (GPTModel) or hybrid (HybridModel: each GPT "
-                        "layer becomes an attention and an MLP / MoE layer, pattern *-*- / *E; default: the source's "
+                        "layer becomes its attention (*) or Gated DeltaNet (G) layer and its MLP (-) or MoE (E) "
+                        "layer; default: the source's "
                         "class; gpt for an HF source, and for an HF target where no HF family holds the hybrid model)")
     r.add_argument("--dtype", choices=("keep", "bf16", "fp16", "fp32"), default="keep", help=DTYPE_HELP)
     r.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE",

@@ -1,11 +1,12 @@
 """The target's model class (``--target-model``): megatron-core's GPTModel or its successor HybridModel.
 
 A HybridModel stack (megatron-core's ``models/hybrid``; MambaModel is one) has one sub-block per layer, named by its
-pattern: ``*`` attention, ``-`` MLP, ``E`` MoE, ``M`` Mamba2. A GPT layer ``n`` is two of them: its attention (with the
-input norm) at hybrid layer ``2n`` and its MLP or MoE (with the pre-MLP norm) at ``2n + 1``, so the same model is
-pattern ``*-*-…`` (``*E`` where layer ``n`` is MoE), and its final norm is ``decoder.final_norm``. Converting between
-the two classes renames each logical tensor accordingly (``renamed``) and rewrites the model config
-(``hybrid_of`` / ``gpt_of``); the values are the same tensors, bit for bit. Pure functions, tested without processes.
+pattern: ``*`` attention, ``G`` Gated DeltaNet, ``-`` MLP, ``E`` MoE, ``M`` Mamba2. A GPT layer ``n`` is two of them:
+its mixer (attention with the input norm, or Gated DeltaNet) at hybrid layer ``2n`` and its MLP or MoE (with the
+pre-MLP norm) at ``2n + 1``, so the same model is pattern ``*-*-…`` (``*E`` where layer ``n`` is MoE, ``G-`` where
+it is a Gated DeltaNet layer), and its final norm is ``decoder.final_norm``. Converting between the two classes renames
+each logical tensor accordingly (``renamed``) and rewrites the model config (``hybrid_of`` / ``gpt_of``); the values
+are the same tensors, bit for bit. Pure functions, tested without processes.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _refuse_unplaced(cfg: ModelConfig) -> None:
     """What megatron-core's HybridModel has no place for as this converter places a GPT layer, in one line."""
     unplaced = [what for what, present in (
         ("multi-latent attention (MLA)", cfg.mla is not None), ("DeepSeek sparse attention", cfg.dsa is not None),
-        ("Gated DeltaNet layers", cfg.gdn is not None), ("multi-token prediction layers", cfg.mtp is not None),
+        ("multi-token prediction layers", cfg.mtp is not None),
         ("a vision tower", cfg.vision is not None), ("an encoder (T5)", cfg.t5 is not None),
         ("full-width q/k norms", cfg.attention.qk_norm_full),
         (f"{cfg.norm.kind} (the hybrid stack's norms are converted as RMSNorm weights only)",
@@ -55,12 +56,15 @@ def _refuse_unplaced(cfg: ModelConfig) -> None:
 
 
 def hybrid_of(cfg: ModelConfig) -> ModelConfig:
-    """A GPT model config as megatron-core's HybridModel of the same model: pattern ``*-`` or ``*E`` per GPT layer."""
+    """A GPT model config as megatron-core's HybridModel of the same model: per GPT layer its mixer (``*`` attention,
+    ``G`` Gated DeltaNet) then its MLP (``-``, or ``E`` MoE)."""
     _refuse_unplaced(cfg)
-    pattern = "".join("*" + ("E" if cfg.is_moe_layer(n) else "-") for n in range(cfg.num_layers))
+    pattern = "".join(("G" if cfg.layer_kind("decoder", n)[0] == "gdn" else "*")
+                      + ("E" if cfg.is_moe_layer(n) else "-") for n in range(cfg.num_layers))
     mamba = Mamba(pattern=pattern, num_heads=max(1, 2 * cfg.hidden_size // MAMBA_HEAD_DIM), head_dim=MAMBA_HEAD_DIM)
     moe = cfg.moe and dataclasses.replace(cfg.moe, layer_pattern=None)  # the pattern says which layers are MoE
-    return cfg.replace(num_layers=2 * cfg.num_layers, mamba=mamba, moe=moe, spec="te")  # HybridModel: TE's only
+    gdn = cfg.gdn and dataclasses.replace(cfg.gdn, pattern=tuple(int(c == "G") for c in pattern))
+    return cfg.replace(num_layers=2 * cfg.num_layers, mamba=mamba, moe=moe, gdn=gdn, spec="te")  # TE's spec only
 
 
 def gpt_of(cfg: ModelConfig) -> ModelConfig:
@@ -68,13 +72,14 @@ def gpt_of(cfg: ModelConfig) -> ModelConfig:
     pair."""
     assert cfg.mamba is not None
     p = cfg.mamba.pattern
-    if len(p) % 2 or set(p[0::2]) != {"*"} or not set(p[1::2]) <= {"-", "E"}:
-        raise ConvertError(f"--target-model gpt: the hybrid layer pattern {p!r} is not one attention layer (*) then "
-                           "one MLP (-) or MoE (E) layer, pair by pair, so no GPTModel layer stack holds it",
-                           "drop --target-model gpt (keep the HybridModel checkpoint)")
+    if len(p) % 2 or not set(p[0::2]) <= {"*", "G"} or not set(p[1::2]) <= {"-", "E"}:
+        raise ConvertError(f"--target-model gpt: the hybrid layer pattern {p!r} is not one attention (*) or Gated "
+                           "DeltaNet (G) layer then one MLP (-) or MoE (E) layer, pair by pair, so no GPTModel layer "
+                           "stack holds it", "drop --target-model gpt (keep the HybridModel checkpoint)")
     moe_layers = tuple(int(c == "E") for c in p[1::2])
     moe = cfg.moe and dataclasses.replace(cfg.moe, layer_pattern=None if all(moe_layers) else moe_layers)
-    return cfg.replace(num_layers=len(p) // 2, mamba=None, moe=moe)
+    gdn = cfg.gdn and dataclasses.replace(cfg.gdn, pattern=tuple(int(c == "G") for c in p[0::2]))
+    return cfg.replace(num_layers=len(p) // 2, mamba=None, moe=moe, gdn=gdn)
 
 
 def layer_spec_arg(cfg: ModelConfig, source: dict[str, Any]) -> Any:

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 # MambaModel's layer symbols -> (mixer, MLP) of the layer (megatron-core's hybrid layer allocation)
 HYBRID_SYMBOLS: dict[str, tuple[str | None, str | None]] = {
-    "M": ("mamba", None), "*": ("attention", None), "-": (None, "dense"), "E": (None, "moe")}
+    "M": ("mamba", None), "G": ("gdn", None), "*": ("attention", None), "-": (None, "dense"), "E": (None, "moe")}
+GDN_SYMBOL = "G"  # a HybridModel's Gated DeltaNet layer (its sizes: the GDN record)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,9 +247,10 @@ def hybrid_pattern_of(pattern: str, num_layers: int | None = None) -> str:
     bad = sorted(set(symbols) - set(HYBRID_SYMBOLS))
     if bad or not symbols:
         raise ConvertError(f"hybrid layer pattern {pattern!r} has symbol(s) {''.join(bad) or 'none'}: megatron-core's "
-                           "MambaModel layers converted here are M (Mamba2), * (attention), - (MLP) and E (MoE)",
-                           "convert a model whose hybrid_override_pattern uses only M, *, - and E (multi-token "
-                           "prediction after '/' and G/D/+ layers are not supported)")
+                           "HybridModel layers converted here are M (Mamba2), G (Gated DeltaNet), * (attention), "
+                           "- (MLP) and E (MoE)",
+                           "convert a model whose hybrid_override_pattern uses only M, G, *, - and E (multi-token "
+                           "prediction after '/' and D/+ layers are not supported)")
     if num_layers is not None and len(symbols) != num_layers:
         raise ConvertError(f"hybrid layer pattern {pattern!r} has {len(symbols)} layers but num_layers is {num_layers}",
                            "fix num_layers or the pattern in the checkpoint args")
@@ -282,8 +284,14 @@ class GDN(Feature):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GDN | None:
+        """GPTModel's Gated DeltaNet layers (``experimental_attention_variant``), or a HybridModel's ``G`` layers,
+        whose pattern says where they are (1 per ``G``)."""
         a = vars(args)
         variant = get(a, "experimental_attention_variant")
+        hybrid = str(get(a, "hybrid_layer_pattern", "hybrid_override_pattern") or "")
+        if variant is None and GDN_SYMBOL in hybrid:
+            symbols = hybrid_pattern_of(hybrid, int(a["num_layers"]))
+            return cls(**{**cls.args_values(args), "pattern": tuple(int(c == GDN_SYMBOL) for c in symbols)})
         if variant is None or variant == DSA_VARIANT:
             return None
         if variant != "gated_delta_net":

@@ -29,65 +29,83 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package
 
 
-def build(cfg: dict, pattern: str, tp: int, ep: int = 1, stack=None):
-    """megatron-core's HybridModel of ``cfg`` with ``pattern`` and the HybridStack spec ``stack`` (None:
-    megatron-core's own), on the CPU (see the module docstring)."""
+def build(config, pattern: str, stack=None, **model_args):
+    """megatron-core's HybridModel of TransformerConfig ``config`` with ``pattern`` and the HybridStack spec ``stack``
+    (None: megatron-core's own), on the CPU (see the module docstring); ``model_args``: HybridModel's own."""
     from megatron.core.models.hybrid import hybrid_block
     from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer import attention
 
-    from oracles import mcore, nemotron_h
+    from oracles import nemotron_h
 
-    config = mcore.transformer_config({**cfg, "num_layers": len(pattern)}, tp, 1, ep=ep)
+    config.num_layers = len(pattern)
     for k, v in nemotron_h.CPU_SWITCHES.items():
         if hasattr(config, k):
             setattr(config, k, v)
-    from megatron.core.transformer import attention
-
     # HybridStack's final norm, and the q/k norms SelfAttention builds from config.qk_layernorm where its spec names
     # none (TENorm, imported by name in each module; None without TE)
     saved = hybrid_block.TENorm, attention.TENorm
     hybrid_block.TENorm = attention.TENorm = nemotron_h.standins()["norm"]
     try:
-        model = HybridModel(config=config, hybrid_stack_spec=nemotron_h.cpu_hybrid_stack_spec(stack),
-                            vocab_size=mcore.padded_vocab(cfg, tp), max_sequence_length=cfg["max_position_embeddings"],
-                            hybrid_layer_pattern=pattern, parallel_output=False,
-                            share_embeddings_and_output_weights=not cfg["untie_embeddings_and_output_weights"],
-                            position_embedding_type=cfg["position_embedding_type"],
-                            rotary_percent=cfg.get("rotary_percent", 1.0), rotary_base=cfg.get("rotary_base", 10000))
+        return HybridModel(config=config, hybrid_stack_spec=nemotron_h.cpu_hybrid_stack_spec(stack),
+                           hybrid_layer_pattern=pattern, parallel_output=False, **model_args)
     finally:
         hybrid_block.TENorm, attention.TENorm = saved
-    return model
+
+
+def load_judged(model, iter_dir: Path) -> list[str]:
+    """Strict load of ``iter_dir`` into ``model`` (randomised first, so nothing it lacks passes as loaded); every
+    rank's problems, on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from oracles.te_cpu import load_strict
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-3.0, 3.0)
+    problems: list[str] = []
+    load_strict([model], iter_dir, problems)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problems)
+    model.eval()
+    return [f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
+
+
+def named_spec(iter_dir: Path):
+    """The HybridStack spec the checkpoint's args name (Megatron-LM's ``--spec``), imported as Megatron-LM's hybrid
+    builder imports it; (None, None) where they name none."""
+    from megatron.core.transformer.spec_utils import import_module
+
+    from oracles.common import stored_args
+
+    spec = getattr(stored_args(iter_dir), "spec", None)
+    return spec, (import_module(spec) if spec else None)
 
 
 def cmd_logits(a) -> int:
     import torch
     import torch.distributed as dist
-    from megatron.core.transformer.spec_utils import import_module
 
     from oracles import mcore, nemotron_h
-    from oracles.common import resolve_iter_dir, stored_args
-    from oracles.te_cpu import load_strict
+    from oracles.common import end_parallel, resolve_iter_dir
 
     nemotron_h.apply_shims()
     cfg = mcore.load_config(a.config)
     iter_dir = Path(resolve_iter_dir(a.ckpt))
-    spec = getattr(stored_args(iter_dir), "spec", None)
+    spec, stack = named_spec(iter_dir)
     mcore.init_parallel(a.tp, 1, ep=a.ep, cfg=cfg)
     try:
-        model = build(cfg, a.pattern, a.tp, a.ep, import_module(spec) if spec else None)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.uniform_(-3.0, 3.0)  # nothing the checkpoint lacks passes as loaded
-        problems: list[str] = []
-        load_strict([model], iter_dir, problems)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, problems)
-        problems = [f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
+        model = build(mcore.transformer_config(cfg, a.tp, 1, ep=a.ep), a.pattern, stack,
+                      vocab_size=mcore.padded_vocab(cfg, a.tp), max_sequence_length=cfg["max_position_embeddings"],
+                      share_embeddings_and_output_weights=not cfg["untie_embeddings_and_output_weights"],
+                      position_embedding_type=cfg["position_embedding_type"],
+                      rotary_percent=cfg.get("rotary_percent", 1.0), rotary_base=cfg.get("rotary_base", 10000))
+        problems = load_judged(model, iter_dir)
         if problems:
             if dist.get_rank() == 0:
                 print(json.dumps({"ok": False, "problems": problems[:50]}), flush=True)
             return 1
-        model.eval()
         tokens, position_ids, mask = mcore.causal_inputs(cfg, a.seed)
         with torch.no_grad():
             logits = model(tokens, position_ids, mask)[..., : cfg["vocab_size"]].contiguous()
@@ -98,8 +116,42 @@ def cmd_logits(a) -> int:
             print(f"ORACLE LOGITS {tuple(logits.shape)} -> {a.out}", flush=True)
         return 0
     finally:
-        from oracles.common import end_parallel
+        end_parallel(a.serving)
 
+
+def cmd_hf(a) -> int:
+    """An HF-sourced hybrid target: Megatron-Bridge 0.6.2's provider of the HF model (oracles.qwen3_next's, with its
+    CPU stand-ins) is the TransformerConfig; the HybridModel's logits against transformers' on the same tokens."""
+
+    from oracles import nemotron_h, qwen3_next
+    from oracles.common import end_parallel, resolve_iter_dir
+
+    nemotron_h.apply_shims()
+    qwen3_next.apply_shims()
+    iter_dir = Path(resolve_iter_dir(a.ckpt))
+    spec, stack = named_spec(iter_dir)
+    rank, _ = qwen3_next.init_dist(a.tp, 1, a.ep, 1 if a.ep > 1 else None)
+    try:
+        _, config = qwen3_next.qwen_provider(a.hf, load_weights=False, tp=a.tp, ep=a.ep, parallel_output=False)
+        model = build(config, a.pattern, stack, vocab_size=config.vocab_size, max_sequence_length=config.seq_length,
+                      share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
+                      position_embedding_type=config.position_embedding_type, rotary_percent=config.rotary_percent,
+                      rotary_base=config.rotary_base)
+        problems = load_judged(model, iter_dir)
+        verdict: dict = {"ckpt": a.ckpt, "spec": ".".join(spec) if spec else None, "tp": a.tp, "ep": a.ep,
+                         "position_embedding_type": config.position_embedding_type}
+        if not problems:
+            ids = nemotron_h.judge_ids()
+            mlog = nemotron_h.megatron_logits(model, ids)[..., :config.vocab_size]
+            diff = (mlog - qwen3_next.hf_logits(a.hf, ids)).abs().max().item()
+            verdict["logits_max_abs_diff_vs_hf"] = diff
+            if not diff <= a.atol:
+                problems.append(f"logits differ from transformers' by {diff:.3g} (atol {a.atol})")
+        verdict.update(ok=not problems, problems=problems[:50])
+        if rank == 0:
+            print(json.dumps(verdict), flush=True)
+        return 0 if not problems else 1
+    finally:
         end_parallel(a.serving)
 
 
@@ -114,9 +166,16 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--ckpt", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=1234, help="the tokens' seed (mcore.py logits' default)")
+    sp = sub.add_parser("hf")
+    sp.add_argument("--hf", required=True, help="the HF source (Qwen3-Next / Qwen3.5: oracles/qwen3_next.py make)")
+    sp.add_argument("--pattern", required=True)
+    sp.add_argument("--tp", type=int, required=True)
+    sp.add_argument("--ep", type=int, default=1)
+    sp.add_argument("--ckpt", required=True)
+    sp.add_argument("--atol", type=float, default=1e-4)
     a = p.parse_args(argv)
     a.serving = serving
-    return cmd_logits(a)
+    return cmd_logits(a) if a.cmd == "logits" else cmd_hf(a)
 
 
 if __name__ == "__main__":

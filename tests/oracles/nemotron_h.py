@@ -463,9 +463,10 @@ def cpu_hybrid_stack_spec(stack=None):
     mlp = copy.copy(fc.keywords["submodules"])
     mlp_layer_sub.mlp = partial(fc.func, *fc.args, **{**fc.keywords, "submodules": mlp})
     own(sub, "moe_layer", "submodules")
-    # layer kinds Nemotron-H does not use (G, D, +, MTP): their TE classes are mocks without TE, which the
-    # provider's deepcopy (_configure_mamba_chunk_size, chunk_size != 128) cannot copy
-    sub.gdn_layer = sub.dsa_layer = sub.mla_layer = sub.mtp_block_spec = None
+    gdn = own(sub, "gdn_layer", "submodules", "self_attention", "submodules")
+    # layer kinds not judged here (D, +, MTP): their TE classes are mocks without TE, which the provider's deepcopy
+    # (_configure_mamba_chunk_size, chunk_size != 128) cannot copy
+    sub.dsa_layer = sub.mla_layer = sub.mtp_block_spec = None
     swaps = [(mixer, "in_proj", te_ext.TELayerNormColumnParallelLinear, c["ln_col"]),
              (mixer, "out_proj", te_ext.TERowParallelLinear, c["row"]),
              (attn, "linear_qkv", te_ext.TELayerNormColumnParallelLinear, c["ln_col"]),
@@ -473,7 +474,9 @@ def cpu_hybrid_stack_spec(stack=None):
              (attn, "linear_proj", te_ext.TERowParallelLinear, c["row"]),
              (mlp, "linear_fc1", te_ext.TELayerNormColumnParallelLinear, c["ln_col"]),
              (mlp, "linear_fc2", te_ext.TERowParallelLinear, c["row"]),
-             (sub.moe_layer.submodules, "pre_mlp_layernorm", te_ext.TENorm, c["norm"])]
+             (sub.moe_layer.submodules, "pre_mlp_layernorm", te_ext.TENorm, c["norm"]),
+             (gdn, "in_proj", te_ext.TELayerNormColumnParallelLinear, c["ln_col"]),
+             (gdn, "out_norm", te_ext.TENorm, c["norm"]), (gdn, "out_proj", te_ext.TERowParallelLinear, c["row"])]
     for holder, name, want, new in swaps:
         cur = getattr(holder, name)
         assert cur is want, f"hybrid_stack_spec: {name}={cur!r}, expected {want!r}"

@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .datamodel import SourceIndex
 from .defaults import MODEL_CLASSES
 from .errors import ConvertError
-from .features.blocks import Mamba
+from .features.blocks import GDN_SYMBOL, MLA_SYMBOL, Mamba
 from .layout.topology import Layout
 
 GPT, HYBRID = MODEL_CLASSES
@@ -42,7 +42,10 @@ def model_class(cfg: ModelConfig) -> str:
 def _refuse_unplaced(cfg: ModelConfig) -> None:
     """What megatron-core's HybridModel has no place for as this converter places a GPT layer, in one line."""
     unplaced = [what for what, present in (
-        ("multi-latent attention (MLA)", cfg.mla is not None), ("DeepSeek sparse attention", cfg.dsa is not None),
+        ("DeepSeek sparse attention", cfg.dsa is not None),
+        ("multi-latent attention without a q LoRA but with its latent norms (megatron-core 0.19's MLA then fuses a "
+         "norm of its own into linear_q_proj, which the model has not)",
+         cfg.mla is not None and cfg.mla.q_lora_rank is None and cfg.attention.qk_norm),
         ("multi-token prediction layers", cfg.mtp is not None),
         ("a vision tower", cfg.vision is not None), ("an encoder (T5)", cfg.t5 is not None),
         ("full-width q/k norms", cfg.attention.qk_norm_full),
@@ -59,12 +62,14 @@ def hybrid_of(cfg: ModelConfig) -> ModelConfig:
     """A GPT model config as megatron-core's HybridModel of the same model: per GPT layer its mixer (``*`` attention,
     ``G`` Gated DeltaNet) then its MLP (``-``, or ``E`` MoE)."""
     _refuse_unplaced(cfg)
-    pattern = "".join(("G" if cfg.layer_kind("decoder", n)[0] == "gdn" else "*")
+    attention = MLA_SYMBOL if cfg.mla is not None else "*"
+    pattern = "".join((GDN_SYMBOL if cfg.layer_kind("decoder", n)[0] == "gdn" else attention)
                       + ("E" if cfg.is_moe_layer(n) else "-") for n in range(cfg.num_layers))
     mamba = Mamba(pattern=pattern, num_heads=max(1, 2 * cfg.hidden_size // MAMBA_HEAD_DIM), head_dim=MAMBA_HEAD_DIM)
     moe = cfg.moe and dataclasses.replace(cfg.moe, layer_pattern=None)  # the pattern says which layers are MoE
-    gdn = cfg.gdn and dataclasses.replace(cfg.gdn, pattern=tuple(int(c == "G") for c in pattern))
-    return cfg.replace(num_layers=2 * cfg.num_layers, mamba=mamba, moe=moe, gdn=gdn, spec="te")  # TE's spec only
+    gdn = cfg.gdn and dataclasses.replace(cfg.gdn, pattern=tuple(int(c == GDN_SYMBOL) for c in pattern))
+    mla = cfg.mla and dataclasses.replace(cfg.mla, down_split=False)  # TE's spec replicates the down-projections
+    return cfg.replace(num_layers=2 * cfg.num_layers, mamba=mamba, moe=moe, gdn=gdn, mla=mla, spec="te")
 
 
 def gpt_of(cfg: ModelConfig) -> ModelConfig:
@@ -72,13 +77,13 @@ def gpt_of(cfg: ModelConfig) -> ModelConfig:
     pair."""
     assert cfg.mamba is not None
     p = cfg.mamba.pattern
-    if len(p) % 2 or not set(p[0::2]) <= {"*", "G"} or not set(p[1::2]) <= {"-", "E"}:
-        raise ConvertError(f"--target-model gpt: the hybrid layer pattern {p!r} is not one attention (*) or Gated "
-                           "DeltaNet (G) layer then one MLP (-) or MoE (E) layer, pair by pair, so no GPTModel layer "
-                           "stack holds it", "drop --target-model gpt (keep the HybridModel checkpoint)")
+    if len(p) % 2 or not set(p[0::2]) <= {"*", MLA_SYMBOL, GDN_SYMBOL} or not set(p[1::2]) <= {"-", "E"}:
+        raise ConvertError(f"--target-model gpt: the hybrid layer pattern {p!r} is not one attention (* or +) or "
+                           "Gated DeltaNet (G) layer then one MLP (-) or MoE (E) layer, pair by pair, so no GPTModel "
+                           "layer stack holds it", "drop --target-model gpt (keep the HybridModel checkpoint)")
     moe_layers = tuple(int(c == "E") for c in p[1::2])
     moe = cfg.moe and dataclasses.replace(cfg.moe, layer_pattern=None if all(moe_layers) else moe_layers)
-    gdn = cfg.gdn and dataclasses.replace(cfg.gdn, pattern=tuple(int(c == "G") for c in p[0::2]))
+    gdn = cfg.gdn and dataclasses.replace(cfg.gdn, pattern=tuple(int(c == GDN_SYMBOL) for c in p[0::2]))
     return cfg.replace(num_layers=len(p) // 2, mamba=None, moe=moe, gdn=gdn)
 
 

@@ -197,3 +197,31 @@ def test_gated_deltanet_models_go_from_hf_to_the_hybrid_model_and_back(tmp_path,
     src, dst = (json.loads((d / "config.json").read_text()) for d in (hf, back))
     assert {k: dst.get(k) for k in src if k != "transformers_version"} == \
         {k: v for k, v in src.items() if k != "transformers_version"}
+
+
+def test_deepseek_v3_goes_from_hf_to_the_hybrid_model_and_back(tmp_path):
+    """DeepSeek-V3 made by transformers (tests/hf_models.py: MLA with q LoRA and its latent norms, a dense first layer,
+    then MoE with a sigmoid group-limited router and a shared expert; no MTP layer) -> HybridModel at TP2 (pattern
+    ``+-+E+E``): megatron-core 0.19.2's HybridModel loads it strictly (its MLA layer fuses the latent norms into
+    linear_q_up_proj / linear_kv_up_proj from qk_layernorm, as GPTModel's TE spec does) and gives transformers' logits
+    within 1e-4; Hybrid -> GPT -> Hybrid and Hybrid -> HF are bit for bit. DeepSeek-V2-Lite's MLA (no q LoRA) is
+    refused: megatron-core 0.19's MLA would fuse a q norm the model has not into linear_q_proj."""
+    from hf_models import assert_bit_exact, hf_logits, make_hf_model, oracle_config
+
+    hf = make_hf_model(tmp_path, "deepseek_v3")
+    hybrid, gpt, again, back = (tmp_path / n for n in ("hybrid", "gpt", "again", "back"))
+    ok(run_cli("reshard", str(hf), str(hybrid), "--dst-format", "torch_dist", "--target-model", "hybrid",
+               "--target-tp", "2", nproc=2))
+    config = tmp_path / "oracle.json"
+    config.write_text(json.dumps(oracle_config(hf)))
+    got = hybrid_logits(argparse.Namespace(config=config), "+-+E+E", hybrid, 2, 1, tmp_path / "logits.pt")
+    want = hf_logits(hf, got["tokens"])
+    assert want.std() > 0.5 and (got["logits"] - want).abs().max().item() < 1e-4
+    ok(run_cli("reshard", str(hybrid), str(gpt), "--target-model", "gpt", "--target-tp", "1", nproc=2))
+    ok(run_cli("reshard", str(gpt), str(again), "--target-model", "hybrid", "--target-tp", "2", nproc=2))
+    ok(run_cli("verify", str(hybrid), str(again), nproc=2))
+    ok(run_cli("reshard", str(hybrid), str(back), "--dst-format", "hf", nproc=2))
+    assert_bit_exact(hf, back)
+    lite = make_hf_model(tmp_path, "deepseek_v2_lite")
+    proc = run_cli("reshard", str(lite), str(tmp_path / "dst"), "--target-model", "hybrid", nproc=2)
+    assert_refused(proc, tmp_path, "without a q LoRA", "--target-model")

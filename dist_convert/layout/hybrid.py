@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .attention import mla_projections
 from .boxes import Kind
 from .mlp import MLP_EXTRA_STATE, SHARED_EXPERT_MODULES
 from .mtp import MTP_LAYER
@@ -73,8 +74,11 @@ def te2_layer_modules(cfg: ModelConfig, stack: str, layer: int) -> tuple[str, ..
     """The ``_extra_state`` modules of a hybrid model's layer (always Transformer Engine's spec: MambaModel and the
     Gated DeltaNet spec have no other); an MoE layer's routed experts are ``expert_objects``'."""
     mixer, mlp = cfg.layer_kind(stack, layer)
-    out = MIXER_EXTRA_STATE[mixer] + MLP_EXTRA_STATE[mlp]
-    if mixer == "attention" and cfg.attention.qk_norm and not cfg.attention.qk_norm_split:  # split: Bridge's own
+    if mixer == "attention" and cfg.mla is not None:  # "+": its input norm a TENorm of its own, no fused linear_qkv
+        out = ("input_layernorm", *mla_projections(cfg), "self_attention.linear_proj") + MLP_EXTRA_STATE[mlp]
+    else:
+        out = MIXER_EXTRA_STATE[mixer] + MLP_EXTRA_STATE[mlp]
+    if mixer == "attention" and cfg.mla is None and cfg.attention.qk_norm and not cfg.attention.qk_norm_split:
         out += ("self_attention.q_layernorm", "self_attention.k_layernorm")
     if mlp == "moe" and cfg.shared_size:
         out += SHARED_EXPERT_MODULES

@@ -21,12 +21,45 @@ gathered over TP) and prints ``ORACLE LOGITS <shape> -> F.pt``; a failed strict 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package
+
+
+def cpu_mla_layer(stack):
+    """The multi-latent attention layer (``+``) of ``stack`` (None: megatron-core's hybrid_stack_spec) with its TE
+    leaves swapped for oracles.dsa's stand-ins (TELinear "duplicated", TE's k/v channels in the attention core);
+    each swapped slot must hold the expected TE class. Its q/kv norms are the spec's IdentityOp: megatron-core's
+    resolver (mla_qk_norm_config) fuses them into linear_q_up_proj / linear_kv_up_proj from ``qk_layernorm``, taking
+    the fused linear from the backend (``oracles.dsa.cpu_spec_backend`` while the model is built)."""
+    import copy
+
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    from oracles import dsa
+
+    c = dsa.cpu_classes()
+    layer = copy.copy((stack or hybrid_stack_spec).submodules.mla_layer)
+    layer.submodules = copy.copy(layer.submodules)
+    attn_spec = layer.submodules.self_attention = copy.copy(layer.submodules.self_attention)
+    attn = attn_spec.submodules = copy.copy(attn_spec.submodules)
+    swaps = [(layer.submodules, "input_layernorm", te_ext.TENorm, c["norm"]),
+             (attn, "linear_q_proj", te_ext.TEColumnParallelLinear, c["col"]),
+             (attn, "linear_q_down_proj", te_ext.TELinear, c["linear"]),
+             (attn, "linear_q_up_proj", te_ext.TEColumnParallelLinear, c["col"]),
+             (attn, "linear_kv_down_proj", te_ext.TELinear, c["linear"]),
+             (attn, "linear_kv_up_proj", te_ext.TEColumnParallelLinear, c["col"]),
+             (attn, "core_attention", te_ext.TEDotProductAttention, c["attn"]),
+             (attn, "linear_proj", te_ext.TERowParallelLinear, c["row"])]
+    for holder, name, want, new in swaps:
+        assert getattr(holder, name) is want, f"mla_layer: {name}={getattr(holder, name)!r}, expected {want!r}"
+        setattr(holder, name, new)
+    return layer
 
 
 def build(config, pattern: str, stack=None, **model_args):
@@ -44,11 +77,19 @@ def build(config, pattern: str, stack=None, **model_args):
             setattr(config, k, v)
     # HybridStack's final norm, and the q/k norms SelfAttention builds from config.qk_layernorm where its spec names
     # none (TENorm, imported by name in each module; None without TE)
+    spec = nemotron_h.cpu_hybrid_stack_spec(stack)
+    mla = "+" in pattern
+    if mla:
+        from oracles import dsa
+
+        dsa.apply_shims()  # multi_latent_attention.TELinear: the stand-in (MLA picks "duplicated" by it)
+        spec.submodules.mla_layer = cpu_mla_layer(stack)
     saved = hybrid_block.TENorm, attention.TENorm
     hybrid_block.TENorm = attention.TENorm = nemotron_h.standins()["norm"]
     try:
-        return HybridModel(config=config, hybrid_stack_spec=nemotron_h.cpu_hybrid_stack_spec(stack),
-                           hybrid_layer_pattern=pattern, parallel_output=False, **model_args)
+        with (dsa.cpu_spec_backend() if mla else contextlib.nullcontext()):
+            return HybridModel(config=config, hybrid_stack_spec=spec, hybrid_layer_pattern=pattern,
+                               parallel_output=False, **model_args)
     finally:
         hybrid_block.TENorm, attention.TENorm = saved
 

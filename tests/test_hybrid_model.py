@@ -89,6 +89,16 @@ def test_a_hybrid_models_gated_deltanet_layers_are_read_from_its_pattern():
     assert gpt_of(cfg).gdn.pattern == (1, 0)
 
 
+def test_multi_latent_layers_are_those_of_a_model_with_mla():
+    """``+`` (multi-latent attention) and ``*`` (attention) layers follow multi_latent_attention: a pattern that
+    says otherwise is refused in one line."""
+    from dist_convert.layout.topology import Layout
+
+    cfg = cfg_of({**LLAMA, "hybrid_override_pattern": "+-*-", "num_layers": 4})
+    with pytest.raises(ConvertError, match="has '\\+' layers, but the model's attention is not multi-latent"):
+        cfg.check_layout(Layout(tp=1, pp=1))
+
+
 def test_a_pattern_that_is_not_gpt_layers_is_refused():
     nemotron = cfg_of({**LLAMA, "hybrid_override_pattern": "M*-M", "num_layers": 4, "mamba_num_heads": 2})
     with pytest.raises(ConvertError, match="pair by pair"):

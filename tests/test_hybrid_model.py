@@ -138,8 +138,9 @@ def test_gpt_to_hybrid_loads_in_megatron_cores_hybrid_model_with_the_gpt_logits(
                                                                                targets, back):
     """GPT (gpt_a: TP2 PP2, local spec; the MoE: TP1 EP2) -> HybridModel targets (format, TP, PP, EP): megatron-core
     0.19.2's HybridModel loads each strictly at its TP and EP (PP 1: a torch_dist checkpoint is layout-free) and
-    computes GPTModel's logits of the source (megatron-core 0.19.2 too, the same tokens) within 1e-4; back to GPT bit
-    for bit, and to the hybrid model again bit for bit."""
+    computes GPTModel's logits of the source (megatron-core 0.19.2 too, the same tokens) within 1e-4; for the dense
+    model, megatron-core's own load-time interop (gpt_checkpoint_interop) of the GPT checkpoint gives the same
+    tensors as the offline target; back to GPT bit for bit, and to the hybrid model again bit for bit."""
     src = request.getfixturevalue({"dense": "gpt_a", "moe": "moe_src", "qk": "qk_src"}[which])
     ref = tmp_path / "gpt.pt"
     oracle("logits", src.ep, "--config", str(src.config), "--tp", "1", "--ep", str(src.ep), "--ckpt",
@@ -153,6 +154,14 @@ def test_gpt_to_hybrid_loads_in_megatron_cores_hybrid_model_with_the_gpt_logits(
         assert torch.equal(got["tokens"], want["tokens"])
         assert (got["logits"] - want["logits"]).abs().max().item() < 1e-4, dst.name
     first = tmp_path / "hybrid_torch_dist_tp{}_pp{}_ep{}".format(*targets[0][1:])
+    if which == "dense":  # megatron-core's own load-time interop of the GPT checkpoint (TE names, layers stacked)
+        gpt_te = tmp_path / "gpt_te"
+        ok(run_cli("reshard", str(src.torch_dist), str(gpt_te), "--target-spec", "te", "--target-tp", "1",
+                   "--target-pp", "1", nproc=2))
+        proc = oracle("interop", 2, "--config", str(src.config), "--pattern", pattern, "--tp", "2", "--gpt",
+                      str(gpt_te), "--ckpt", str(first), program="hybrid", runtime="mcore19")
+        verdict = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+        assert verdict["ok"] and verdict["tensors"] > 0, verdict
     gpt, again = tmp_path / "back", tmp_path / "again"
     ok(run_cli("reshard", str(first), str(gpt), "--target-model", "gpt", *back, nproc=2))
     ok(run_cli("verify", str(src.torch_dist), str(gpt), nproc=2))

@@ -160,6 +160,65 @@ def cmd_logits(a) -> int:
         end_parallel(a.serving)
 
 
+def cmd_interop(a) -> int:
+    """megatron-core's own load-time GPT -> HybridModel interop (``dist_checkpointing.gpt_checkpoint_interop``: the
+    hybrid model's sharded state dict retargeted at the GPT checkpoint --gpt, then ``dist_checkpointing.load`` and
+    ``load_state_dict``) against the same HybridModel loaded strictly from the offline target --ckpt: every tensor
+    equal, bit for bit (the _extra_state objects are not read from the GPT checkpoint: tensors are judged). One JSON
+    line (rank 0); exit 1 on a difference."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
+        gpt_compatible_layer_maps,
+        retarget_sharded_state_dict_to_gpt_checkpoint,
+    )
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from oracles import mcore, nemotron_h
+    from oracles.common import compare, end_parallel, resolve_iter_dir, tensor_state
+
+    nemotron_h.apply_shims()
+    cfg = mcore.load_config(a.config)
+    iter_dir = Path(resolve_iter_dir(a.ckpt))
+    _, stack = named_spec(iter_dir)
+    mcore.init_parallel(a.tp, 1, cfg=cfg)
+    try:
+        model = build(mcore.transformer_config(cfg, a.tp, 1), a.pattern, stack,
+                      vocab_size=mcore.padded_vocab(cfg, a.tp), max_sequence_length=cfg["max_position_embeddings"],
+                      share_embeddings_and_output_weights=not cfg["untie_embeddings_and_output_weights"],
+                      position_embedding_type=cfg["position_embedding_type"],
+                      rotary_percent=cfg.get("rotary_percent", 1.0), rotary_base=cfg.get("rotary_base", 10000))
+        problems = load_judged(model, iter_dir)
+        offline = {k: v.clone() for k, v in tensor_state([model]).items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.uniform_(-3.0, 3.0)
+        sharded = model.sharded_state_dict()
+        retarget_sharded_state_dict_to_gpt_checkpoint(sharded, gpt_compatible_layer_maps(a.pattern))
+        # the tensors are judged; TE's _extra_state objects stay the model's own (a GPT checkpoint written for
+        # Transformer Engine 1 has no norm _extra_state, which HybridModel's TE 2 norms ask for)
+        dict_list_map_inplace(lambda e: LocalNonpersistentObject(e.data) if isinstance(e, ShardedObject)
+                              and e.key.endswith("_extra_state") else e, sharded)
+        loaded = dist_checkpointing.load(sharded, str(resolve_iter_dir(a.gpt)),
+                                         strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+        res = model.load_state_dict(loaded, strict=False)
+        problems += [f"interop: missing {k}" for k in res.missing_keys if not k.endswith("._extra_state")]
+        interop = tensor_state([model])
+        problems += compare(interop, offline, "interop vs offline")
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (problems, len(offline)))
+        problems = [f"rank {r}: {p}" for r, (ps, _) in enumerate(every) for p in ps]
+        verdict = {"ok": not problems, "tensors": sum(n for _, n in every), "problems": problems[:50]}
+        if dist.get_rank() == 0:
+            print(json.dumps(verdict), flush=True)
+        return 0 if not problems else 1
+    finally:
+        end_parallel(a.serving)
+
+
 def cmd_hf(a) -> int:
     """An HF-sourced hybrid target: Megatron-Bridge 0.6.2's provider of the HF model (oracles.qwen3_next's, with its
     CPU stand-ins) is the TransformerConfig; the HybridModel's logits against transformers' on the same tokens."""
@@ -207,6 +266,12 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--ckpt", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=1234, help="the tokens' seed (mcore.py logits' default)")
+    sp = sub.add_parser("interop")
+    sp.add_argument("--config", required=True)
+    sp.add_argument("--pattern", required=True)
+    sp.add_argument("--tp", type=int, required=True)
+    sp.add_argument("--gpt", required=True, help="a GPTModel torch_dist checkpoint (Transformer Engine names)")
+    sp.add_argument("--ckpt", required=True, help="the HybridModel target converted offline from it")
     sp = sub.add_parser("hf")
     sp.add_argument("--hf", required=True, help="the HF source (Qwen3-Next / Qwen3.5: oracles/qwen3_next.py make)")
     sp.add_argument("--pattern", required=True)
@@ -216,7 +281,7 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--atol", type=float, default=1e-4)
     a = p.parse_args(argv)
     a.serving = serving
-    return cmd_logits(a) if a.cmd == "logits" else cmd_hf(a)
+    return {"logits": cmd_logits, "interop": cmd_interop, "hf": cmd_hf}[a.cmd](a)
 
 
 if __name__ == "__main__":

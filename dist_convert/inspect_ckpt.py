@@ -25,6 +25,7 @@ from .layout.boxes import logical_view
 from .layout.rules import logical_tensors
 from .layout.topology import Layout
 from .layout.vision import vision_tensors
+from .model_class import describe_class
 from .nonfinite import nonfinite_counts, nonfinite_note, nonfinite_total
 from .plan import DEFAULT_BUDGET, balance, select_source
 from .readers import reader_warnings
@@ -171,6 +172,7 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
     info = {
         "path": str(index.iter_dir),
         "format": index.format,
+        "model": None,
         "iteration": index.iteration,
         "layout": {"tp": index.layout.tp, "pp": index.layout.pp, "first_stage_layers": index.layout.first,
                    "last_stage_layers": index.layout.last, "vpp": index.layout.vpp,
@@ -191,6 +193,7 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
         "warnings": reader_warnings(index.cfg, index.format),  # a reader of this format that builds another model
         "adapter": None if index.adapter is None else adapter_info(index.adapter),
     }
+    info["model"] = describe_class(index.cfg, info["stage_layers"])
     for warning in info["warnings"]:  # the lines a conversion to this format says
         rt.log(f"[yellow]warning[/]: {warning}")
     if tensors:
@@ -254,7 +257,7 @@ def print_description(info: dict, as_json: bool) -> None:
     table.add_column("value", overflow="fold")
     lay = info["layout"]
     experts = f" EP={lay['ep']} ETP={lay['expert_tp']}" if info["config"].get("num_experts") else ""
-    rows = [("format", info["format"]), ("iteration", str(info["iteration"])),
+    rows = [("format", info["format"]), ("model", info["model"]), ("iteration", str(info["iteration"])),
             ("layout", f"TP={lay['tp']} PP={lay['pp']}{experts} stages={info['stage_layers']}"
                        + (f" VPP={lay['vpp']}" if lay["vpp"] else "")
                        + (f" layout={lay['pipeline_layout']!r}" if lay["pipeline_layout"] else "")

@@ -11,6 +11,7 @@ are the same tensors, bit for bit. Pure functions, tested without processes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -19,15 +20,18 @@ from .config import ModelConfig
 from .datamodel import SourceIndex
 from .defaults import MODEL_CLASSES
 from .errors import ConvertError
-from .features.blocks import GDN_SYMBOL, MLA_SYMBOL, Mamba
+from .features.blocks import GDN_SYMBOL, MLA_SYMBOL, MTP_SEPARATOR, Mamba
+from .layout.hybrid import HYBRID_MTP_LAYERS, MIXER_PARTS
+from .layout.mtp import MTP_LAYER
 from .layout.topology import Layout
 
 GPT, HYBRID = MODEL_CLASSES
-MIXER_PARTS = ("input_layernorm.", "self_attention.")  # a GPT layer's modules that go to its attention position
-MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")  # ... and to its MLP / MoE position
+MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")  # a GPT layer's modules at its MLP / MoE position (MIXER_PARTS: the rest)
 FINAL_NORM = {"decoder.final_layernorm.weight": "decoder.final_norm.weight"}
 GPT_FINAL_NORM = {v: k for k, v in FINAL_NORM.items()}
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_GPT_MTP = re.compile(r"mtp\.layers\.(\d+)\." + re.escape(MTP_LAYER) + r"(.+)")
+_HYBRID_MTP = re.compile(r"mtp\.layers\.(\d+)\." + re.escape(HYBRID_MTP_LAYERS) + r"\d+\.(.+)")
 # megatron-core's hybrid stack, by the name every release in use holds: 0.16's MambaModel spec, and from 0.19 on (main
 # too) an alias of models/hybrid's hybrid_stack_spec
 MCORE_SPEC = ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec")
@@ -43,10 +47,12 @@ def _refuse_unplaced(cfg: ModelConfig) -> None:
     """What megatron-core's HybridModel has no place for as this converter places a GPT layer, in one line."""
     unplaced = [what for what, present in (
         ("DeepSeek sparse attention", cfg.dsa is not None),
+        ("multi-token prediction after a Gated DeltaNet last layer", cfg.mtp is not None and cfg.gdn is not None
+         and bool(cfg.gdn.pattern[-1])),
         ("multi-latent attention without a q LoRA but with its latent norms (megatron-core 0.19's MLA then fuses a "
          "norm of its own into linear_q_proj, which the model has not)",
          cfg.mla is not None and cfg.mla.q_lora_rank is None and cfg.attention.qk_norm),
-        ("multi-token prediction layers", cfg.mtp is not None),
+
         ("a vision tower", cfg.vision is not None), ("an encoder (T5)", cfg.t5 is not None),
         ("full-width q/k norms", cfg.attention.qk_norm_full),
         (f"{cfg.norm.kind} (the hybrid stack's norms are converted as RMSNorm weights only)",
@@ -67,6 +73,8 @@ def hybrid_of(cfg: ModelConfig) -> ModelConfig:
                       + ("E" if cfg.is_moe_layer(n) else "-") for n in range(cfg.num_layers))
     mamba = Mamba(pattern=pattern, num_heads=max(1, 2 * cfg.hidden_size // MAMBA_HEAD_DIM), head_dim=MAMBA_HEAD_DIM)
     moe = cfg.moe and dataclasses.replace(cfg.moe, layer_pattern=None)  # the pattern says which layers are MoE
+    if cfg.mtp is not None:  # each depth built like the last decoder layer: its pair of symbols
+        mamba = dataclasses.replace(mamba, mtp_pattern=MTP_SEPARATOR.join([pattern[-2:]] * cfg.mtp.num_layers))
     gdn = cfg.gdn and dataclasses.replace(cfg.gdn, pattern=tuple(int(c == GDN_SYMBOL) for c in pattern))
     mla = cfg.mla and dataclasses.replace(cfg.mla, down_split=False)  # TE's spec replicates the down-projections
     return cfg.replace(num_layers=2 * cfg.num_layers, mamba=mamba, moe=moe, gdn=gdn, mla=mla, spec="te")
@@ -81,10 +89,33 @@ def gpt_of(cfg: ModelConfig) -> ModelConfig:
         raise ConvertError(f"--target-model gpt: the hybrid layer pattern {p!r} is not one attention (* or +) or "
                            "Gated DeltaNet (G) layer then one MLP (-) or MoE (E) layer, pair by pair, so no GPTModel "
                            "layer stack holds it", "drop --target-model gpt (keep the HybridModel checkpoint)")
+    depths = cfg.mamba.mtp_pattern.split(MTP_SEPARATOR) if cfg.mamba.mtp_pattern else []
+    if any(depth != p[-2:] or depth[0] == GDN_SYMBOL for depth in depths):
+        raise ConvertError(f"--target-model gpt: the hybrid model's multi-token-prediction depths "
+                           f"({cfg.mamba.mtp_pattern}) are not attention layers built like its last layer ({p[-2:]}), "
+                           "as GPTModel builds its MTP layers",
+                           "drop --target-model gpt (keep the HybridModel checkpoint)")
     moe_layers = tuple(int(c == "E") for c in p[1::2])
     moe = cfg.moe and dataclasses.replace(cfg.moe, layer_pattern=None if all(moe_layers) else moe_layers)
     gdn = cfg.gdn and dataclasses.replace(cfg.gdn, pattern=tuple(int(c == GDN_SYMBOL) for c in p[0::2]))
     return cfg.replace(num_layers=len(p) // 2, mamba=None, moe=moe, gdn=gdn)
+
+
+SYMBOL_NAMES = {"M": "Mamba2", "G": "Gated DeltaNet", "*": "attention", MLA_SYMBOL: "MLA", "-": "MLP", "E": "MoE"}
+
+
+def describe_class(cfg: ModelConfig, stage_layers: list[int]) -> str:
+    """What ``inspect`` says of the model's class: a HybridModel's pattern (per pipeline stage, ``|`` between them,
+    as megatron-core writes pipeline segments; its multi-token-prediction depths after ``/``) and its layers by kind."""
+    if model_class(cfg) == GPT:
+        return "GPTModel"
+    p = cfg.mamba.pattern
+    ends = list(itertools.accumulate(stage_layers))
+    segments = "|".join(p[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True))
+    mtp = f"{MTP_SEPARATOR}{cfg.mamba.mtp_pattern}" if cfg.mamba.mtp_pattern else ""
+    kinds = ", ".join(f"{p.count(s)} {name}" for s, name in SYMBOL_NAMES.items() if s in p)
+    depths = f"; {cfg.mtp_num_layers} multi-token-prediction depth(s) after '{MTP_SEPARATOR}'" if mtp else ""
+    return f"HybridModel, pattern {segments}{mtp}: {kinds}{depths}"
 
 
 def layer_spec_arg(cfg: ModelConfig, source: dict[str, Any]) -> Any:
@@ -100,6 +131,9 @@ def layer_spec_arg(cfg: ModelConfig, source: dict[str, Any]) -> Any:
 
 
 def gpt_to_hybrid_name(name: str) -> str:
+    if mtp := _GPT_MTP.fullmatch(name):  # an MTP depth's layer: its mixer and MLP layers (HYBRID_MTP_LAYERS 0, 1)
+        part = 0 if mtp[2].startswith(MIXER_PARTS) else 1
+        return f"mtp.layers.{mtp[1]}.{HYBRID_MTP_LAYERS}{part}.{mtp[2]}"
     m = _LAYER.fullmatch(name)
     if m is None:
         return FINAL_NORM.get(name, name)
@@ -113,6 +147,8 @@ def gpt_to_hybrid_name(name: str) -> str:
 
 
 def hybrid_to_gpt_name(name: str) -> str:
+    if mtp := _HYBRID_MTP.fullmatch(name):
+        return f"mtp.layers.{mtp[1]}.{MTP_LAYER}{mtp[2]}"
     m = _LAYER.fullmatch(name)
     if m is None:
         return GPT_FINAL_NORM.get(name, name)

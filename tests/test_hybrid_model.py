@@ -4,6 +4,7 @@ loads each hybrid target strictly and its logits equal megatron-core's GPTModel 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -97,6 +98,34 @@ def test_multi_latent_layers_are_those_of_a_model_with_mla():
     cfg = cfg_of({**LLAMA, "hybrid_override_pattern": "+-*-", "num_layers": 4})
     with pytest.raises(ConvertError, match="has '\\+' layers, but the model's attention is not multi-latent"):
         cfg.check_layout(Layout(tp=1, pp=1))
+
+
+def test_multi_token_prediction_depths_follow_the_pattern_after_a_slash():
+    """A GPT model's MTP layers become HybridModel depths built like its last layer (``+E`` each), written as
+    megatron-core 0.19's unified pattern; a GPT MTP layer's modules go to the depth's mixer (0) and MLP (1) layers;
+    read back from the unified pattern and from megatron-core 0.18's mtp_hybrid_override_pattern alike."""
+    gpt = cfg_of({**MOE_M, "mtp_num_layers": 2})
+    hybrid = hybrid_of(gpt)
+    assert (hybrid.mamba.pattern, hybrid.mamba.mtp_pattern) == ("*-*E*-*E", "*E/*E")
+    assert hybrid.to_args()["hybrid_override_pattern"] == "*-*E*-*E/*E/*E"
+    assert gpt_of(hybrid).replace(spec=gpt.spec) == gpt
+    g, h = logical_tensors(gpt), logical_tensors(hybrid)
+    assert {gpt_to_hybrid_name(n) for n in g} == set(h)
+    assert all(hybrid_to_gpt_name(gpt_to_hybrid_name(n)) == n for n in g)
+    assert gpt_to_hybrid_name("mtp.layers.1.transformer_layer.self_attention.linear_qkv.weight") == \
+        "mtp.layers.1.mtp_model_layer.layers.0.self_attention.linear_qkv.weight"
+    assert gpt_to_hybrid_name("mtp.layers.0.transformer_layer.pre_mlp_layernorm.weight") == \
+        "mtp.layers.0.mtp_model_layer.layers.1.pre_mlp_layernorm.weight"
+    assert gpt_to_hybrid_name("mtp.layers.0.eh_proj.weight") == "mtp.layers.0.eh_proj.weight"
+    args = {**MOE_M, "num_layers": 8, "moe_layer_freq": None}
+    unified = cfg_of({**args, "hybrid_layer_pattern": "*-*E*-*E/*E/*E"})
+    legacy = cfg_of({**args, "hybrid_override_pattern": "*-*E*-*E", "mtp_hybrid_override_pattern": "*E",
+                     "mtp_num_layers": 2})
+    assert unified.mtp_num_layers == legacy.mtp_num_layers == 2
+    assert unified.mamba.mtp_pattern == legacy.mamba.mtp_pattern == "*E/*E"
+    other = dataclasses.replace(hybrid, mamba=dataclasses.replace(hybrid.mamba, mtp_pattern="*-/*-"))
+    with pytest.raises(ConvertError, match="not attention layers built like its last layer"):
+        gpt_of(other)
 
 
 def test_a_pattern_that_is_not_gpt_layers_is_refused():
@@ -218,25 +247,40 @@ def test_gated_deltanet_models_go_from_hf_to_the_hybrid_model_and_back(tmp_path,
         {k: v for k, v in src.items() if k != "transformers_version"}
 
 
+def mtp_losses(proc) -> tuple[float, float]:
+    """(depth 1's, the main) mean losses an ``ORACLE MTP`` line says."""
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("ORACLE MTP"))
+    values = dict(kv.split("=") for kv in line.split()[2:])
+    return float(values["loss"]), float(values["main_loss"])
+
+
 def test_deepseek_v3_goes_from_hf_to_the_hybrid_model_and_back(tmp_path):
     """DeepSeek-V3 made by transformers (tests/hf_models.py: MLA with q LoRA and its latent norms, a dense first layer,
-    then MoE with a sigmoid group-limited router and a shared expert; no MTP layer) -> HybridModel at TP2 (pattern
-    ``+-+E+E``): megatron-core 0.19.2's HybridModel loads it strictly (its MLA layer fuses the latent norms into
-    linear_q_up_proj / linear_kv_up_proj from qk_layernorm, as GPTModel's TE spec does) and gives transformers' logits
-    within 1e-4; Hybrid -> GPT -> Hybrid and Hybrid -> HF are bit for bit. DeepSeek-V2-Lite's MLA (no q LoRA) is
-    refused: megatron-core 0.19's MLA would fuse a q norm the model has not into linear_q_proj."""
-    from hf_models import assert_bit_exact, hf_logits, make_hf_model, oracle_config
+    then MoE with a sigmoid group-limited router and a shared expert, an MTP layer as the release stores it) ->
+    HybridModel at TP2 (pattern ``+-+E+E/+E``) in torch_dist and legacy files: megatron-core 0.19.2's HybridModel
+    loads each strictly (its MLA layer fuses the latent norms into linear_q_up_proj / linear_kv_up_proj from
+    qk_layernorm, as GPTModel's TE spec does; its MTP depth a HybridStack of an MLA and a MoE layer) and gives
+    transformers' logits within 1e-4, and its MTP depth's loss equals megatron-core's GPTModel's of the GPT target;
+    Hybrid -> GPT -> Hybrid and Hybrid -> HF are bit for bit. DeepSeek-V2-Lite's MLA (no q LoRA) is refused:
+    megatron-core 0.19's MLA would fuse a q norm the model has not into linear_q_proj."""
+    from hf_models import add_mtp_layer, assert_bit_exact, hf_logits, make_hf_model, oracle_config
 
-    hf = make_hf_model(tmp_path, "deepseek_v3")
-    hybrid, gpt, again, back = (tmp_path / n for n in ("hybrid", "gpt", "again", "back"))
+    hf = add_mtp_layer(make_hf_model(tmp_path, "deepseek_v3"))
+    hybrid, legacy, gpt, again, back = (tmp_path / n for n in ("hybrid", "legacy", "gpt", "again", "back"))
     ok(run_cli("reshard", str(hf), str(hybrid), "--dst-format", "torch_dist", "--target-model", "hybrid",
                "--target-tp", "2", nproc=2))
+    ok(run_cli("reshard", str(hybrid), str(legacy), "--dst-format", "megatron", nproc=2))
+    ok(run_cli("reshard", str(hybrid), str(gpt), "--target-model", "gpt", "--target-spec", "local", nproc=2))
     config = tmp_path / "oracle.json"
     config.write_text(json.dumps(oracle_config(hf)))
-    got = hybrid_logits(argparse.Namespace(config=config), "+-+E+E", hybrid, 2, 1, tmp_path / "logits.pt")
+    got = hybrid_logits(argparse.Namespace(config=config), "+-+E+E/+E", hybrid, 2, 1, tmp_path / "logits.pt")
     want = hf_logits(hf, got["tokens"])
     assert want.std() > 0.5 and (got["logits"] - want).abs().max().item() < 1e-4
-    ok(run_cli("reshard", str(hybrid), str(gpt), "--target-model", "gpt", "--target-tp", "1", nproc=2))
+    truth = mtp_losses(oracle("mtp", 2, "--config", str(config), "--tp", "2", "--ckpt", str(gpt), runtime="mcore19"))
+    for ckpt in (hybrid, legacy):
+        proc = oracle("logits", 2, "--config", str(config), "--pattern", "+-+E+E/+E", "--tp", "2", "--ckpt",
+                      str(ckpt), "--out", str(tmp_path / "unused.pt"), "--mtp", program="hybrid", runtime="mcore19")
+        assert mtp_losses(proc) == pytest.approx(truth, abs=1e-5), ckpt.name
     ok(run_cli("reshard", str(gpt), str(again), "--target-model", "hybrid", "--target-tp", "2", nproc=2))
     ok(run_cli("verify", str(hybrid), str(again), nproc=2))
     ok(run_cli("reshard", str(hybrid), str(back), "--dst-format", "hf", nproc=2))
@@ -244,3 +288,16 @@ def test_deepseek_v3_goes_from_hf_to_the_hybrid_model_and_back(tmp_path):
     lite = make_hf_model(tmp_path, "deepseek_v2_lite")
     proc = run_cli("reshard", str(lite), str(tmp_path / "dst"), "--target-model", "hybrid", nproc=2)
     assert_refused(proc, tmp_path, "without a q LoRA", "--target-model")
+
+
+@pytest.mark.parametrize("stages,want", [
+    ([8], "HybridModel, pattern G-*EG-*E: 2 Gated DeltaNet, 2 attention, 2 MLP, 2 MoE"),
+    ([3, 5], "HybridModel, pattern G-*|EG-*E: 2 Gated DeltaNet, 2 attention, 2 MLP, 2 MoE")])
+def test_inspect_says_the_hybrid_pattern_by_pipeline_stage(stages, want):
+    from dist_convert.model_class import describe_class
+
+    sizes = {k: v for k, v in GDN_ARGS.items() if k.startswith("linear_") and k != "linear_attention_freq"}
+    cfg = cfg_of({**LLAMA, **sizes, "num_layers": 8, "hybrid_override_pattern": "G-*EG-*E", "num_experts": 4,
+                  "moe_router_topk": 2, "moe_ffn_hidden_size": 32})
+    assert describe_class(cfg, stages) == want
+    assert describe_class(cfg_of(LLAMA), [2, 2]) == "GPTModel"

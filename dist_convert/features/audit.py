@@ -78,6 +78,8 @@ COVERED: dict[str, str] = {
                     "moe_expert_capacity_factor"),
     **dict.fromkeys(("mup_attn_scale_power", "mup_base_head_dim", "mup_base_hidden_size", "mup_embedding_mult",
                      "mup_output_mult", "mup_width_mult"), "use_mup"),
+    # megatron-core <= 0.18's one depth of a HybridModel's MTP pattern: read into Mamba.mtp_pattern
+    "mtp_hybrid_override_pattern": "hybrid_override_pattern",
 }
 
 # Megatron-LM args name -> (its value that changes nothing, why a checkpoint with another value is refused on read)
@@ -89,7 +91,6 @@ UNCONVERTED: dict[str, tuple[Any, str]] = {
     "moe_latent_size": (None, "latent MoE projections"),
     "mla_down_proj_fusion": (False, "MLA's fused q/kv down-projection"),
     "mtp_use_repeated_layer": (False, "one multi-token-prediction layer repeated"),
-    "mtp_hybrid_override_pattern": (None, "hybrid multi-token-prediction layers"),
     "moe_mlp_glu_interleave_size": (None, "block-interleaved expert GLU weights"),
     "moe_shared_expert_glu_interleave_size": (None, "block-interleaved shared-expert GLU weights"),
     "moe_single_grouped_weight": (False, "all experts in one grouped parameter"),

@@ -19,6 +19,7 @@ HYBRID_SYMBOLS: dict[str, tuple[str | None, str | None]] = {
     "M": ("mamba", None), "G": ("gdn", None), "*": ("attention", None), "+": ("attention", None), "-": (None, "dense"),
     "E": (None, "moe")}
 GDN_SYMBOL = "G"  # a HybridModel's Gated DeltaNet layer (its sizes: the GDN record)
+MTP_SEPARATOR = "/"  # a HybridModel pattern's multi-token-prediction depths follow the main pattern after it
 MLA_SYMBOL = "+"  # a HybridModel's multi-latent attention layer (the MLA record; ``*`` is plain attention)
 
 
@@ -161,7 +162,10 @@ class MTP(Feature):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MTP | None:
-        n = int(get(vars(args), "mtp_num_layers", default=0) or 0)
+        """``mtp_num_layers``, or a HybridModel's depth count: its pattern's parts after ``/``."""
+        a = vars(args)
+        n = int(get(a, "mtp_num_layers", default=0) or 0) or \
+            str(get(a, "hybrid_layer_pattern", "hybrid_override_pattern") or "").count(MTP_SEPARATOR)
         return cls(num_layers=n) if n else None
 
     @staticmethod
@@ -187,6 +191,8 @@ class Mamba(Feature):
     state_dim: int = setting(128, kind=SIZE, arg="mamba_state_dim", what="Mamba2 state size", mlm=MegatronArg("L"))
     layer_pattern_name: bool = setting(False, kind=LAYOUT, arg=(),
                                        what="the pattern written as megatron-core 0.19's hybrid_layer_pattern too")
+    mtp_pattern: str = setting("", kind=SIZE, arg=(), what="the multi-token-prediction depths' layer patterns (after "
+                               "the first '/' of the pattern, '/' between depths)")
 
     @property
     def d_inner(self) -> int:
@@ -204,13 +210,27 @@ class Mamba(Feature):
         pattern = get(a, "hybrid_layer_pattern", "hybrid_override_pattern")
         if not pattern:
             return None
+        main, *depths = str(pattern).split(MTP_SEPARATOR)
+        legacy = get(a, "mtp_hybrid_override_pattern")  # megatron-core <= 0.18: one depth's, mtp_num_layers times
+        if not depths and legacy:
+            depths = [str(legacy)] * int(get(a, "mtp_num_layers", default=1) or 1)
         values = cls.args_values(args)
         heads = values["num_heads"] or 2 * int(a["hidden_size"]) // values["head_dim"]
-        return cls(**{**values, "pattern": hybrid_pattern_of(str(pattern), int(a["num_layers"])), "num_heads": heads,
-                      "layer_pattern_name": bool(get(a, "hybrid_layer_pattern"))})
+        return cls(**{**values, "pattern": hybrid_pattern_of(main, int(a["num_layers"])), "num_heads": heads,
+                      "layer_pattern_name": bool(get(a, "hybrid_layer_pattern")),
+                      "mtp_pattern": MTP_SEPARATOR.join(hybrid_pattern_of(d) for d in depths)})
+
+    def shown(self) -> list[str]:
+        """The Mamba2 sizes only where the pattern has Mamba2 layers (they size nothing else)."""
+        return super().shown() if "M" in self.pattern else ["pattern"] + (["mtp_pattern"] if self.mtp_pattern else [])
 
     def to_args(self) -> dict[str, Any]:
+        """The pattern with its multi-token-prediction depths (megatron-core 0.19's unified ``main/mtp/mtp``, whose
+        depth count Megatron-LM checks against ``mtp_num_layers``)."""
         out = {"is_hybrid_model": True, **super().to_args()}
+        if self.mtp_pattern:
+            for name in ("hybrid_override_pattern", "hybrid_layer_pattern"):
+                out[name] = self.pattern + MTP_SEPARATOR + self.mtp_pattern
         if not self.layer_pattern_name:  # megatron-core 0.19's name only where the source used it
             del out["hybrid_layer_pattern"]
         return out
@@ -224,8 +244,13 @@ class Mamba(Feature):
     def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
         """megatron-core splits a Mamba2 mixer by whole heads and groups (MambaMixer asserts it); MambaModel has no
         virtual pipeline stages; the attention layers are multi-latent (``+``) exactly when the model has MLA."""
+        depths = self.mtp_pattern.count(MTP_SEPARATOR) + 1 if self.mtp_pattern else 0
+        if depths != cfg.mtp_num_layers:
+            raise ConvertError(f"hybrid layer pattern {self.pattern}/{self.mtp_pattern}: {depths} multi-token-"
+                               f"prediction depths after '/', but mtp_num_layers is {cfg.mtp_num_layers}",
+                               "fix mtp_num_layers or the pattern in the checkpoint args")
         plain = "*" if cfg.mla is not None else MLA_SYMBOL
-        if plain in self.pattern:
+        if plain in self.pattern + self.mtp_pattern:
             raise ConvertError(f"hybrid layer pattern {self.pattern!r} has {plain!r} layers, but the model's attention "
                                f"is {'multi-latent' if cfg.mla is not None else 'not multi-latent'} "
                                f"(multi_latent_attention={cfg.mla is not None}): dist_convert converts a hybrid model "

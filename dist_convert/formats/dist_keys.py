@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..layout.boxes import Box, Kind, Piece, chunk_pieces
-from ..layout.mtp import MTP_LAYER
+from ..layout.hybrid import mtp_layer_prefix
 from ..layout.rules import (
     LogicalTensor,
     extra_state_modules,
@@ -101,7 +101,7 @@ def expert_objects(cfg: ModelConfig, stack: str, layer: int, layers: int, expert
     prefix, shard = (f"{stack}.layers.", f"shard_{layer}.{expert}_{layers}.{e}") if \
         not per_layer and stack != "mtp" else (f"{stack}.layers.{layer}.", f"shard_{expert}_{e}")
     if stack == "mtp":
-        prefix += MTP_LAYER
+        prefix += mtp_layer_prefix(cfg, "mlp")
     return {f"{prefix}mlp.experts.experts.linear_fc{j}._extra_state/{shard}": [None] for j in (1, 2)}
 
 

@@ -25,7 +25,7 @@ from ..datamodel import (
     target_dtype,
 )
 from ..errors import ConvertError
-from ..layout.hybrid import hybrid
+from ..layout.hybrid import HYBRID_MTP_LAYERS, hybrid, mtp_layer_prefix
 from ..layout.mlp import expert_modules, is_grouped_expert_key
 from ..layout.mtp import MTP_LAYER
 from ..layout.rank_files import chunk_key, rank_entries, split_chunk_key
@@ -123,10 +123,11 @@ def extra_state_keys(cfg: ModelConfig, layout: Layout, pp_rank: int, spec: str) 
             continue
         for i in range(count):
             mods = extra_state_modules(cfg, stack, spec, off + i)
+            inner = mtp_layer_prefix(cfg, "self_attention") if stack == "mtp" else ""
             if hybrid(cfg) and cfg.layer_kind(stack, off + i)[0] == "attention":  # TE's attention core: state_dict
-                mods += ("self_attention.core_attention",)                       # only (no torch_dist object)
+                mods += (inner + "self_attention.core_attention",)               # only (no torch_dist object)
             if cfg.layer_is_moe(stack, off + i):
-                mods += tuple(MTP_LAYER + m for m in experts) if stack == "mtp" else experts
+                mods += tuple(mtp_layer_prefix(cfg, m) + m for m in experts) if stack == "mtp" else experts
             keys += [chunk_key(f"{stack}.layers.{i}.{m}._extra_state", vp, layout) for m in mods]
         if pp_rank == layout.pp - 1 and vp == layout.chunks_per_rank - 1:
             keys += [chunk_key(f"{m}._extra_state", vp, layout)
@@ -168,8 +169,10 @@ def _index_file(path: Path, trust_pickle: bool) -> dict[str, Any]:
             for k, v in ckpt[entry].items():
                 key = f"{entry}/{k}" if entries else k
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state"):
-                    # megatron-core >= 0.17 names an MTP layer's TransformerLayer mtp_model_layer in state_dict
-                    tensors[key_from_019(key.replace("." + MTP_LEGACY, "." + MTP_LAYER))] = (tuple(v.shape), v.dtype)
+                    # megatron-core >= 0.17 names an MTP layer's TransformerLayer mtp_model_layer in state_dict (a
+                    # HybridModel's MTP depth holds its layers there, mtp_model_layer.layers.N, its native name)
+                    gpt = key if "." + HYBRID_MTP_LAYERS in key else key.replace("." + MTP_LEGACY, "." + MTP_LAYER)
+                    tensors[key_from_019(gpt)] = (tuple(v.shape), v.dtype)
                     style = "0.19" if key_from_019(key) != key else style
                 else:
                     objects.append(key)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .attention import mla_projections
 from .boxes import Kind
 from .mlp import MLP_EXTRA_STATE, SHARED_EXPERT_MODULES
-from .mtp import MTP_LAYER
+from .mtp import MTP_LAYER, MTP_TE2_MODULES
 from .tensors import Rule, Sections, hidden
 
 if TYPE_CHECKING:  # the layout reads a model config's attributes; it never imports the config's module
@@ -62,6 +62,20 @@ def hybrid(cfg: ModelConfig) -> bool:
     return cfg.mamba is not None or cfg.gdn is not None
 
 
+# a GPT layer's modules that a HybridModel holds in its mixer layer (the rest: its MLP / MoE layer)
+MIXER_PARTS = ("input_layernorm.", "self_attention.")
+HYBRID_MTP_LAYERS = "mtp_model_layer.layers."  # a HybridModel MTP depth's layers (a HybridStack of its own)
+
+
+def mtp_layer_prefix(cfg: ModelConfig, suffix: str) -> str:
+    """Where an MTP layer's module ``suffix`` (a decoder layer's, e.g. ``self_attention.linear_proj.weight``) lives
+    under ``mtp.layers.<K>.``: GPTModel's ``transformer_layer.``; a HybridModel's depth pattern (one mixer, one MLP
+    layer) ``mtp_model_layer.layers.0.`` for the mixer's modules, ``.1.`` for the MLP's."""
+    if cfg.mamba is None:
+        return MTP_LAYER
+    return f"{HYBRID_MTP_LAYERS}{0 if (suffix + '.').startswith(MIXER_PARTS) else 1}."
+
+
 # a hybrid layer's modules with an ``_extra_state`` (Transformer Engine 2: its linears and norms, not its attention
 # core), by the layer's mixer and MLP kind (see ``te2_layer_modules``)
 MIXER_EXTRA_STATE = {"mamba": ("mixer.in_proj", "mixer.out_proj"),
@@ -82,4 +96,8 @@ def te2_layer_modules(cfg: ModelConfig, stack: str, layer: int) -> tuple[str, ..
         out += ("self_attention.q_layernorm", "self_attention.k_layernorm")
     if mlp == "moe" and cfg.shared_size:
         out += SHARED_EXPERT_MODULES
-    return tuple(MTP_LAYER + m for m in out) if stack == "mtp" else out
+    if stack != "mtp":
+        return out
+    if cfg.mamba is None:
+        return tuple(MTP_LAYER + m for m in out)
+    return MTP_TE2_MODULES + tuple(mtp_layer_prefix(cfg, m) + m for m in out)  # TE 2: the MTP layer's own too

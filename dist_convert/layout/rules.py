@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from .attention import ATTENTION_RULES, mla_down_kind, mla_projections
 from .boxes import Kind
 from .dsa import DSA_RULES, DSA_UNFUSED, dsa_layer_modules
-from .hybrid import GDN_RULES, MAMBA_RULES, hybrid, te2_layer_modules
+from .hybrid import GDN_RULES, MAMBA_RULES, hybrid, mtp_layer_prefix, te2_layer_modules
 from .mlp import MLP_PREFIXES, MLP_RULES, SHARED_EXPERT_MODULES, effective_kind
 from .mtp import MTP_LAYER, MTP_RULES
 from .t5 import CROSS_EXTRA_STATE_MODULES, CROSS_RULES, T5_TOP_RULES
@@ -151,8 +151,8 @@ def logical_tensors(cfg: ModelConfig) -> dict[str, LogicalTensor]:
                     out.update((t.name, t) for t in _layer_tensors(rule, cfg, name, layer))
             for rule in rules:
                 if _layer_rule_applies(rule, cfg, name, layer):
-                    out.update((t.name, t) for t in _layer_tensors(rule, cfg, name, layer,
-                                                                   MTP_LAYER if name == "mtp" else ""))
+                    out.update((t.name, t) for t in _layer_tensors(
+                        rule, cfg, name, layer, mtp_layer_prefix(cfg, rule.name) if name == "mtp" else ""))
         for rule, stage in tops:
             if rule.name.startswith(f"{name}."):
                 out[rule.name] = _top(rule, stage, cfg)

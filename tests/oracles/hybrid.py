@@ -62,7 +62,35 @@ def cpu_mla_layer(stack):
     return layer
 
 
-def build(config, pattern: str, stack=None, **model_args):
+def cpu_mtp_block(stack):
+    """The MTP block spec of ``stack`` (None: megatron-core's hybrid_stack_spec) with its layer's TE leaves (enorm,
+    hnorm, eh_proj, the final layer_norm) swapped for oracles.dsa's stand-ins; its inner layers come from the pattern
+    after ``/`` and the stack's own layer specs."""
+    import copy
+
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    from oracles import dsa
+
+    c = dsa.cpu_classes()
+    block = copy.copy((stack or hybrid_stack_spec).submodules.mtp_block_spec)
+    block.submodules = copy.copy(block.submodules)
+    layers = []
+    for layer in block.submodules.layer_specs:
+        layer = copy.copy(layer)
+        sub = layer.submodules = copy.copy(layer.submodules)
+        for name, want, new in (("enorm", te_ext.TENorm, c["norm"]), ("hnorm", te_ext.TENorm, c["norm"]),
+                                ("eh_proj", te_ext.TEColumnParallelLinear, c["col"]),
+                                ("layer_norm", te_ext.TENorm, c["norm"])):
+            assert getattr(sub, name) is want, f"mtp layer: {name}={getattr(sub, name)!r}, expected {want!r}"
+            setattr(sub, name, new)
+        layers.append(layer)
+    block.submodules.layer_specs = layers
+    return block
+
+
+def build(config, pattern: str, stack=None, parallel_output: bool = False, **model_args):
     """megatron-core's HybridModel of TransformerConfig ``config`` with ``pattern`` and the HybridStack spec ``stack``
     (None: megatron-core's own), on the CPU (see the module docstring); ``model_args``: HybridModel's own."""
     from megatron.core.models.hybrid import hybrid_block
@@ -71,7 +99,7 @@ def build(config, pattern: str, stack=None, **model_args):
 
     from oracles import nemotron_h
 
-    config.num_layers = len(pattern)
+    config.num_layers = len(pattern.split("/")[0].replace("|", ""))
     for k, v in nemotron_h.CPU_SWITCHES.items():
         if hasattr(config, k):
             setattr(config, k, v)
@@ -84,12 +112,14 @@ def build(config, pattern: str, stack=None, **model_args):
 
         dsa.apply_shims()  # multi_latent_attention.TELinear: the stand-in (MLA picks "duplicated" by it)
         spec.submodules.mla_layer = cpu_mla_layer(stack)
+    if "/" in pattern:
+        spec.submodules.mtp_block_spec = cpu_mtp_block(stack)
     saved = hybrid_block.TENorm, attention.TENorm
     hybrid_block.TENorm = attention.TENorm = nemotron_h.standins()["norm"]
     try:
         with (dsa.cpu_spec_backend() if mla else contextlib.nullcontext()):
             return HybridModel(config=config, hybrid_stack_spec=spec, hybrid_layer_pattern=pattern,
-                               parallel_output=False, **model_args)
+                               parallel_output=parallel_output, **model_args)
     finally:
         hybrid_block.TENorm, attention.TENorm = saved
 
@@ -137,7 +167,7 @@ def cmd_logits(a) -> int:
     spec, stack = named_spec(iter_dir)
     mcore.init_parallel(a.tp, 1, ep=a.ep, cfg=cfg)
     try:
-        model = build(mcore.transformer_config(cfg, a.tp, 1, ep=a.ep), a.pattern, stack,
+        model = build(mcore.transformer_config(cfg, a.tp, 1, ep=a.ep), a.pattern, stack, parallel_output=a.mtp,
                       vocab_size=mcore.padded_vocab(cfg, a.tp), max_sequence_length=cfg["max_position_embeddings"],
                       share_embeddings_and_output_weights=not cfg["untie_embeddings_and_output_weights"],
                       position_embedding_type=cfg["position_embedding_type"],
@@ -148,6 +178,8 @@ def cmd_logits(a) -> int:
                 print(json.dumps({"ok": False, "problems": problems[:50]}), flush=True)
             return 1
         tokens, position_ids, mask = mcore.causal_inputs(cfg, a.seed)
+        if a.mtp:
+            return mtp_losses(model, cfg, tokens, position_ids, mask)
         with torch.no_grad():
             logits = model(tokens, position_ids, mask)[..., : cfg["vocab_size"]].contiguous()
         if dist.get_rank() == 0:
@@ -158,6 +190,43 @@ def cmd_logits(a) -> int:
         return 0
     finally:
         end_parallel(a.serving)
+
+
+def mtp_losses(model, cfg: dict, tokens, position_ids, mask) -> int:
+    """A forward with labels, so that megatron-core's MTP path runs; prints ``ORACLE MTP depth=K loss=X ...
+    main_loss=Y`` as ``oracles/mcore.py mtp`` does for a GPTModel (the mean per-token losses megatron-core's own
+    compute_language_model_loss records; depth K's labels are the tokens shifted by K + 1)."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    from oracles import mcore
+
+    losses = []
+    inner = model.compute_language_model_loss
+
+    def recording(labels, logits):
+        out = inner(labels, logits)
+        losses.append(out.detach().clone())
+        return out
+
+    model.compute_language_model_loss = recording
+    try:
+        with torch.no_grad():
+            main = model(tokens, position_ids, mask, labels=mcore.next_token_labels(tokens))
+    finally:
+        del model.compute_language_model_loss
+    k, s = cfg["mtp_num_layers"], tokens.shape[1]
+    if len(losses) != k + 1:
+        raise SystemExit(f"expected {k + 1} loss computations (MTP depths + main), saw {len(losses)}")
+    vals = [losses[d][:, : s - (d + 2)].double().mean().item() for d in range(k)]
+    main_loss = main[:, : s - 1].double().mean().item()
+    ok = all(math.isfinite(v) for v in vals + [main_loss])
+    if dist.get_rank() == 0:
+        depth = " ".join(f"depth={d + 1} loss={v:.6f}" for d, v in enumerate(vals))
+        print(f"ORACLE MTP {depth} main_loss={main_loss:.6f}" + ("" if ok else " NOT FINITE"), flush=True)
+    return 0 if ok else 1
 
 
 def cmd_interop(a) -> int:
@@ -266,6 +335,7 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--ckpt", required=True)
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=1234, help="the tokens' seed (mcore.py logits' default)")
+    sp.add_argument("--mtp", action="store_true", help="the MTP depths' losses instead (as mcore.py mtp)")
     sp = sub.add_parser("interop")
     sp.add_argument("--config", required=True)
     sp.add_argument("--pattern", required=True)

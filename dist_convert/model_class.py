@@ -20,7 +20,7 @@ from .config import ModelConfig
 from .datamodel import SourceIndex
 from .defaults import MODEL_CLASSES
 from .errors import ConvertError
-from .features.blocks import GDN_SYMBOL, MLA_SYMBOL, MTP_SEPARATOR, Mamba
+from .features.blocks import DSA_SYMBOL, GDN_SYMBOL, MLA_SYMBOL, MTP_SEPARATOR, Mamba, attention_symbol
 from .layout.hybrid import HYBRID_MTP_LAYERS, MIXER_PARTS
 from .layout.mtp import MTP_LAYER
 from .layout.topology import Layout
@@ -46,7 +46,8 @@ def model_class(cfg: ModelConfig) -> str:
 def _refuse_unplaced(cfg: ModelConfig) -> None:
     """What megatron-core's HybridModel has no place for as this converter places a GPT layer, in one line."""
     unplaced = [what for what, present in (
-        ("DeepSeek sparse attention", cfg.dsa is not None),
+        ("DeepSeek-sparse-attention layers that reuse another layer's top-k (dsa_indexer_topk_freq > 1: "
+         "megatron-core's hybrid stack numbers its layers otherwise)", cfg.dsa is not None and cfg.dsa.topk_freq > 1),
         ("multi-token prediction after a Gated DeltaNet last layer", cfg.mtp is not None and cfg.gdn is not None
          and bool(cfg.gdn.pattern[-1])),
         ("multi-latent attention without a q LoRA but with its latent norms (megatron-core 0.19's MLA then fuses a "
@@ -68,7 +69,7 @@ def hybrid_of(cfg: ModelConfig) -> ModelConfig:
     """A GPT model config as megatron-core's HybridModel of the same model: per GPT layer its mixer (``*`` attention,
     ``G`` Gated DeltaNet) then its MLP (``-``, or ``E`` MoE)."""
     _refuse_unplaced(cfg)
-    attention = MLA_SYMBOL if cfg.mla is not None else "*"
+    attention = attention_symbol(cfg)
     pattern = "".join((GDN_SYMBOL if cfg.layer_kind("decoder", n)[0] == "gdn" else attention)
                       + ("E" if cfg.is_moe_layer(n) else "-") for n in range(cfg.num_layers))
     mamba = Mamba(pattern=pattern, num_heads=max(1, 2 * cfg.hidden_size // MAMBA_HEAD_DIM), head_dim=MAMBA_HEAD_DIM)
@@ -85,8 +86,8 @@ def gpt_of(cfg: ModelConfig) -> ModelConfig:
     pair."""
     assert cfg.mamba is not None
     p = cfg.mamba.pattern
-    if len(p) % 2 or not set(p[0::2]) <= {"*", MLA_SYMBOL, GDN_SYMBOL} or not set(p[1::2]) <= {"-", "E"}:
-        raise ConvertError(f"--target-model gpt: the hybrid layer pattern {p!r} is not one attention (* or +) or "
+    if len(p) % 2 or not set(p[0::2]) <= {"*", MLA_SYMBOL, DSA_SYMBOL, GDN_SYMBOL} or not set(p[1::2]) <= {"-", "E"}:
+        raise ConvertError(f"--target-model gpt: the hybrid layer pattern {p!r} is not one attention (*, + or D) or "
                            "Gated DeltaNet (G) layer then one MLP (-) or MoE (E) layer, pair by pair, so no GPTModel "
                            "layer stack holds it", "drop --target-model gpt (keep the HybridModel checkpoint)")
     depths = cfg.mamba.mtp_pattern.split(MTP_SEPARATOR) if cfg.mamba.mtp_pattern else []
@@ -101,7 +102,8 @@ def gpt_of(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(num_layers=len(p) // 2, mamba=None, moe=moe, gdn=gdn)
 
 
-SYMBOL_NAMES = {"M": "Mamba2", "G": "Gated DeltaNet", "*": "attention", MLA_SYMBOL: "MLA", "-": "MLP", "E": "MoE"}
+SYMBOL_NAMES = {"M": "Mamba2", "G": "Gated DeltaNet", "*": "attention", MLA_SYMBOL: "MLA", DSA_SYMBOL: "DSA",
+                "-": "MLP", "E": "MoE"}
 
 
 def describe_class(cfg: ModelConfig, stage_layers: list[int]) -> str:

@@ -16,11 +16,17 @@ if TYPE_CHECKING:
 
 # MambaModel's layer symbols -> (mixer, MLP) of the layer (megatron-core's hybrid layer allocation)
 HYBRID_SYMBOLS: dict[str, tuple[str | None, str | None]] = {
-    "M": ("mamba", None), "G": ("gdn", None), "*": ("attention", None), "+": ("attention", None), "-": (None, "dense"),
-    "E": (None, "moe")}
+    "M": ("mamba", None), "G": ("gdn", None), "*": ("attention", None), "+": ("attention", None),
+    "D": ("attention", None), "-": (None, "dense"), "E": (None, "moe")}
 GDN_SYMBOL = "G"  # a HybridModel's Gated DeltaNet layer (its sizes: the GDN record)
 MTP_SEPARATOR = "/"  # a HybridModel pattern's multi-token-prediction depths follow the main pattern after it
 MLA_SYMBOL = "+"  # a HybridModel's multi-latent attention layer (the MLA record; ``*`` is plain attention)
+DSA_SYMBOL = "D"  # a HybridModel's DeepSeek-sparse-attention layer (MLA with an indexer: the MLA and DSA records)
+
+
+def attention_symbol(cfg: ModelConfig) -> str:
+    """The hybrid pattern's symbol of the model's attention layers: ``D`` DSA, ``+`` MLA, ``*`` attention."""
+    return DSA_SYMBOL if cfg.dsa is not None else MLA_SYMBOL if cfg.mla is not None else "*"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,19 +249,21 @@ class Mamba(Feature):
 
     def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
         """megatron-core splits a Mamba2 mixer by whole heads and groups (MambaMixer asserts it); MambaModel has no
-        virtual pipeline stages; the attention layers are multi-latent (``+``) exactly when the model has MLA."""
+        virtual pipeline stages; the attention layers are all of the model's kind (``attention_symbol``)."""
         depths = self.mtp_pattern.count(MTP_SEPARATOR) + 1 if self.mtp_pattern else 0
         if depths != cfg.mtp_num_layers:
             raise ConvertError(f"hybrid layer pattern {self.pattern}/{self.mtp_pattern}: {depths} multi-token-"
                                f"prediction depths after '/', but mtp_num_layers is {cfg.mtp_num_layers}",
                                "fix mtp_num_layers or the pattern in the checkpoint args")
-        plain = "*" if cfg.mla is not None else MLA_SYMBOL
-        if plain in self.pattern + self.mtp_pattern:
-            raise ConvertError(f"hybrid layer pattern {self.pattern!r} has {plain!r} layers, but the model's attention "
-                               f"is {'multi-latent' if cfg.mla is not None else 'not multi-latent'} "
-                               f"(multi_latent_attention={cfg.mla is not None}): dist_convert converts a hybrid model "
-                               "whose attention layers are all of one kind",
-                               "fix multi_latent_attention or the pattern in the checkpoint args")
+        own = attention_symbol(cfg)
+        other = sorted({"*", MLA_SYMBOL, DSA_SYMBOL} - {own} & set(self.pattern + self.mtp_pattern))
+        if other:
+            raise ConvertError(f"hybrid layer pattern {self.pattern!r} has {' '.join(other)} layers, but the model's "
+                               f"attention layers are {own} (multi_latent_attention={cfg.mla is not None}, "
+                               f"experimental_attention_variant={'dsa' if cfg.dsa else None}): dist_convert converts "
+                               "a hybrid model whose attention layers are all of one kind",
+                               "fix multi_latent_attention / experimental_attention_variant or the pattern in the "
+                               "checkpoint args")
         split_by_heads(layout, what, (("mamba_num_heads", self.num_heads), ("mamba_num_groups", self.num_groups)))
         if cfg.spec != "te":
             raise ConvertError(f"{what}: megatron-core builds a HybridModel (MambaModel) with Transformer Engine's "
@@ -282,9 +290,9 @@ def hybrid_pattern_of(pattern: str, num_layers: int | None = None) -> str:
     if bad or not symbols:
         raise ConvertError(f"hybrid layer pattern {pattern!r} has symbol(s) {''.join(bad) or 'none'}: megatron-core's "
                            "HybridModel layers converted here are M (Mamba2), G (Gated DeltaNet), * (attention), "
-                           "+ (multi-latent attention), - (MLP) and E (MoE)",
-                           "convert a model whose hybrid_override_pattern uses only M, G, *, +, - and E (multi-token "
-                           "prediction after '/' and D layers are not supported)")
+                           "+ (multi-latent attention), D (DeepSeek sparse attention), - (MLP) and E (MoE)",
+                           "convert a model whose hybrid_override_pattern uses only M, G, *, +, D, - and E (and "
+                           "multi-token-prediction depths after '/')")
     if num_layers is not None and len(symbols) != num_layers:
         raise ConvertError(f"hybrid layer pattern {pattern!r} has {len(symbols)} layers but num_layers is {num_layers}",
                            "fix num_layers or the pattern in the checkpoint args")

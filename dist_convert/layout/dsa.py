@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .boxes import Kind
+from .hybrid import mtp_layer_prefix
 from .mlp import MLP_EXTRA_STATE, SHARED_EXPERT_MODULES
-from .mtp import MTP_LAYER, MTP_TE2_MODULES
+from .mtp import MTP_TE2_MODULES
 from .tensors import Rule, Shape
 
 if TYPE_CHECKING:  # the layout reads a model config's attributes; it never imports the config's module
@@ -38,8 +39,9 @@ def dsa_layer_modules(cfg: ModelConfig, stack: str, layer: int) -> tuple[str, ..
     attn = (*q, "linear_kv_down_proj", *(("kv_layernorm",) if norm else ()), "linear_kv_up_proj", "linear_proj")
     indexer = tuple(INDEXER + m for m in ("linear_wq_b", "linear_wk", "k_norm", "linear_weights_proj")) \
         if cfg.has_indexer(stack, layer) else ()
-    _, mlp = cfg.layer_kind(stack, layer)
-    out = ("input_layernorm", *("self_attention." + m for m in attn), *indexer) + MLP_EXTRA_STATE[mlp]
+    mixer, mlp = cfg.layer_kind(stack, layer)  # a HybridModel's layer has one of the two
+    out = ("input_layernorm", *("self_attention." + m for m in attn), *indexer) if mixer else ()
+    out += MLP_EXTRA_STATE[mlp]
     if mlp == "moe" and cfg.shared_size:
         out += SHARED_EXPERT_MODULES
-    return MTP_TE2_MODULES + tuple(MTP_LAYER + m for m in out) if stack == "mtp" else out
+    return MTP_TE2_MODULES + tuple(mtp_layer_prefix(cfg, m) + m for m in out) if stack == "mtp" else out

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -58,6 +59,45 @@ def cpu_mla_layer(stack):
              (attn, "linear_proj", te_ext.TERowParallelLinear, c["row"])]
     for holder, name, want, new in swaps:
         assert getattr(holder, name) is want, f"mla_layer: {name}={getattr(holder, name)!r}, expected {want!r}"
+        setattr(holder, name, new)
+    return layer
+
+
+def cpu_dsa_layer(stack):
+    """The DeepSeek-sparse-attention layer (``D``) of ``stack`` (None: megatron-core's hybrid_stack_spec) with its TE
+    leaves swapped for oracles.dsa's stand-ins (AbsorbedMLA's projections, the indexer's TELinears and key norm);
+    DSAttention and the indexer stay megatron-core's. Its q/kv norms are the spec's IdentityOp: megatron-core's
+    resolver makes them standalone norms from ``qk_layernorm`` (the backend's layer norm)."""
+    import copy
+
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    from oracles import dsa
+
+    c = dsa.cpu_classes()
+
+    def own(holder, name):
+        child = copy.copy(getattr(holder, name))
+        setattr(holder, name, child)
+        return child
+
+    layer = copy.copy((stack or hybrid_stack_spec).submodules.dsa_layer)
+    sub = own(layer, "submodules")
+    attn = own(own(sub, "self_attention"), "submodules")
+    indexer = own(own(own(own(attn, "core_attention"), "submodules"), "indexer"), "submodules")
+    swaps = [(sub, "input_layernorm", te_ext.TENorm, c["norm"]),
+             (attn, "linear_q_proj", te_ext.TEColumnParallelLinear, c["col"]),
+             (attn, "linear_q_down_proj", te_ext.TELinear, c["linear"]),
+             (attn, "linear_q_up_proj", te_ext.TEColumnParallelLinear, c["col"]),
+             (attn, "linear_kv_down_proj", te_ext.TELinear, c["linear"]),
+             (attn, "linear_kv_up_proj", te_ext.TEColumnParallelLinear, c["col"]),
+             (attn, "linear_proj", te_ext.TERowParallelLinear, c["row"]),
+             (indexer, "linear_wq_b", te_ext.TELinear, c["linear"]),
+             (indexer, "linear_wk", te_ext.TELinear, c["linear"]), (indexer, "k_norm", te_ext.TENorm, c["norm"]),
+             (indexer, "linear_weights_proj", te_ext.TELinear, c["linear"])]
+    for holder, name, want, new in swaps:
+        assert getattr(holder, name) is want, f"dsa_layer: {name}={getattr(holder, name)!r}, expected {want!r}"
         setattr(holder, name, new)
     return layer
 
@@ -106,12 +146,13 @@ def build(config, pattern: str, stack=None, parallel_output: bool = False, **mod
     # HybridStack's final norm, and the q/k norms SelfAttention builds from config.qk_layernorm where its spec names
     # none (TENorm, imported by name in each module; None without TE)
     spec = nemotron_h.cpu_hybrid_stack_spec(stack)
-    mla = "+" in pattern
+    mla = "+" in pattern or "D" in pattern
     if mla:
         from oracles import dsa
 
-        dsa.apply_shims()  # multi_latent_attention.TELinear: the stand-in (MLA picks "duplicated" by it)
+        dsa.apply_shims()  # (absorbed_)multi_latent_attention.TELinear: the stand-in (picks "duplicated" by it)
         spec.submodules.mla_layer = cpu_mla_layer(stack)
+        spec.submodules.dsa_layer = cpu_dsa_layer(stack)
     if "/" in pattern:
         spec.submodules.mtp_block_spec = cpu_mtp_block(stack)
     saved = hybrid_block.TENorm, attention.TENorm
@@ -289,19 +330,30 @@ def cmd_interop(a) -> int:
 
 
 def cmd_hf(a) -> int:
-    """An HF-sourced hybrid target: Megatron-Bridge 0.6.2's provider of the HF model (oracles.qwen3_next's, with its
-    CPU stand-ins) is the TransformerConfig; the HybridModel's logits against transformers' on the same tokens."""
+    """An HF-sourced hybrid target: Megatron-Bridge 0.6.2's provider of the HF model (oracles.qwen3_next's for
+    Qwen3-Next / Qwen3.5, oracles.dsa's GLM-5 one for a DeepSeek-sparse-attention model, each with its CPU
+    stand-ins) is the TransformerConfig; the HybridModel's logits against transformers' on the same tokens (a DSA
+    model: those ``oracles/dsa.py make`` saved, --logits)."""
+    import torch
 
-    from oracles import nemotron_h, qwen3_next
+    from oracles import dsa, nemotron_h, qwen3_next
     from oracles.common import end_parallel, resolve_iter_dir
 
     nemotron_h.apply_shims()
-    qwen3_next.apply_shims()
+    model_type = json.loads((Path(a.hf) / "config.json").read_text())["model_type"]
+    sparse = model_type in ("glm_moe_dsa", "deepseek_v32")
+    (dsa if sparse else qwen3_next).apply_shims()
     iter_dir = Path(resolve_iter_dir(a.ckpt))
     spec, stack = named_spec(iter_dir)
     rank, _ = qwen3_next.init_dist(a.tp, 1, a.ep, 1 if a.ep > 1 else None)
+    view = None
     try:
-        _, config = qwen3_next.qwen_provider(a.hf, load_weights=False, tp=a.tp, ep=a.ep, parallel_output=False)
+        if sparse:
+            arch = "glm5" if model_type == "glm_moe_dsa" else "v32"
+            hf_dir, view = dsa.glm_view(a.hf, arch)
+            _, config = dsa.dsa_provider(hf_dir, arch, load_weights=False, tp=a.tp, ep=a.ep)
+        else:
+            _, config = qwen3_next.qwen_provider(a.hf, load_weights=False, tp=a.tp, ep=a.ep, parallel_output=False)
         model = build(config, a.pattern, stack, vocab_size=config.vocab_size, max_sequence_length=config.seq_length,
                       share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
                       position_embedding_type=config.position_embedding_type, rotary_percent=config.rotary_percent,
@@ -310,9 +362,10 @@ def cmd_hf(a) -> int:
         verdict: dict = {"ckpt": a.ckpt, "spec": ".".join(spec) if spec else None, "tp": a.tp, "ep": a.ep,
                          "position_embedding_type": config.position_embedding_type}
         if not problems:
-            ids = nemotron_h.judge_ids()
-            mlog = nemotron_h.megatron_logits(model, ids)[..., :config.vocab_size]
-            diff = (mlog - qwen3_next.hf_logits(a.hf, ids)).abs().max().item()
+            made = torch.load(a.logits) if sparse else None
+            ids = made["ids"] if sparse else nemotron_h.judge_ids()
+            want = made["logits"] if sparse else qwen3_next.hf_logits(a.hf, ids)
+            diff = (nemotron_h.megatron_logits(model, ids)[..., :config.vocab_size] - want).abs().max().item()
             verdict["logits_max_abs_diff_vs_hf"] = diff
             if not diff <= a.atol:
                 problems.append(f"logits differ from transformers' by {diff:.3g} (atol {a.atol})")
@@ -321,6 +374,8 @@ def cmd_hf(a) -> int:
             print(json.dumps(verdict), flush=True)
         return 0 if not problems else 1
     finally:
+        if view is not None:
+            shutil.rmtree(view, ignore_errors=True)
         end_parallel(a.serving)
 
 
@@ -349,6 +404,7 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--ep", type=int, default=1)
     sp.add_argument("--ckpt", required=True)
     sp.add_argument("--atol", type=float, default=1e-4)
+    sp.add_argument("--logits", help="a DSA model: transformers' logits oracles/dsa.py make saved ({ids, logits})")
     a = p.parse_args(argv)
     a.serving = serving
     return {"logits": cmd_logits, "interop": cmd_interop, "hf": cmd_hf}[a.cmd](a)

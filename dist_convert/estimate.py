@@ -165,6 +165,9 @@ def print_estimate(est: dict[str, Any], json_path: Path | None) -> None:
                                                                      "received_bytes", "peak_wave_bytes",
                                                                      "predicted_peak_rss", "staging_bytes")),
                       f"{r['seconds']:.1f}")
-    Console(stderr=True).print(table)
+    console = Console(stderr=True)
+    console.print(table)
+    for note in est["notes"]:  # what the conversion would say of the source (a model class change, ...)
+        console.print(f"note: {note}", highlight=False, markup=False)
     if json_path is not None:
         json_path.write_text(json.dumps(est, indent=1, default=str))

@@ -197,5 +197,7 @@ def as_model_class(index: SourceIndex, target: str | None, dst_format: str | Non
         cfg, rename = gpt_of(index.cfg), hybrid_to_gpt_name
     out = renamed(index, cfg, rename)
     out.notes.append(f"model class: {source} -> {target} ({index.cfg.num_layers} -> {cfg.num_layers} layers"
-                     + (f", hybrid layer pattern {cfg.mamba.pattern}" if cfg.mamba is not None else "") + ")")
+                     + (f", hybrid layer pattern {cfg.mamba.pattern}"
+                        + (f"{MTP_SEPARATOR}{cfg.mamba.mtp_pattern}" if cfg.mamba.mtp_pattern else "")
+                        if cfg.mamba is not None else "") + ")")
     return out

@@ -268,6 +268,9 @@ def test_deepseek_v3_goes_from_hf_to_the_hybrid_model_and_back(tmp_path):
 
     hf = add_mtp_layer(make_hf_model(tmp_path, "deepseek_v3"))
     hybrid, legacy, gpt, again, back = (tmp_path / n for n in ("hybrid", "legacy", "gpt", "again", "back"))
+    plan = ok(run_cli("plan", str(hf), "--target-model", "hybrid", "--dst-format", "torch_dist", "--target-tp", "2",
+                      "--world", "2"))
+    assert "model class: gpt -> hybrid (3 -> 6 layers, hybrid layer pattern +-+E+E/+E)" in plan.stderr
     ok(run_cli("reshard", str(hf), str(hybrid), "--dst-format", "torch_dist", "--target-model", "hybrid",
                "--target-tp", "2", nproc=2))
     ok(run_cli("reshard", str(hybrid), str(legacy), "--dst-format", "megatron", nproc=2))

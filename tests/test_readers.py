@@ -1,7 +1,8 @@
 """Megatron-LM's own model builder, run on the args dist_convert writes, judges ``dist_convert.readers``.
 
 For every language-model family (its transformers config class's defaults, plus a Llama 3.2 with RoPE factor 32, the
-suite's Gemma 3, a Llama with linear RoPE interpolation and a Mixtral with a random router bias), the args a torch_dist
+suite's Gemma 3, a Llama with linear RoPE interpolation, a Mixtral with a random router bias, and Qwen3, Qwen3-Next,
+DeepSeek-V3 and GLM-5 as megatron-core's HybridModel, ``--target-model hybrid``), the args a torch_dist
 target carries (``mlm_args.args_for_target``, what the writers store) go to Megatron-LM's builder
 (tests/oracles/mlm_builder.py), in one oracle process per release:
 
@@ -38,6 +39,7 @@ from dist_convert.features.expressed import unexpressed
 from dist_convert.formats.mcore_config import ACTIVATION_TARGETS, transformer_fields
 from dist_convert.layout.topology import Layout
 from dist_convert.mlm_args import args_for_target
+from dist_convert.model_class import hybrid_of
 from dist_convert.models import FAMILIES, config_from_hf
 from dist_convert.readers import MEGATRON_LM, reader_warnings
 
@@ -73,7 +75,10 @@ def configs() -> dict[str, dict]:
 VARIANTS = {"llama_interpolation2": ("LlamaForCausalLM", lambda cfg: dataclasses.replace(
                 cfg, position=dataclasses.replace(cfg.position, seq_len_interpolation=2.0))),
             "mixtral_force_biased": ("MixtralForCausalLM", lambda cfg: dataclasses.replace(
-                cfg, moe=dataclasses.replace(cfg.moe, force_biased=0.5)))}
+                cfg, moe=dataclasses.replace(cfg.moe, force_biased=0.5))),
+            # the same models as megatron-core's HybridModel (--target-model hybrid)
+            **{f"{arch}_hybrid": (arch, hybrid_of) for arch in ("Qwen3ForCausalLM", "Qwen3NextForCausalLM",
+                                                                  "DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM")}}
 CASES = sorted([*configs(), *VARIANTS])
 
 

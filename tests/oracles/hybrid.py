@@ -31,80 +31,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the oracles package
 
 
-def cpu_mla_layer(stack):
-    """The multi-latent attention layer (``+``) of ``stack`` (None: megatron-core's hybrid_stack_spec) with its TE
-    leaves swapped for oracles.dsa's stand-ins (TELinear "duplicated", TE's k/v channels in the attention core);
-    each swapped slot must hold the expected TE class. Its q/kv norms are the spec's IdentityOp: megatron-core's
-    resolver (mla_qk_norm_config) fuses them into linear_q_up_proj / linear_kv_up_proj from ``qk_layernorm``, taking
-    the fused linear from the backend (``oracles.dsa.cpu_spec_backend`` while the model is built)."""
-    import copy
-
-    from megatron.core.extensions import transformer_engine as te_ext
-    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-
-    from oracles import dsa
-
-    c = dsa.cpu_classes()
-    layer = copy.copy((stack or hybrid_stack_spec).submodules.mla_layer)
-    layer.submodules = copy.copy(layer.submodules)
-    attn_spec = layer.submodules.self_attention = copy.copy(layer.submodules.self_attention)
-    attn = attn_spec.submodules = copy.copy(attn_spec.submodules)
-    swaps = [(layer.submodules, "input_layernorm", te_ext.TENorm, c["norm"]),
-             (attn, "linear_q_proj", te_ext.TEColumnParallelLinear, c["col"]),
-             (attn, "linear_q_down_proj", te_ext.TELinear, c["linear"]),
-             (attn, "linear_q_up_proj", te_ext.TEColumnParallelLinear, c["col"]),
-             (attn, "linear_kv_down_proj", te_ext.TELinear, c["linear"]),
-             (attn, "linear_kv_up_proj", te_ext.TEColumnParallelLinear, c["col"]),
-             (attn, "core_attention", te_ext.TEDotProductAttention, c["attn"]),
-             (attn, "linear_proj", te_ext.TERowParallelLinear, c["row"])]
-    for holder, name, want, new in swaps:
-        assert getattr(holder, name) is want, f"mla_layer: {name}={getattr(holder, name)!r}, expected {want!r}"
-        setattr(holder, name, new)
-    return layer
+def _mla_swaps(te_ext, c, sub, attn) -> list:
+    """The TE leaves of an MLA / DSA layer (its input norm and MLA projections) and oracles.dsa's stand-ins."""
+    return [(sub, "input_layernorm", te_ext.TENorm, c["norm"]),
+            (attn, "linear_q_proj", te_ext.TEColumnParallelLinear, c["col"]),
+            (attn, "linear_q_down_proj", te_ext.TELinear, c["linear"]),
+            (attn, "linear_q_up_proj", te_ext.TEColumnParallelLinear, c["col"]),
+            (attn, "linear_kv_down_proj", te_ext.TELinear, c["linear"]),
+            (attn, "linear_kv_up_proj", te_ext.TEColumnParallelLinear, c["col"]),
+            (attn, "linear_proj", te_ext.TERowParallelLinear, c["row"])]
 
 
-def cpu_dsa_layer(stack):
-    """The DeepSeek-sparse-attention layer (``D``) of ``stack`` (None: megatron-core's hybrid_stack_spec) with its TE
-    leaves swapped for oracles.dsa's stand-ins (AbsorbedMLA's projections, the indexer's TELinears and key norm);
-    DSAttention and the indexer stay megatron-core's. Its q/kv norms are the spec's IdentityOp: megatron-core's
-    resolver makes them standalone norms from ``qk_layernorm`` (the backend's layer norm)."""
-    import copy
-
-    from megatron.core.extensions import transformer_engine as te_ext
-    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-
-    from oracles import dsa
-
-    c = dsa.cpu_classes()
-
-    def own(holder, name):
-        child = copy.copy(getattr(holder, name))
-        setattr(holder, name, child)
-        return child
-
-    layer = copy.copy((stack or hybrid_stack_spec).submodules.dsa_layer)
-    sub = own(layer, "submodules")
-    attn = own(own(sub, "self_attention"), "submodules")
-    indexer = own(own(own(own(attn, "core_attention"), "submodules"), "indexer"), "submodules")
-    swaps = [(sub, "input_layernorm", te_ext.TENorm, c["norm"]),
-             (attn, "linear_q_proj", te_ext.TEColumnParallelLinear, c["col"]),
-             (attn, "linear_q_down_proj", te_ext.TELinear, c["linear"]),
-             (attn, "linear_q_up_proj", te_ext.TEColumnParallelLinear, c["col"]),
-             (attn, "linear_kv_down_proj", te_ext.TELinear, c["linear"]),
-             (attn, "linear_kv_up_proj", te_ext.TEColumnParallelLinear, c["col"]),
-             (attn, "linear_proj", te_ext.TERowParallelLinear, c["row"]),
-             (indexer, "linear_wq_b", te_ext.TELinear, c["linear"]),
-             (indexer, "linear_wk", te_ext.TELinear, c["linear"]), (indexer, "k_norm", te_ext.TENorm, c["norm"]),
-             (indexer, "linear_weights_proj", te_ext.TELinear, c["linear"])]
-    for holder, name, want, new in swaps:
-        assert getattr(holder, name) is want, f"dsa_layer: {name}={getattr(holder, name)!r}, expected {want!r}"
-        setattr(holder, name, new)
-    return layer
-
-
-def cpu_mtp_block(stack):
-    """The MTP block spec of ``stack`` (None: megatron-core's hybrid_stack_spec) with its layer's TE leaves (enorm,
-    hnorm, eh_proj, the final layer_norm) swapped for oracles.dsa's stand-ins; its inner layers come from the pattern
+def cpu_attention_layers(stack, submodules) -> None:
+    """Into ``submodules`` (a copy of a HybridStack's): the multi-latent attention (``+``) and DeepSeek-sparse-
+    attention (``D``) layers and the MTP block of ``stack`` (None: megatron-core's hybrid_stack_spec), their TE leaves
+    swapped for oracles.dsa's stand-ins (TELinear "duplicated", TE's k/v channels in the attention core, the
+    indexer's linears and key norm; DSAttention and the indexer stay megatron-core's). Their q/kv norms are the
+    spec's IdentityOp: megatron-core's resolver (mla_qk_norm_config) fuses them into linear_q_up_proj /
+    linear_kv_up_proj (MLA) or makes standalone norms (DSA) from ``qk_layernorm``, taking the modules from the backend
+    (``oracles.dsa.cpu_spec_backend`` while the model is built). The MTP layers' inner layers come from the pattern
     after ``/`` and the stack's own layer specs."""
     import copy
 
@@ -112,22 +57,30 @@ def cpu_mtp_block(stack):
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
     from oracles import dsa
+    from oracles.nemotron_h import own, swap
 
     c = dsa.cpu_classes()
-    block = copy.copy((stack or hybrid_stack_spec).submodules.mtp_block_spec)
-    block.submodules = copy.copy(block.submodules)
-    layers = []
-    for layer in block.submodules.layer_specs:
-        layer = copy.copy(layer)
-        sub = layer.submodules = copy.copy(layer.submodules)
-        for name, want, new in (("enorm", te_ext.TENorm, c["norm"]), ("hnorm", te_ext.TENorm, c["norm"]),
-                                ("eh_proj", te_ext.TEColumnParallelLinear, c["col"]),
-                                ("layer_norm", te_ext.TENorm, c["norm"])):
-            assert getattr(sub, name) is want, f"mtp layer: {name}={getattr(sub, name)!r}, expected {want!r}"
-            setattr(sub, name, new)
-        layers.append(layer)
-    block.submodules.layer_specs = layers
-    return block
+    source = copy.copy((stack or hybrid_stack_spec).submodules)
+    mla_sub = own(source, "mla_layer", "submodules")
+    mla = own(mla_sub, "self_attention", "submodules")
+    swap("mla_layer", _mla_swaps(te_ext, c, mla_sub, mla) + [
+        (mla, "core_attention", te_ext.TEDotProductAttention, c["attn"])])
+    dsa_sub = own(source, "dsa_layer", "submodules")
+    attn = own(dsa_sub, "self_attention", "submodules")
+    indexer = own(attn, "core_attention", "submodules", "indexer", "submodules")
+    swap("dsa_layer", _mla_swaps(te_ext, c, dsa_sub, attn) + [
+        (indexer, "linear_wq_b", te_ext.TELinear, c["linear"]), (indexer, "linear_wk", te_ext.TELinear, c["linear"]),
+        (indexer, "k_norm", te_ext.TENorm, c["norm"]), (indexer, "linear_weights_proj", te_ext.TELinear, c["linear"])])
+    block = own(source, "mtp_block_spec", "submodules")
+    layers = [copy.copy(layer) for layer in block.layer_specs]
+    for layer in layers:
+        sub = own(layer, "submodules")
+        swap("mtp layer", [(sub, name, want, new) for name, want, new in (
+            ("enorm", te_ext.TENorm, c["norm"]), ("hnorm", te_ext.TENorm, c["norm"]),
+            ("eh_proj", te_ext.TEColumnParallelLinear, c["col"]), ("layer_norm", te_ext.TENorm, c["norm"]))])
+    block.layer_specs = layers
+    submodules.mla_layer, submodules.dsa_layer = source.mla_layer, source.dsa_layer
+    submodules.mtp_block_spec = source.mtp_block_spec
 
 
 def build(config, pattern: str, stack=None, parallel_output: bool = False, **model_args):
@@ -147,14 +100,11 @@ def build(config, pattern: str, stack=None, parallel_output: bool = False, **mod
     # none (TENorm, imported by name in each module; None without TE)
     spec = nemotron_h.cpu_hybrid_stack_spec(stack)
     mla = "+" in pattern or "D" in pattern
-    if mla:
+    if mla or "/" in pattern:
         from oracles import dsa
 
         dsa.apply_shims()  # (absorbed_)multi_latent_attention.TELinear: the stand-in (picks "duplicated" by it)
-        spec.submodules.mla_layer = cpu_mla_layer(stack)
-        spec.submodules.dsa_layer = cpu_dsa_layer(stack)
-    if "/" in pattern:
-        spec.submodules.mtp_block_spec = cpu_mtp_block(stack)
+        cpu_attention_layers(stack, spec.submodules)
     saved = hybrid_block.TENorm, attention.TENorm
     hybrid_block.TENorm = attention.TENorm = nemotron_h.standins()["norm"]
     try:
@@ -219,8 +169,8 @@ def cmd_logits(a) -> int:
                 print(json.dumps({"ok": False, "problems": problems[:50]}), flush=True)
             return 1
         tokens, position_ids, mask = mcore.causal_inputs(cfg, a.seed)
-        if a.mtp:
-            return mtp_losses(model, cfg, tokens, position_ids, mask)
+        if a.mtp:  # the MTP depths' losses, as mcore.py mtp says them for a GPTModel
+            return mcore.say_mtp_losses(model, cfg, tokens, position_ids, mask)
         with torch.no_grad():
             logits = model(tokens, position_ids, mask)[..., : cfg["vocab_size"]].contiguous()
         if dist.get_rank() == 0:
@@ -231,43 +181,6 @@ def cmd_logits(a) -> int:
         return 0
     finally:
         end_parallel(a.serving)
-
-
-def mtp_losses(model, cfg: dict, tokens, position_ids, mask) -> int:
-    """A forward with labels, so that megatron-core's MTP path runs; prints ``ORACLE MTP depth=K loss=X ...
-    main_loss=Y`` as ``oracles/mcore.py mtp`` does for a GPTModel (the mean per-token losses megatron-core's own
-    compute_language_model_loss records; depth K's labels are the tokens shifted by K + 1)."""
-    import math
-
-    import torch
-    import torch.distributed as dist
-
-    from oracles import mcore
-
-    losses = []
-    inner = model.compute_language_model_loss
-
-    def recording(labels, logits):
-        out = inner(labels, logits)
-        losses.append(out.detach().clone())
-        return out
-
-    model.compute_language_model_loss = recording
-    try:
-        with torch.no_grad():
-            main = model(tokens, position_ids, mask, labels=mcore.next_token_labels(tokens))
-    finally:
-        del model.compute_language_model_loss
-    k, s = cfg["mtp_num_layers"], tokens.shape[1]
-    if len(losses) != k + 1:
-        raise SystemExit(f"expected {k + 1} loss computations (MTP depths + main), saw {len(losses)}")
-    vals = [losses[d][:, : s - (d + 2)].double().mean().item() for d in range(k)]
-    main_loss = main[:, : s - 1].double().mean().item()
-    ok = all(math.isfinite(v) for v in vals + [main_loss])
-    if dist.get_rank() == 0:
-        depth = " ".join(f"depth={d + 1} loss={v:.6f}" for d, v in enumerate(vals))
-        print(f"ORACLE MTP {depth} main_loss={main_loss:.6f}" + ("" if ok else " NOT FINITE"), flush=True)
-    return 0 if ok else 1
 
 
 def cmd_interop(a) -> int:

@@ -397,16 +397,9 @@ def cpu_mamba_stack_spec():
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
+    from oracles.nemotron_h import own
+
     c = standins()
-
-    def own(holder, *path):
-        """``holder.path`` replaced, level by level, by shallow copies (the shared spec stays untouched)."""
-        for name in path:
-            child = copy.copy(getattr(holder, name))
-            setattr(holder, name, child)
-            holder = child
-        return holder
-
     spec = copy.copy(mamba_stack_spec)
     sub = own(spec, "submodules")
     mixer = own(sub, "mamba_layer", "submodules", "mixer", "submodules")

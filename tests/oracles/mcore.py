@@ -1049,13 +1049,19 @@ def cmd_mtp(a, cfg):
     per-token losses) runs; prints `ORACLE MTP depth=K loss=X ... main_loss=Y` (mean token losses
     from megatron-core's own compute_language_model_loss; depth K's labels are the tokens shifted
     by K + 1, the last K + 1 positions left out) and fails if any loss is not finite. TP/EP, no PP."""
-    import torch
-    import torch.distributed as dist
-
     if not has_mtp(cfg):
         raise SystemExit("mtp needs a config with mtp_num_layers")
     model = loaded_model(a, cfg, "mtp", parallel_output=True)
-    tokens, position_ids, mask = causal_inputs(cfg, a.seed)
+    return say_mtp_losses(model, cfg, *causal_inputs(cfg, a.seed))
+
+
+def say_mtp_losses(model, cfg, tokens, position_ids, mask) -> int:
+    """``model``'s forward with labels (a GPTModel's or HybridModel's, built with parallel_output): the per-token
+    losses megatron-core's compute_language_model_loss records, said as ``ORACLE MTP depth=K loss=X ...
+    main_loss=Y`` on rank 0; 1 if any is not finite."""
+    import torch
+    import torch.distributed as dist
+
     losses = []
     inner = model.compute_language_model_loss
 

@@ -429,6 +429,26 @@ def apply_shims():
     mamba_mixer.causal_conv1d_fn = None
 
 
+def own(holder, *path):
+    """``holder.path`` replaced, level by level, by shallow copies (a shared spec stays untouched); the last."""
+    import copy
+
+    for name in path:
+        child = copy.copy(getattr(holder, name))
+        setattr(holder, name, child)
+        holder = child
+    return holder
+
+
+def swap(what: str, swaps) -> None:
+    """Each (holder, slot, the TE class expected there, its stand-in): the slot must hold the expected class (a
+    changed spec fails here), then holds the stand-in."""
+    for holder, name, want, new in swaps:
+        cur = getattr(holder, name)
+        assert cur is want, f"{what}: {name}={cur!r}, expected {want!r}"
+        setattr(holder, name, new)
+
+
 def cpu_hybrid_stack_spec(stack=None):
     """megatron-core's hybrid_stack_spec (Bridge's default for Nemotron-H), or ``stack`` (another HybridStack spec,
     as a checkpoint's ``spec`` args name it), with its TE leaves swapped for the stand-ins; each swapped slot must
@@ -445,15 +465,6 @@ def cpu_hybrid_stack_spec(stack=None):
     from megatron.core.transformer.moe.router import TopKRouter
 
     c = standins()
-
-    def own(holder, *path):
-        """``holder.path`` replaced, level by level, by shallow copies (the shared spec stays untouched)."""
-        for name in path:
-            child = copy.copy(getattr(holder, name))
-            setattr(holder, name, child)
-            holder = child
-        return holder
-
     spec = copy.copy(hybrid_stack_spec if stack is None else stack)
     sub = own(spec, "submodules")
     mixer = own(sub, "mamba_layer", "submodules", "mixer", "submodules")
@@ -477,10 +488,7 @@ def cpu_hybrid_stack_spec(stack=None):
              (sub.moe_layer.submodules, "pre_mlp_layernorm", te_ext.TENorm, c["norm"]),
              (gdn, "in_proj", te_ext.TELayerNormColumnParallelLinear, c["ln_col"]),
              (gdn, "out_norm", te_ext.TENorm, c["norm"]), (gdn, "out_proj", te_ext.TERowParallelLinear, c["row"])]
-    for holder, name, want, new in swaps:
-        cur = getattr(holder, name)
-        assert cur is want, f"hybrid_stack_spec: {name}={cur!r}, expected {want!r}"
-        setattr(holder, name, new)
+    swap("hybrid_stack_spec", swaps)
     moe = sub.moe_layer.submodules.mlp
     assert moe.func is MoELayer and moe.keywords["submodules"].router is TopKRouter, moe
     # the MoE spec with TE (get_moe_module_spec(use_te=True, moe_grouped_gemm=True)): TEGroupedMLP over

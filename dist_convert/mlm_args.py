@@ -38,7 +38,6 @@ from .config import ALWAYS, RECORDS, ModelConfig
 from .errors import ConvertError
 from .features.base import DERIVED, MODEL
 from .layout.topology import Layout
-from .model_class import layer_spec_arg
 
 CFG, LAYOUT = MODEL, "layout"  # where complete_args takes a value from (and DERIVED; "": the default)
 
@@ -191,6 +190,23 @@ def args_for_target(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, 
     if tokenizer is not None and out.tokenizer_type == HF_TOKENIZER and out.tokenizer_model is None:
         out.tokenizer_model = str(tokenizer)
     return out
+
+
+# megatron-core's hybrid stack, by the name every release in use holds: 0.16's MambaModel spec, and from 0.19 on (main
+# too) an alias of models/hybrid's hybrid_stack_spec
+MCORE_HYBRID_SPEC = ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec")
+
+
+def layer_spec_arg(cfg: ModelConfig, source: dict[str, Any]) -> Any:
+    """The target args' ``spec`` (Megatron-LM's ``--spec``, which ``--use-checkpoint-args`` takes from the checkpoint:
+    the layer spec's module and name) for the model ``cfg``, from the source's args ``source``: a HybridModel made
+    from a GPTModel names megatron-core's hybrid stack (Megatron-LM's hybrid builder needs one), a GPTModel
+    made from a HybridModel none (Megatron-LM's default); otherwise the source's spec stays."""
+    spec = source.get("spec")
+    was_hybrid = bool(source.get("hybrid_override_pattern") or source.get("hybrid_layer_pattern"))
+    if cfg.mamba is None:
+        return None if was_hybrid else spec  # a hybrid's spec is a HybridStack's, which no GPTModel builds
+    return spec if was_hybrid else list(MCORE_HYBRID_SPEC)
 
 
 def _model_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """The target's model class (``--target-model``): megatron-core's GPTModel or its successor HybridModel.
 
 A HybridModel stack (megatron-core's ``models/hybrid``; MambaModel is one) has one sub-block per layer, named by its
-pattern: ``*`` attention, ``G`` Gated DeltaNet, ``-`` MLP, ``E`` MoE, ``M`` Mamba2. A GPT layer ``n`` is two of them:
-its mixer (attention with the input norm, or Gated DeltaNet) at hybrid layer ``2n`` and its MLP or MoE (with the
-pre-MLP norm) at ``2n + 1``, so the same model is pattern ``*-*-…`` (``*E`` where layer ``n`` is MoE, ``G-`` where
-it is a Gated DeltaNet layer), and its final norm is ``decoder.final_norm``. Converting between the two classes renames
+pattern: ``*`` attention, ``+`` multi-latent attention, ``D`` DeepSeek sparse attention, ``G`` Gated DeltaNet, ``-``
+MLP, ``E`` MoE, ``M`` Mamba2. A GPT layer ``n`` is two of them: its mixer (attention with the input norm, or Gated
+DeltaNet) at hybrid layer ``2n`` and its MLP or MoE (with the pre-MLP norm) at ``2n + 1``, so the same model is
+pattern ``*-*-…`` (``*E`` where layer ``n`` is MoE, ``G-`` where it is a Gated DeltaNet layer), its final norm is
+``decoder.final_norm``, and each multi-token-prediction depth is such a pair after ``/``, its layers under
+``mtp_model_layer.layers.0`` / ``.1``. Converting between the two classes renames
 each logical tensor accordingly (``renamed``) and rewrites the model config (``hybrid_of`` / ``gpt_of``); the values
 are the same tensors, bit for bit. Pure functions, tested without processes.
 """
@@ -14,7 +16,6 @@ import dataclasses
 import itertools
 import re
 from collections.abc import Callable
-from typing import Any
 
 from .config import ModelConfig
 from .datamodel import SourceIndex
@@ -32,9 +33,6 @@ GPT_FINAL_NORM = {v: k for k, v in FINAL_NORM.items()}
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _GPT_MTP = re.compile(r"mtp\.layers\.(\d+)\." + re.escape(MTP_LAYER) + r"(.+)")
 _HYBRID_MTP = re.compile(r"mtp\.layers\.(\d+)\." + re.escape(HYBRID_MTP_LAYERS) + r"\d+\.(.+)")
-# megatron-core's hybrid stack, by the name every release in use holds: 0.16's MambaModel spec, and from 0.19 on (main
-# too) an alias of models/hybrid's hybrid_stack_spec
-MCORE_SPEC = ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec")
 MAMBA_HEAD_DIM = 64  # the Mamba record's head size when the model has no Mamba2 layer (no tensor depends on it)
 
 
@@ -53,7 +51,6 @@ def _refuse_unplaced(cfg: ModelConfig) -> None:
         ("multi-latent attention without a q LoRA but with its latent norms (megatron-core 0.19's MLA then fuses a "
          "norm of its own into linear_q_proj, which the model has not)",
          cfg.mla is not None and cfg.mla.q_lora_rank is None and cfg.attention.qk_norm),
-
         ("a vision tower", cfg.vision is not None), ("an encoder (T5)", cfg.t5 is not None),
         ("full-width q/k norms", cfg.attention.qk_norm_full),
         (f"{cfg.norm.kind} (the hybrid stack's norms are converted as RMSNorm weights only)",
@@ -66,8 +63,9 @@ def _refuse_unplaced(cfg: ModelConfig) -> None:
 
 
 def hybrid_of(cfg: ModelConfig) -> ModelConfig:
-    """A GPT model config as megatron-core's HybridModel of the same model: per GPT layer its mixer (``*`` attention,
-    ``G`` Gated DeltaNet) then its MLP (``-``, or ``E`` MoE)."""
+    """A GPT model config as megatron-core's HybridModel of the same model: per GPT layer its mixer (the model's
+    attention symbol, ``*`` ``+`` or ``D``, or ``G`` Gated DeltaNet) then its MLP (``-``, or ``E`` MoE); its MTP
+    layers each a depth built like the last layer."""
     _refuse_unplaced(cfg)
     attention = attention_symbol(cfg)
     pattern = "".join((GDN_SYMBOL if cfg.layer_kind("decoder", n)[0] == "gdn" else attention)
@@ -118,18 +116,6 @@ def describe_class(cfg: ModelConfig, stage_layers: list[int]) -> str:
     kinds = ", ".join(f"{p.count(s)} {name}" for s, name in SYMBOL_NAMES.items() if s in p)
     depths = f"; {cfg.mtp_num_layers} multi-token-prediction depth(s) after '{MTP_SEPARATOR}'" if mtp else ""
     return f"HybridModel, pattern {segments}{mtp}: {kinds}{depths}"
-
-
-def layer_spec_arg(cfg: ModelConfig, source: dict[str, Any]) -> Any:
-    """The target args' ``spec`` (Megatron-LM's ``--spec``, which ``--use-checkpoint-args`` takes from the checkpoint:
-    the layer spec's module and name) for the model ``cfg``, from the source's args ``source``: a HybridModel made
-    from a GPTModel names megatron-core's hybrid stack (Megatron-LM's hybrid builder needs one), a GPTModel
-    made from a HybridModel none (Megatron-LM's default); otherwise the source's spec stays."""
-    spec = source.get("spec")
-    was_hybrid = bool(source.get("hybrid_override_pattern") or source.get("hybrid_layer_pattern"))
-    if model_class(cfg) == GPT:
-        return None if was_hybrid else spec  # a hybrid's spec is a HybridStack's, which no GPTModel builds
-    return spec if was_hybrid else list(MCORE_SPEC)
 
 
 def gpt_to_hybrid_name(name: str) -> str:
@@ -197,7 +183,5 @@ def as_model_class(index: SourceIndex, target: str | None, dst_format: str | Non
         cfg, rename = gpt_of(index.cfg), hybrid_to_gpt_name
     out = renamed(index, cfg, rename)
     out.notes.append(f"model class: {source} -> {target} ({index.cfg.num_layers} -> {cfg.num_layers} layers"
-                     + (f", hybrid layer pattern {cfg.mamba.pattern}"
-                        + (f"{MTP_SEPARATOR}{cfg.mamba.mtp_pattern}" if cfg.mamba.mtp_pattern else "")
-                        if cfg.mamba is not None else "") + ")")
+                     + (f", hybrid layer pattern {cfg.mamba.full_pattern}" if cfg.mamba is not None else "") + ")")
     return out

@@ -14,15 +14,9 @@ from training_runs import MOE_M
 from dist_convert.config import config_from_args
 from dist_convert.errors import ConvertError
 from dist_convert.layout.rules import logical_tensors
-from dist_convert.model_class import (
-    MCORE_SPEC,
-    gpt_of,
-    gpt_to_hybrid_name,
-    hybrid_of,
-    hybrid_to_gpt_name,
-    layer_spec_arg,
-    model_class,
-)
+from dist_convert.mlm_args import MCORE_HYBRID_SPEC as MCORE_SPEC
+from dist_convert.mlm_args import layer_spec_arg
+from dist_convert.model_class import gpt_of, gpt_to_hybrid_name, hybrid_of, hybrid_to_gpt_name, model_class
 
 from conftest import CONFIGS, assert_refused, make_gpt, ok, oracle, run_cli
 

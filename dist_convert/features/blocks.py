@@ -205,6 +205,11 @@ class Mamba(Feature):
         return self.num_heads * self.head_dim
 
     @property
+    def full_pattern(self) -> str:
+        """The main pattern and its multi-token-prediction depths (megatron-core 0.19's unified ``main/mtp/mtp``)."""
+        return self.pattern + (MTP_SEPARATOR + self.mtp_pattern if self.mtp_pattern else "")
+
+    @property
     def sections(self) -> tuple[tuple[str, int], ...]:
         """Mamba2 ``in_proj`` rows: [z | x | B | C | dt], each split over TP on its own."""
         gn = self.num_groups * self.state_dim
@@ -236,7 +241,7 @@ class Mamba(Feature):
         out = {"is_hybrid_model": True, **super().to_args()}
         if self.mtp_pattern:
             for name in ("hybrid_override_pattern", "hybrid_layer_pattern"):
-                out[name] = self.pattern + MTP_SEPARATOR + self.mtp_pattern
+                out[name] = self.full_pattern
         if not self.layer_pattern_name:  # megatron-core 0.19's name only where the source used it
             del out["hybrid_layer_pattern"]
         return out

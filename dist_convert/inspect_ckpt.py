@@ -169,17 +169,17 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
     reader, index = load_index(path, fmt, rt, vocab_size, options)
     dtypes = Counter(str(c.dtype).replace("torch.", "") for c in index.chunks)
     chunks = index.layout.stack_chunks(index.cfg.stacks)
+    stage_layers = [sum(n for p, _, stack, _, n in chunks if p == s and stack != "mtp") for s in range(index.layout.pp)]
     info = {
         "path": str(index.iter_dir),
         "format": index.format,
-        "model": None,
+        "model": describe_class(index.cfg, stage_layers),
         "iteration": index.iteration,
         "layout": {"tp": index.layout.tp, "pp": index.layout.pp, "first_stage_layers": index.layout.first,
                    "last_stage_layers": index.layout.last, "vpp": index.layout.vpp,
                    "pipeline_split_rank": index.layout.split, "pipeline_layout": index.layout.pipeline_layout,
                    "ep": index.layout.ep, "expert_tp": index.layout.expert_tp},
-        "stage_layers": [sum(n for p, _, stack, _, n in chunks if p == s and stack != "mtp")
-                         for s in range(index.layout.pp)],
+        "stage_layers": stage_layers,
         "mtp_stage": next((p for p, _, stack, _, _ in chunks if stack == "mtp"), None),
         "config": used_config(index.cfg),
         "config_all": dataclasses.asdict(index.cfg),
@@ -193,7 +193,6 @@ def describe(path: Path, fmt: str, rt: Runtime, vocab_size: int | None, options:
         "warnings": reader_warnings(index.cfg, index.format),  # a reader of this format that builds another model
         "adapter": None if index.adapter is None else adapter_info(index.adapter),
     }
-    info["model"] = describe_class(index.cfg, info["stage_layers"])
     for warning in info["warnings"]:  # the lines a conversion to this format says
         rt.log(f"[yellow]warning[/]: {warning}")
     if tensors:

@@ -82,6 +82,9 @@ def test_a_hybrid_models_gated_deltanet_layers_are_read_from_its_pattern():
     assert [cfg.layer_kind("decoder", n) for n in range(4)] == [("gdn", None), (None, "dense"), ("attention", None),
                                                                 (None, "moe")]
     assert gpt_of(cfg).gdn.pattern == (1, 0)
+    with_mtp = cfg_of({**LLAMA, **sizes, "num_layers": 4, "hybrid_override_pattern": "G-*E/*E", "num_experts": 4,
+                       "moe_router_topk": 2, "moe_ffn_hidden_size": 32})  # the G layers: the decoder's, before '/'
+    assert with_mtp.gdn.pattern == (1, 0, 0, 0) and (with_mtp.mtp_num_layers, with_mtp.mamba.mtp_pattern) == (1, "*E")
 
 
 def test_multi_latent_layers_are_those_of_a_model_with_mla():

@@ -24,6 +24,13 @@ MLA_SYMBOL = "+"  # a HybridModel's multi-latent attention layer (the MLA record
 DSA_SYMBOL = "D"  # a HybridModel's DeepSeek-sparse-attention layer (MLA with an indexer: the MLA and DSA records)
 
 
+def hybrid_pattern_parts(a: dict[str, Any]) -> tuple[str, list[str]]:
+    """A HybridModel's args pattern as (its main part, its multi-token-prediction depths' parts after ``/``); ("", [])
+    for a GPTModel's args."""
+    main, *depths = str(get(a, "hybrid_layer_pattern", "hybrid_override_pattern") or "").split(MTP_SEPARATOR)
+    return main, depths
+
+
 def attention_symbol(cfg: ModelConfig) -> str:
     """The hybrid pattern's symbol of the model's attention layers: ``D`` DSA, ``+`` MLA, ``*`` attention."""
     return DSA_SYMBOL if cfg.dsa is not None else MLA_SYMBOL if cfg.mla is not None else "*"
@@ -170,8 +177,7 @@ class MTP(Feature):
     def from_args(cls, args: argparse.Namespace) -> MTP | None:
         """``mtp_num_layers``, or a HybridModel's depth count: its pattern's parts after ``/``."""
         a = vars(args)
-        n = int(get(a, "mtp_num_layers", default=0) or 0) or \
-            str(get(a, "hybrid_layer_pattern", "hybrid_override_pattern") or "").count(MTP_SEPARATOR)
+        n = int(get(a, "mtp_num_layers", default=0) or 0) or len(hybrid_pattern_parts(a)[1])
         return cls(num_layers=n) if n else None
 
     @staticmethod
@@ -218,10 +224,9 @@ class Mamba(Feature):
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Mamba | None:
         a = vars(args)
-        pattern = get(a, "hybrid_layer_pattern", "hybrid_override_pattern")
-        if not pattern:
+        main, depths = hybrid_pattern_parts(a)
+        if not main:
             return None
-        main, *depths = str(pattern).split(MTP_SEPARATOR)
         legacy = get(a, "mtp_hybrid_override_pattern")  # megatron-core <= 0.18: one depth's, mtp_num_layers times
         if not depths and legacy:
             depths = [str(legacy)] * int(get(a, "mtp_num_layers", default=1) or 1)
@@ -335,7 +340,7 @@ class GDN(Feature):
         whose pattern says where they are (1 per ``G``)."""
         a = vars(args)
         variant = get(a, "experimental_attention_variant")
-        hybrid = str(get(a, "hybrid_layer_pattern", "hybrid_override_pattern") or "")
+        hybrid = hybrid_pattern_parts(a)[0]  # the decoder's layers (an MTP depth is built like the last)
         if variant is None and GDN_SYMBOL in hybrid:
             symbols = hybrid_pattern_of(hybrid, int(a["num_layers"]))
             return cls(**{**cls.args_values(args), "pattern": tuple(int(c == GDN_SYMBOL) for c in symbols)})

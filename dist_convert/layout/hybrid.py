@@ -98,6 +98,5 @@ def te2_layer_modules(cfg: ModelConfig, stack: str, layer: int) -> tuple[str, ..
         out += SHARED_EXPERT_MODULES
     if stack != "mtp":
         return out
-    if cfg.mamba is None:
-        return tuple(MTP_LAYER + m for m in out)
-    return MTP_TE2_MODULES + tuple(mtp_layer_prefix(cfg, m) + m for m in out)  # TE 2: the MTP layer's own too
+    inner = tuple(mtp_layer_prefix(cfg, m) + m for m in out)
+    return inner if cfg.mamba is None else MTP_TE2_MODULES + inner  # a HybridModel's: the MTP layer's own too

@@ -274,6 +274,8 @@ def _layout_fields(args: argparse.Namespace, cfg: ModelConfig, layout: Layout, c
     }
     if cfg.t5 is not None:
         f["pipeline_model_parallel_split_rank"] = layout.split
+    for record in cfg.records():
+        f.update(record.layout_args(cfg, layout))
     if ckpt_format is not None:
         f["ckpt_format"] = ckpt_format
     elif not hasattr(args, "ckpt_format"):

@@ -185,7 +185,9 @@ def hybrid_args(**kw) -> argparse.Namespace:
 @pytest.mark.parametrize("kw,layout,needle", [
     ({}, Layout(tp=4, pp=1), "does not divide mamba_num_heads=6"),
     ({"mamba_num_heads": 8, "mamba_num_groups": 1}, Layout(tp=2, pp=1), "does not divide mamba_num_groups=1"),
-    ({}, Layout(tp=1, pp=2, vpp=2), "no virtual pipeline stages"),
+    ({"hybrid_override_pattern": "M*-M/*-", "mtp_num_layers": 1}, Layout(tp=1, pp=2, vpp=2,
+                                                                        pipeline_layout="Et|tt|tm|L"),
+     "on another stage than the loss"),
     ({"hybrid_override_pattern": "M*X-"}, None, "symbol(s) X"),
     ({"hybrid_override_pattern": "M*-"}, None, "has 3 layers but num_layers is 4"),
 ])

@@ -14,8 +14,9 @@ from training_runs import MOE_M
 from dist_convert.config import config_from_args
 from dist_convert.errors import ConvertError
 from dist_convert.layout.rules import logical_tensors
+from dist_convert.layout.topology import Layout
 from dist_convert.mlm_args import MCORE_HYBRID_SPEC as MCORE_SPEC
-from dist_convert.mlm_args import layer_spec_arg
+from dist_convert.mlm_args import args_for_target, layer_spec_arg
 from dist_convert.model_class import gpt_of, gpt_to_hybrid_name, hybrid_of, hybrid_to_gpt_name, model_class
 
 from conftest import CONFIGS, assert_refused, make_gpt, ok, oracle, run_cli
@@ -126,6 +127,26 @@ def test_multi_token_prediction_depths_follow_the_pattern_after_a_slash():
         gpt_of(other)
 
 
+@pytest.mark.parametrize("layout,pattern,fields", [
+    (Layout(pp=2, vpp=2), "*-|*E|*-|*E/*E", {"virtual_pipeline_model_parallel_size": 2}),
+    (Layout(pp=2, vpp=2, pipeline_layout="Ettt|ttt|t|tmL"), "*-*|E*-|*|E/*E", {}),
+    (Layout(pp=2, first=2), "*-*E*-*E/*E", {"decoder_first_pipeline_num_layers": 2}),  # megatron-core's own split
+    (Layout(pp=1), "*-*E*-*E/*E", {})])
+def test_the_pattern_marks_the_pipeline_stages_where_only_it_can(layout, pattern, fields):
+    """Virtual stages and layout strings are said by '|' in the pattern (segment v * PP + p: PP rank p's virtual stage
+    v), with no other stage field; the args read back give the same layout's chunks, and keep '|' at any PP."""
+    gpt_args = {**MOE_M, "mtp_num_layers": 1}
+    hybrid = hybrid_of(cfg_of(gpt_args))
+    hybrid.check_layout(layout)
+    args = args_for_target(argparse.Namespace(**gpt_args), hybrid, layout, None)
+    assert args.hybrid_override_pattern == pattern
+    assert all(getattr(args, k) == v for k, v in fields.items())
+    assert args.pipeline_model_parallel_layout is None and args.num_layers_per_virtual_pipeline_stage is None
+    back, read = Layout.from_args(args, 1, layout.pp), cfg_of(vars(args))
+    assert back.model_chunks(read.num_layers) == layout.model_chunks(read.num_layers)
+    assert read.mamba.piped(Layout(pp=4)) == ("|" in pattern)
+
+
 def test_a_pattern_that_is_not_gpt_layers_is_refused():
     nemotron = cfg_of({**LLAMA, "hybrid_override_pattern": "M*-M", "num_layers": 4, "mamba_num_heads": 2})
     with pytest.raises(ConvertError, match="pair by pair"):
@@ -201,6 +222,46 @@ def test_gpt_to_hybrid_loads_in_megatron_cores_hybrid_model_with_the_gpt_logits(
         ok(run_cli("reshard", str(hf), str(hybrid_again), "--dst-format", "torch_dist", "--target-model", "hybrid",
                    "--target-tp", "2", nproc=2))
         ok(run_cli("verify", str(first), str(hybrid_again), nproc=2))
+
+
+PIPED = [("torch_dist", ["--target-vpp", "2"], "*-|*-|*-|*-", [2, 2]),  # (format, flags, pattern, each chunk's layers)
+         ("megatron", ["--target-pipeline-layout", "Ettt|ttt|t|tL"], "*-*|-*-|*|-", [3, 1])]
+
+
+def test_a_hybrid_target_over_pipeline_stages_is_built_from_its_patterns_segments(gpt_a, tmp_path):
+    """GPT (gpt_a) -> HybridModel at PP2 with virtual stages (--target-vpp 2; an uneven --target-pipeline-layout, a
+    't' per hybrid layer): the pattern marks the stages by '|' (Megatron-LM derives VPP from its segments and takes no
+    other stage field beside them). megatron-core 0.19.2 builds each rank's chunks from the pattern in the target's
+    args (select_pipeline_segment), loads them strictly (torch_dist; the legacy files' model0 / model1) and one
+    forward through the stages gives GPTModel's logits within 1e-4. Read back: the piped target equals the PP1 hybrid
+    target bit for bit; at another PP it keeps '|' (megatron-core's own split of a pattern without them is deprecated)
+    and back to GPT it is gpt_a."""
+    ref = tmp_path / "gpt.pt"
+    oracle("logits", 1, "--config", str(gpt_a.config), "--tp", "1", "--ckpt", str(gpt_a.torch_dist), "--out",
+           str(ref), runtime="mcore19")
+    want = torch.load(ref)
+    plain = tmp_path / "plain"
+    ok(run_cli("reshard", str(gpt_a.torch_dist), str(plain), "--target-model", "hybrid", "--target-tp", "1",
+               "--target-pp", "1", nproc=2))
+    for fmt, flags, pattern, layers in PIPED:
+        dst, out = tmp_path / fmt, tmp_path / f"{fmt}.pt"
+        ok(run_cli("reshard", str(gpt_a.torch_dist), str(dst), "--target-model", "hybrid", "--dst-format", fmt,
+                   "--target-tp", "1", "--target-pp", "2", *flags, nproc=2))
+        proc = oracle("logits", 2, "--config", str(gpt_a.config), "--tp", "1", "--pp", "2", "--ckpt", str(dst),
+                      "--out", str(out), program="hybrid", runtime="mcore19")
+        assert f"ORACLE PIPELINE pattern={pattern} pp=2 vpp=2 segments=4 layers={layers}" in proc.stdout, \
+            proc.stdout[-2000:]
+        got = torch.load(out)
+        assert torch.equal(got["tokens"], want["tokens"])
+        assert (got["logits"] - want["logits"]).abs().max().item() < 1e-4, fmt
+        ok(run_cli("verify", str(plain), str(dst), nproc=2))
+    pp4, gpt = tmp_path / "pp4", tmp_path / "gpt"
+    ok(run_cli("reshard", str(tmp_path / "torch_dist"), str(pp4), "--target-pp", "4", nproc=2))
+    info = json.loads(ok(run_cli("inspect", str(pp4), "--json", nproc=1)).stdout)
+    assert info["layout"]["pipeline_layout"] == "Ett|tt|tt|ttL" and info["model"].startswith("HybridModel, "
+                                                                                             "pattern *-|*-|*-|*-")
+    ok(run_cli("reshard", str(pp4), str(gpt), "--target-model", "gpt", "--target-pp", "1", nproc=2))
+    ok(run_cli("verify", str(gpt_a.torch_dist), str(gpt), nproc=2))
 
 
 def test_a_hybrid_target_in_the_local_spec_is_refused(gpt_a, tmp_path):

@@ -195,6 +195,11 @@ class Feature(ABC):
         does not build this feature in (``ModelConfig.check_layout`` asks each record; none unless a record says)."""
         return None
 
+    def layout_args(self, cfg: ModelConfig, layout: Layout) -> dict[str, Any]:
+        """The Megatron-LM ``args`` fields this record says differently at ``layout`` than the layout's own fields do
+        (the layout's, after them; none unless a record says)."""
+        return {}
+
     @staticmethod
     def absent_args() -> dict[str, Any]:
         """The Megatron-LM ``args`` fields that say an optional feature is absent (none unless a record says)."""

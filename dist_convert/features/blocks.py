@@ -205,6 +205,8 @@ class Mamba(Feature):
                                        what="the pattern written as megatron-core 0.19's hybrid_layer_pattern too")
     mtp_pattern: str = setting("", kind=SIZE, arg=(), what="the multi-token-prediction depths' layer patterns (after "
                                "the first '/' of the pattern, '/' between depths)")
+    pipes: bool = setting(False, kind=LAYOUT, arg=(), what="pipeline stages marked in the pattern by '|' "
+                          "(megatron-core >= 0.19): kept so at PP > 1")
 
     @property
     def d_inner(self) -> int:
@@ -233,7 +235,7 @@ class Mamba(Feature):
         values = cls.args_values(args)
         heads = values["num_heads"] or 2 * int(a["hidden_size"]) // values["head_dim"]
         return cls(**{**values, "pattern": hybrid_pattern_of(main, int(a["num_layers"])), "num_heads": heads,
-                      "layer_pattern_name": bool(get(a, "hybrid_layer_pattern")),
+                      "layer_pattern_name": bool(get(a, "hybrid_layer_pattern")), "pipes": "|" in main,
                       "mtp_pattern": MTP_SEPARATOR.join(hybrid_pattern_of(d) for d in depths)})
 
     def shown(self) -> list[str]:
@@ -257,9 +259,32 @@ class Mamba(Feature):
         pattern field."""
         return {"is_hybrid_model": False, "hybrid_override_pattern": None, "hybrid_layer_pattern": None}
 
+    def piped(self, layout: Layout) -> bool:
+        """Whether the target's pattern marks its pipeline stages by ``|``: where only they say the stages (virtual
+        stages, a layout string) or the source's did; else megatron-core splits the pattern (0.16's MambaModel reads
+        no ``|``; 0.19 splits evenly or by the first / last stage sizes)."""
+        return layout.pp > 1 and bool(layout.vpp or layout.pipeline_layout or self.pipes)
+
+    def layout_args(self, cfg: ModelConfig, layout: Layout) -> dict[str, Any]:
+        """A piped target (``piped``): the pattern with a ``|`` between stages (each model chunk's layers, VPP-major)
+        and no other stage field (Megatron-LM refuses them beside ``|`` and derives VPP from the segments)."""
+        if not self.piped(layout):
+            return {}
+        main, out = [], 0
+        for n in layout.segment_sizes(cfg.num_layers):
+            main.append(self.pattern[out:out + n])
+            out += n
+        pattern = "|".join(main) + (MTP_SEPARATOR + self.mtp_pattern if self.mtp_pattern else "")
+        return {"hybrid_override_pattern": pattern, **({"hybrid_layer_pattern": pattern} if self.layer_pattern_name
+                                                       else {}),
+                "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
+                "pipeline_model_parallel_layout": None, "num_layers_per_virtual_pipeline_stage": None,
+                "num_virtual_stages_per_pipeline_rank": None}
+
     def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
-        """megatron-core splits a Mamba2 mixer by whole heads and groups (MambaMixer asserts it); MambaModel has no
-        virtual pipeline stages; the attention layers are all of the model's kind (``attention_symbol``)."""
+        """megatron-core splits a Mamba2 mixer by whole heads and groups (MambaMixer asserts it); a HybridModel builds
+        its multi-token-prediction depths on the last stage; the attention layers are all of the model's kind
+        (``attention_symbol``)."""
         depths = self.mtp_pattern.count(MTP_SEPARATOR) + 1 if self.mtp_pattern else 0
         if depths != cfg.mtp_num_layers:
             raise ConvertError(f"hybrid layer pattern {self.pattern}/{self.mtp_pattern}: {depths} multi-token-"
@@ -278,10 +303,10 @@ class Mamba(Feature):
         if cfg.spec != "te":
             raise ConvertError(f"{what}: megatron-core builds a HybridModel (MambaModel) with Transformer Engine's "
                                f"layer spec only, not {cfg.spec}", "drop --target-spec local")
-        if layout.vpp or layout.pipeline_layout:
-            raise ConvertError(f"{what} {layout}: megatron-core's MambaModel builds no virtual pipeline stages "
-                               "or layout strings", "drop --target-vpp / --target-pipeline-layout; use --target-pp "
-                               "with --target-num-layers-in-first/last-stage")
+        if self.mtp_pattern and layout.stages_holding("m") != layout.stages_holding("L"):
+            raise ConvertError(f"{what} pipeline layout {layout.pipeline_layout!r} puts the multi-token-prediction "
+                               "depths (m) on another stage than the loss (L); a HybridModel builds them on the last "
+                               "stage", "move every m into the last stage, before L, in --target-pipeline-layout")
 
 
 def split_by_heads(layout: Layout, what: str, counts: tuple[tuple[str, int], ...]) -> None:

@@ -173,6 +173,16 @@ def check(layout: PipelineLayout, num_layers: int, mtp_layers: int = 0, flag: st
                                "last virtual stage of its PP rank", f"move every m into one such stage in {flag}")
 
 
+def of_segments(sizes: list[int], mtp_layers: int = 0) -> str:
+    """The layout string of stages holding ``sizes`` decoder layers, in string order (VPP-major), with the embedding
+    in the first stage and the MTP layers and the loss in the last: a HybridModel pattern's ``|`` segments
+    (megatron-core >= 0.19 builds segment ``v * PP + p`` as virtual stage ``v`` of PP rank ``p``)."""
+    stages = ["t" * n for n in sizes]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "m" * mtp_layers + "L"
+    return "|".join(stages)
+
+
 def stage_layers(text: str, pp: int, flag: str = FLAG) -> list[tuple[int, int, int, int]]:
     """(pp rank, virtual stage, first global decoder layer, layer count) of every stage, PP-rank-major
     (as ``Layout.model_chunks`` lists them)."""

@@ -49,6 +49,8 @@ class Layout:
         ep = int(getattr(args, "expert_model_parallel_size", None) or 1) if experts else 1
         etp = getattr(args, "expert_tensor_parallel_size", None) if experts else None
         text = getattr(args, "pipeline_model_parallel_layout", None)
+        if text is None and pp > 1:
+            text = hybrid_stages(args)
         if text is not None:  # Megatron-LM derives VPP from the string (validate refuses other flags with it)
             text = str(text)
             vpp = pipeline_vpp(text, pp, SOURCE_LAYOUT)
@@ -101,6 +103,15 @@ class Layout:
                     enumerate(zip(self.stage_offsets(num_layers), self.stage_sizes(num_layers), strict=True))]
         per = num_layers // (self.pp * self.vpp)
         return [(p, v, v * (num_layers // self.vpp) + p * per, per) for p in range(self.pp) for v in range(self.vpp)]
+
+    def segment_sizes(self, num_layers: int) -> list[int]:
+        """The decoder layers of every model chunk in layout-string order (VPP-major: virtual stage 0 of every PP
+        rank, then 1, ...), as a HybridModel pattern's ``|`` segments list them (the inverse of ``hybrid_stages``)."""
+        return [n for _, _, _, n in sorted(self.model_chunks(num_layers), key=lambda c: (c[1], c[0]))]
+
+    def stages_holding(self, symbol: str) -> list[tuple[int, int]]:
+        """(pp rank, virtual stage) of every stage of the layout string holding ``symbol`` (``E``, ``m``, ``L``)."""
+        return pl.parse(self.pipeline_layout, self.pp).where(symbol) if self.pipeline_layout is not None else []
 
     def stack_chunks(self, stacks: list[tuple[str, int]]) -> list[tuple[int, int, str, int, int]]:
         """(pp rank, virtual stage, stack, first layer of the stack, layer count) of every model chunk.
@@ -270,6 +281,18 @@ class Layout:
             raise ConvertError(f"{what} split rank {split} puts {enc_layers} encoder layers on {split} stages and "
                                f"{dec_layers} decoder layers on {self.pp - split}: not an even split",
                                f"choose {fix} so both stacks divide evenly over their stages")
+
+
+def hybrid_stages(args: object) -> str | None:
+    """The layout string a HybridModel's args pattern gives by its ``|`` segments (megatron-core >= 0.19: each segment
+    one pipeline stage, VPP-major; MTP depths after ``/`` on the last); None without ``|``."""
+    pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
+    main, *depths = str(pattern or "").split("/")
+    if "|" not in main:
+        return None
+    legacy = getattr(args, "mtp_hybrid_override_pattern", None)  # megatron-core <= 0.18's one depth pattern
+    mtp = len(depths) or (int(getattr(args, "mtp_num_layers", None) or 0) if legacy else 0)
+    return pl.of_segments([len(s) for s in main.split("|")], mtp)
 
 
 def pipeline_vpp(text: str, pp: int, flag: str = pl.FLAG) -> int | None:

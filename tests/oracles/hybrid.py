@@ -3,8 +3,15 @@ GPTModel): builds the model from a GPT config (``tests/oracles/mcore.py``'s JSON
 checkpoint into it strictly and computes its logits the way ``mcore.py logits`` does for a GPTModel, so the two can
 be compared. Runs in the second runtime (.venv-mcore19); imports megatron-core only (never dist_convert).
 
-  torchrun --nproc_per_node=N tests/oracles/hybrid.py logits --config C.json --pattern P --tp T [--ep E] --ckpt X \
-      --out F.pt
+  torchrun --nproc_per_node=N tests/oracles/hybrid.py logits --config C.json [--pattern P] --tp T [--pp P] [--ep E] \
+      --ckpt X --out F.pt
+
+Without ``--pattern`` the model is built from the pattern in the checkpoint's args, as Megatron-LM builds it under
+``--use-checkpoint-args``. With ``--pp``, each rank builds its chunks as Megatron-LM's ``get_model`` does (one per
+virtual stage: HybridModel(vp_stage=v); the '|' segments of the pattern place the layers, megatron-core's own
+``select_pipeline_segment``), loads them strictly (``model0``, ``model1``, ... where VPP > 1) and runs one forward
+through the stages in order (``pipeline_logits``); the last stage saves the logits (``ORACLE PIPELINE`` says the
+segments and each chunk's layer count).
 
 The HybridStack spec the checkpoint's args name (``spec``, imported as Megatron-LM's hybrid builder imports its
 ``--spec`` under ``--use-checkpoint-args``; megatron-core's own ``hybrid_stack_spec`` where none is named) builds the
@@ -116,22 +123,59 @@ def build(config, pattern: str, stack=None, parallel_output: bool = False, **mod
 
 
 def load_judged(model, iter_dir: Path) -> list[str]:
-    """Strict load of ``iter_dir`` into ``model`` (randomised first, so nothing it lacks passes as loaded); every
-    rank's problems, on every rank."""
+    """Strict load of ``iter_dir`` into ``model`` (a model, or the rank's chunks: one per virtual pipeline stage;
+    randomised first, so nothing they lack passes as loaded); every rank's problems, on every rank."""
     import torch
     import torch.distributed as dist
 
     from oracles.te_cpu import load_strict
 
+    chunks = model if isinstance(model, list) else [model]
     with torch.no_grad():
-        for p in model.parameters():
-            p.uniform_(-3.0, 3.0)
+        for m in chunks:
+            for p in m.parameters():
+                p.uniform_(-3.0, 3.0)
     problems: list[str] = []
-    load_strict([model], iter_dir, problems)
+    load_strict(chunks, iter_dir, problems)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, problems)
-    model.eval()
+    for m in chunks:
+        m.eval()
     return [f"rank {r}: {p}" for r, ps in enumerate(every) for p in ps]
+
+
+def stored_pattern(iter_dir: Path) -> str:
+    """The pattern Megatron-LM builds from the checkpoint's args (``--use-checkpoint-args``): 0.19's
+    ``hybrid_layer_pattern``, else the deprecated ``hybrid_override_pattern``."""
+    from oracles.common import stored_args
+
+    args = stored_args(iter_dir)
+    return getattr(args, "hybrid_layer_pattern", None) or args.hybrid_override_pattern
+
+
+def pipeline_logits(chunks, pp: int, tokens, position_ids, mask):
+    """One forward through the pipeline's stages in order (stage ``v * PP + p``: virtual stage ``v`` of PP rank
+    ``p``), each chunk computing on its own rank and sending its hidden states to the next stage's rank (gloo
+    send / recv): the schedule's forward, not its code. The last stage's output on its ranks, else None."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    rank, out = parallel_state.get_pipeline_model_parallel_rank(), None
+    stages = pp * len(chunks)
+    with torch.no_grad():
+        for s in range(rank, stages, pp):
+            chunk = chunks[s // pp]
+            if s:
+                first = next(chunk.parameters())
+                hidden = torch.empty(tokens.shape[1], tokens.shape[0], chunk.config.hidden_size, dtype=first.dtype)
+                dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+                chunk.set_input_tensor(hidden)
+            out = chunk(tokens, position_ids, mask)
+            if s < stages - 1:
+                dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+                out = None
+    return out
 
 
 def named_spec(iter_dir: Path):
@@ -148,6 +192,8 @@ def named_spec(iter_dir: Path):
 def cmd_logits(a) -> int:
     import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.hybrid.hybrid_layer_allocation import get_hybrid_total_pipeline_segment_count
 
     from oracles import mcore, nemotron_h
     from oracles.common import end_parallel, resolve_iter_dir
@@ -156,24 +202,37 @@ def cmd_logits(a) -> int:
     cfg = mcore.load_config(a.config)
     iter_dir = Path(resolve_iter_dir(a.ckpt))
     spec, stack = named_spec(iter_dir)
-    mcore.init_parallel(a.tp, 1, ep=a.ep, cfg=cfg)
+    pattern = a.pattern or stored_pattern(iter_dir)
+    segments = get_hybrid_total_pipeline_segment_count(pattern)  # Megatron-LM's VPP: the '|' segments / PP
+    vpp = segments // a.pp if a.pp > 1 and segments > a.pp else None
+    if a.mtp and a.pp > 1:
+        raise SystemExit("--mtp needs --pp 1")
+    mcore.init_parallel(a.tp, a.pp, vpp=vpp, ep=a.ep, cfg=cfg)
     try:
-        model = build(mcore.transformer_config(cfg, a.tp, 1, ep=a.ep), a.pattern, stack, parallel_output=a.mtp,
-                      vocab_size=mcore.padded_vocab(cfg, a.tp), max_sequence_length=cfg["max_position_embeddings"],
-                      share_embeddings_and_output_weights=not cfg["untie_embeddings_and_output_weights"],
-                      position_embedding_type=cfg["position_embedding_type"],
-                      rotary_percent=cfg.get("rotary_percent", 1.0), rotary_base=cfg.get("rotary_base", 10000))
-        problems = load_judged(model, iter_dir)
+        config = mcore.transformer_config(cfg, a.tp, a.pp, vpp=vpp, ep=a.ep)
+        chunks = [build(config, pattern, stack, parallel_output=a.mtp, vocab_size=mcore.padded_vocab(cfg, a.tp),
+                        max_sequence_length=cfg["max_position_embeddings"],
+                        share_embeddings_and_output_weights=not cfg["untie_embeddings_and_output_weights"],
+                        position_embedding_type=cfg["position_embedding_type"],
+                        rotary_percent=cfg.get("rotary_percent", 1.0), rotary_base=cfg.get("rotary_base", 10000),
+                        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+                        **({"vp_stage": v} if vpp else {}))
+                  for v in range(vpp or 1)]
+        problems = load_judged(chunks, iter_dir)
         if problems:
             if dist.get_rank() == 0:
                 print(json.dumps({"ok": False, "problems": problems[:50]}), flush=True)
             return 1
         tokens, position_ids, mask = mcore.causal_inputs(cfg, a.seed)
         if a.mtp:  # the MTP depths' losses, as mcore.py mtp says them for a GPTModel
-            return mcore.say_mtp_losses(model, cfg, tokens, position_ids, mask)
-        with torch.no_grad():
-            logits = model(tokens, position_ids, mask)[..., : cfg["vocab_size"]].contiguous()
-        if dist.get_rank() == 0:
+            return mcore.say_mtp_losses(chunks[0], cfg, tokens, position_ids, mask)
+        out = pipeline_logits(chunks, a.pp, tokens, position_ids, mask)
+        if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+            print(f"ORACLE PIPELINE pattern={pattern} pp={a.pp} vpp={vpp} segments={segments} layers="
+                  f"{[len(c.decoder.layers) for c in chunks]}", flush=True)
+        if out is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+            logits = out[..., : cfg["vocab_size"]].contiguous()
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             torch.save({"tokens": tokens, "logits": logits}, a.out)
             print(f"ORACLE SPEC {'.'.join(spec) if spec else None}", flush=True)
@@ -297,8 +356,10 @@ def main(argv=None, serving=False) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("logits")
     sp.add_argument("--config", required=True)
-    sp.add_argument("--pattern", required=True, help="the hybrid layer pattern (M, *, -, E)")
+    sp.add_argument("--pattern", help="the hybrid layer pattern (M, *, -, E; default: the checkpoint args')")
     sp.add_argument("--tp", type=int, required=True)
+    sp.add_argument("--pp", type=int, default=1, help="pipeline stages (world = TP * PP * DP): the pattern's '|' "
+                    "segments are its stages, VPP = segments / PP, as Megatron-LM derives it")
     sp.add_argument("--ep", type=int, default=1, help="expert parallel (MoE configs; world = TP * DP)")
     sp.add_argument("--ckpt", required=True)
     sp.add_argument("--out", required=True)

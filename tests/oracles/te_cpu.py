@@ -270,27 +270,38 @@ def load_strict(model, iter_dir: Path, problems: list[str]) -> None:
     """The checkpoint into ``model`` as megatron-core loads it, strictly: dist_checkpointing.load with RAISE_ALL
     (missing and unexpected keys raise; resharding as needed), TE's check of every _extra_state, then
     load_state_dict: every key but an _extra_state the sharded state dict does not save. A legacy checkpoint: its
-    rank file's ``model``, the same checks."""
+    rank file's ``model``, the same checks. ``model``: the rank's chunks, one per virtual pipeline stage (saved and
+    loaded as Megatron-LM's ``model0``, ``model1``, ... where there are several)."""
     import torch
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    m = unwrap(model[0])
+    chunks = [unwrap(m) for m in model]  # one per virtual pipeline stage: Megatron-LM's model0, model1, ...
+    names = ["model"] if len(chunks) == 1 else [f"model{v}" for v in range(len(chunks))]
     if is_legacy(iter_dir):
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        f = iter_dir / f"mp_rank_{tp_rank:02d}" / "model_optim_rng.pt"
+        pp, pp_rank = parallel_state.get_pipeline_model_parallel_world_size(), \
+            parallel_state.get_pipeline_model_parallel_rank()
+        f = iter_dir / (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")) / "model_optim_rng.pt"
         if not f.is_file():
-            problems.append(f"legacy checkpoint: no {f.relative_to(iter_dir)} (the judge loads TP = world size, PP 1)")
+            problems.append(f"legacy checkpoint: no {f.relative_to(iter_dir)} (the judge loads TP x PP = world size)")
             return
         from megatron.core.safe_globals import SAFE_GLOBALS
 
         # registered for good, as megatron-core does: the safe_globals context would drop them again on exit
         torch.serialization.add_safe_globals(list(SAFE_GLOBALS))
-        sd = torch.load(f, map_location="cpu", weights_only=True)["model"]
+        state = torch.load(f, map_location="cpu", weights_only=True)
+        sds = [state[n] for n in names]
     else:
-        sharded = m.sharded_state_dict()
-        loaded = dist_checkpointing.load({"model": sharded}, str(iter_dir), strict=StrictHandling.RAISE_ALL)
-        sd = loaded["model"]
+        request = {n: m.sharded_state_dict() for n, m in zip(names, chunks, strict=True)}
+        loaded = dist_checkpointing.load(request, str(iter_dir), strict=StrictHandling.RAISE_ALL)
+        sds = [loaded[n] for n in names]
+    for m, sd in zip(chunks, sds, strict=True):
+        _load_chunk(m, sd, problems)
+
+
+def _load_chunk(m, sd: dict, problems: list[str]) -> None:
+    """One model chunk's state dict, loaded as megatron-core loads it (``load_strict``)."""
     for k, v in sd.items():
         if k.endswith("_extra_state"):
             try:

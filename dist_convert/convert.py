@@ -171,6 +171,7 @@ def carry_vocab_padding(opts: ReshardOptions, index: SourceIndex, cfg: ModelConf
     if rows == cfg.vocab_size:
         return index, cfg
     _, again = load_index(opts.src, opts.src_format, rt, rows, opts.formats)
+    again = as_model_class(again, opts.target_model, "torch_dist")  # the only target with optimizer state
     again.notes.append(f"carrying the {rows - cfg.vocab_size} vocabulary padding rows source and target share "
                        f"(rows {cfg.vocab_size}-{rows - 1}), as megatron-core's own resharding keeps them")
     return again, cfg.replace(vocab_size=rows)

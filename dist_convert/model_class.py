@@ -25,6 +25,7 @@ from .features.blocks import DSA_SYMBOL, GDN_SYMBOL, MLA_SYMBOL, MTP_SEPARATOR, 
 from .layout.hybrid import HYBRID_MTP_LAYERS, MIXER_PARTS
 from .layout.mtp import MTP_LAYER
 from .layout.topology import Layout
+from .optim.state import with_parameter
 
 GPT, HYBRID = MODEL_CLASSES
 MLP_PARTS = ("pre_mlp_layernorm.", "mlp.")  # a GPT layer's modules at its MLP / MoE position (MIXER_PARTS: the rest)
@@ -144,14 +145,17 @@ def hybrid_to_gpt_name(name: str) -> str:
 
 
 def renamed(index: SourceIndex, cfg: ModelConfig, rename: Callable[[str], str]) -> SourceIndex:
-    """The source read as the model ``cfg`` describes: each piece's logical tensor renamed; the source's pipeline
-    stage sizes (counted in its own layers) are not carried over to the target."""
-    chunks = [dataclasses.replace(c, pieces=[dataclasses.replace(p, logical=rename(p.logical)) for p in c.pieces])
+    """The source read as the model ``cfg`` describes: each piece's logical tensor renamed (an optimizer state's with
+    its parameter); the source's pipeline stage sizes (counted in its own layers) are not carried over."""
+    def name(logical: str) -> str:
+        return with_parameter(logical, rename)
+
+    chunks = [dataclasses.replace(c, pieces=[dataclasses.replace(p, logical=name(p.logical)) for p in c.pieces])
               for c in index.chunks]
     src = index.layout
     layout = Layout(tp=src.tp, pp=src.pp, ep=src.ep, etp=src.etp, split=src.split)
     return dataclasses.replace(index, cfg=cfg, chunks=chunks, layout=layout,
-                               absent=frozenset(rename(n) for n in index.absent))
+                               absent=frozenset(name(n) for n in index.absent))
 
 
 def gpt_shaped(cfg: ModelConfig) -> bool:
@@ -174,9 +178,9 @@ def as_model_class(index: SourceIndex, target: str | None, dst_format: str | Non
         target = GPT if expressing_family(index.cfg, index.origin.hf_config) is None else None
     if target is None or target == source:
         return index
-    if index.optimizer is not None or index.adapter is not None:
-        raise ConvertError(f"--target-model {target}: the optimizer state and adapters are converted within one model "
-                           "class only", "drop --optimizer (or convert the model alone), or drop --target-model")
+    if index.adapter is not None:
+        raise ConvertError(f"--target-model {target}: adapters are converted within one model class only",
+                           "merge it into the base model with --lora ADAPTER, or drop --target-model")
     if target == HYBRID:
         cfg, rename = hybrid_of(index.cfg), gpt_to_hybrid_name
     else:

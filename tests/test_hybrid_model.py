@@ -147,6 +147,16 @@ def test_the_pattern_marks_the_pipeline_stages_where_only_it_can(layout, pattern
     assert read.mamba.piped(Layout(pp=4)) == ("|" in pattern)
 
 
+def test_optimizer_state_is_converted_for_a_hybrid_model_without_mamba2_layers():
+    """--optimizer holds a HybridModel's attention and MLP / MoE layers (judged: test_optimizer.py), not Mamba2's."""
+    from dist_convert.optim.sources import check_supported
+
+    check_supported(hybrid_of(cfg_of(MOE_M)), "src", {"exp_avg", "exp_avg_sq"})
+    nemotron = cfg_of({**LLAMA, "hybrid_override_pattern": "M*-M", "num_layers": 4, "mamba_num_heads": 2})
+    with pytest.raises(ConvertError, match="Mamba2 layers"):
+        check_supported(nemotron, "src", {"exp_avg", "exp_avg_sq"})
+
+
 def test_a_pattern_that_is_not_gpt_layers_is_refused():
     nemotron = cfg_of({**LLAMA, "hybrid_override_pattern": "M*-M", "num_layers": 4, "mamba_num_heads": 2})
     with pytest.raises(ConvertError, match="pair by pair"):

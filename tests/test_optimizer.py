@@ -65,6 +65,30 @@ def test_moe_training_resumes_at_another_ep(trained, tmp_path):
     resume(run, ["--tp", "1", "--ep", "2"], WORLD, [str(run.source("fully_reshardable")), back])
 
 
+def resumed_losses(proc) -> list[float]:
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESUME ORACLE OK"))
+    return [float(x) for x in line.split("losses=[", 1)[1].split("]", 1)[0].split(",")]
+
+
+def test_training_resumes_in_the_hybrid_model(trained, tmp_path):
+    """--optimizer with --target-model hybrid: each parameter's master copy and Adam moments follow it to its
+    HybridModel name. megatron-core 0.19.2's HybridModel (its own hybrid stack spec, built from the target's args:
+    tests/oracles/hybrid.py) loads model, optimizer and scheduler strictly at TP1 DP2 (every main-param and moment
+    tensor written by the load) and its next two training steps give GPTModel's losses resumed from the run itself
+    within 1e-5 (the second step's depends on the moments: lr 1e-2); back to GPT, the state equals the run's bit for
+    bit and trains to the same losses bit for bit."""
+    run = trained("mcore19", "tp2")
+    hybrid = convert(run, "fully_reshardable", [tmp_path / "hybrid"], ["--target-model", "hybrid", "--target-tp", "1"])
+    back = convert(run, None, [hybrid, tmp_path / "back"], ["--target-model", "gpt", "--target-spec", "local"])
+    common = ["--config", str(run.config), "--tp", "1", "--seed", "4321", "--steps", "2"]
+    truth = oracle("resume", WORLD, *common, f"--ckpt={run.source('fully_reshardable')}", f"--ckpt={back}",
+                   program="train", runtime=run.runtime)
+    got = oracle("resume", WORLD, *common, f"--ckpt={hybrid}", "--hybrid", program="train", runtime=run.runtime)
+    want, have = resumed_losses(truth), resumed_losses(got)
+    assert len(want) == len(have) == 2 and all(abs(w - h) < 1e-5 for w, h in zip(want, have, strict=True)), \
+        (want, have)
+
+
 def test_optimizer_state_is_checked_against_the_checkpoint(trained, tmp_path):
     """A dp_reshardable source whose args do not describe its bucket layout is refused in one line (never
     guessed); so are --optimizer into a format without optimizer state and a source that holds none."""

@@ -35,15 +35,19 @@ from .state import COUNTERS, STATES, dist_optimizer_groups, is_parameter, opt_na
 
 NO_STATE = "drop --optimizer to convert the model alone"
 # The structural features whose optimizer state --optimizer converts: per parameter, as the model's tensors (judged
-# dense and MoE by megatron-core's own optimizer load, tests/test_optimizer.py); T5's two stacks, the hybrid stacks
-# and DeepSeek sparse attention's indexer not yet
-HOLDS = ("moe", "mla", "mtp", "vision")
+# dense and MoE by megatron-core's own optimizer load, a HybridModel of attention and MLP layers by its training
+# resumed, tests/test_optimizer.py); T5's two stacks, Mamba2 and Gated DeltaNet layers and DeepSeek sparse
+# attention's indexer not yet
+HOLDS = ("moe", "mla", "mtp", "vision", "mamba")
 
 
 def check_supported(cfg: ModelConfig, where: str, states: set[str]) -> None:
     """Refuse what --optimizer does not convert: a structural feature outside ``HOLDS``, and optimizers other than
     Adam (``states``: the per-parameter states the source stores)."""
     refuse_features(cfg, HOLDS, f"{where}: --optimizer", NO_STATE)
+    if cfg.mamba is not None and "M" in cfg.mamba.full_pattern:
+        raise ConvertError(f"{where}: --optimizer cannot hold the model's Mamba2 layers (M in its hybrid pattern "
+                           f"{cfg.mamba.full_pattern})", NO_STATE)
     if states and not {"exp_avg", "exp_avg_sq"} <= states:
         raise ConvertError(f"{where}: the optimizer stores {sorted(states)} per parameter; --optimizer converts "
                            "Adam's (param, exp_avg, exp_avg_sq)", NO_STATE)

@@ -6,7 +6,7 @@ tensor (param_groups with the step, the LR scheduler) travels in ``datamodel.Opt
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -30,6 +30,14 @@ def opt_name(state: str, name: str) -> str:
 
 def is_optimizer(logical: str) -> bool:
     return logical.startswith(PREFIX)
+
+
+def with_parameter(logical: str, rename: Callable[[str], str]) -> str:
+    """``logical`` with its parameter's name ``rename``d: an optimizer tensor follows its parameter."""
+    if not is_optimizer(logical):
+        return rename(logical)
+    state, name = logical.removeprefix(PREFIX).split(".", 1)
+    return opt_name(state, rename(name))
 
 
 def is_parameter(name: str) -> bool:

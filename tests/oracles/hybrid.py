@@ -122,6 +122,28 @@ def build(config, pattern: str, stack=None, parallel_output: bool = False, **mod
         hybrid_block.TENorm, attention.TENorm = saved
 
 
+def model_args(cfg, tp: int) -> dict:
+    """HybridModel's own arguments for GPT config ``cfg`` (mcore.py's JSON) at TP ``tp``, as Megatron-LM's hybrid
+    builder passes them."""
+    from oracles import mcore
+
+    return dict(vocab_size=mcore.padded_vocab(cfg, tp), max_sequence_length=cfg["max_position_embeddings"],
+                share_embeddings_and_output_weights=not cfg["untie_embeddings_and_output_weights"],
+                position_embedding_type=cfg["position_embedding_type"],
+                rotary_percent=cfg.get("rotary_percent", 1.0), rotary_base=cfg.get("rotary_base", 10000))
+
+
+def from_checkpoint(cfg, tp: int, ep: int, iter_dir: Path, **model_kw):
+    """The HybridModel Megatron-LM builds for the checkpoint ``iter_dir`` under ``--use-checkpoint-args``: the
+    pattern and layer spec its args name (PP 1)."""
+    from oracles import mcore, nemotron_h
+
+    nemotron_h.apply_shims()
+    _, stack = named_spec(iter_dir)
+    return build(mcore.transformer_config(cfg, tp, 1, ep=ep), stored_pattern(iter_dir), stack,
+                 **model_args(cfg, tp), **model_kw)
+
+
 def load_judged(model, iter_dir: Path) -> list[str]:
     """Strict load of ``iter_dir`` into ``model`` (a model, or the rank's chunks: one per virtual pipeline stage;
     randomised first, so nothing they lack passes as loaded); every rank's problems, on every rank."""
@@ -210,11 +232,7 @@ def cmd_logits(a) -> int:
     mcore.init_parallel(a.tp, a.pp, vpp=vpp, ep=a.ep, cfg=cfg)
     try:
         config = mcore.transformer_config(cfg, a.tp, a.pp, vpp=vpp, ep=a.ep)
-        chunks = [build(config, pattern, stack, parallel_output=a.mtp, vocab_size=mcore.padded_vocab(cfg, a.tp),
-                        max_sequence_length=cfg["max_position_embeddings"],
-                        share_embeddings_and_output_weights=not cfg["untie_embeddings_and_output_weights"],
-                        position_embedding_type=cfg["position_embedding_type"],
-                        rotary_percent=cfg.get("rotary_percent", 1.0), rotary_base=cfg.get("rotary_base", 10000),
+        chunks = [build(config, pattern, stack, parallel_output=a.mtp, **model_args(cfg, a.tp),
                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
                         **({"vp_stage": v} if vpp else {}))

@@ -100,6 +100,7 @@ import contextlib
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
@@ -251,7 +252,12 @@ def build_training(cfg, a, train_iters):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    model = mo.build_model(cfg, a.tp, a.pp, ep=a.ep)
+    if getattr(a, "hybrid", False):  # megatron-core's HybridModel of the checkpoint's args (oracles/hybrid.py)
+        from oracles import hybrid
+
+        model = hybrid.from_checkpoint(cfg, a.tp, a.ep, Path(mo.resolve_iter_dir(a.ckpt[0])), parallel_output=True)
+    else:
+        model = mo.build_model(cfg, a.tp, a.pp, ep=a.ep)
     mo.randomize(model, cfg, a.seed)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=False, overlap_grad_reduce=a.bucket_size is not None,
@@ -587,7 +593,14 @@ def load_training(iterdir, a, model, ddp, optimizer, scheduler):
     if missing or any(bad):
         raise RuntimeError(f"strict load: checkpoint keys not loaded {missing[:8]} ({len(missing)}); keys asked "
                            f"for but absent: " + "; ".join(f"rank {r}: {u[:8]}" for r, u in enumerate(bad) if u))
-    ddp.load_state_dict(loaded["model"], strict=True)
+    if getattr(a, "hybrid", False):  # as in oracles.te_cpu.load_strict: an _extra_state the stand-ins' sharded state
+        # dict does not save (TEDotProductAttention's) may be absent, as TE's modules allow; every other key strictly
+        res = ddp.module.load_state_dict(loaded["model"], strict=False)
+        bad = [k for k in res.missing_keys if not k.endswith("._extra_state")] + list(res.unexpected_keys)
+        if bad:
+            raise RuntimeError(f"load_state_dict: missing or unexpected {bad[:8]}")
+    else:
+        ddp.load_state_dict(loaded["model"], strict=True)
     # no_grad: with fp32 parameters the main-param shards are views of the (leaf, requires_grad)
     # model parameters, and load_parameter_state_from_dp_reshardable (unlike the fully_reshardable
     # one) copies into them without torch.no_grad: an autograd error otherwise
@@ -854,6 +867,9 @@ def main(argv=None, serving=False):
     sp.add_argument("--lr", type=float, default=1e-2)
     sp.add_argument("--bucket-size", type=int, default=None,
                     help="DDP buckets of about N parameters (overlap_grad_reduce), as the run that saved")
+    sp.add_argument("--hybrid", action="store_true",
+                    help="megatron-core's HybridModel (>= 0.19) of the first --ckpt's args instead of GPTModel "
+                         "(tests/oracles/hybrid.py; PP 1)")
     sp = sub.add_parser("inspect")
     sp.add_argument("--ckpt", required=True)
     sp.add_argument("--out", required=True)

@@ -24,6 +24,7 @@ from .errors import ConvertError
 from .features.blocks import DSA_SYMBOL, GDN_SYMBOL, MLA_SYMBOL, MTP_SEPARATOR, Mamba, attention_symbol
 from .layout.hybrid import HYBRID_MTP_LAYERS, MIXER_PARTS
 from .layout.mtp import MTP_LAYER
+from .layout.pipeline_layout import of_segments
 from .layout.topology import Layout
 from .optim.state import with_parameter
 
@@ -146,16 +147,38 @@ def hybrid_to_gpt_name(name: str) -> str:
 
 def renamed(index: SourceIndex, cfg: ModelConfig, rename: Callable[[str], str]) -> SourceIndex:
     """The source read as the model ``cfg`` describes: each piece's logical tensor renamed (an optimizer state's with
-    its parameter); the source's pipeline stage sizes (counted in its own layers) are not carried over."""
+    its parameter), its pipeline stages counted in the target's layers (``carried_layout``)."""
     def name(logical: str) -> str:
         return with_parameter(logical, rename)
 
     chunks = [dataclasses.replace(c, pieces=[dataclasses.replace(p, logical=name(p.logical)) for p in c.pieces])
               for c in index.chunks]
-    src = index.layout
-    layout = Layout(tp=src.tp, pp=src.pp, ep=src.ep, etp=src.etp, split=src.split)
+    layout = carried_layout(index.layout, index.cfg.num_layers, cfg.num_layers, cfg.mtp_num_layers)
     return dataclasses.replace(index, cfg=cfg, chunks=chunks, layout=layout,
                                absent=frozenset(name(n) for n in index.absent))
+
+
+def staged(layout: Layout) -> bool:
+    """Whether ``layout`` places the layers on its pipeline stages other than evenly."""
+    return any(x is not None for x in (layout.vpp, layout.first, layout.last, layout.pipeline_layout))
+
+
+def carried_layout(src: Layout, layers: int, target_layers: int, mtp_layers: int) -> Layout:
+    """The source's pipeline stages in the target class's layers (a GPT layer is two hybrid layers): uneven first /
+    last stage sizes and each model chunk scaled, a layout string as the string of the scaled chunks (embedding
+    first, MTP and loss last: where a HybridModel has them); plain PP where a stage would split a GPT layer."""
+    plain = Layout(tp=src.tp, pp=src.pp, ep=src.ep, etp=src.etp, split=src.split)
+    sizes = src.segment_sizes(layers) + [n for n in (src.first, src.last) if n is not None]
+    if src.pp == 1 or any(n * target_layers % layers for n in sizes):
+        return plain
+
+    def scaled(n: int | None) -> int | None:
+        return None if n is None else n * target_layers // layers
+
+    if src.pipeline_layout is not None:
+        chunks = [scaled(n) or 0 for n in src.segment_sizes(layers)]
+        return dataclasses.replace(plain, vpp=src.vpp, pipeline_layout=of_segments(chunks, mtp_layers))
+    return dataclasses.replace(plain, vpp=src.vpp, first=scaled(src.first), last=scaled(src.last))
 
 
 def gpt_shaped(cfg: ModelConfig) -> bool:
@@ -186,6 +209,10 @@ def as_model_class(index: SourceIndex, target: str | None, dst_format: str | Non
     else:
         cfg, rename = gpt_of(index.cfg), hybrid_to_gpt_name
     out = renamed(index, cfg, rename)
+    if staged(index.layout) and not staged(out.layout):
+        out.notes.append(f"the source's pipeline stages ({index.layout}) split a GPT layer (its attention and its MLP "
+                         "on two stages): the target splits PP evenly unless --target-pipeline-layout or "
+                         "--target-num-layers-in-first/last-stage place the layers")
     out.notes.append(f"model class: {source} -> {target} ({index.cfg.num_layers} -> {cfg.num_layers} layers"
                      + (f", hybrid layer pattern {cfg.mamba.full_pattern}" if cfg.mamba is not None else "") + ")")
     return out

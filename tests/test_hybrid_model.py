@@ -17,7 +17,14 @@ from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 from dist_convert.mlm_args import MCORE_HYBRID_SPEC as MCORE_SPEC
 from dist_convert.mlm_args import args_for_target, layer_spec_arg
-from dist_convert.model_class import gpt_of, gpt_to_hybrid_name, hybrid_of, hybrid_to_gpt_name, model_class
+from dist_convert.model_class import (
+    carried_layout,
+    gpt_of,
+    gpt_to_hybrid_name,
+    hybrid_of,
+    hybrid_to_gpt_name,
+    model_class,
+)
 
 from conftest import CONFIGS, assert_refused, make_gpt, ok, oracle, run_cli
 
@@ -147,6 +154,19 @@ def test_the_pattern_marks_the_pipeline_stages_where_only_it_can(layout, pattern
     assert read.mamba.piped(Layout(pp=4)) == ("|" in pattern)
 
 
+@pytest.mark.parametrize("src,layers,target_layers,want", [
+    (Layout(pp=2, vpp=2), 4, 8, Layout(pp=2, vpp=2)),
+    (Layout(pp=2, first=1), 4, 8, Layout(pp=2, first=2)),
+    (Layout(pp=2, vpp=2, pipeline_layout="Et|t|tm|tL"), 4, 8, Layout(pp=2, vpp=2, pipeline_layout="Ett|tt|tt|ttmL")),
+    (Layout(pp=2, vpp=2, pipeline_layout="Ett|tt|tt|ttL"), 8, 4, Layout(pp=2, vpp=2, pipeline_layout="Et|t|t|tL")),
+    (Layout(pp=2, vpp=2, pipeline_layout="Ettt|ttt|t|tL"), 8, 4, Layout(pp=2)),  # a stage would split a GPT layer
+    (Layout(pp=2, first=3), 8, 4, Layout(pp=2))])
+def test_the_pipeline_stages_are_carried_across_the_model_class(src, layers, target_layers, want):
+    """GPT layer n is hybrid layers 2n and 2n + 1: stage sizes scale, a layout string's MTP goes where a HybridModel
+    builds it (the last stage)."""
+    assert carried_layout(src, layers, target_layers, 1 if "m" in (src.pipeline_layout or "") else 0) == want
+
+
 def test_optimizer_state_is_converted_for_a_hybrid_model_without_mamba2_layers():
     """--optimizer holds a HybridModel's attention and MLP / MoE layers (judged: test_optimizer.py), not Mamba2's."""
     from dist_convert.optim.sources import check_supported
@@ -244,8 +264,9 @@ def test_a_hybrid_target_over_pipeline_stages_is_built_from_its_patterns_segment
     other stage field beside them). megatron-core 0.19.2 builds each rank's chunks from the pattern in the target's
     args (select_pipeline_segment), loads them strictly (torch_dist; the legacy files' model0 / model1) and one
     forward through the stages gives GPTModel's logits within 1e-4. Read back: the piped target equals the PP1 hybrid
-    target bit for bit; at another PP it keeps '|' (megatron-core's own split of a pattern without them is deprecated)
-    and back to GPT it is gpt_a."""
+    target bit for bit; at another PP it keeps '|' (megatron-core's own split of a pattern without them is deprecated);
+    back to GPT its stages are kept (megatron-core's GPTModel loads the chunks and finds gpt_a's tensors), unless a
+    stage would split a GPT layer (a note, PP split evenly)."""
     ref = tmp_path / "gpt.pt"
     oracle("logits", 1, "--config", str(gpt_a.config), "--tp", "1", "--ckpt", str(gpt_a.torch_dist), "--out",
            str(ref), runtime="mcore19")
@@ -270,8 +291,14 @@ def test_a_hybrid_target_over_pipeline_stages_is_built_from_its_patterns_segment
     info = json.loads(ok(run_cli("inspect", str(pp4), "--json", nproc=1)).stdout)
     assert info["layout"]["pipeline_layout"] == "Ett|tt|tt|ttL" and info["model"].startswith("HybridModel, "
                                                                                              "pattern *-|*-|*-|*-")
-    ok(run_cli("reshard", str(pp4), str(gpt), "--target-model", "gpt", "--target-pp", "1", nproc=2))
-    ok(run_cli("verify", str(gpt_a.torch_dist), str(gpt), nproc=2))
+    # back to GPT with its stages (two hybrid layers a GPT layer): megatron-core's GPTModel loads the legacy chunks
+    ok(run_cli("reshard", str(tmp_path / "torch_dist"), str(gpt), "--target-model", "gpt", "--target-spec", "local",
+               "--dst-format", "megatron", nproc=2))
+    res = oracle("compare", 2, "--config", str(gpt_a.config), "--tp", "1", "--pp", "2", "--pipeline-layout",
+                 "Et|t|t|tL", "--ckpt", str(gpt), "--ref", str(gpt_a.torch_dist), "--check-args")
+    assert "ORACLE OK" in res.stdout
+    plan = ok(run_cli("plan", str(tmp_path / "megatron"), "--target-model", "gpt", "--world", "2"))
+    assert "split a GPT layer" in plan.stdout + plan.stderr  # stages of 3, 3, 1, 1 hybrid layers: PP split evenly
 
 
 def test_a_hybrid_target_in_the_local_spec_is_refused(gpt_a, tmp_path):

@@ -224,7 +224,7 @@ def test_gdn_refusals_and_other_families_refuse_hybrids():
         raise FAMILIES["Qwen3NextForCausalLM"].refusal(FAMILIES["Qwen3NextForCausalLM"].unexpressed(cfg))
     assert export_family(cfg).architecture == "Qwen3MoeForCausalLM"
     hybrid_cfg = nemotron()
-    assert "Mamba2 layers" in describe_all(FAMILIES["LlamaForCausalLM"].unexpressed(hybrid_cfg))
+    assert "HybridModel layer stack" in describe_all(FAMILIES["LlamaForCausalLM"].unexpressed(hybrid_cfg))
 
 
 def test_a_mamba_model_routing_otherwise_is_not_exported_as_nemotron_h():

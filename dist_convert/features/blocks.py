@@ -191,7 +191,7 @@ class Mamba(Feature):
     "E" MoE (hybrid_override_pattern / hybrid_layer_pattern); its final norm is decoder.final_norm."""
 
     attr: ClassVar[str] = "mamba"
-    what: ClassVar[str] = "Mamba2 layers (a MambaModel hybrid stack)"
+    what: ClassVar[str] = "a HybridModel layer stack (its hybrid pattern: MambaModel, HybridModel)"
     presence: ClassVar[tuple[str, ...]] = ("is_hybrid_model",)
 
     pattern: str = setting("", kind=SIZE, arg=("hybrid_override_pattern", "hybrid_layer_pattern"),

@@ -37,18 +37,17 @@ UNPADDED = ["--make-vocab-size-divisible-by", "1"]  # 300 rows, as Bridge import
 TD_TP2 = ["--dst-format", "torch_dist", "--target-tp", "2", *UNPADDED]
 TD_PP2 = ["--dst-format", "torch_dist", "--target-tp", "1", "--target-pp", "2", *UNPADDED]
 # per architecture: target name -> (flags, source name), in order; then the judge runs: (judge layout flags, world,
-# targets judged there). Qwen3-Next carries the most (EP2, TP2 -> legacy TP2 PP2, a mutation); Qwen3.5 adds its flat
+# targets judged there). Qwen3-Next carries the most (EP2, TP1 PP2 -> legacy TP2, a mutation); Qwen3.5 adds its flat
 # in_proj and dense MLP, Qwen3.5-MoE the pairing of both.
 ARCHS = {
     "qwen3_next": (
         {"td_tp2_ep2": (TD_TP2 + ["--target-ep", "2"], "hf"), "td_pp2": (TD_PP2, "hf"),
          "td_release": (TD_TP2 + ["--target-ep", "2"], "hf_release"),
-         "legacy_tp2_pp2": (["--dst-format", "megatron", "--target-tp", "2", "--target-pp", "2", "--target-ep", "1"],
-                            "td_tp2_ep2"),
+         "legacy_tp2": (["--dst-format", "megatron", "--target-tp", "2", "--target-pp", "1"], "td_pp2"),
          "hf_back": (["--dst-format", "hf"], "td_tp2_ep2"),
-         "hf_back_legacy": (["--dst-format", "hf"], "legacy_tp2_pp2")},
+         "hf_back_legacy": (["--dst-format", "hf"], "legacy_tp2")},
         [(["--tp", "2", "--ep", "2"], 2, ["td_tp2_ep2", "td_pp2", "td_release", "mutated"]),
-         (["--tp", "2", "--pp", "2"], 4, ["legacy_tp2_pp2"])]),
+         (["--tp", "2"], 2, ["legacy_tp2"])]),
     "qwen3_5": (
         {"td_tp2": (TD_TP2, "hf"), "td_pp2": (TD_PP2, "hf"),
          "legacy_tp2": (["--dst-format", "megatron", "--target-tp", "2", *UNPADDED], "hf"),

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from training_runs import MOE_M
 
 from dist_convert.config import config_from_args
@@ -167,6 +168,26 @@ def test_the_pipeline_stages_are_carried_across_the_model_class(src, layers, tar
     assert carried_layout(src, layers, target_layers, 1 if "m" in (src.pipeline_layout or "") else 0) == want
 
 
+@pytest.mark.parametrize("args,needle", [
+    (GDN_ARGS, "Gated DeltaNet layers"), ({**MOE_M, "mtp_num_layers": 1}, "multi-token-prediction layers"),
+    ({**LLAMA, "use_rope_scaling": True, "rope_scaling_factor": 8.0}, "rope_scaling=llama3")])
+def test_megatron_bridges_hybrid_provider_is_written_with_the_fields_it_has(args, needle):
+    """A Bridge target of a HybridModel names HybridModelProvider with megatron-core's hybrid stack and the model's
+    dtype (Bridge's providers default to bf16); what it has no field for here is refused (test_a_hybrid_target...:
+    in one line, through the CLI)."""
+    from dist_convert.features.expressed import describe_all, unexpressed
+    from dist_convert.formats.bridge import HYBRID_PROVIDER, HYBRID_STACK_SPEC, bridge_model_section
+    from dist_convert.formats.mcore_config import provider_expresses
+
+    moe = hybrid_of(cfg_of(MOE_M))
+    section = bridge_model_section(moe, argparse.Namespace(params_dtype=torch.float32))
+    assert (section["_target_"], section["hybrid_stack_spec"]["_target_"]) == (HYBRID_PROVIDER, HYBRID_STACK_SPEC)
+    assert (section["bf16"], section["fp16"]) == (False, False) and "rope_scaling" not in section
+    assert not unexpressed(moe, provider_expresses(moe))
+    other = hybrid_of(cfg_of(args))
+    assert needle in describe_all(unexpressed(other, provider_expresses(other)))
+
+
 def test_optimizer_state_is_converted_for_a_hybrid_model_without_mamba2_layers():
     """--optimizer holds a HybridModel's attention and MLP / MoE layers (judged: test_optimizer.py), not Mamba2's."""
     from dist_convert.optim.sources import check_supported
@@ -183,12 +204,19 @@ def test_a_pattern_that_is_not_gpt_layers_is_refused():
         gpt_of(nemotron)
 
 
-def hybrid_logits(src, pattern: str, ckpt, tp: int, ep: int, out):
+def hybrid_logits(src, pattern: str, ckpt, tp: int, ep: int, out, fmt: str = "torch_dist"):
     """megatron-core 0.19.2's HybridModel logits of ``ckpt``, built from the layer spec its args name, which must be
-    megatron-core's own ``hybrid_stack_spec``."""
-    proc = oracle("logits", tp * ep, "--config", str(src.config), "--pattern", pattern, "--tp", str(tp), "--ep",
-                  str(ep), "--ckpt", str(ckpt), "--out", str(out), program="hybrid", runtime="mcore19")
-    assert f"ORACLE SPEC {'.'.join(MCORE_SPEC)}" in proc.stdout, proc.stdout[-2000:]
+    megatron-core's own ``hybrid_stack_spec``; a Megatron-Bridge target: built by Megatron-Bridge 0.6.2's
+    HybridModelProvider of its run_config.yaml, with that spec and ``pattern``."""
+    if fmt == "bridge":
+        proc = oracle("bridge", tp * ep, "--config", str(src.config), "--tp", str(tp), "--ep", str(ep), "--ckpt",
+                      str(ckpt), "--out", str(out), program="hybrid", runtime="mcore19")
+        assert f"ORACLE PROVIDER HybridModelProvider pattern={pattern} mcore_stack=True" in proc.stdout, \
+            proc.stdout[-2000:]
+    else:
+        proc = oracle("logits", tp * ep, "--config", str(src.config), "--pattern", pattern, "--tp", str(tp), "--ep",
+                      str(ep), "--ckpt", str(ckpt), "--out", str(out), program="hybrid", runtime="mcore19")
+        assert f"ORACLE SPEC {'.'.join(MCORE_SPEC)}" in proc.stdout, proc.stdout[-2000:]
     return torch.load(out)
 
 
@@ -208,7 +236,7 @@ def moe_src(tmp_path_factory):
 @pytest.mark.parametrize("which,pattern,targets,back", [
     ("dense", "*-" * 4, [("torch_dist", "2", "1", "1"), ("megatron", "2", "1", "1")],
      ["--target-tp", "2", "--target-pp", "2", "--target-spec", "local"]),
-    ("moe", "*-*E*-*E", [("torch_dist", "1", "1", "2"), ("torch_dist", "1", "1", "1")],
+    ("moe", "*-*E*-*E", [("torch_dist", "1", "1", "2"), ("bridge", "1", "1", "1")],
      ["--target-ep", "2", "--target-spec", "local"]),
     ("qk", "*-" * 4, [("torch_dist", "1", "1", "1"), ("megatron", "2", "1", "1")],
      ["--target-tp", "2", "--target-spec", "local"])])
@@ -229,10 +257,19 @@ def test_gpt_to_hybrid_loads_in_megatron_cores_hybrid_model_with_the_gpt_logits(
         dst = tmp_path / f"hybrid_{fmt}_tp{tp}_pp{pp}_ep{ep}"
         ok(run_cli("reshard", str(src.torch_dist), str(dst), "--target-model", "hybrid", "--dst-format", fmt,
                    "--target-tp", tp, "--target-pp", pp, *(["--target-ep", ep] if which == "moe" else []), nproc=2))
-        got = hybrid_logits(src, pattern, dst, int(tp), int(ep), tmp_path / f"{dst.name}.pt")
+        got = hybrid_logits(src, pattern, dst, int(tp), int(ep), tmp_path / f"{dst.name}.pt", fmt)
         assert torch.equal(got["tokens"], want["tokens"])
         assert (got["logits"] - want["logits"]).abs().max().item() < 1e-4, dst.name
     first = tmp_path / "hybrid_torch_dist_tp{}_pp{}_ep{}".format(*targets[0][1:])
+    for fmt, tp, pp, ep in targets[1:]:  # read back: the same tensors as the first target (a Bridge one's as well)
+        dst = tmp_path / f"hybrid_{fmt}_tp{tp}_pp{pp}_ep{ep}"
+        ok(run_cli("verify", str(first), str(dst), nproc=2))
+        if fmt == "bridge":  # a Bridge HybridModel -> a Bridge GPTModel: GPTModelProvider's run_config.yaml
+            gpt_bridge = tmp_path / "gpt_bridge"
+            ok(run_cli("reshard", str(dst), str(gpt_bridge), "--target-model", "gpt", *back, nproc=2))
+            model = yaml.safe_load(next(gpt_bridge.glob("iter_*/run_config.yaml")).read_text())["model"]
+            assert model["_target_"].endswith(".GPTModelProvider") and "hybrid_layer_pattern" not in model, model
+            ok(run_cli("verify", str(src.torch_dist), str(gpt_bridge), nproc=2))
     if which == "dense":  # megatron-core's own load-time interop of the GPT checkpoint (TE names, layers stacked)
         gpt_te = tmp_path / "gpt_te"
         ok(run_cli("reshard", str(src.torch_dist), str(gpt_te), "--target-spec", "te", "--target-tp", "1",
@@ -304,8 +341,9 @@ def test_a_hybrid_target_over_pipeline_stages_is_built_from_its_patterns_segment
 
 @pytest.mark.parametrize("flags,needles", [
     (["--target-spec", "local"], ["Transformer Engine", "--target-spec local"]),
-    # Megatron-Bridge's GPTModelProvider would build another model; its HybridModelProvider is not written yet
-    (["--dst-format", "bridge"], ["HybridModel layer stack", "GPTModelProvider", "--dst-format torch_dist"])])
+    # Megatron-Bridge 0.6.2's HybridModelProvider asserts that no virtual stages are asked for
+    (["--dst-format", "bridge", "--target-pp", "2", "--target-vpp", "2"], ["VPP=2", "HybridModelProvider",
+                                                                          "--target-vpp", "--dst-format torch_dist"])])
 def test_a_hybrid_target_no_reader_builds_is_refused(gpt_a, tmp_path, flags, needles):
     proc = run_cli("reshard", str(gpt_a.torch_dist), str(tmp_path / "dst"), "--target-model", "hybrid", *flags,
                    nproc=2)

@@ -44,6 +44,7 @@ TARGETS = {
     "legacy_pp2": (["--dst-format", "megatron", "--target-tp", "1", "--target-pp", "2", "--mcore-style", "0.19"],
                    "td_tp2"),
     "td_tp1": (["--dst-format", "torch_dist", "--target-tp", "1"], "td_tp2"),  # megatron -> megatron
+    "bridge_tp2": (["--dst-format", "bridge", "--target-tp", "2", "--target-pp", "1"], "td_pp2"),  # Bridge: hybrid
     "hf_back": (["--dst-format", "hf"], "td_tp2"),
     "hf_back_legacy": (["--dst-format", "hf"], "legacy_pp2"),
 }
@@ -64,17 +65,22 @@ def converted(tmp_path_factory) -> Path:
 def test_megatron_targets_judged_by_megatron_core(converted):
     """At TP 2 (world 2): the TP2 torch_dist and legacy targets, the TP1 PP2 torch_dist target and the TP1 one made
     from the TP2 one load strictly and equal megatron-core's own reshard of Bridge's import, with transformers'
-    logits; the mutated import fails. At TP 1 PP 2: the legacy PP2 target's rank files load into their stages."""
+    logits; so does the Megatron-Bridge target (TP1 PP2 -> TP2), built by Bridge from its run_config.yaml
+    (HybridModelProvider); the mutated import fails. At TP 1 PP 2: the legacy PP2 target's rank files load into their
+    stages."""
     root, hf, truth = converted, str(converted / "hf"), str(converted / "truth")
-    names = ["td_tp2", "legacy_tp2", "td_pp2", "td_tp1", "mutated_swap_B_C"]
-    proc = nemotron("judge", "--truth", truth, "--hf", hf, "--tp", "2", *(str(root / n) for n in names), nproc=2,
-                    check=False)
+    names = ["td_tp2", "legacy_tp2", "td_pp2", "td_tp1", "bridge_tp2", "mutated_swap_B_C"]
+    proc = nemotron("judge", "--truth", truth, "--hf", hf, "--tp", "2", *(str(root / n) for n in names),
+                    "--built-from-run-config", str(root / "bridge_tp2"), nproc=2, check=False)
     got = verdicts(proc)
     assert set(got) == set(names), proc.stdout[-3000:] + proc.stderr[-3000:]
     for n in names[:-1]:
         assert got[n]["ok"] and got[n]["loaded_tensors"] > 0, got[n]
         assert got[n]["logits_max_abs_diff_vs_hf"] < 1e-4, got[n]
     assert (got["td_tp2"]["stored_tp"], got["td_pp2"]["stored_pp"], got["td_tp1"]["stored_tp"]) == (2, 2, 1)
+    bridge = got["bridge_tp2"]  # built by Megatron-Bridge from its run_config.yaml: provider, stack spec, pattern
+    assert (bridge["provider"], bridge["mcore_stack"], bridge["pattern"]) == ("HybridModelProvider", True, "M*-EM-"), \
+        bridge
     assert not got["mutated_swap_B_C"]["ok"] and proc.returncode != 0  # the judge can fail
     proc = nemotron("judge", "--truth", truth, "--hf", hf, "--tp", "1", "--pp", "2", str(root / "legacy_pp2"),
                     nproc=2, check=False)

@@ -25,11 +25,12 @@ from ..datamodel import ORIGIN_KEY, Origin, SourceIndex, Target, TargetFile, Wri
 from ..durable import write_durable
 from ..errors import ConvertError
 from ..features.expressed import ANY, refuse_unexpressed
-from ..mlm_args import HF_TOKENIZER
+from ..layout.topology import Layout
+from ..mlm_args import HF_TOKENIZER, MCORE_HYBRID_SPEC
 from ..models import config_from_hf
 from ..runtime import Runtime
 from .base import HOLDS_ALL, copy_tokenizer_files, on_rank0, read_origin, tokenizer_source
-from .mcore_config import args_from_fields, fields_for_target, provider_expresses, transformer_fields
+from .mcore_config import args_from_fields, callable_name, fields_for_target, provider_expresses, transformer_fields
 from .torch_dist import TorchDistFormat, _looks_like, open_weights
 
 RUN_CONFIG = "run_config.yaml"
@@ -37,6 +38,10 @@ TRAIN_STATE = "train_state.pt"
 TOKENIZER = "tokenizer"
 PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
 MLA_PROVIDER = "megatron.bridge.models.mla_provider.MLAModelProvider"
+# megatron-core's HybridModel (its layer pattern) and the HybridStack spec of Transformer Engine layers its provider
+# builds by default, by the name Bridge serialises
+HYBRID_PROVIDER = "megatron.bridge.models.hybrid.hybrid_provider.HybridModelProvider"
+HYBRID_STACK_SPEC = "megatron.bridge.models.hybrid.hybrid_provider.transformer_engine_hybrid_stack_spec"
 SPECS = {"local": "megatron.bridge.models.gpt_provider.local_layer_spec",
          "te": "megatron.bridge.models.gpt_provider.transformer_engine_layer_spec"}
 # megatron-core's spec of DeepSeek sparse attention (and Gated DeltaNet) layers, as Megatron-Bridge's GLM-5 sets it
@@ -62,6 +67,43 @@ def layer_spec(cfg: ModelConfig) -> dict[str, Any]:
         return {"_call_": False, "_target_": next(k for k, v in FULL_QK_NORM_SPECS.items()
                                                   if v.get("qk_norm_full_width_split", False) == split)}
     return {"_call_": False, "_target_": EXPERIMENTAL_SPEC if cfg.dsa is not None else SPECS[cfg.spec]}
+
+
+def provider_of(cfg: ModelConfig) -> str:
+    """The provider a ``model:`` section written from the model config names."""
+    if cfg.mamba is not None:
+        return HYBRID_PROVIDER
+    return MLA_PROVIDER if cfg.mla is not None else PROVIDER
+
+
+def is_hybrid_section(model: dict[str, Any]) -> bool:
+    """A ``model:`` section of a HybridModel provider (HybridModelProvider, MambaModelProvider, Nemotron-H's): it
+    gives the layer pattern."""
+    return bool(model.get("hybrid_layer_pattern") or model.get("hybrid_override_pattern"))
+
+
+def carried_run_config(target: Target) -> dict[str, Any] | None:
+    """The run_config.yaml of the Bridge checkpoint the model came from, where its provider builds the target's
+    model class (a GPTModel source's provider builds no HybridModel, nor the reverse): else None, and the target's
+    is written from the model config."""
+    y = target.origin.bridge_run_config
+    if y is None or is_hybrid_section(y["model"]) != (target.cfg.mamba is not None):
+        return None
+    return y
+
+
+def hybrid_fields(cfg: ModelConfig, layout: Layout) -> dict[str, Any]:
+    """HybridModelProvider's pattern and Mamba2 sizes at ``layout``: the pipeline stages marked by '|' where only they
+    say them (``Mamba.piped``), no other stage field beside them."""
+    mamba = cfg.mamba
+    piped = mamba.layout_args(cfg, layout)
+    out = {"hybrid_layer_pattern": piped.get("hybrid_override_pattern", mamba.full_pattern),
+           "hybrid_override_pattern": None, "mamba_num_heads": mamba.num_heads, "mamba_head_dim": mamba.head_dim,
+           "mamba_num_groups": mamba.num_groups, "mamba_state_dim": mamba.state_dim}
+    if piped:
+        out.update(num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+                   pipeline_model_parallel_layout=None)
+    return out
 
 
 def check_bridge_spec(cfg: ModelConfig, tp: int) -> None:
@@ -169,6 +211,9 @@ def bridge_args(iter_dir: Path, y: dict[str, Any]) -> argparse.Namespace:
         vars(args).update(config_from_hf(hf, None)[0].to_args())
     spec = model.get("transformer_layer_spec")
     vars(args).update(FULL_QK_NORM_SPECS.get(spec.get("_target_") if isinstance(spec, dict) else spec, {}))
+    if is_hybrid_section(model):  # its HybridStack spec as Megatron-LM's args name one (module, name)
+        named = callable_name(model.get("hybrid_stack_spec")) or HYBRID_STACK_SPEC
+        args.spec = list(MCORE_HYBRID_SPEC) if named == HYBRID_STACK_SPEC else list(named.rsplit(".", 1))
     if not model.get("should_pad_vocab", False):  # the embedding holds exactly vocab_size rows
         args.make_vocab_size_divisible_by = 1
     if (iter_dir / TOKENIZER).is_dir():
@@ -193,10 +238,15 @@ def bridge_model_section(cfg: ModelConfig, args: argparse.Namespace) -> dict[str
     Bridge's full-width q/k norm specs are grouped, as its OLMoE and MiniMax-M2 providers build them (and its
     weight mappings name them)."""
     grouped = {"moe_grouped_gemm": True} if cfg.attention.qk_norm_full and cfg.moe is not None else {}
-    return {"_target_": MLA_PROVIDER if cfg.mla is not None else PROVIDER, **transformer_fields(cfg), **grouped,
+    fields, dtype = transformer_fields(cfg), getattr(args, "params_dtype", torch.float32)
+    if cfg.mamba is not None:  # HybridModelProvider has no Llama 3 RoPE scaling fields (refused before)
+        del fields["rope_scaling"], fields["rope_scaling_factor"]
+        fields["hybrid_stack_spec"] = {"_call_": False, "_target_": HYBRID_STACK_SPEC}
+    return {"_target_": provider_of(cfg), **fields, **grouped,
             "seq_length": getattr(args, "seq_length", None) or cfg.max_position_embeddings,
             "should_pad_vocab": cfg.padded_vocab(1) != cfg.vocab_size, "hidden_dropout": 0.0, "attention_dropout": 0.0,
-            "params_dtype": {"_call_": False, "_target_": str(getattr(args, "params_dtype", torch.float32))}}
+            "params_dtype": {"_call_": False, "_target_": str(dtype)}, "bf16": dtype == torch.bfloat16,
+            "fp16": dtype == torch.float16}  # Bridge's providers default to bf16, and its loader casts to it
 
 
 class BridgeFormat(TorchDistFormat):
@@ -228,8 +278,13 @@ class BridgeFormat(TorchDistFormat):
                                "convert from that Bridge checkpoint, or write --dst-format torch_dist (the same "
                                "layout, with Megatron-LM args)")
         check_bridge_spec(target.cfg, target.layout.tp)
-        if target.origin.bridge_run_config is None:  # run_config.yaml written from the model config: refused first
-            provider = (MLA_PROVIDER if target.cfg.mla is not None else PROVIDER).rsplit(".", 1)[1]
+        if target.cfg.mamba is not None and target.layout.vpp:
+            raise ConvertError(f"a Megatron-Bridge target of a HybridModel at VPP={target.layout.vpp}: Megatron-Bridge "
+                               "0.6.2's HybridModelProvider builds no virtual pipeline stages", "drop --target-vpp "
+                               "(or use a --target-pipeline-layout of one stage per PP rank), or write --dst-format "
+                               "torch_dist")
+        if carried_run_config(target) is None:  # run_config.yaml written from the model config: refused first
+            provider = provider_of(target.cfg).rsplit(".", 1)[1]
             declared = {**provider_expresses(target.cfg), "attention.qk_norm_full": ANY}  # Bridge's own specs
             refuse_unexpressed(target.cfg, declared, f"Megatron-Bridge's {provider} (written "
                                "for a model that does not come from a Bridge checkpoint)", "convert from the model's "
@@ -246,12 +301,16 @@ class BridgeFormat(TorchDistFormat):
     def finalize(self, target: Target, iter_dir: Path, written: list[WrittenFile]) -> None:
         """The torch_dist metadata, then run_config.yaml, train_state.pt and tokenizer/."""
         args, cfg = target.args, target.cfg
-        if target.origin.bridge_run_config is not None:  # a Bridge source's, carried (never re-read from its path)
-            y = copy.deepcopy(target.origin.bridge_run_config)
+        carried = carried_run_config(target)
+        if carried is not None:  # a Bridge source's, carried (never re-read from its path)
+            y = copy.deepcopy(carried)
             model = fields_for_target(y["model"], cfg, target.layout, target.dtype)
         else:
             y, model = {}, fields_for_target(bridge_model_section(cfg, args), cfg, target.layout, target.dtype)
-        model["transformer_layer_spec"] = layer_spec(cfg)
+        if cfg.mamba is not None:
+            model.update(hybrid_fields(cfg, target.layout))
+        else:
+            model["transformer_layer_spec"] = layer_spec(cfg)
         if model.get("should_pad_vocab") is False and cfg.padded_vocab(target.layout.tp) != cfg.vocab_size:
             model["should_pad_vocab"] = True
         y["model"] = model

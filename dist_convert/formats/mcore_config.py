@@ -97,12 +97,24 @@ MLA_PROVIDER_EXPRESSES: dict[str, Any] = {
     **every_setting("dsa")}
 
 
+# What Megatron-Bridge's HybridModelProvider (megatron-core's HybridModel) expresses: a layer pattern of Mamba2,
+# attention, MLP and MoE layers with GPTModelProvider's attention, norm, MLP and MoE settings; not Llama 3's RoPE
+# scaling (no rope_scaling field), multi-latent or Gated DeltaNet layers (no MLA or linear-attention fields written
+# here) and multi-token-prediction depths (not written here)
+HYBRID_PROVIDER_EXPRESSES: dict[str, Any] = {
+    **{k: v for k, v in PROVIDER_EXPRESSES.items() if k != "mtp" and not k.startswith("position.scaling")},
+    **scaling_settings(), "mamba": ANY}
+
+
 def provider_expresses(cfg: ModelConfig) -> dict[str, Any]:
-    """What the provider a Bridge run_config.yaml is written with expresses (MLAModelProvider for MLA models)."""
+    """What the provider a Bridge run_config.yaml is written with expresses (HybridModelProvider for a HybridModel,
+    MLAModelProvider for MLA models)."""
+    if cfg.mamba is not None:
+        return HYBRID_PROVIDER_EXPRESSES
     return MLA_PROVIDER_EXPRESSES if cfg.mla is not None else PROVIDER_EXPRESSES
 
 
-def _target(value: Any) -> str | None:
+def callable_name(value: Any) -> str | None:
     """The dotted name a serialised callable or class stands for (``{_target_: torch.float32, _call_: false}``
     in YAML, the ``pyref`` of a Fiddle graph already resolved by the caller), else None."""
     if isinstance(value, dict):
@@ -130,7 +142,7 @@ def args_from_fields(fields: dict[str, Any], where: str, fix: str) -> argparse.N
     if "share_embeddings_and_output_weights" in fields:
         args.untie_embeddings_and_output_weights = not fields["share_embeddings_and_output_weights"]
     gated = bool(fields.get("gated_linear_unit", False))
-    named = (_target(fields.get("activation_func")) or "").rsplit(".", 1)[-1]
+    named = (callable_name(fields.get("activation_func")) or "").rsplit(".", 1)[-1]
     activation = ACTIVATION_NAMES.get(named or ("silu" if gated else "gelu"))
     if activation is None:
         raise ConvertError(f"{where}: activation_func {named} is not one dist_convert knows",
@@ -149,7 +161,7 @@ def args_from_fields(fields: dict[str, Any], where: str, fix: str) -> argparse.N
     if isinstance(rotary, (list, tuple)):  # Megatron-Bridge's Gemma: (local, global)
         args.rotary_base_local, args.rotary_base = (float(x) for x in rotary)
     args.max_position_embeddings = fields.get("max_position_embeddings") or fields.get("seq_length")
-    dtype = _DTYPES.get(_target(fields.get("params_dtype")) or "")
+    dtype = _DTYPES.get(callable_name(fields.get("params_dtype")) or "")
     if dtype is None:
         dtype = torch.bfloat16 if fields.get("bf16") else torch.float16 if fields.get("fp16") else torch.float32
     args.params_dtype = dtype
@@ -222,6 +234,6 @@ def fields_for_target(fields: dict[str, Any], cfg: ModelConfig, layout: Layout,
         if isinstance(out.get("params_dtype"), dict):
             out["params_dtype"] = {**out["params_dtype"], "_target_": str(dtype)}
     if layout.pp > 1 and not out.get("pipeline_dtype"):  # megatron-core's config requires it with PP
-        params = _target(out.get("params_dtype")) or str(dtype or torch.float32)
+        params = callable_name(out.get("params_dtype")) or str(dtype or torch.float32)
         out["pipeline_dtype"] = {"_call_": False, "_target_": params}
     return out

@@ -5,13 +5,16 @@ be compared. Runs in the second runtime (.venv-mcore19); imports megatron-core o
 
   torchrun --nproc_per_node=N tests/oracles/hybrid.py logits --config C.json [--pattern P] --tp T [--pp P] [--ep E] \
       --ckpt X --out F.pt
+  torchrun --nproc_per_node=N tests/oracles/hybrid.py bridge --config C.json --tp T [--ep E] --ckpt X --out F.pt
 
-Without ``--pattern`` the model is built from the pattern in the checkpoint's args, as Megatron-LM builds it under
-``--use-checkpoint-args``. With ``--pp``, each rank builds its chunks as Megatron-LM's ``get_model`` does (one per
-virtual stage: HybridModel(vp_stage=v); the '|' segments of the pattern place the layers, megatron-core's own
-``select_pipeline_segment``), loads them strictly (``model0``, ``model1``, ... where VPP > 1) and runs one forward
-through the stages in order (``pipeline_logits``); the last stage saves the logits (``ORACLE PIPELINE`` says the
-segments and each chunk's layer count).
+``bridge``: a Megatron-Bridge checkpoint, built by Megatron-Bridge 0.6.2 from its own run_config.yaml
+(``load_model_config``: its HybridModelProvider, whose ``provide`` builds the HybridModel; rank 0 prints ``ORACLE
+PROVIDER``), loaded and run as ``logits`` does. Without ``--pattern`` the model is built from the pattern in the
+checkpoint's args, as Megatron-LM builds it under ``--use-checkpoint-args``. With ``--pp``, each rank builds its
+chunks as Megatron-LM's ``get_model`` does (one per virtual stage: HybridModel(vp_stage=v); the '|' segments of the
+pattern place the layers, megatron-core's own ``select_pipeline_segment``), loads them strictly (``model0``,
+``model1``, ... where VPP > 1) and runs one forward through the stages in order (``pipeline_logits``); the last
+stage saves the logits (``ORACLE PIPELINE`` says the segments and each chunk's layer count).
 
 The HybridStack spec the checkpoint's args name (``spec``, imported as Megatron-LM's hybrid builder imports its
 ``--spec`` under ``--use-checkpoint-args``; megatron-core's own ``hybrid_stack_spec`` where none is named) builds the
@@ -90,19 +93,26 @@ def cpu_attention_layers(stack, submodules) -> None:
     submodules.mtp_block_spec = source.mtp_block_spec
 
 
-def build(config, pattern: str, stack=None, parallel_output: bool = False, **model_args):
-    """megatron-core's HybridModel of TransformerConfig ``config`` with ``pattern`` and the HybridStack spec ``stack``
-    (None: megatron-core's own), on the CPU (see the module docstring); ``model_args``: HybridModel's own."""
+def cpu_switches(config) -> None:
+    """The CUDA-kernel switches of ``config`` turned off (none changes a weight or the math)."""
+    from oracles import nemotron_h
+
+    for k, v in nemotron_h.CPU_SWITCHES.items():
+        if hasattr(config, k):
+            setattr(config, k, v)
+
+
+@contextlib.contextmanager
+def on_cpu(config, pattern: str, stack=None):
+    """The HybridStack spec ``stack`` (None: megatron-core's own) with its Transformer Engine classes stood in by CPU
+    modules (see the module docstring), for a HybridModel of ``config`` and ``pattern`` built inside the block: the
+    CUDA-kernel switches of ``config`` turned off, TENorm stood in where megatron-core's modules import it by name."""
     from megatron.core.models.hybrid import hybrid_block
-    from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.transformer import attention
 
     from oracles import nemotron_h
 
-    config.num_layers = len(pattern.split("/")[0].replace("|", ""))
-    for k, v in nemotron_h.CPU_SWITCHES.items():
-        if hasattr(config, k):
-            setattr(config, k, v)
+    cpu_switches(config)
     # HybridStack's final norm, and the q/k norms SelfAttention builds from config.qk_layernorm where its spec names
     # none (TENorm, imported by name in each module; None without TE)
     spec = nemotron_h.cpu_hybrid_stack_spec(stack)
@@ -116,10 +126,20 @@ def build(config, pattern: str, stack=None, parallel_output: bool = False, **mod
     hybrid_block.TENorm = attention.TENorm = nemotron_h.standins()["norm"]
     try:
         with (dsa.cpu_spec_backend() if mla else contextlib.nullcontext()):
-            return HybridModel(config=config, hybrid_stack_spec=spec, hybrid_layer_pattern=pattern,
-                               parallel_output=parallel_output, **model_args)
+            yield spec
     finally:
         hybrid_block.TENorm, attention.TENorm = saved
+
+
+def build(config, pattern: str, stack=None, parallel_output: bool = False, **model_args):
+    """megatron-core's HybridModel of TransformerConfig ``config`` with ``pattern`` and the HybridStack spec ``stack``
+    (None: megatron-core's own), on the CPU (``on_cpu``); ``model_args``: HybridModel's own."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    config.num_layers = len(pattern.split("/")[0].replace("|", ""))
+    with on_cpu(config, pattern, stack) as spec:
+        return HybridModel(config=config, hybrid_stack_spec=spec, hybrid_layer_pattern=pattern,
+                           parallel_output=parallel_output, **model_args)
 
 
 def model_args(cfg, tp: int) -> dict:
@@ -319,6 +339,56 @@ def cmd_interop(a) -> int:
         end_parallel(a.serving)
 
 
+def cmd_bridge(a) -> int:
+    """A Megatron-Bridge HybridModel target as Megatron-Bridge 0.6.2 reads it: its own ``load_model_config``
+    instantiates the provider of run_config.yaml (HybridModelProvider), ``finalize`` and ``provide`` build
+    megatron-core's HybridModel from the provider's own fields (pattern, vocabulary padding, RoPE; its Transformer
+    Engine HybridStack spec stood in on the CPU as ``build`` does), loaded strictly; the logits of ``mcore.py logits``'
+    tokens saved as ``cmd_logits`` saves them."""
+    import torch
+    from megatron.core import parallel_state
+
+    from oracles import mcore, nemotron_h
+    from oracles.common import end_parallel, resolve_iter_dir
+
+    nemotron_h.apply_shims()  # Bridge's import of Transformer Engine stood in first
+    from megatron.bridge.training.model_load_save import load_model_config
+
+    cfg = mcore.load_config(a.config)
+    iter_dir = Path(resolve_iter_dir(a.ckpt))
+    mcore.init_parallel(a.tp, 1, ep=a.ep, cfg=cfg)
+    try:
+        provider, mlm_args = load_model_config(str(iter_dir))
+        assert mlm_args is None, "not a Megatron-Bridge checkpoint (no run_config.yaml)"
+        name = type(provider).__name__
+        provider.use_cpu_initialization = True
+        cpu_switches(provider)
+        provider.finalize()  # the pattern's layer count; megatron-core's deferred config checks
+        stack = provider._resolve_hybrid_stack_spec()  # Bridge's named spec, resolved as provide() resolves it
+        with on_cpu(provider, provider.hybrid_layer_pattern, stack) as spec:
+            provider.hybrid_stack_spec = spec
+            model = provider.provide(pre_process=True, post_process=True)
+        problems = load_judged(model, iter_dir)
+        if problems:
+            if torch.distributed.get_rank() == 0:
+                print(json.dumps({"ok": False, "problems": problems[:50]}), flush=True)
+            return 1
+        tokens, position_ids, mask = mcore.causal_inputs(cfg, a.seed)
+        out = pipeline_logits([model], 1, tokens, position_ids, mask)
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+            logits = out[..., : cfg["vocab_size"]].contiguous()
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            torch.save({"tokens": tokens, "logits": logits}, a.out)
+            print(f"ORACLE PROVIDER {name} pattern={provider.hybrid_layer_pattern} "
+                  f"mcore_stack={stack is hybrid_stack_spec}", flush=True)
+            print(f"ORACLE LOGITS {tuple(logits.shape)} -> {a.out}", flush=True)
+        return 0
+    finally:
+        end_parallel(a.serving)
+
+
 def cmd_hf(a) -> int:
     """An HF-sourced hybrid target: Megatron-Bridge 0.6.2's provider of the HF model (oracles.qwen3_next's for
     Qwen3-Next / Qwen3.5, oracles.dsa's GLM-5 one for a DeepSeek-sparse-attention model, each with its CPU
@@ -383,6 +453,13 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=1234, help="the tokens' seed (mcore.py logits' default)")
     sp.add_argument("--mtp", action="store_true", help="the MTP depths' losses instead (as mcore.py mtp)")
+    sp = sub.add_parser("bridge")
+    sp.add_argument("--config", required=True, help="mcore.py's JSON of the source (the tokens and true vocabulary)")
+    sp.add_argument("--tp", type=int, required=True)
+    sp.add_argument("--ep", type=int, default=1)
+    sp.add_argument("--ckpt", required=True, help="a Megatron-Bridge checkpoint of a HybridModel")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=1234)
     sp = sub.add_parser("interop")
     sp.add_argument("--config", required=True)
     sp.add_argument("--pattern", required=True)
@@ -399,7 +476,7 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--logits", help="a DSA model: transformers' logits oracles/dsa.py make saved ({ids, logits})")
     a = p.parse_args(argv)
     a.serving = serving
-    return {"logits": cmd_logits, "interop": cmd_interop, "hf": cmd_hf}[a.cmd](a)
+    return {"logits": cmd_logits, "bridge": cmd_bridge, "interop": cmd_interop, "hf": cmd_hf}[a.cmd](a)
 
 
 if __name__ == "__main__":

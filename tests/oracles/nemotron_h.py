@@ -17,6 +17,7 @@ is the Megatron side; transformers' ``NemotronHForCausalLM`` (5.12.1) is the HF 
       (load_weights=True), provide_distributed_model, save_megatron_model) at TP 1 PP 1 (world size 1): a
       torch_dist checkpoint. Only the truth of the name mapping; Bridge's own TP>1 path is never trusted.
   oracles/nemotron_h.py judge --truth TRUTH_DIR --hf HF_DIR [--tp T] [--pp P] [--atol A] CKPT [CKPT ...]
+      [--built-from-run-config CKPT ...]
       world size T*P. Builds Bridge's HybridModel at TP T / PP P (weights not loaded), loads TRUTH_DIR (a TP1
       torch_dist checkpoint: bridge-import) into it with megatron-core's dist_checkpointing.load -- megatron-core's
       own reshard is the truth of every rank's tensors. Then per CKPT:
@@ -27,6 +28,8 @@ is the Megatron side; transformers' ``NemotronHForCausalLM`` (5.12.1) is the HF 
           own rank file's ``model`` into its stage module (every key; a missing _extra_state only when
           megatron-core's sharded_state_dict does not save it either), TE's check of each _extra_state
         * every rank's loaded tensors == the truth's, bit for bit (names, shapes, dtypes, values)
+        * --built-from-run-config: loaded into the model Megatron-Bridge builds from the checkpoint's own
+          run_config.yaml (load_model_config; its HybridStack spec resolved as provide() resolves it, stood in)
         * PP 1: logits on fixed ids (2 x 16 tokens > conv kernel) vs transformers' NemotronHForCausalLM (fp32,
           use_mamba_kernels=False, eager attention) within --atol (1e-4); the max abs diff is reported
         * the TP/PP the checkpoint records (args in common.pt / a legacy rank file, else run_config.yaml) is
@@ -525,6 +528,25 @@ def nh_provider(hf: str, load_weights: bool, tp: int, pp: int = 1, parallel_outp
     return bridge, provider, saved
 
 
+def checkpoint_provider(iter_dir: Path):
+    """The provider Megatron-Bridge 0.6.2 reads from a Bridge checkpoint's run_config.yaml (its own
+    ``load_model_config``), built for the CPU as ``nh_provider`` builds the HF model's: its HybridStack spec resolved
+    as ``provide`` resolves it, then stood in. Returns (provider, its class name, whether the spec is megatron-core's
+    own hybrid_stack_spec)."""
+    from megatron.bridge.training.model_load_save import load_model_config
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    provider, mlm_args = load_model_config(str(iter_dir))
+    assert mlm_args is None, f"{iter_dir}: no run_config.yaml"
+    for k, v in CPU_SWITCHES.items():
+        setattr(provider, k, v)
+    stack = provider._resolve_hybrid_stack_spec()
+    provider.hybrid_stack_spec = cpu_hybrid_stack_spec(stack)
+    provider.parallel_output = False
+    provider.finalize()
+    return provider, type(provider).__name__, stack is hybrid_stack_spec
+
+
 def restore_bridge_settings(provider, saved):
     """What run_config.yaml should record: Bridge's own spec and kernel switches, not the CPU build's."""
     for k, v in saved.items():
@@ -866,7 +888,13 @@ def cmd_judge(a, serving=False) -> int:
         hlog = hf_logits(a.hf, judge_ids()) if a.pp == 1 else None
         for ckpt in a.ckpts:
             t1 = time.time()
-            problems, info = judge_one(ckpt, a, m, truth, hlog, world)
+            judged, made = m, {}
+            if ckpt in a.built_from_run_config:  # a Bridge target: the model its own run_config.yaml builds
+                bp, name, mcore_stack = checkpoint_provider(Path(resolve_iter_dir(ckpt)))
+                judged, made = unwrap(build(bp)[0]), {"provider": name, "mcore_stack": mcore_stack,
+                                                      "pattern": bp.hybrid_layer_pattern}
+            problems, info = judge_one(ckpt, a, judged, truth, hlog, world)
+            info.update(made)
             every = [None] * world
             dist.all_gather_object(every, (problems, info.get("loaded_tensors", 0)))
             problems = [p if r == 0 else f"rank {r}: {p}" for r, (ps, _) in enumerate(every) for p in ps]
@@ -1041,6 +1069,9 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--expect-tp", type=int, default=None, help="the TP each checkpoint must record")
     sp.add_argument("--expect-pp", type=int, default=None, help="the PP each checkpoint must record")
     sp.add_argument("--atol", type=float, default=1e-4, help="logits vs transformers, max abs")
+    sp.add_argument("--built-from-run-config", nargs="*", default=[], metavar="CKPT",
+                    help="Megatron-Bridge checkpoints among CKPTS judged in the model Megatron-Bridge builds from "
+                    "their own run_config.yaml (load_model_config), not in the HF model's")
     sp = sub.add_parser("mutate")
     sp.add_argument("src")
     sp.add_argument("dst")

@@ -14,6 +14,7 @@ from training_runs import MOE_M
 
 from dist_convert.config import config_from_args
 from dist_convert.errors import ConvertError
+from dist_convert.formats.bridge import hybrid_fields
 from dist_convert.layout.rules import logical_tensors
 from dist_convert.layout.topology import Layout
 from dist_convert.mlm_args import MCORE_HYBRID_SPEC as MCORE_SPEC
@@ -148,6 +149,7 @@ def test_the_pattern_marks_the_pipeline_stages_where_only_it_can(layout, pattern
     hybrid.check_layout(layout)
     args = args_for_target(argparse.Namespace(**gpt_args), hybrid, layout, None)
     assert args.hybrid_override_pattern == pattern
+    assert hybrid_fields(hybrid, layout)["hybrid_layer_pattern"] == pattern  # a Bridge target's run_config.yaml
     assert all(getattr(args, k) == v for k, v in fields.items())
     assert args.pipeline_model_parallel_layout is None and args.num_layers_per_virtual_pipeline_stage is None
     back, read = Layout.from_args(args, 1, layout.pp), cfg_of(vars(args))

@@ -45,6 +45,7 @@ TARGETS = {
                    "td_tp2"),
     "td_tp1": (["--dst-format", "torch_dist", "--target-tp", "1"], "td_tp2"),  # megatron -> megatron
     "bridge_tp2": (["--dst-format", "bridge", "--target-tp", "2", "--target-pp", "1"], "td_pp2"),  # Bridge: hybrid
+    "bridge_carried": (["--dst-format", "bridge", "--target-tp", "2"], "truth"),  # Bridge's own import, resharded
     "hf_back": (["--dst-format", "hf"], "td_tp2"),
     "hf_back_legacy": (["--dst-format", "hf"], "legacy_pp2"),
 }
@@ -65,22 +66,28 @@ def converted(tmp_path_factory) -> Path:
 def test_megatron_targets_judged_by_megatron_core(converted):
     """At TP 2 (world 2): the TP2 torch_dist and legacy targets, the TP1 PP2 torch_dist target and the TP1 one made
     from the TP2 one load strictly and equal megatron-core's own reshard of Bridge's import, with transformers'
-    logits; so does the Megatron-Bridge target (TP1 PP2 -> TP2), built by Bridge from its run_config.yaml
-    (HybridModelProvider); the mutated import fails. At TP 1 PP 2: the legacy PP2 target's rank files load into their
-    stages."""
+    logits; so do the Megatron-Bridge targets (TP1 PP2 -> TP2; Bridge's own import resharded, its run_config.yaml
+    carried), built by Bridge from their run_config.yaml (HybridModelProvider); the mutated import fails. At TP 1
+    PP 2: the legacy PP2 target's rank files load into their stages."""
     root, hf, truth = converted, str(converted / "hf"), str(converted / "truth")
-    names = ["td_tp2", "legacy_tp2", "td_pp2", "td_tp1", "bridge_tp2", "mutated_swap_B_C"]
+    names = ["td_tp2", "legacy_tp2", "td_pp2", "td_tp1", "bridge_tp2", "bridge_carried", "mutated_swap_B_C"]
+    bridges = [str(root / n) for n in names if n.startswith("bridge")]
     proc = nemotron("judge", "--truth", truth, "--hf", hf, "--tp", "2", *(str(root / n) for n in names),
-                    "--built-from-run-config", str(root / "bridge_tp2"), nproc=2, check=False)
+                    "--built-from-run-config", *bridges, nproc=2, check=False)
     got = verdicts(proc)
     assert set(got) == set(names), proc.stdout[-3000:] + proc.stderr[-3000:]
     for n in names[:-1]:
         assert got[n]["ok"] and got[n]["loaded_tensors"] > 0, got[n]
         assert got[n]["logits_max_abs_diff_vs_hf"] < 1e-4, got[n]
     assert (got["td_tp2"]["stored_tp"], got["td_pp2"]["stored_pp"], got["td_tp1"]["stored_tp"]) == (2, 2, 1)
-    bridge = got["bridge_tp2"]  # built by Megatron-Bridge from its run_config.yaml: provider, stack spec, pattern
-    assert (bridge["provider"], bridge["mcore_stack"], bridge["pattern"]) == ("HybridModelProvider", True, "M*-EM-"), \
-        bridge
+    for n in bridges:  # built by Megatron-Bridge from its run_config.yaml: provider, stack spec, pattern
+        bridge = got[Path(n).name]
+        assert (bridge["provider"], bridge["mcore_stack"], bridge["pattern"]) == ("HybridModelProvider", True,
+                                                                                 "M*-EM-"), bridge
+    import yaml
+
+    carried = yaml.safe_load(next((root / "bridge_carried").glob("iter_*/run_config.yaml")).read_text())["model"]
+    assert (carried["mamba_chunk_size"], carried["tensor_model_parallel_size"]) == (8, 2)  # Bridge's own, kept
     assert not got["mutated_swap_B_C"]["ok"] and proc.returncode != 0  # the judge can fail
     proc = nemotron("judge", "--truth", truth, "--hf", hf, "--tp", "1", "--pp", "2", str(root / "legacy_pp2"),
                     nproc=2, check=False)

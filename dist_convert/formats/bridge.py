@@ -242,6 +242,9 @@ def bridge_model_section(cfg: ModelConfig, args: argparse.Namespace) -> dict[str
     if cfg.mamba is not None:  # HybridModelProvider has no Llama 3 RoPE scaling fields (refused before)
         del fields["rope_scaling"], fields["rope_scaling_factor"]
         fields["hybrid_stack_spec"] = {"_call_": False, "_target_": HYBRID_STACK_SPEC}
+        if cfg.gdn is not None:  # the G layers' sizes (the pattern says where they are)
+            fields.update({k: v for k, v in cfg.gdn.to_args().items()
+                           if k.startswith("linear_") and k != "linear_attention_freq"})
     return {"_target_": provider_of(cfg), **fields, **grouped,
             "seq_length": getattr(args, "seq_length", None) or cfg.max_position_embeddings,
             "should_pad_vocab": cfg.padded_vocab(1) != cfg.vocab_size, "hidden_dropout": 0.0, "attention_dropout": 0.0,

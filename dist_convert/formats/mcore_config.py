@@ -98,12 +98,12 @@ MLA_PROVIDER_EXPRESSES: dict[str, Any] = {
 
 
 # What Megatron-Bridge's HybridModelProvider (megatron-core's HybridModel) expresses: a layer pattern of Mamba2,
-# attention, MLP and MoE layers with GPTModelProvider's attention, norm, MLP and MoE settings; not Llama 3's RoPE
-# scaling (no rope_scaling field), multi-latent or Gated DeltaNet layers (no MLA or linear-attention fields written
-# here) and multi-token-prediction depths (not written here)
+# Gated DeltaNet (TransformerConfig's linear_* sizes), attention, MLP and MoE layers with GPTModelProvider's
+# attention, norm, MLP and MoE settings; not Llama 3's RoPE scaling (no rope_scaling field), multi-latent attention
+# (no MLATransformerConfig fields) and multi-token-prediction depths (not written here)
 HYBRID_PROVIDER_EXPRESSES: dict[str, Any] = {
     **{k: v for k, v in PROVIDER_EXPRESSES.items() if k != "mtp" and not k.startswith("position.scaling")},
-    **scaling_settings(), "mamba": ANY}
+    **scaling_settings(), "mamba": ANY, "gdn": ANY}
 
 
 def provider_expresses(cfg: ModelConfig) -> dict[str, Any]:

@@ -339,6 +339,30 @@ def cmd_interop(a) -> int:
         end_parallel(a.serving)
 
 
+def bridge_built(iter_dir: Path):
+    """(model, provider, the HybridStack spec it names) as Megatron-Bridge 0.6.2 builds them from a Bridge checkpoint's
+    own run_config.yaml: ``load_model_config`` instantiates its provider, ``finalize`` derives the layer count from
+    the pattern and runs megatron-core's deferred checks, ``provide`` builds the HybridModel (its spec resolved as
+    ``provide`` resolves it, then stood in on the CPU: ``on_cpu``)."""
+    from megatron.bridge.models.hybrid.hybrid_provider import DEFAULT_MAMBA_CHUNK_SIZE
+    from megatron.bridge.training.model_load_save import load_model_config
+
+    provider, mlm_args = load_model_config(str(iter_dir))
+    assert mlm_args is None, f"{iter_dir} is not a Megatron-Bridge checkpoint (no run_config.yaml)"
+    provider.use_cpu_initialization, provider.parallel_output = True, False  # the logits gathered over TP
+    cpu_switches(provider)
+    provider.finalize()
+    # resolved at the default scan chunk size (Bridge configures another one in a deep copy of the spec, which the TE
+    # mocks do not survive); provide() then copies the stood-in spec with the checkpoint's own chunk size
+    chunk, provider.mamba_chunk_size = provider.mamba_chunk_size, DEFAULT_MAMBA_CHUNK_SIZE
+    stack = provider._resolve_hybrid_stack_spec()
+    provider.mamba_chunk_size = chunk
+    with on_cpu(provider, provider.hybrid_layer_pattern, stack) as spec:
+        provider.hybrid_stack_spec = spec
+        model = provider.provide(pre_process=True, post_process=True)
+    return model, provider, stack
+
+
 def cmd_bridge(a) -> int:
     """A Megatron-Bridge HybridModel target as Megatron-Bridge 0.6.2 reads it: its own ``load_model_config``
     instantiates the provider of run_config.yaml (HybridModelProvider), ``finalize`` and ``provide`` build
@@ -352,22 +376,12 @@ def cmd_bridge(a) -> int:
     from oracles.common import end_parallel, resolve_iter_dir
 
     nemotron_h.apply_shims()  # Bridge's import of Transformer Engine stood in first
-    from megatron.bridge.training.model_load_save import load_model_config
-
     cfg = mcore.load_config(a.config)
     iter_dir = Path(resolve_iter_dir(a.ckpt))
     mcore.init_parallel(a.tp, 1, ep=a.ep, cfg=cfg)
     try:
-        provider, mlm_args = load_model_config(str(iter_dir))
-        assert mlm_args is None, "not a Megatron-Bridge checkpoint (no run_config.yaml)"
+        model, provider, stack = bridge_built(iter_dir)
         name = type(provider).__name__
-        provider.use_cpu_initialization = True
-        cpu_switches(provider)
-        provider.finalize()  # the pattern's layer count; megatron-core's deferred config checks
-        stack = provider._resolve_hybrid_stack_spec()  # Bridge's named spec, resolved as provide() resolves it
-        with on_cpu(provider, provider.hybrid_layer_pattern, stack) as spec:
-            provider.hybrid_stack_spec = spec
-            model = provider.provide(pre_process=True, post_process=True)
         problems = load_judged(model, iter_dir)
         if problems:
             if torch.distributed.get_rank() == 0:
@@ -408,19 +422,31 @@ def cmd_hf(a) -> int:
     rank, _ = qwen3_next.init_dist(a.tp, 1, a.ep, 1 if a.ep > 1 else None)
     view = None
     try:
-        if sparse:
-            arch = "glm5" if model_type == "glm_moe_dsa" else "v32"
-            hf_dir, view = dsa.glm_view(a.hf, arch)
-            _, config = dsa.dsa_provider(hf_dir, arch, load_weights=False, tp=a.tp, ep=a.ep)
+        if a.from_run_config:  # a Bridge target: the model Bridge builds from its own run_config.yaml
+            from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+            model, config, named = bridge_built(iter_dir)
+            spec = ("megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec") \
+                if named is hybrid_stack_spec else ("another", "spec")
+            if config.hybrid_layer_pattern != a.pattern:
+                raise SystemExit(f"run_config.yaml builds pattern {config.hybrid_layer_pattern}, not {a.pattern}")
         else:
-            _, config = qwen3_next.qwen_provider(a.hf, load_weights=False, tp=a.tp, ep=a.ep, parallel_output=False)
-        model = build(config, a.pattern, stack, vocab_size=config.vocab_size, max_sequence_length=config.seq_length,
-                      share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
-                      position_embedding_type=config.position_embedding_type, rotary_percent=config.rotary_percent,
-                      rotary_base=config.rotary_base)
+            if sparse:
+                arch = "glm5" if model_type == "glm_moe_dsa" else "v32"
+                hf_dir, view = dsa.glm_view(a.hf, arch)
+                _, config = dsa.dsa_provider(hf_dir, arch, load_weights=False, tp=a.tp, ep=a.ep)
+            else:
+                _, config = qwen3_next.qwen_provider(a.hf, load_weights=False, tp=a.tp, ep=a.ep,
+                                                     parallel_output=False)
+            model = build(config, a.pattern, stack, vocab_size=config.vocab_size,
+                          max_sequence_length=config.seq_length,
+                          share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
+                          position_embedding_type=config.position_embedding_type,
+                          rotary_percent=config.rotary_percent, rotary_base=config.rotary_base)
         problems = load_judged(model, iter_dir)
         verdict: dict = {"ckpt": a.ckpt, "spec": ".".join(spec) if spec else None, "tp": a.tp, "ep": a.ep,
-                         "position_embedding_type": config.position_embedding_type}
+                         "position_embedding_type": config.position_embedding_type,
+                         "provider": type(config).__name__}
         if not problems:
             made = torch.load(a.logits) if sparse else None
             ids = made["ids"] if sparse else nemotron_h.judge_ids()
@@ -474,6 +500,8 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--ckpt", required=True)
     sp.add_argument("--atol", type=float, default=1e-4)
     sp.add_argument("--logits", help="a DSA model: transformers' logits oracles/dsa.py make saved ({ids, logits})")
+    sp.add_argument("--from-run-config", action="store_true", help="a Megatron-Bridge checkpoint: the model "
+                    "Megatron-Bridge builds from its own run_config.yaml (bridge_built), not the HF model's provider")
     a = p.parse_args(argv)
     a.serving = serving
     return {"logits": cmd_logits, "bridge": cmd_bridge, "interop": cmd_interop, "hf": cmd_hf}[a.cmd](a)

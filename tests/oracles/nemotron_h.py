@@ -533,6 +533,7 @@ def checkpoint_provider(iter_dir: Path):
     ``load_model_config``), built for the CPU as ``nh_provider`` builds the HF model's: its HybridStack spec resolved
     as ``provide`` resolves it, then stood in. Returns (provider, its class name, whether the spec is megatron-core's
     own hybrid_stack_spec)."""
+    from megatron.bridge.models.hybrid.hybrid_provider import DEFAULT_MAMBA_CHUNK_SIZE
     from megatron.bridge.training.model_load_save import load_model_config
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
@@ -540,8 +541,12 @@ def checkpoint_provider(iter_dir: Path):
     assert mlm_args is None, f"{iter_dir}: no run_config.yaml"
     for k, v in CPU_SWITCHES.items():
         setattr(provider, k, v)
+    # the named spec, resolved as provide() resolves it: at the default scan chunk size (Bridge configures another
+    # one in a deep copy of the spec, which the TE mocks do not survive), then the stand-ins' spec, which provide()
+    # copies with the checkpoint's own chunk size
+    chunk, provider.mamba_chunk_size = provider.mamba_chunk_size, DEFAULT_MAMBA_CHUNK_SIZE
     stack = provider._resolve_hybrid_stack_spec()
-    provider.hybrid_stack_spec = cpu_hybrid_stack_spec(stack)
+    provider.hybrid_stack_spec, provider.mamba_chunk_size = cpu_hybrid_stack_spec(stack), chunk
     provider.parallel_output = False
     provider.finalize()
     return provider, type(provider).__name__, stack is hybrid_stack_spec

@@ -528,30 +528,6 @@ def nh_provider(hf: str, load_weights: bool, tp: int, pp: int = 1, parallel_outp
     return bridge, provider, saved
 
 
-def checkpoint_provider(iter_dir: Path):
-    """The provider Megatron-Bridge 0.6.2 reads from a Bridge checkpoint's run_config.yaml (its own
-    ``load_model_config``), built for the CPU as ``nh_provider`` builds the HF model's: its HybridStack spec resolved
-    as ``provide`` resolves it, then stood in. Returns (provider, its class name, whether the spec is megatron-core's
-    own hybrid_stack_spec)."""
-    from megatron.bridge.models.hybrid.hybrid_provider import DEFAULT_MAMBA_CHUNK_SIZE
-    from megatron.bridge.training.model_load_save import load_model_config
-    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
-
-    provider, mlm_args = load_model_config(str(iter_dir))
-    assert mlm_args is None, f"{iter_dir}: no run_config.yaml"
-    for k, v in CPU_SWITCHES.items():
-        setattr(provider, k, v)
-    # the named spec, resolved as provide() resolves it: at the default scan chunk size (Bridge configures another
-    # one in a deep copy of the spec, which the TE mocks do not survive), then the stand-ins' spec, which provide()
-    # copies with the checkpoint's own chunk size
-    chunk, provider.mamba_chunk_size = provider.mamba_chunk_size, DEFAULT_MAMBA_CHUNK_SIZE
-    stack = provider._resolve_hybrid_stack_spec()
-    provider.hybrid_stack_spec, provider.mamba_chunk_size = cpu_hybrid_stack_spec(stack), chunk
-    provider.parallel_output = False
-    provider.finalize()
-    return provider, type(provider).__name__, stack is hybrid_stack_spec
-
-
 def restore_bridge_settings(provider, saved):
     """What run_config.yaml should record: Bridge's own spec and kernel switches, not the CPU build's."""
     for k, v in saved.items():
@@ -895,9 +871,14 @@ def cmd_judge(a, serving=False) -> int:
             t1 = time.time()
             judged, made = m, {}
             if ckpt in a.built_from_run_config:  # a Bridge target: the model its own run_config.yaml builds
-                bp, name, mcore_stack = checkpoint_provider(Path(resolve_iter_dir(ckpt)))
-                judged, made = unwrap(build(bp)[0]), {"provider": name, "mcore_stack": mcore_stack,
-                                                      "pattern": bp.hybrid_layer_pattern}
+                from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+                from oracles.hybrid import bridge_built
+
+                judged, bp, stack = bridge_built(Path(resolve_iter_dir(ckpt)))
+                judged.eval()
+                made = {"provider": type(bp).__name__, "mcore_stack": stack is hybrid_stack_spec,
+                        "pattern": bp.hybrid_layer_pattern}
             problems, info = judge_one(ckpt, a, judged, truth, hlog, world)
             info.update(made)
             every = [None] * world

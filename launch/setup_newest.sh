@@ -2,7 +2,8 @@
 # Idempotent set-up of .venv-newest: the newest-stack runtime (Python 3.12, the newest torch the registry
 # serves, 2.15.0, which is what `torch>=2.6` resolves to on a user's GPU node; its CUDA build runs on a CPU
 # machine as it is; megatron-core 0.19.2). tests/test_newest_torch.py runs dist_convert, torch's own DCP and
-# megatron-core's save under it, and checks what crosses between it and torch 2.13 (.venv, .venv-mcore19).
+# megatron-core's save under it, and checks what crosses between it and torch 2.13 (.venv, .venv-mcore19). It also
+# holds transformers 5.23.0, the only release defining Kimi-K2.5 (tests/oracles/kimi_k25.py judges there).
 # Re-running is a no-op unless this script or pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,7 +20,8 @@ stamp=$V/.dist_convert_setup
 want=$(cat pyproject.toml launch/setup_newest.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${PIP[@]}" "torch==$TORCH"
-  "${PIP[@]}" "megatron-core==0.19.2" numpy packaging psutil "pyyaml>=5.1" "safetensors>=0.4" "rich>=13" "pytest>=8"
+  "${PIP[@]}" "megatron-core==0.19.2" numpy packaging psutil "pyyaml>=5.1" "safetensors>=0.4" "rich>=13" "pytest>=8" \
+    "transformers==5.23.0"
   flock pyproject.toml "${PIP[@]}" --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi

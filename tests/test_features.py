@@ -301,6 +301,10 @@ SAMPLES = {
                          layer_types=["sliding_attention"] * 3 + ["full_attention"]),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                            image_size=32, patch_size=4, vision_use_head=False), mm_tokens_per_image=4)),
+    "Kimi_K25ForConditionalGeneration": ("Kimi_K25Config", dict(
+        text_config=dict(DS_KW, model_type="deepseek_v3"), projection_hidden_size=32,
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                           patch_size=4, pos_emb_height=4, pos_emb_width=4))),
 }
 assert set(SAMPLES) == set(FAMILIES)
 

@@ -226,6 +226,39 @@ class PixtralTower(Vision):
                                    what="biases on the multimodal projector's linears")
 
 
+@dataclass(frozen=True, kw_only=True)
+class MoonViTTower(Vision):
+    """Kimi-K2.5's MoonViT (Megatron-Bridge keeps it whole and replicated, with its patch-merger projector, under
+    the release's own names): LayerNorms, a fused biased q/k/v with 2-D axial RoPE over the patch grid, a GELU MLP,
+    learned positions on a ``pos_height x pos_width`` grid (bicubically resampled to each image) plus a sinusoid over
+    ``pos_time`` frames, then ``merge x merge`` patches pooled side by side into one token for the projector (a
+    LayerNorm, a linear, exact GELU, a linear to the language model's width)."""
+
+    tower: str = _tower("moonvit")
+    pos_height: int = setting(64, kind=SIZE, arg="vision_pos_height", config=(),
+                              what="rows of the vision tower's learned position grid (MoonViT)")
+    pos_width: int = setting(64, kind=SIZE, arg="vision_pos_width", config=(),
+                             what="columns of the vision tower's learned position grid (MoonViT)")
+    pos_time: int = setting(4, kind=SIZE, arg="vision_pos_time", config=(),
+                            what="frames of the vision tower's temporal sinusoid (MoonViT)")
+    merge: int = setting(2, kind=SIZE, arg="vision_merge", config=(),
+                         what="the spatial merge size (patches merged per side into one token)")
+    rope_base: float = setting(10000.0, arg="vision_rope_base", config=(), what="the vision tower's 2-D RoPE base")
+    projector_eps: float = setting(1e-5, arg="vision_projector_eps", config=(),
+                                   what="the multimodal projector's LayerNorm epsilon (Kimi-K2.5)")
+    video_token_id: int | None = setting(None, arg="video_token_id", config=(), what="the video token id")
+
+    @property
+    def merged(self) -> int:
+        """The width of a merged token: ``merge**2`` patches side by side."""
+        return self.hidden * self.merge * self.merge
+
+    def check_layout(self, cfg: ModelConfig, layout: Layout, what: str) -> None:
+        """Any spec: the tower and projector are Hugging Face modules whatever the language model's spec, and
+        megatron-core's local GPTModel holds the language model (Megatron-Bridge builds Transformer Engine's, the
+        default)."""
+
+
 # each tower's record type by its name (the ``vision_tower`` arg)
 TOWERS: dict[str, type[Vision]] = {c.tower: c for c in (Qwen3VLTower, Qwen25VLTower, SiglipTower, Glm4vTower,
-                                                        PixtralTower)}
+                                                        PixtralTower, MoonViTTower)}

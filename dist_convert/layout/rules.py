@@ -179,7 +179,8 @@ def extra_state_modules(cfg: ModelConfig, stack: str, spec: str, layer: int | No
     cross = CROSS_EXTRA_STATE_MODULES[spec] if cfg.t5 is not None and stack == "decoder" else ()
     if cfg.dsa is not None and layer is not None:
         return dsa_layer_modules(cfg, stack, layer)
-    te2 = hybrid(cfg) or cfg.attention.qk_norm_full or (cfg.vision is not None and not cfg.norm.post_norms)
+    te2 = hybrid(cfg) or cfg.attention.qk_norm_full or (cfg.vision is not None and spec == "te"
+                                                         and not cfg.norm.post_norms)
     if te2 and layer is not None:  # Megatron-Bridge's vision-language and full-width q/k norm models: TE 2's too
         return te2_layer_modules(cfg, stack, layer)
     base = EXTRA_STATE_MODULES[spec]

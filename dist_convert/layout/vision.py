@@ -11,7 +11,9 @@ its tensors, its megatron-core objects, its stacks):
 * ``PixtralTower``: Mistral 3's Pixtral encoder and multimodal projector, kept the same way under ``vision_tower.``
   and ``multi_modal_projector.`` (``PIXTRAL``);
 * ``SiglipTower``: Gemma 3's SigLIP encoder, kept the same way under ``vision_tower.``, and Bridge's multimodal
-  projector (``multi_modal_projector.``: a replicated RMSNorm and a column-parallel projection; ``SIGLIP``).
+  projector (``multi_modal_projector.``: a replicated RMSNorm and a column-parallel projection; ``SIGLIP``);
+* ``MoonViTTower``: Kimi-K2.5's MoonViT and patch-merger projector, kept the same way under ``vision_tower.`` and
+  ``mm_projector.`` with the release's names (``MOONVIT``).
 
 The Qwen3-VL tower is Megatron-native and always Transformer Engine's spec: pre-norms (LayerNorm, with bias) fused into
 ``linear_qkv`` / ``linear_fc1``, biases everywhere, a non-gated MLP, multi-head attention whose ``linear_qkv`` holds
@@ -28,7 +30,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ..features.vision import TOWERS, Glm4vTower, PixtralTower, Qwen3VLTower, Qwen25VLTower, SiglipTower, Vision
+from ..features.vision import (
+    TOWERS,
+    Glm4vTower,
+    MoonViTTower,
+    PixtralTower,
+    Qwen3VLTower,
+    Qwen25VLTower,
+    SiglipTower,
+    Vision,
+)
 from .boxes import Kind
 from .tensors import LogicalTensor, Rule, Shape
 
@@ -38,7 +49,7 @@ if TYPE_CHECKING:  # the layout reads a model config's attributes; it never impo
 VISION = "vision_model."
 PROJECTOR = "multi_modal_projector."
 # the torch_dist key prefixes of a vision component (every other key is the language model's, under LM_PREFIX)
-COMPONENT_PREFIXES = (VISION, "visual.", "vision_tower.", PROJECTOR)
+COMPONENT_PREFIXES = (VISION, "visual.", "vision_tower.", PROJECTOR, "mm_projector.")
 VISION_STACK = "vision_model.decoder"
 DEEPSTACK_STACK = "vision_model.decoder.deepstack_merger_list"  # a ModuleList megatron-core stacks like layers
 VISION_STACKS = (VISION_STACK, DEEPSTACK_STACK)  # stacked on a layer axis whatever the language model's keys do
@@ -277,7 +288,26 @@ def pixtral_tower(cfg: ModelConfig) -> Table:
                   *(_linear(p + "linear_2", lm, lm) if v.projector_bias else [(p + "linear_2.weight", (lm, lm))])]
 
 
+def moonvit_tower(cfg: ModelConfig) -> Table:
+    """Kimi-K2.5's MoonViT under ``vision_tower.`` and its projector under ``mm_projector.``, with the release's names
+    (the Hub's model code; transformers 5.23 reads them, and Megatron-Bridge keeps them): the biased patch
+    convolution, the learned position grid, blocks of LayerNorms, a fused q/k/v, the output projection and a two-linear
+    MLP, the final LayerNorm; the projector's LayerNorm on the tower's width and two linears on the merged width."""
+    v = cfg.vision
+    h, m = v.hidden, v.merged
+    p = "vision_tower.patch_embed."
+    out: Table = [(p + "proj.weight", (h, v.in_channels, v.patch, v.patch)), (p + "proj.bias", (h,)),
+                  (p + "pos_emb.weight", (v.pos_height, v.pos_width, h))]
+    for i in range(v.depth):
+        b = f"vision_tower.encoder.blocks.{i}."
+        out += [*_norm(b + "norm0", h), *_linear(b + "wqkv", 3 * h, h), *_linear(b + "wo", h, h),
+                *_norm(b + "norm1", h), *_linear(b + "mlp.fc0", v.ffn, h), *_linear(b + "mlp.fc1", h, v.ffn)]
+    return out + [*_norm("vision_tower.encoder.final_layernorm", h), *_norm("mm_projector.pre_norm", h),
+                  *_linear("mm_projector.proj.0", m, m), *_linear("mm_projector.proj.2", v.out_hidden, m)]
+
+
 QWEN2_5_VL = HFModule("visual.", qwen2_5_vl_tower)
+MOONVIT = HFModule("", moonvit_tower)
 PIXTRAL = HFModule("", pixtral_tower)
 GLM4V = HFModule("visual.", glm4v_tower)
 # Gemma 3's projector (Bridge's Gemma3VLMultimodalProjector): the soft-embedding RMSNorm on the tower's width, then a
@@ -288,7 +318,8 @@ SIGLIP = HFModule("vision_tower.", siglip_tower, projector=(
 
 # -- each tower's table, by its record type ------------------------------------------------------------------------
 TOWER_LAYOUTS: dict[type[Vision], TowerLayout] = {Qwen3VLTower: MegatronQwen3VL(), Qwen25VLTower: QWEN2_5_VL,
-                                                  SiglipTower: SIGLIP, Glm4vTower: GLM4V, PixtralTower: PIXTRAL}
+                                                  SiglipTower: SIGLIP, Glm4vTower: GLM4V, PixtralTower: PIXTRAL,
+                                                  MoonViTTower: MOONVIT}
 assert set(TOWER_LAYOUTS) == set(TOWERS.values()), "one layout per vision tower"
 
 

@@ -26,6 +26,7 @@ from . import (
     glm,
     glm45v,
     gpt_oss,
+    kimi_k25,
     llama,
     minimax,
     ministral3,
@@ -58,6 +59,7 @@ REGISTERED: tuple[Family, ...] = (
     *gemma3_vl.FAMILIES,
     *glm45v.FAMILIES,
     *ministral3.FAMILIES,  # Ministral 3, and with images (Mistral 3)
+    *kimi_k25.FAMILIES,  # Kimi-K2.5 with images
 )
 # Families people convert that megatron-core 0.19.2 and Megatron-Bridge 0.6.2 cannot build, by config.json
 # ``model_type``: refused in one line naming what is missing (docs/families.md lists them). DeepSeek-V4: transformers

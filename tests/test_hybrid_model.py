@@ -149,7 +149,9 @@ def test_the_pattern_marks_the_pipeline_stages_where_only_it_can(layout, pattern
     hybrid.check_layout(layout)
     args = args_for_target(argparse.Namespace(**gpt_args), hybrid, layout, None)
     assert args.hybrid_override_pattern == pattern
-    assert hybrid_fields(hybrid, layout)["hybrid_layer_pattern"] == pattern  # a Bridge target's run_config.yaml
+    bridge = hybrid_fields(hybrid, layout)  # a Bridge target's run_config.yaml: the provider joins the MTP depths
+    assert (bridge["hybrid_layer_pattern"] + "/" + bridge["mtp_hybrid_override_pattern"], bridge["mtp_num_layers"]) \
+        == (pattern, 1)
     assert all(getattr(args, k) == v for k, v in fields.items())
     assert args.pipeline_model_parallel_layout is None and args.num_layers_per_virtual_pipeline_stage is None
     back, read = Layout.from_args(args, 1, layout.pp), cfg_of(vars(args))
@@ -170,24 +172,28 @@ def test_the_pipeline_stages_are_carried_across_the_model_class(src, layers, tar
     assert carried_layout(src, layers, target_layers, 1 if "m" in (src.pipeline_layout or "") else 0) == want
 
 
-@pytest.mark.parametrize("args,needle", [
-    ({**MOE_M, "mtp_num_layers": 1}, "multi-token-prediction layers"),
-    ({**LLAMA, "use_rope_scaling": True, "rope_scaling_factor": 8.0}, "rope_scaling=llama3")])
-def test_megatron_bridges_hybrid_provider_is_written_with_the_fields_it_has(args, needle):
+def test_megatron_bridges_hybrid_provider_is_written_with_the_fields_it_has():
     """A Bridge target of a HybridModel names HybridModelProvider with megatron-core's hybrid stack and the model's
-    dtype (Bridge's providers default to bf16); what it has no field for here is refused (test_a_hybrid_target...:
-    in one line, through the CLI)."""
+    dtype (Bridge's providers default to bf16), its MTP depths as one depth's pattern and their count; what it has no
+    field for is refused (test_a_hybrid_target...: in one line, through the CLI): Llama 3's RoPE scaling, MTP depths
+    of different patterns."""
     from dist_convert.features.expressed import describe_all, unexpressed
     from dist_convert.formats.bridge import HYBRID_PROVIDER, HYBRID_STACK_SPEC, bridge_model_section
     from dist_convert.formats.mcore_config import provider_expresses
 
-    moe = hybrid_of(cfg_of(MOE_M))
+    moe = hybrid_of(cfg_of({**MOE_M, "mtp_num_layers": 2}))
     section = bridge_model_section(moe, argparse.Namespace(params_dtype=torch.float32))
     assert (section["_target_"], section["hybrid_stack_spec"]["_target_"]) == (HYBRID_PROVIDER, HYBRID_STACK_SPEC)
     assert (section["bf16"], section["fp16"]) == (False, False) and "rope_scaling" not in section
     assert not unexpressed(moe, provider_expresses(moe))
-    other = hybrid_of(cfg_of(args))
-    assert needle in describe_all(unexpressed(other, provider_expresses(other)))
+    fields = hybrid_fields(moe, Layout())
+    assert (fields["hybrid_layer_pattern"], fields["mtp_hybrid_override_pattern"], fields["mtp_num_layers"]) == (
+        "*-*E*-*E", "*E", 2)
+    uneven = dataclasses.replace(moe, mamba=dataclasses.replace(moe.mamba, mtp_pattern="*E/*-"))
+    with pytest.raises(ConvertError, match="depths of different patterns"):
+        hybrid_fields(uneven, Layout())
+    other = hybrid_of(cfg_of({**LLAMA, "use_rope_scaling": True, "rope_scaling_factor": 8.0}))
+    assert "rope_scaling=llama3" in describe_all(unexpressed(other, provider_expresses(other)))
 
 
 def test_optimizer_state_is_converted_for_a_hybrid_model_without_mamba2_layers():
@@ -231,23 +237,29 @@ def qk_src(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_src(tmp_path_factory):
-    """MOE_M (a dense first layer, then MoE every other layer: 4 experts, shared expert, sigmoid router with bias)."""
-    return make_gpt(tmp_path_factory.mktemp("hybrid_moe"), "M", MOE_M, 1, 1, ep=2)
+    """MOE_M (a dense first layer, then MoE every other layer: 4 experts, shared expert, sigmoid router with bias)
+    with one MTP layer (megatron-core builds it like the last layer: the hybrid depth ``*E``), its vocabulary unpadded:
+    the losses' softmax runs over the padded vocabulary, whose padding rows a conversion writes as zeros."""
+    cfg = {**MOE_M, "mtp_num_layers": 1, "make_vocab_size_divisible_by": 4}
+    return make_gpt(tmp_path_factory.mktemp("hybrid_moe"), "MT", cfg, 1, 1, ep=2)
 
 
 @pytest.mark.parametrize("which,pattern,targets,back", [
     ("dense", "*-" * 4, [("torch_dist", "2", "1", "1"), ("megatron", "2", "1", "1")],
      ["--target-tp", "2", "--target-pp", "2", "--target-spec", "local"]),
-    ("moe", "*-*E*-*E", [("torch_dist", "1", "1", "2"), ("bridge", "1", "1", "1")],
+    ("moe", "*-*E*-*E/*E", [("torch_dist", "1", "1", "2"), ("bridge", "1", "1", "1")],
      ["--target-ep", "2", "--target-spec", "local"]),
     ("qk", "*-" * 4, [("torch_dist", "1", "1", "1"), ("megatron", "2", "1", "1")],
      ["--target-tp", "2", "--target-spec", "local"])])
 def test_gpt_to_hybrid_loads_in_megatron_cores_hybrid_model_with_the_gpt_logits(request, tmp_path, which, pattern,
                                                                                targets, back):
-    """GPT (gpt_a: TP2 PP2, local spec; the MoE: TP1 EP2) -> HybridModel targets (format, TP, PP, EP): megatron-core
-    0.19.2's HybridModel loads each strictly at its TP and EP (PP 1: a torch_dist checkpoint is layout-free; PP > 1:
+    """GPT (gpt_a: TP2 PP2, local spec; the MoE: TP1 EP2, an MTP layer) -> HybridModel targets (format, TP, PP, EP):
+    megatron-core 0.19.2's HybridModel (a Bridge target: the one Megatron-Bridge's HybridModelProvider builds from its
+    run_config.yaml, the MTP depth joined to the pattern by the provider) loads each strictly at its TP and EP (PP 1:
+    a torch_dist checkpoint is layout-free; PP > 1:
     test_a_hybrid_target_over_pipeline_stages_is_built_from_its_patterns_segments) and
-    computes GPTModel's logits of the source (megatron-core 0.19.2 too, the same tokens) within 1e-4; for the dense
+    computes GPTModel's logits of the source (megatron-core 0.19.2 too, the same tokens) within 1e-4, and the MTP
+    depth's loss of GPTModel's MTP layer; for the dense
     model, megatron-core's own load-time interop (gpt_checkpoint_interop) of the GPT checkpoint gives the same
     tensors as the offline target; back to GPT bit for bit, and to the hybrid model again bit for bit."""
     src = request.getfixturevalue({"dense": "gpt_a", "moe": "moe_src", "qk": "qk_src"}[which])
@@ -255,6 +267,8 @@ def test_gpt_to_hybrid_loads_in_megatron_cores_hybrid_model_with_the_gpt_logits(
     oracle("logits", src.ep, "--config", str(src.config), "--tp", "1", "--ep", str(src.ep), "--ckpt",
            str(src.torch_dist), "--out", str(ref), runtime="mcore19")
     want = torch.load(ref)
+    truth = mtp_losses(oracle("mtp", src.ep, "--config", str(src.config), "--tp", "1", "--ep", str(src.ep), "--ckpt",
+                              str(src.torch_dist), runtime="mcore19")) if which == "moe" else None
     for fmt, tp, pp, ep in targets:
         dst = tmp_path / f"hybrid_{fmt}_tp{tp}_pp{pp}_ep{ep}"
         ok(run_cli("reshard", str(src.torch_dist), str(dst), "--target-model", "hybrid", "--dst-format", fmt,
@@ -262,6 +276,12 @@ def test_gpt_to_hybrid_loads_in_megatron_cores_hybrid_model_with_the_gpt_logits(
         got = hybrid_logits(src, pattern, dst, int(tp), int(ep), tmp_path / f"{dst.name}.pt", fmt)
         assert torch.equal(got["tokens"], want["tokens"])
         assert (got["logits"] - want["logits"]).abs().max().item() < 1e-4, dst.name
+        if truth is not None:
+            cmd = ["bridge"] if fmt == "bridge" else ["logits", "--pattern", pattern]
+            proc = oracle(*cmd[:1], int(tp) * int(ep), *cmd[1:], "--config", str(src.config), "--tp", tp, "--ep", ep,
+                          "--ckpt", str(dst), "--out", str(tmp_path / "unused.pt"), "--mtp", program="hybrid",
+                          runtime="mcore19")
+            assert mtp_losses(proc) == pytest.approx(truth, abs=1e-5), dst.name
     first = tmp_path / "hybrid_torch_dist_tp{}_pp{}_ep{}".format(*targets[0][1:])
     for fmt, tp, pp, ep in targets[1:]:  # read back: the same tensors as the first target (a Bridge one's as well)
         dst = tmp_path / f"hybrid_{fmt}_tp{tp}_pp{pp}_ep{ep}"

@@ -24,6 +24,7 @@ from ..config import ModelConfig
 from ..datamodel import ORIGIN_KEY, Origin, SourceIndex, Target, TargetFile, WrittenFile
 from ..durable import write_durable
 from ..errors import ConvertError
+from ..features.blocks import MTP_SEPARATOR, Mamba
 from ..features.expressed import ANY, refuse_unexpressed
 from ..layout.topology import Layout
 from ..mlm_args import HF_TOKENIZER, MCORE_HYBRID_SPEC
@@ -92,13 +93,29 @@ def carried_run_config(target: Target) -> dict[str, Any] | None:
     return y
 
 
+def mtp_depth_pattern(mamba: Mamba) -> str | None:
+    """The one pattern HybridModelProvider repeats for each multi-token-prediction depth (``mtp_hybrid_override_
+    pattern``, ``mtp_num_layers`` times; None without depths); depths of different patterns are refused."""
+    if not mamba.mtp_pattern:
+        return None
+    depths = set(mamba.mtp_pattern.split(MTP_SEPARATOR))
+    if len(depths) > 1:
+        raise ConvertError(f"hybrid layer pattern {mamba.full_pattern}: multi-token-prediction depths of different "
+                           "patterns, and Megatron-Bridge 0.6.2's HybridModelProvider repeats one depth's pattern",
+                           "write --dst-format torch_dist (megatron-core's unified pattern holds them)")
+    return depths.pop()
+
+
 def hybrid_fields(cfg: ModelConfig, layout: Layout) -> dict[str, Any]:
     """HybridModelProvider's pattern and Mamba2 sizes at ``layout``: the pipeline stages marked by '|' where only they
-    say them (``Mamba.piped``), no other stage field beside them."""
+    say them (``Mamba.piped``), no other stage field beside them; the multi-token-prediction depths as one depth's
+    pattern and their count, which the provider joins to the main pattern after '/' (``mtp_depth_pattern``)."""
     mamba = cfg.mamba
     piped = mamba.layout_args(cfg, layout)
-    out = {"hybrid_layer_pattern": piped.get("hybrid_override_pattern", mamba.full_pattern),
-           "hybrid_override_pattern": None, "mamba_num_heads": mamba.num_heads, "mamba_head_dim": mamba.head_dim,
+    main = piped.get("hybrid_override_pattern", mamba.full_pattern).split(MTP_SEPARATOR)[0]
+    out = {"hybrid_layer_pattern": main, "hybrid_override_pattern": None,
+           "mtp_hybrid_override_pattern": mtp_depth_pattern(mamba), "mtp_num_layers": cfg.mtp_num_layers or None,
+           "mamba_num_heads": mamba.num_heads, "mamba_head_dim": mamba.head_dim,
            "mamba_num_groups": mamba.num_groups, "mamba_state_dim": mamba.state_dim}
     if piped:
         out.update(num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
@@ -214,6 +231,9 @@ def bridge_args(iter_dir: Path, y: dict[str, Any]) -> argparse.Namespace:
     if is_hybrid_section(model):  # its HybridStack spec as Megatron-LM's args name one (module, name)
         named = callable_name(model.get("hybrid_stack_spec")) or HYBRID_STACK_SPEC
         args.spec = list(MCORE_HYBRID_SPEC) if named == HYBRID_STACK_SPEC else list(named.rsplit(".", 1))
+        if model.get("mtp_hybrid_override_pattern") and model.get("mtp_num_layers"):  # one MTP depth's pattern,
+            # mtp_num_layers times (the provider joins them; none without mtp_num_layers)
+            args.mtp_hybrid_override_pattern = model["mtp_hybrid_override_pattern"]
     if not model.get("should_pad_vocab", False):  # the embedding holds exactly vocab_size rows
         args.make_vocab_size_divisible_by = 1
     if (iter_dir / TOKENIZER).is_dir():
@@ -281,6 +301,8 @@ class BridgeFormat(TorchDistFormat):
                                "convert from that Bridge checkpoint, or write --dst-format torch_dist (the same "
                                "layout, with Megatron-LM args)")
         check_bridge_spec(target.cfg, target.layout.tp)
+        if target.cfg.mamba is not None:
+            mtp_depth_pattern(target.cfg.mamba)  # refused before anything is written
         if target.cfg.mamba is not None and target.layout.vpp:
             raise ConvertError(f"a Megatron-Bridge target of a HybridModel at VPP={target.layout.vpp}: Megatron-Bridge "
                                "0.6.2's HybridModelProvider builds no virtual pipeline stages", "drop --target-vpp "

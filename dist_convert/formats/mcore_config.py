@@ -99,10 +99,10 @@ MLA_PROVIDER_EXPRESSES: dict[str, Any] = {
 
 # What Megatron-Bridge's HybridModelProvider (megatron-core's HybridModel) expresses: a layer pattern of Mamba2,
 # Gated DeltaNet (TransformerConfig's linear_* sizes), attention, MLP and MoE layers with GPTModelProvider's
-# attention, norm, MLP and MoE settings; not Llama 3's RoPE scaling (no rope_scaling field), multi-latent attention
-# (no MLATransformerConfig fields) and multi-token-prediction depths (not written here)
+# attention, norm, MLP and MoE settings and multi-token-prediction depths of one pattern; not Llama 3's RoPE scaling
+# (no rope_scaling field) nor multi-latent attention (no MLATransformerConfig fields)
 HYBRID_PROVIDER_EXPRESSES: dict[str, Any] = {
-    **{k: v for k, v in PROVIDER_EXPRESSES.items() if k != "mtp" and not k.startswith("position.scaling")},
+    **{k: v for k, v in PROVIDER_EXPRESSES.items() if not k.startswith("position.scaling")},
     **scaling_settings(), "mamba": ANY, "gdn": ANY}
 
 

@@ -5,16 +5,17 @@ be compared. Runs in the second runtime (.venv-mcore19); imports megatron-core o
 
   torchrun --nproc_per_node=N tests/oracles/hybrid.py logits --config C.json [--pattern P] --tp T [--pp P] [--ep E] \
       --ckpt X --out F.pt
-  torchrun --nproc_per_node=N tests/oracles/hybrid.py bridge --config C.json --tp T [--ep E] --ckpt X --out F.pt
+  torchrun --nproc_per_node=N tests/oracles/hybrid.py bridge --config C.json --tp T [--ep E] --ckpt X --out F.pt [--mtp]
 
 ``bridge``: a Megatron-Bridge checkpoint, built by Megatron-Bridge 0.6.2 from its own run_config.yaml
 (``load_model_config``: its HybridModelProvider, whose ``provide`` builds the HybridModel; rank 0 prints ``ORACLE
-PROVIDER``), loaded and run as ``logits`` does. Without ``--pattern`` the model is built from the pattern in the
-checkpoint's args, as Megatron-LM builds it under ``--use-checkpoint-args``. With ``--pp``, each rank builds its
-chunks as Megatron-LM's ``get_model`` does (one per virtual stage: HybridModel(vp_stage=v); the '|' segments of the
-pattern place the layers, megatron-core's own ``select_pipeline_segment``), loads them strictly (``model0``,
-``model1``, ... where VPP > 1) and runs one forward through the stages in order (``pipeline_logits``); the last
-stage saves the logits (``ORACLE PIPELINE`` says the segments and each chunk's layer count).
+PROVIDER``), loaded and run as ``logits`` does (``--mtp``: its MTP depths' losses, as ``logits --mtp``). Without
+``--pattern`` the model is built from the pattern in the checkpoint's args, as Megatron-LM builds it under
+``--use-checkpoint-args``. With ``--pp``, each rank builds its chunks as Megatron-LM's ``get_model`` does (one per
+virtual stage: HybridModel(vp_stage=v); the '|' segments of the pattern place the layers, megatron-core's own
+``select_pipeline_segment``), loads them strictly (``model0``, ``model1``, ... where VPP > 1) and runs one forward
+through the stages in order (``pipeline_logits``); the last stage saves the logits (``ORACLE PIPELINE`` says the
+segments and each chunk's layer count).
 
 The HybridStack spec the checkpoint's args name (``spec``, imported as Megatron-LM's hybrid builder imports its
 ``--spec`` under ``--use-checkpoint-args``; megatron-core's own ``hybrid_stack_spec`` where none is named) builds the
@@ -388,6 +389,8 @@ def cmd_bridge(a) -> int:
                 print(json.dumps({"ok": False, "problems": problems[:50]}), flush=True)
             return 1
         tokens, position_ids, mask = mcore.causal_inputs(cfg, a.seed)
+        if a.mtp:  # the MTP depths' losses, as mcore.py mtp says them for a GPTModel
+            return mcore.say_mtp_losses(model, cfg, tokens, position_ids, mask)
         out = pipeline_logits([model], 1, tokens, position_ids, mask)
         if parallel_state.get_tensor_model_parallel_rank() == 0:
             from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
@@ -486,6 +489,7 @@ def main(argv=None, serving=False) -> int:
     sp.add_argument("--ckpt", required=True, help="a Megatron-Bridge checkpoint of a HybridModel")
     sp.add_argument("--out", required=True)
     sp.add_argument("--seed", type=int, default=1234)
+    sp.add_argument("--mtp", action="store_true", help="the MTP depths' losses instead (as mcore.py mtp)")
     sp = sub.add_parser("interop")
     sp.add_argument("--config", required=True)
     sp.add_argument("--pattern", required=True)

@@ -3,7 +3,7 @@
 # serves, 2.15.0, which is what `torch>=2.6` resolves to on a user's GPU node; its CUDA build runs on a CPU
 # machine as it is; megatron-core 0.19.2). tests/test_newest_torch.py runs dist_convert, torch's own DCP and
 # megatron-core's save under it, and checks what crosses between it and torch 2.13 (.venv, .venv-mcore19). It also
-# holds transformers 5.23.0, the only release defining Kimi-K2.5 (tests/oracles/kimi_k25.py judges there).
+# holds transformers 5.23.0, the newest release, whose Kimi-K2.5 classes judge that family (tests/oracles/kimi_k25.py).
 # Re-running is a no-op unless this script or pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

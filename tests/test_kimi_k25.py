@@ -1,12 +1,12 @@
 """Kimi-K2.5 with images (``Kimi_K25ForConditionalGeneration``): DeepSeek-V3's language model under Kimi's MoonViT and
 patch-merger projector (``features.vision.MoonViTTower``), judged by code nobody here wrote, in the newest runtime
-(transformers 5.23.0, the only release that defines the class, beside megatron-core 0.19.2): transformers makes the
-tiny model (tests/oracles/kimi_k25.py make), with an image; dist_convert converts it under torchrun to torch_dist at
-TP 2 EP 2 and at PP 2; megatron-core's GPTModel loads each strictly at another layout (TP 1; TP 2 EP 2) and, fed
-transformers' image features computed from the checkpoint's own vision tensors, gives transformers' logits; each
-comes back to the release's tensors bit for bit with the same config.json. transformers' own save_pretrained
-spelling reads as the release, and the judge fails on a changed projector weight. The pure test pins the record,
-config.json both ways and the refusals.
+(transformers 5.23.0, the newest release, beside megatron-core 0.19.2; 5.14.1 defines the class too and reads the
+same config here: tests/test_features.py): transformers makes the tiny model (tests/oracles/kimi_k25.py make), with
+an image; dist_convert converts it under torchrun to torch_dist at TP 2 EP 2 and at PP 2; megatron-core's GPTModel
+loads each strictly at another layout (TP 1; TP 2 EP 2) and, fed transformers' image features computed from the
+checkpoint's own vision tensors, gives transformers' logits; each comes back to the release's tensors bit for bit
+with the same config.json. transformers' own save_pretrained spelling reads as the release, and the judge fails on a
+changed projector weight. The pure test pins the record, config.json both ways and the refusals.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Oracle for Kimi-K2.5 with images (``Kimi_K25ForConditionalGeneration``): transformers 5.23's own classes are the HF
 side and the vision side; megatron-core 0.19.2's GPTModel (MLA + MoE, the local spec: oracles/mcore.py's build) is
 the language model. Runs in the newest runtime (.venv-newest: torch 2.15, megatron-core 0.19.2, transformers 5.23.0,
-the only transformers that defines the class); never imports dist_convert.
+the newest release); never imports dist_convert.
 
 Megatron-Bridge 0.6.2's ``KimiK25VLModel`` builds the same pair (its language model a GPTModel under
 ``language_model.``, the tower and projector the release's own modules under ``vision_tower.`` / ``mm_projector.``),

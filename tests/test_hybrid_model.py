@@ -277,8 +277,8 @@ def test_gpt_to_hybrid_loads_in_megatron_cores_hybrid_model_with_the_gpt_logits(
         assert torch.equal(got["tokens"], want["tokens"])
         assert (got["logits"] - want["logits"]).abs().max().item() < 1e-4, dst.name
         if truth is not None:
-            cmd = ["bridge"] if fmt == "bridge" else ["logits", "--pattern", pattern]
-            proc = oracle(*cmd[:1], int(tp) * int(ep), *cmd[1:], "--config", str(src.config), "--tp", tp, "--ep", ep,
+            cmd, built = ("bridge", []) if fmt == "bridge" else ("logits", ["--pattern", pattern])
+            proc = oracle(cmd, int(tp) * int(ep), *built, "--config", str(src.config), "--tp", tp, "--ep", ep,
                           "--ckpt", str(dst), "--out", str(tmp_path / "unused.pt"), "--mtp", program="hybrid",
                           runtime="mcore19")
             assert mtp_losses(proc) == pytest.approx(truth, abs=1e-5), dst.name
